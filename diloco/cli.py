@@ -1,0 +1,132 @@
+"""The `diloco` command: train, simulate, config show.
+
+Every command takes ``--config FILE`` and any config key as ``--section.key VALUE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from diloco import config as config_mod
+from diloco.config import ConfigError
+
+USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
+
+commands:
+  train                 run one island (prints the multiaddrs other islands join with)
+  simulate --islands N  run N islands on this machine over loopback, then print a summary table
+  config show           print the effective configuration (TOML, with a comment per key)
+
+shortcuts: --initial-peers ADDR[,ADDR] = --averaging.initial_peers, --resume = --checkpoint.resume latest
+examples:
+  diloco simulate --islands 2
+  diloco train --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337
+  diloco train --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...
+"""
+
+
+def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="diloco", usage=USAGE, add_help=False)
+    parser.add_argument("command", nargs="*")
+    parser.add_argument("--config")
+    parser.add_argument("--islands", type=int)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--initial-peers", "--initial_peers", dest="initial_peers")
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser.parse_known_args(argv)
+
+
+def load_config(ns: argparse.Namespace, rest: list[str]) -> config_mod.Config:
+    """Config from --config, shortcuts and --section.key overrides (raises ConfigError)."""
+    overrides = list(rest)
+    if ns.initial_peers:
+        overrides += ["--averaging.initial_peers", ns.initial_peers]
+    if ns.resume:
+        overrides += ["--checkpoint.resume", "latest"]
+    return config_mod.load(ns.config, overrides)
+
+
+def setup_logging(prefix: str = "") -> None:
+    """Our INFO logs to stdout; hivemind's chatter only when it matters."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("hivemind", "wandb"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # failed rounds are reported by us in one line; hivemind would print a traceback for each
+    logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+    logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.CRITICAL)
+
+
+def cmd_train(cfg: config_mod.Config) -> int:
+    from diloco.trainer import train
+
+    setup_logging(f"[{cfg.averaging.run_id}-island{cfg.data.shard_index}] ")
+    summary = train(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=None), flush=True)
+    return 0
+
+
+def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
+    from diloco.simulate import format_summary, simulate
+
+    n = islands or 2
+    if cfg.averaging.backend == "local" and n > 1:
+        raise ConfigError(["--averaging.backend local cannot connect several islands; use hivemind"])
+    if n == 1:
+        cfg.averaging.backend = "local"
+        cfg.averaging.min_group_size = 1
+    print(f"simulating {n} island(s): model {cfg.model.preset}, H={cfg.diloco.inner_steps}, "
+          f"{cfg.diloco.outer_steps} rounds, data {cfg.data.path}, run dir {cfg.logging.run_dir}", flush=True)
+    result = simulate(cfg, n)
+    text = format_summary(result)
+    print(text)
+    Path(cfg.logging.run_dir, "simulate_summary.json").write_text(json.dumps(result, indent=2))
+    Path(cfg.logging.run_dir, "simulate_summary.txt").write_text(text + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `diloco` console command."""
+    argv = sys.argv[1:] if argv is None else argv
+    ns, rest = _split_args(argv)
+    if ns.help or not ns.command:
+        print(USAGE)
+        return 0 if ns.help else 2
+    from diloco.checkpoint import CheckpointError
+    from diloco.data import DataError
+    from diloco.simulate import SimulationError
+    from diloco.trainer import TrainingError
+    from peers.dht import PeerNetworkError
+
+    try:
+        cfg = load_config(ns, rest)
+        command = ns.command
+        if command == ["train"]:
+            return cmd_train(cfg)
+        if command == ["simulate"]:
+            return cmd_simulate(cfg, ns.islands)
+        if command == ["config", "show"]:
+            print(config_mod.describe(cfg), end="")
+            return 0
+        print(f"error: unknown command {' '.join(command)!r}; run `diloco --help` for the list", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    except (CheckpointError, DataError, PeerNetworkError, TrainingError, SimulationError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,584 @@
+"""One typed configuration tree for every command.
+
+Each section is a dataclass whose fields carry a docstring (the string literal right after the
+field).  A TOML file fills the tree (``--config FILE``) and any key can be overridden on the
+command line as ``--section.key VALUE``.  :func:`validate` reports every problem as one line.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``problems`` holds one human sentence per issue."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "small"
+    """Model size: `tiny` (tests), `small` (~1M params, trains in minutes on 2 CPU cores), `150m`, `1b`.
+    Fields below left at 0 take the preset's value."""
+    dim: int = 0
+    """Width of the residual stream (0: from preset)."""
+    n_layers: int = 0
+    """Number of transformer blocks (0: from preset)."""
+    n_heads: int = 0
+    """Attention heads; must divide `dim` (0: from preset)."""
+    ffn_dim: int = 0
+    """Hidden width of the SwiGLU MLP (0: from preset)."""
+    seq_len: int = 0
+    """Tokens per training sequence (0: from preset)."""
+    vocab_size: int = 256
+    """Vocabulary size; the byte-level tokenizer needs 256."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"
+    """Training text: `stdlib` (the running Python's standard library source, on every machine),
+    a file, a directory, a glob, or `hf:NAME[:CONFIG]` for a Hugging Face dataset (streaming)."""
+    hf_text_field: str = "text"
+    """Column holding the text in a Hugging Face dataset."""
+    heldout_fraction: float = 0.02
+    """Fraction of the documents (chosen by a hash of their name) kept out of training for evaluation."""
+    shard_index: int = 0
+    """Which disjoint shard of the training data this island reads (0-based)."""
+    num_shards: int = 1
+    """How many disjoint shards the training data is split into (usually the number of islands)."""
+    max_bytes: int = 0
+    """Read at most this many bytes of text (0: no limit); useful for quick tests."""
+
+
+@dataclass
+class InnerOptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of the inner AdamW."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 50
+    """Linear warm-up steps of the inner learning rate."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    batch_size: int = 16
+    """Sequences per micro-batch on this island."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per inner step (effective batch = batch_size * grad_accum)."""
+
+
+@dataclass
+class DilocoConfig:
+    inner_steps: int = 50
+    """H: inner AdamW steps between two outer rounds."""
+    outer_steps: int = 10
+    """Number of outer rounds to run."""
+    outer_optimizer: str = "nesterov"
+    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default) or `avg` (FedAvg: lr 1, no momentum)."""
+    outer_lr: float = 0.7
+    """Outer learning rate (ignored by `avg`, which uses 1)."""
+    outer_momentum: float = 0.9
+    """Outer momentum (ignored by `avg`, which uses 0)."""
+    master_device: str = "cpu"
+    """Where the fp32 master copy of the global parameters and the outer state live."""
+
+
+@dataclass
+class AveragingConfig:
+    backend: str = "hivemind"
+    """`hivemind` (peer-to-peer over the internet) or `local` (no peers: a group of one)."""
+    run_id: str = "diloco"
+    """Name shared by all islands of one run: the DHT prefix of its averager."""
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of running islands or bootstrap nodes (ending in /p2p/PEER_ID); empty starts a new run."""
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    """Multiaddrs this island listens on; use /ip4/0.0.0.0/tcp/PORT to accept peers from other servers."""
+    announce_maddrs: list[str] = field(default_factory=list)
+    """Multiaddrs to advertise to peers (your public IP and forwarded port), if not the listening ones."""
+    identity_path: str = ""
+    """File holding this island's private key, so its peer id stays the same across restarts."""
+    client_mode: bool = False
+    """Accept no incoming connections (an island behind a firewall); it can still join groups."""
+    min_group_size: int = 2
+    """A round with fewer islands than this is rejected and the island keeps its own parameters."""
+    target_group_size: int = 0
+    """Form a group as soon as this many islands are ready (0: as many as arrive in the matchmaking window)."""
+    matchmaking_time: float = 5.0
+    """Seconds an island waits for others to gather before averaging."""
+    matchmaking_timeout: float = 60.0
+    """Give up forming a group after this many seconds (must exceed matchmaking_time)."""
+    allreduce_timeout: float = 120.0
+    """Give up an all-reduce that has not finished after this many seconds."""
+    next_chunk_timeout: float = 30.0
+    """Give up on a peer that sends no data for this many seconds during an all-reduce."""
+    request_timeout: float = 3.0
+    """Timeout of a single matchmaking request (must be below matchmaking_time)."""
+    startup_timeout: float = 20.0
+    """Seconds to connect to initial peers before giving up with an error."""
+    state_download_timeout: float = 60.0
+    """Seconds a joining island spends downloading the global state from a peer."""
+    compression: str = "none"
+    """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (uniform 8-bit)."""
+    maddr_file: str = ""
+    """If set, write this island's visible multiaddrs to this file once it is reachable."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree inside an island (innermost mesh dimension, one process per GPU)."""
+    pp: int = 1
+    """Pipeline-parallel stages inside an island."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved-1f1b`."""
+    microbatches: int = 4
+    """Micro-batches per pipeline step (the batch is split into this many)."""
+    virtual_stages: int = 2
+    """Model chunks per pipeline rank for `interleaved-1f1b`."""
+    layers_per_stage: list[str] = field(default_factory=list)
+    """Explicit number of layers per (virtual) stage, e.g. 3,1; empty balances by parameter count."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass to save memory."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Directory for checkpoints (empty: `<run_dir>/checkpoints`)."""
+    every: int = 5
+    """Write a checkpoint every this many outer rounds (0 disables periodic checkpoints)."""
+    keep: int = 3
+    """Keep at most this many checkpoints; older ones are deleted after a new one is written."""
+    resume: str = ""
+    """`latest` to continue from the newest valid checkpoint in `dir`, or a checkpoint file path."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "online"
+    """`online`, `offline` or `disabled`; `online` becomes `offline` when no W&B API key is set."""
+    project: str = "diloco"
+    """W&B project name."""
+    group: str = ""
+    """W&B group (empty: the run id), so every island of one run lands in one group."""
+    entity: str = ""
+    """W&B entity (team or user); empty uses your default."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Where this island writes logs, metrics (metrics.jsonl), checkpoints and W&B files."""
+    log_every: int = 10
+    """Log training loss every this many inner steps."""
+    eval_every: int = 1
+    """Evaluate held-out loss every this many outer rounds."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+
+
+@dataclass
+class Config:
+    """The whole configuration of one island (or of a simulation of several)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerOptimConfig = field(default_factory=InnerOptimConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 0
+    """Seed of model initialisation (shared by all islands) and of data order."""
+    device: str = "auto"
+    """`auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`."""
+    threads: int = 0
+    """CPU threads for torch in this process (0: torch's default)."""
+
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(dim=32, n_layers=2, n_heads=2, ffn_dim=64, seq_len=32),
+    "small": dict(dim=128, n_layers=4, n_heads=4, ffn_dim=384, seq_len=128),
+    "150m": dict(dim=1024, n_layers=12, n_heads=16, ffn_dim=2816, seq_len=1024),
+    "1b": dict(dim=2048, n_layers=24, n_heads=16, ffn_dim=5632, seq_len=2048),
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.preset": tuple(MODEL_PRESETS),
+    "diloco.outer_optimizer": ("nesterov", "avg"),
+    "averaging.backend": ("hivemind", "local"),
+    "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8"),
+    "wandb.mode": ("online", "offline", "disabled"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
+}
+
+
+def _is_section(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return {field name: docstring} read from the string literal following each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Map every leaf of the tree to its dotted key, e.g. ``{"model.preset": "small", ...}``."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if _is_section(value):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = value
+    return out
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The tree as nested plain dicts (for TOML, checkpoints and W&B)."""
+    return dataclasses.asdict(cfg)
+
+
+def _leaf(cfg: Config, key: str) -> tuple[Any, str, Any]:
+    """Return (owning dataclass instance, field name, declared type) for a dotted key."""
+    parts = key.split(".")
+    obj: Any = cfg
+    for part in parts[:-1]:
+        obj = getattr(obj, part)
+    return obj, parts[-1], _field_types(type(obj))[parts[-1]]
+
+
+def _coerce(key: str, raw: Any, typ: Any) -> Any:
+    """Convert a TOML value or a command-line string to the field's type, or raise ValueError."""
+    origin = typing.get_origin(typ)
+    if origin in (list, tuple):
+        if isinstance(raw, str):
+            items = [s for s in (p.strip() for p in raw.split(",")) if s]
+        elif isinstance(raw, (list, tuple)):
+            items = [str(x) for x in raw]
+        else:
+            raise ValueError(f"{key} expects a list of strings (comma-separated on the command line), got {raw!r}")
+        return items
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{key} expects true or false, got {raw!r}")
+    if typ is int:
+        if isinstance(raw, bool) or (not isinstance(raw, (int, str))):
+            raise ValueError(f"{key} expects an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{key} expects an integer, got {raw!r}") from None
+    if typ is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise ValueError(f"{key} expects a number, got {raw!r}")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{key} expects a number, got {raw!r}") from None
+    if typ is str:
+        if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+            raise ValueError(f"{key} expects a string, got {raw!r}")
+        return str(raw)
+    raise ValueError(f"{key} has an unsupported type {typ}")  # pragma: no cover
+
+
+def _unknown_key_message(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not close:
+        # Try matching the last component alone (e.g. `--inner_steps` -> `diloco.inner_steps`).
+        tail = key.split(".")[-1]
+        close = [k for k in valid if k.split(".")[-1] == tail][:1]
+    hint = f"; did you mean --{close[0]}?" if close else "; run `diloco config show` to list valid keys."
+    return f"unknown config key --{key}{hint}"
+
+
+def apply(cfg: Config, items: dict[str, Any]) -> list[str]:
+    """Set dotted keys on ``cfg`` in place; return one message per unknown key or bad value."""
+    valid = list(flatten(cfg))
+    problems = []
+    for key, raw in items.items():
+        if key not in valid:
+            problems.append(_unknown_key_message(key, valid))
+            continue
+        obj, name, typ = _leaf(cfg, key)
+        try:
+            setattr(obj, name, _coerce(f"--{key}", raw, typ))
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _flatten_toml(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(_flatten_toml(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Turn ``["--a.b", "1", "--c=2"]`` into ``{"a.b": "1", "c": "2"}``; also return problems."""
+    items: dict[str, str] = {}
+    problems: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            problems.append(f"unexpected argument {arg!r}: options are written --section.key VALUE")
+            i += 1
+            continue
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(args) and not (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
+            value = args[i + 1]
+            i += 2
+        else:
+            problems.append(f"--{key} needs a value: write --{key} VALUE")
+            i += 1
+            continue
+        items[key.replace("-", "_")] = value
+    return items, problems
+
+
+def load(config_file: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Build a validated :class:`Config` from defaults, an optional TOML file and overrides.
+
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    cfg = Config()
+    problems: list[str] = []
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError([f"config file {path} does not exist; check the path passed to --config"]) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"config file {path} is not valid TOML ({e}); fix the syntax"]) from None
+        problems += apply(cfg, _flatten_toml(data))
+    if isinstance(overrides, dict):
+        problems += apply(cfg, overrides)
+    elif overrides:
+        items, parse_problems = parse_overrides(overrides)
+        problems += parse_problems
+        problems += apply(cfg, items)
+    resolve_model(cfg.model)
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def resolve_model(model: ModelConfig) -> None:
+    """Fill the model fields left at 0 from the preset (in place)."""
+    preset = MODEL_PRESETS.get(model.preset)
+    if preset is None:
+        return
+    for name, value in preset.items():
+        if getattr(model, name) == 0:
+            setattr(model, name, value)
+
+
+def validate(cfg: Config) -> list[str]:
+    """Return one sentence per inconsistent or out-of-range value (empty when all is well)."""
+    p: list[str] = []
+    flat = flatten(cfg)
+    for key, choices in CHOICES.items():
+        if flat[key] not in choices:
+            p.append(f"--{key} is {flat[key]!r} but must be one of {', '.join(choices)}")
+    m = cfg.model
+    for name in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "vocab_size"):
+        if getattr(m, name) < 1:
+            p.append(f"--model.{name} must be at least 1, got {getattr(m, name)}")
+    if m.dim > 0 and m.n_heads > 0 and m.dim % m.n_heads:
+        p.append(f"--model.n_heads ({m.n_heads}) must divide --model.dim ({m.dim}); pick a divisor such as "
+                 f"{max(d for d in range(1, m.n_heads + 1) if m.dim % d == 0)}")
+    elif m.dim > 0 and m.n_heads > 0 and (m.dim // m.n_heads) % 2:
+        p.append(f"the head width --model.dim / --model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    if m.vocab_size < 256 and not cfg.data.path.startswith("hf:"):
+        p.append(f"--model.vocab_size is {m.vocab_size} but byte-level tokens need at least 256")
+    d = cfg.data
+    if not 0 < d.heldout_fraction < 1:
+        p.append(f"--data.heldout_fraction must be between 0 and 1 (exclusive), got {d.heldout_fraction}")
+    if d.num_shards < 1:
+        p.append(f"--data.num_shards must be at least 1, got {d.num_shards}")
+    elif not 0 <= d.shard_index < d.num_shards:
+        p.append(f"--data.shard_index must be in [0, {d.num_shards - 1}] for --data.num_shards {d.num_shards}, got {d.shard_index}")
+    if d.max_bytes < 0:
+        p.append(f"--data.max_bytes must be 0 (no limit) or positive, got {d.max_bytes}")
+    i = cfg.inner
+    if i.lr <= 0:
+        p.append(f"--inner.lr must be positive, got {i.lr}")
+    if not 0 <= i.min_lr_ratio <= 1:
+        p.append(f"--inner.min_lr_ratio must be between 0 and 1, got {i.min_lr_ratio}")
+    for name in ("batch_size", "grad_accum"):
+        if getattr(i, name) < 1:
+            p.append(f"--inner.{name} must be at least 1, got {getattr(i, name)}")
+    for name in ("warmup_steps",):
+        if getattr(i, name) < 0:
+            p.append(f"--inner.{name} must be 0 or more, got {getattr(i, name)}")
+    if i.grad_clip < 0:
+        p.append(f"--inner.grad_clip must be 0 (off) or positive, got {i.grad_clip}")
+    dl = cfg.diloco
+    if dl.inner_steps < 1:
+        p.append(f"--diloco.inner_steps (H) must be at least 1, got {dl.inner_steps}")
+    if dl.outer_steps < 1:
+        p.append(f"--diloco.outer_steps must be at least 1, got {dl.outer_steps}")
+    if dl.outer_lr <= 0:
+        p.append(f"--diloco.outer_lr must be positive, got {dl.outer_lr}")
+    if not 0 <= dl.outer_momentum < 1:
+        p.append(f"--diloco.outer_momentum must be in [0, 1), got {dl.outer_momentum}")
+    a = cfg.averaging
+    if a.min_group_size < 1:
+        p.append(f"--averaging.min_group_size must be at least 1, got {a.min_group_size}")
+    if a.target_group_size and a.target_group_size < a.min_group_size:
+        p.append(f"--averaging.target_group_size ({a.target_group_size}) must be 0 or at least "
+                 f"--averaging.min_group_size ({a.min_group_size})")
+    if a.matchmaking_time <= 0:
+        p.append(f"--averaging.matchmaking_time must be positive, got {a.matchmaking_time}")
+    if a.matchmaking_timeout <= a.matchmaking_time:
+        p.append(f"--averaging.matchmaking_timeout ({a.matchmaking_timeout}) must exceed "
+                 f"--averaging.matchmaking_time ({a.matchmaking_time})")
+    if not 0 < a.request_timeout < a.matchmaking_time:
+        p.append(f"--averaging.request_timeout ({a.request_timeout}) must be positive and below "
+                 f"--averaging.matchmaking_time ({a.matchmaking_time})")
+    for name in ("allreduce_timeout", "next_chunk_timeout", "startup_timeout", "state_download_timeout"):
+        if getattr(a, name) <= 0:
+            p.append(f"--averaging.{name} must be positive, got {getattr(a, name)}")
+    for addr in a.initial_peers:
+        if not addr.startswith("/") or "/p2p/" not in addr:
+            p.append(f"--averaging.initial_peers entry {addr!r} is not a multiaddr ending in /p2p/PEER_ID; "
+                     f"copy one printed by the island you want to join")
+    for addr in a.host_maddrs + a.announce_maddrs:
+        if not addr.startswith("/ip4/") and not addr.startswith("/ip6/") and not addr.startswith("/dns"):
+            p.append(f"multiaddr {addr!r} must look like /ip4/ADDRESS/tcp/PORT")
+    c = cfg.checkpoint
+    if c.every < 0:
+        p.append(f"--checkpoint.every must be 0 (off) or positive, got {c.every}")
+    if c.keep < 1:
+        p.append(f"--checkpoint.keep must be at least 1, got {c.keep}")
+    lg = cfg.logging
+    for name in ("log_every", "eval_every", "eval_batches"):
+        if getattr(lg, name) < 1:
+            p.append(f"--logging.{name} must be at least 1, got {getattr(lg, name)}")
+    if cfg.threads < 0:
+        p.append(f"--threads must be 0 (default) or positive, got {cfg.threads}")
+    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
+        p.append(f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    return p
+
+
+def describe(cfg: Config) -> str:
+    """The effective config as TOML, each key preceded by its docstring as a comment."""
+    lines: list[str] = []
+
+    def emit(section: Any, name: str | None) -> None:
+        docs = field_docs(type(section))
+        if name:
+            lines.append(f"\n[{name}]")
+        subsections = []
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if _is_section(value):
+                subsections.append((value, f.name if not name else f"{name}.{f.name}"))
+                continue
+            if f.name in docs:
+                lines.append(f"# {docs[f.name]}")
+            lines.append(f"{f.name} = {_toml_value(value)}")
+        for value, sub in subsections:
+            emit(value, sub)
+
+    emit(cfg, None)
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def reference_markdown() -> str:
+    """A markdown table of every key with its default and docstring (for the README)."""
+    cfg = Config()
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(section: Any, prefix: str) -> None:
+        docs = field_docs(type(section))
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if _is_section(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                rows.append(f"| `--{prefix}{f.name}` | `{_toml_value(value)}` | {docs.get(f.name, '')} |")
+
+    walk(cfg, "")
+    return "\n".join(rows) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from :func:`to_dict` output (e.g. stored in a checkpoint)."""
+    cfg = Config()
+    problems = apply(cfg, _flatten_toml(data))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+__all__ = [
+    "Config", "ConfigError", "ModelConfig", "DataConfig", "InnerOptimConfig", "DilocoConfig",
+    "AveragingConfig", "ParallelConfig", "CheckpointConfig", "WandbConfig", "LoggingConfig", "MODEL_PRESETS",
+    "load", "validate", "describe", "flatten", "to_dict", "from_dict", "parse_overrides",
+    "reference_markdown", "field_docs", "resolve_model",
+]

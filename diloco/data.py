@@ -1,0 +1,422 @@
+"""Byte-level training data: corpus loading, a document-level held-out split and disjoint shards.
+
+Every token is one UTF-8 byte (vocabulary 256), so no tokenizer is needed.  A corpus is read from
+``DataConfig.path``:
+
+* ``stdlib`` - the source of the running Python's standard library (on every machine);
+* a file, a directory, a glob, or several of those separated by commas;
+* ``hf:NAME[:CONFIG]`` - a Hugging Face dataset, streamed; ``hf:json:FILES`` / ``hf:text:FILES``
+  (any packaged builder) read local files through the same code path.
+
+Each document (a file or a dataset row) goes wholly to the training or the held-out stream,
+chosen by a SHA-1 of its name, so the split is the same on every machine.  The training stream is
+cut into windows of ``seq_len + 1`` tokens that :class:`ShardedBatches` divides into disjoint
+contiguous shards, one per island.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diloco.config import DataConfig
+
+SEPARATOR = b"\n\n"
+"""Bytes placed between two documents of one stream."""
+HF_DEFAULT_MAX_BYTES = 256 * 2**20
+"""How much of a streamed Hugging Face dataset is read when ``max_bytes`` is 0."""
+HF_PACKAGED_BUILDERS = ("json", "csv", "text", "parquet", "arrow")
+"""``hf:BUILDER:FILES`` reads local (or remote) files with one of these generic builders."""
+STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
+
+Document = tuple[str, bytes]
+"""A document: its name (relative path or row index), which decides its split, and its bytes."""
+
+
+class DataError(ValueError):
+    """The training data cannot be read or is unusable; the message says how to fix it."""
+
+
+@dataclass
+class Corpus:
+    """Training and held-out byte streams (``uint8`` token arrays) of one data source."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    description: str
+    num_documents: int
+
+
+
+def stdlib_root() -> Path:
+    """Directory of the running Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_documents() -> Iterator[Document]:
+    """Yield every ``*.py`` of the standard library (no tests, no site-packages), sorted by path."""
+    root = stdlib_root()
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
+        paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    for rel in sorted(p.relative_to(root).as_posix() for p in paths):
+        yield rel, (root / rel).read_bytes()
+
+
+def _has_glob_magic(spec: str) -> bool:
+    return any(c in spec for c in "*?[")
+
+
+def _directory_files(root: Path) -> list[tuple[str, Path]]:
+    """Files under ``root`` (hidden ones excluded) as (path relative to root, path), sorted."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+    return sorted((p.relative_to(root).as_posix(), p) for p in found)
+
+
+def _spec_files(spec: str) -> list[tuple[str, Path]]:
+    """The files one path spec (file, directory or glob) names, as (document name, path)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [(path.name, path)]
+    if path.is_dir():
+        return _directory_files(path)
+    if not _has_glob_magic(spec):
+        return []
+    files: list[tuple[str, Path]] = []
+    for match in sorted(glob.glob(os.path.expanduser(spec), recursive=True)):
+        m = Path(match)
+        if m.is_file():
+            files.append((m.as_posix(), m))
+        elif m.is_dir():
+            files += [(f"{m.as_posix()}/{rel}", p) for rel, p in _directory_files(m)]
+    return files
+
+
+def split_path_specs(path: str) -> list[str]:
+    """Split ``--data.path`` on commas, unless the whole string names an existing path."""
+    if os.path.exists(os.path.expanduser(path)):
+        return [path]
+    return [s for s in (p.strip() for p in path.split(",")) if s]
+
+
+def _read_text(path: Path) -> bytes | None:
+    """The file's bytes if it is UTF-8 text without NUL bytes, else None."""
+    data = path.read_bytes()
+    if b"\x00" in data:
+        return None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return data
+
+
+def local_files(path: str) -> list[tuple[str, Path]]:
+    """Every file named by ``path`` (comma-separated files, directories, globs), deduplicated.
+
+    Raises :class:`DataError` when one of the comma-separated parts matches nothing.
+    """
+    seen: set[Path] = set()
+    files: list[tuple[str, Path]] = []
+    for spec in split_path_specs(path):
+        matched = _spec_files(spec)
+        if not matched:
+            raise DataError(f"--data.path {spec} matches no file; pass a file, directory, glob, "
+                            f"'stdlib' or hf:NAME")
+        for name, p in matched:
+            key = p.resolve()
+            if key not in seen:
+                seen.add(key)
+                files.append((name, p))
+    return files
+
+
+def local_documents(files: Iterable[tuple[str, Path]], skipped: list[str] | None = None) -> Iterator[Document]:
+    """Yield the UTF-8 text files among ``files``; binary ones are appended to ``skipped``."""
+    for name, p in files:
+        data = _read_text(p)
+        if data is None:
+            if skipped is not None:
+                skipped.append(name)
+            continue
+        if data:
+            yield name, data
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A parsed ``hf:`` path: a hub dataset (``name``, ``config``) or a builder with ``data_files``."""
+
+    name: str
+    config: str | None = None
+    data_files: str | None = None
+
+    @classmethod
+    def parse(cls, path: str) -> HFSource:
+        """Parse ``hf:NAME``, ``hf:NAME:CONFIG`` or ``hf:BUILDER:FILES`` (e.g. ``hf:json:/d/*.jsonl``)."""
+        body = path.removeprefix("hf:")
+        name, _, rest = body.partition(":")
+        if not name:
+            raise DataError(f"--data.path {path} names no dataset; write hf:NAME or hf:NAME:CONFIG")
+        if name in HF_PACKAGED_BUILDERS:
+            if not rest:
+                raise DataError(f"--data.path {path} needs data files after the builder name, "
+                                f"e.g. hf:{name}:/data/*.{name if name != 'text' else 'txt'}")
+            return cls(name, data_files=rest)
+        return cls(name, config=rest or None)
+
+    def __str__(self) -> str:
+        if self.data_files:
+            return f"{self.data_files} (Hugging Face '{self.name}' builder)"
+        return f"Hugging Face dataset {self.name}" + (f" ({self.config})" if self.config else "")
+
+
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("Hugging Face datasets need the optional extra: pip install 'diloco[hf]'") from None
+    return datasets
+
+
+def open_hf_dataset(source: HFSource) -> Iterable[dict[str, Any]]:
+    """Stream the ``train`` split of ``source`` with ``datasets.load_dataset(..., streaming=True)``.
+
+    Local ``text`` files are read one document per file rather than one per line.
+    """
+    datasets = _import_datasets()
+    try:
+        if source.data_files:
+            extra = {"sample_by": "document"} if source.name == "text" else {}
+            return datasets.load_dataset(source.name, data_files=source.data_files, split="train",
+                                         streaming=True, **extra)
+        return datasets.load_dataset(source.name, source.config, split="train", streaming=True)
+    except Exception as e:
+        raise DataError(f"cannot open {source}: {e}; check the dataset name, config and data files "
+                        f"(and the network for hub datasets)") from e
+
+
+def hf_documents(rows: Iterable[dict[str, Any]], text_field: str, source: str = "the dataset") -> Iterator[Document]:
+    """Yield (row index, UTF-8 bytes of ``row[text_field]``) for every non-empty row."""
+    for index, row in enumerate(rows):
+        if text_field not in row:
+            raise DataError(f"{source} has no column {text_field!r} (columns: {', '.join(map(str, row))}); "
+                            f"set --data.hf_text_field to the column holding the text")
+        text = row[text_field]
+        if text:
+            yield str(index), str(text).encode("utf-8")
+
+
+
+def is_heldout(name: str, fraction: float) -> bool:
+    """Whether the document called ``name`` belongs to the held-out set (stable across machines)."""
+    digest = int(hashlib.sha1(name.encode("utf-8")).hexdigest(), 16)
+    return digest % 10_000 < fraction * 10_000
+
+
+def take_bytes(docs: Iterable[Document], max_bytes: int) -> Iterator[Document]:
+    """Yield documents until ``max_bytes`` bytes of text are read (0: all); the last is truncated."""
+    budget = max_bytes
+    for name, data in docs:
+        if max_bytes > 0:
+            if budget <= 0:
+                return
+            data = data[:budget]
+            budget -= len(data)
+        yield name, data
+
+
+def _split_single(data: bytes, fraction: float) -> tuple[bytes, bytes]:
+    """Split one document into (train, held-out) at a line break near its last ``fraction``."""
+    cut = len(data) - max(1, round(len(data) * fraction))
+    line_start = data.rfind(b"\n", 0, cut) + 1
+    if 0 < line_start and cut - line_start <= 4096:
+        cut = line_start
+    return data[:cut], data[cut:]
+
+
+def _to_tokens(parts: list[bytes]) -> np.ndarray:
+    return np.frombuffer(SEPARATOR.join(parts), dtype=np.uint8).copy()
+
+
+def build_corpus(docs: Iterable[Document], heldout_fraction: float, description: str) -> Corpus:
+    """Split documents by :func:`is_heldout` and join each side with blank lines.
+
+    The held-out side is never empty (without a hashed pick it takes the last document) and the
+    training side is never empty either; a lone document is split by bytes.
+    """
+    labelled = [(is_heldout(name, heldout_fraction), data) for name, data in docs]
+    if not labelled:
+        raise DataError(f"{description} contains no text; point --data.path at UTF-8 text")
+    if len(labelled) == 1:
+        train_part, heldout_part = _split_single(labelled[0][1], heldout_fraction)
+        train_parts, heldout_parts = [train_part], [heldout_part]
+    else:
+        if not any(h for h, _ in labelled):
+            labelled[-1] = (True, labelled[-1][1])
+        if all(h for h, _ in labelled):
+            labelled[0] = (False, labelled[0][1])
+        train_parts = [d for h, d in labelled if not h]
+        heldout_parts = [d for h, d in labelled if h]
+    corpus = Corpus(_to_tokens(train_parts), _to_tokens(heldout_parts), "", len(labelled))
+    corpus.description = (f"{description}: {corpus.num_documents} document{'s' if corpus.num_documents != 1 else ''}, "
+                          f"{_mb(corpus.train.size)} train + {_mb(corpus.heldout.size)} held-out")
+    return corpus
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read the corpus named by ``cfg.path`` and split it into training and held-out streams."""
+    if cfg.path == "stdlib":
+        docs: Iterable[Document] = stdlib_documents()
+        what = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library ({stdlib_root()})"
+        return build_corpus(take_bytes(docs, cfg.max_bytes), cfg.heldout_fraction, what)
+    if cfg.path.startswith("hf:"):
+        source = HFSource.parse(cfg.path)
+        rows = open_hf_dataset(source)
+        limit = cfg.max_bytes or HF_DEFAULT_MAX_BYTES
+        docs = take_bytes(hf_documents(rows, cfg.hf_text_field, str(source)), limit)
+        return build_corpus(docs, cfg.heldout_fraction, str(source))
+    return _load_local(cfg)
+
+
+def _load_local(cfg: DataConfig) -> Corpus:
+    skipped: list[str] = []
+    files = local_files(cfg.path)
+    docs = list(take_bytes(local_documents(files, skipped), cfg.max_bytes))
+    if not docs:
+        raise DataError(f"--data.path {cfg.path} holds no UTF-8 text ({len(files)} files, "
+                        f"{len(skipped)} skipped as binary or not UTF-8); point it at text files")
+    what = cfg.path + (f" ({len(skipped)} binary files skipped)" if skipped else "")
+    return build_corpus(docs, cfg.heldout_fraction, what)
+
+
+
+def _windows_to_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather windows of ``seq_len + 1`` tokens at ``starts`` into (inputs, targets) LongTensors."""
+    rows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)
+    windows = torch.from_numpy(rows)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class ShardedBatches:
+    """Batches from one of ``num_shards`` disjoint contiguous shards of the training stream.
+
+    The stream is cut into non-overlapping windows of ``seq_len + 1`` tokens; this shard owns a
+    contiguous range of them and visits them in a fresh permutation every epoch, seeded by
+    ``(seed, shard_index, epoch)``.  A batch may span the end of one epoch and the start of the next.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, shard_index: int,
+                 num_shards: int, seed: int):
+        if seq_len < 1 or batch_size < 1:
+            raise DataError(f"seq_len and batch_size must be at least 1, got {seq_len} and {batch_size}")
+        if not 0 <= shard_index < num_shards:
+            raise DataError(f"shard index {shard_index} must be in [0, {num_shards - 1}] for {num_shards} shards")
+        self.tokens = np.asarray(tokens, dtype=np.uint8)
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.seed = seed
+        total = self.tokens.size // (seq_len + 1)
+        self.window_range = range(total * shard_index // num_shards, total * (shard_index + 1) // num_shards)
+        if len(self.window_range) < batch_size:
+            raise DataError(f"shard {shard_index} of {num_shards} holds only {len(self.window_range)} sequences "
+                            f"of {seq_len + 1} tokens but a batch needs {batch_size}; use fewer shards, a shorter "
+                            f"--model.seq_len, a smaller --inner.batch_size or more data")
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    @property
+    def num_windows(self) -> int:
+        """Sequences (windows) in this shard: one epoch."""
+        return len(self.window_range)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Input tokens in one batch (batch_size * seq_len)."""
+        return self.batch_size * self.seq_len
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.shard_index, epoch])
+        return self.window_range.start + rng.permutation(self.num_windows)
+
+    def _next_windows(self) -> np.ndarray:
+        picked = []
+        needed = self.batch_size
+        while needed:
+            take = self._order[self.position:self.position + needed]
+            picked.append(take)
+            needed -= take.size
+            self.position += take.size
+            if self.position == self.num_windows:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+        return np.concatenate(picked)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, targets) pair, each a (batch_size, seq_len) LongTensor."""
+        return _windows_to_batch(self.tokens, self._next_windows() * (self.seq_len + 1), self.seq_len)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream stands: ``{"epoch": ..., "position": ...}``."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a :meth:`state_dict` taken on a stream with the same data and sharding."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.num_windows:
+            raise DataError(f"data position (epoch {epoch}, sequence {position}) does not fit shard "
+                            f"{self.shard_index} of {self.num_shards} with {self.num_windows} sequences; "
+                            f"the data or its sharding changed since the checkpoint was written")
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation(epoch)
+
+
+def heldout_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
+                    n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n_batches`` fixed (inputs, targets) batches of windows evenly spaced over ``tokens``.
+
+    The same on every island, so their held-out losses are comparable.  Windows overlap when the
+    stream is shorter than ``n_batches * batch_size`` windows.
+    """
+    tokens = np.asarray(tokens, dtype=np.uint8)
+    if tokens.size < seq_len + 1:
+        raise DataError(f"the held-out text holds only {tokens.size} tokens but one sequence needs {seq_len + 1}; "
+                        f"raise --data.heldout_fraction, use more data or a shorter --model.seq_len")
+    count = n_batches * batch_size
+    starts = np.linspace(0, tokens.size - (seq_len + 1), count).round().astype(np.int64)
+    return [_windows_to_batch(tokens, starts[i:i + batch_size], seq_len)
+            for i in range(0, count, batch_size)]
+
+
+__all__ = [
+    "DataError", "Corpus", "Document", "ShardedBatches", "HFSource", "load_corpus", "heldout_batches",
+    "build_corpus", "is_heldout", "stdlib_documents", "local_files", "local_documents", "hf_documents",
+    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR",
+]

@@ -1,0 +1,93 @@
+"""Metrics: one JSON line per record in ``metrics.jsonl`` and, if enabled, one W&B run per island."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Every metric name the trainer emits (W&B charts and the simulate summary rely on them).
+METRIC_NAMES = ("loss", "perplexity", "lr", "outer_lr", "eval/loss", "eval/perplexity", "num_peers",
+                "tokens_per_second", "pseudo_grad_norm", "allreduce_seconds", "bytes_sent", "bytes_received",
+                "compute_utilization", "outer_step", "tokens", "round_ok")
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """`online` without an API key (env or ~/.netrc) becomes `offline`."""
+    if mode != "online":
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    if netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+        return "online"
+    return "offline"
+
+
+class MetricsLogger:
+    """Appends records to ``<run_dir>/metrics.jsonl`` and mirrors them to W&B."""
+
+    def __init__(self, run_dir: str | Path, *, wandb_mode: str = "disabled", project: str = "diloco",
+                 group: str = "", name: str = "", entity: str = "", config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._wandb = None
+        self.wandb_mode = resolve_wandb_mode(wandb_mode)
+        if self.wandb_mode != "disabled":
+            self._wandb = _start_wandb(self.run_dir, self.wandb_mode, project, group, name, entity, config or {})
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (it should carry `tokens` and/or `outer_step` for the x axis)."""
+        record = {k: (float(v) if hasattr(v, "item") else v) for k, v in record.items()}
+        self._file.write(json.dumps(dict(record, time=time.time())) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(record)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Final figures: written to ``summary.json`` and the W&B run summary."""
+        (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2))
+        if self._wandb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float, str)):
+                    self._wandb.summary[k] = v
+
+    def close(self) -> None:
+        """Flush and finish the W&B run."""
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish(quiet=True)
+            self._wandb = None
+
+
+def _start_wandb(run_dir: Path, mode: str, project: str, group: str, name: str, entity: str, config: dict):
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    run = wandb.init(mode=mode, project=project, group=group or None, name=name or None, entity=entity or None,
+                     config=config, dir=str(run_dir), reinit="finish_previous")
+    # tokens and outer_step are both usable as the x axis of any chart
+    run.define_metric("tokens")
+    run.define_metric("outer_step")
+    run.define_metric("*", step_metric="tokens")
+    run.define_metric("eval/*", step_metric="tokens")
+    return run
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``<run_dir>/metrics.jsonl`` (a partially written last line is ignored)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

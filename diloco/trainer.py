@@ -1,0 +1,432 @@
+"""One DiLoCo island: H inner AdamW steps, then a verified outer round with the other islands.
+
+The outer round is a transaction (as in torchft): compute Δ = θ_global − θ_local, average it with the
+group, and either commit (outer optimizer step, restart inner training from the new θ_global) or,
+when the round failed, roll back to where we were — θ_global untouched, the island keeps training
+from its own parameters and the next round carries the accumulated Δ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diloco import checkpoint
+from diloco.config import Config, flatten, to_dict
+from diloco.data import ShardedBatches, heldout_batches, load_corpus
+from diloco.inner import build_inner_optimizer
+from diloco.metrics import MetricsLogger
+from diloco.model import build_model, lm_loss
+from outer_optim import OuterOptimizer
+from peers.averager import AveragerSettings, IslandAverager
+from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
+from peers.local import LocalAverager
+
+log = logging.getLogger("diloco")
+
+# Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
+FINGERPRINT_PREFIXES = ("model.", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
+                        "averaging.compression", "averaging.run_id")
+
+
+class TrainingError(RuntimeError):
+    """The island cannot continue; the message says why and what to do."""
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """Hash of the settings islands must share (model shape, outer optimizer, wire format, run id)."""
+    shared = {k: v for k, v in flatten(cfg).items() if k.startswith(FINGERPRINT_PREFIXES)}
+    return hashlib.sha1(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def pick_device(spec: str) -> torch.device:
+    """`auto` → CUDA if available (the local rank's GPU under torchrun), else CPU."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(spec)
+
+
+@dataclass
+class IslandStats:
+    """Running totals of one island, reported at the end and kept in checkpoints."""
+
+    rounds_ok: int = 0
+    rounds_failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    tokens: int = 0
+    eval_loss_start: float = float("nan")
+    eval_loss_end: float = float("nan")
+    failures: list[str] = field(default_factory=list)
+
+
+class Island:
+    """Everything one island owns: model, data shard, inner and outer optimizers, averager, logs."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self.name = f"{cfg.averaging.run_id}-island{cfg.data.shard_index}"
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = pick_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        corpus = load_corpus(cfg.data)
+        log.info("data: %s", corpus.description)
+        m = cfg.model
+        self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
+                                      cfg.data.num_shards, cfg.seed)
+        self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size,
+                                            cfg.logging.eval_batches)
+        self.model = build_model(m, seed=cfg.seed).to(self.device)
+        self.model.activation_checkpointing = cfg.parallel.activation_checkpointing
+        self.params = dict(self.model.named_parameters())
+        total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
+        self.inner_opt, self.inner_sched = build_inner_optimizer(self.params.items(), cfg.inner, total_inner)
+        d = cfg.diloco
+        self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
+                                                device=d.master_device)
+        self.outer_step = 0
+        self.inner_step = 0
+        self.stats = IslandStats()
+        self.fingerprint = config_fingerprint(cfg)
+        self._state_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.dht = None
+        self.averager: IslandAverager | LocalAverager | None = None
+        self.metrics: MetricsLogger | None = None
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else nullcontext())
+
+    # ------------------------------------------------------------------ peers
+    def connect(self) -> None:
+        """Start the averager (hivemind or local) and print the addresses others can join."""
+        a = self.cfg.averaging
+        if a.backend == "local":
+            self.averager = LocalAverager()
+            return
+        self.dht = start_dht(NetworkSettings(
+            initial_peers=a.initial_peers, host_maddrs=a.host_maddrs, announce_maddrs=a.announce_maddrs,
+            identity_path=a.identity_path, client_mode=a.client_mode, startup_timeout=a.startup_timeout))
+        settings = AveragerSettings(
+            prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
+            matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
+            allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
+            request_timeout=a.request_timeout, state_download_timeout=a.state_download_timeout,
+            compression=a.compression, client_mode=a.client_mode)
+        self.averager = IslandAverager(self.dht, list(self.outer.master.values()), settings,
+                                       state_provider=self.global_state)
+        maddrs = visible_maddrs(self.dht)
+        print(f"[{self.name}] other islands can join with --initial-peers {' '.join(maddrs)}", flush=True)
+        if a.maddr_file:
+            tmp = Path(a.maddr_file + ".tmp")
+            tmp.write_text("\n".join(maddrs) + "\n")
+            os.replace(tmp, a.maddr_file)
+
+    def global_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """θ_global, outer momentum and outer step, served to islands that join (runs in a helper thread)."""
+        with self._state_lock:
+            meta = {"outer_step": self.outer_step, "config_fingerprint": self.fingerprint,
+                    "names": self.outer.names}
+            tensors = [t.detach().clone() for t in self.outer.master.values()]
+            tensors += [b.clone() for b in self.outer.momentum_buffers()]
+        return meta, tensors
+
+    def join_from_peers(self) -> bool:
+        """Adopt the freshest peer's θ_global, momentum and outer step if it is ahead of ours."""
+        if not self.cfg.averaging.initial_peers or self.averager is None:
+            return False
+        state = self.averager.download_state()
+        if state is None:
+            log.info("no peer served its state; starting from our own θ_global (outer step %d)", self.outer_step)
+            return False
+        meta, tensors = state
+        if meta.get("config_fingerprint") != self.fingerprint:
+            raise TrainingError(
+                f"the run you joined uses a different model or outer-optimizer config (fingerprint "
+                f"{meta.get('config_fingerprint')} vs ours {self.fingerprint}); use the same --model.* and "
+                f"--diloco.outer_* settings as the other islands")
+        n = len(self.outer.names)
+        shapes_ok = len(tensors) == 2 * n and all(
+            t.shape == p.shape for t, p in zip(tensors[:n], self.outer.master.values()))
+        if not shapes_ok:
+            raise TrainingError("the state downloaded from a peer does not match this model's parameter shapes; "
+                                "use the same --model.* settings as the other islands")
+        peer_step = int(meta.get("outer_step", 0))
+        if peer_step < self.outer_step:
+            log.info("peer state is older (outer step %d < ours %d); keeping ours", peer_step, self.outer_step)
+            return False
+        with self._state_lock, torch.no_grad():
+            for t, m in zip(tensors[:n], self.outer.master.values()):
+                m.copy_(t)
+            self.outer.set_momentum_buffers(tensors[n:])
+            self.outer.step_count = peer_step
+            self.outer_step = peer_step
+        self.outer.copy_to(self.params)
+        log.info("joined the run at outer step %d with θ_global downloaded from a peer", peer_step)
+        return True
+
+    # --------------------------------------------------------------- training
+    def train_step(self) -> float:
+        """One inner AdamW step (with gradient accumulation); returns the mean loss."""
+        self.model.train()
+        accum = self.cfg.inner.grad_accum
+        total = 0.0
+        for _ in range(accum):
+            x, y = self.batches.next_batch()
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast:
+                loss = lm_loss(self.model(x), y) / accum
+            loss.backward()
+            total += loss.item()
+        if self.cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        self.inner_opt.step()
+        self.inner_sched.step()
+        self.inner_opt.zero_grad(set_to_none=True)
+        self.inner_step += 1
+        self.stats.tokens += self.batches.tokens_per_batch * accum
+        return total
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over the fixed evaluation batches."""
+        self.model.eval()
+        losses = []
+        for x, y in self.eval_batches:
+            with self.autocast:
+                losses.append(lm_loss(self.model(x.to(self.device)), y.to(self.device)).item())
+        return float(np.mean(losses))
+
+    def outer_round(self, tokens_in_round: int) -> dict[str, Any]:
+        """Average Δ with the group and commit the outer step, or roll back; returns round metrics."""
+        delta = self.outer.pseudo_gradient(self.params)
+        norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta))
+        meta = {"outer_step": self.outer_step, "config_fingerprint": self.fingerprint,
+                "theta_checksum": self.outer.checksum()}
+        result, averaged = self.averager.average(delta, float(tokens_in_round), meta, round_id=str(self.outer_step))
+        if result.ok:
+            with self._state_lock:
+                self.outer.step(averaged)
+                self.outer_step += 1
+            self.outer.copy_to(self.params)
+            self.averager.set_state_priority(self.outer_step)
+            self.stats.rounds_ok += 1
+        else:
+            self.outer_step += 1  # stay aligned with the others' round numbering
+            self.stats.rounds_failed += 1
+            self.stats.failures.append(f"round {self.outer_step - 1}: {result.reason}")
+            log.warning("round %d failed (%s); continuing from this island's own parameters",
+                        self.outer_step - 1, result.reason)
+        self.stats.bytes_sent += result.bytes_sent
+        self.stats.bytes_received += result.bytes_received
+        self.stats.comm_seconds += result.seconds
+        return {"round_ok": int(result.ok), "num_peers": result.group_size, "pseudo_grad_norm": norm,
+                "allreduce_seconds": result.seconds, "bytes_sent": self.stats.bytes_sent,
+                "bytes_received": self.stats.bytes_received, "outer_lr": self.outer.lr,
+                "round_failure": result.reason}
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this island exactly."""
+        return {
+            "config": to_dict(self.cfg), "outer_step": self.outer_step, "inner_step": self.inner_step,
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "inner_optimizer": self.inner_opt.state_dict(), "inner_scheduler": self.inner_sched.state_dict(),
+            "outer_optimizer": self.outer.state_dict(), "data": self.batches.state_dict(),
+            "rng": rng_state(), "stats": {k: v for k, v in self.stats.__dict__.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.inner_opt.load_state_dict(state["inner_optimizer"])
+        self.inner_sched.load_state_dict(state["inner_scheduler"])
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.batches.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.outer_step, self.inner_step = int(state["outer_step"]), int(state["inner_step"])
+        for k, v in state["stats"].items():
+            setattr(self.stats, k, v)
+
+    def save_checkpoint(self) -> Path:
+        path = checkpoint.save(self.state_dict(), checkpoint.checkpoint_path(self.ckpt_dir, self.outer_step),
+                               keep=self.cfg.checkpoint.keep)
+        log.info("checkpoint written: %s", path)
+        return path
+
+    def maybe_resume(self) -> None:
+        path = checkpoint.find_resume(self.cfg.checkpoint.resume, self.ckpt_dir)
+        if path is None:
+            return
+        state = checkpoint.load(path)
+        saved = state.get("config", {})
+        saved_fp = config_fingerprint(_config_from(saved)) if saved else self.fingerprint
+        if saved_fp != self.fingerprint:
+            raise TrainingError(f"checkpoint {path} was written with a different model or outer-optimizer "
+                                f"config; resume with the same --model.* and --diloco.outer_* settings")
+        self.load_state_dict(state)
+        log.info("resumed from %s at outer step %d", path, self.outer_step)
+
+    # ------------------------------------------------------------------- loop
+    def request_stop(self, *_: Any) -> None:
+        """Finish the current inner step, checkpoint and leave (SIGINT/SIGTERM)."""
+        if not self._stop.is_set():
+            print(f"[{self.name}] stopping: finishing the current step and writing a checkpoint", flush=True)
+        self._stop.set()
+
+    def run(self) -> dict[str, Any]:
+        """Train until ``diloco.outer_steps`` rounds are done (or a stop is requested)."""
+        cfg = self.cfg
+        self.maybe_resume()
+        self.connect()
+        # hivemind's averager makes this process ignore SIGINT: install ours after it started
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self.request_stop)
+            signal.signal(signal.SIGTERM, self.request_stop)
+        w = cfg.wandb
+        self.metrics = MetricsLogger(self.run_dir, wandb_mode=w.mode, project=w.project,
+                                     group=w.group or cfg.averaging.run_id, name=self.name, entity=w.entity,
+                                     config=to_dict(cfg))
+        try:
+            self.join_from_peers()
+            return self._loop()
+        finally:
+            self.close()
+
+    def _loop(self) -> dict[str, Any]:
+        cfg, H = self.cfg, self.cfg.diloco.inner_steps
+        t_start = time.perf_counter()
+        if self.outer_step == 0 and math.isnan(self.stats.eval_loss_start):
+            self.stats.eval_loss_start = self.evaluate()
+            self.metrics.log({"eval/loss": self.stats.eval_loss_start,
+                              "eval/perplexity": math.exp(self.stats.eval_loss_start),
+                              "tokens": self.stats.tokens, "outer_step": self.outer_step})
+        tokens_at_commit = self.stats.tokens
+        while self.outer_step < cfg.diloco.outer_steps and not self._stop.is_set():
+            t_round = time.perf_counter()
+            window_t, window_tokens = time.perf_counter(), self.stats.tokens
+            for h in range(H):
+                loss = self.train_step()
+                if (h + 1) % cfg.logging.log_every == 0 or h == H - 1:
+                    now = time.perf_counter()
+                    self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
+                                      "lr": self.inner_sched.get_last_lr()[0], "tokens": self.stats.tokens,
+                                      "tokens_per_second": (self.stats.tokens - window_tokens) / (now - window_t),
+                                      "outer_step": self.outer_step, "inner_step": self.inner_step})
+                    window_t, window_tokens = now, self.stats.tokens
+                if self._stop.is_set():
+                    break
+            self.stats.compute_seconds += time.perf_counter() - t_round
+            if self._stop.is_set():
+                break
+            round_metrics = self.outer_round(self.stats.tokens - tokens_at_commit)
+            if round_metrics["round_ok"]:
+                tokens_at_commit = self.stats.tokens
+            record = dict(round_metrics, tokens=self.stats.tokens, outer_step=self.outer_step, loss=loss)
+            if self.outer_step % cfg.logging.eval_every == 0 or self.outer_step == cfg.diloco.outer_steps:
+                t_eval = time.perf_counter()
+                ev = self.evaluate()
+                self.stats.compute_seconds += time.perf_counter() - t_eval
+                self.stats.eval_loss_end = ev
+                record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
+            wall = time.perf_counter() - t_start
+            record["compute_utilization"] = self.stats.compute_seconds / max(wall, 1e-9)
+            self.metrics.log(record)
+            status = "ok" if round_metrics["round_ok"] else f"FAILED ({round_metrics['round_failure']})"
+            print(f"[{self.name}] round {self.outer_step}/{cfg.diloco.outer_steps} {status} "
+                  f"peers={round_metrics['num_peers']} loss={loss:.3f}"
+                  + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
+            if cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+        if self._stop.is_set() or (cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every):
+            self.save_checkpoint()
+        if math.isnan(self.stats.eval_loss_end):
+            self.stats.eval_loss_end = self.evaluate()
+        return self._finish(time.perf_counter() - t_start)
+
+    def _finish(self, wall: float) -> dict[str, Any]:
+        torch.save({n: t.detach().clone() for n, t in self.outer.master.items()}, self.run_dir / "theta_global.pt")
+        s = self.stats
+        summary = {
+            "island": self.name, "outer_step": self.outer_step, "inner_step": self.inner_step, "tokens": s.tokens,
+            "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
+            "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
+            "bytes_received": s.bytes_received, "compute_seconds": s.compute_seconds,
+            "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": self.outer.checksum(),
+            "failures": s.failures[-20:], "stopped_early": self._stop.is_set(),
+        }
+        self.metrics.summary(summary)
+        return summary
+
+    def close(self) -> None:
+        """Stop the averager, the DHT and the W&B run (idempotent)."""
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states as checkpoint-safe plain types and tensors."""
+    np_state = np.random.get_state()
+    state = {"python": repr(random.getstate()), "torch": torch.get_rng_state(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    import ast
+
+    random.setstate(_tuplify(ast.literal_eval(state["python"])))
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+def _config_from(data: dict[str, Any]) -> Config:
+    from diloco.config import from_dict
+
+    return from_dict(data)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run one island to completion and return its summary."""
+    island = Island(cfg)
+    return island.run()
+
+
+__all__ = ["Island", "train", "TrainingError", "PeerNetworkError", "config_fingerprint"]

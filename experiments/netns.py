@@ -1,0 +1,685 @@
+"""Emulated slow links between "hosts" on one Linux machine.
+
+Each host is a network namespace ``<prefix><run_id>-h<i>`` with one interface
+``eth0`` (address ``10.77.<subnet>.<i+1>/24``) joined by a veth pair to a
+bridge that lives in a dedicated hub namespace ``<prefix><run_id>-hub``.
+Nothing is created in (or changed about) the root namespace: every veth pair
+is created inside a host namespace with its peer moved straight into the hub,
+so the root namespace's interfaces, addresses and routes are never touched.
+
+Bandwidth is capped with a token-bucket filter (``tc ... tbf``) on both
+directions of every host link: on the egress of the host-side ``eth0``
+(host -> bridge) and on the egress of the bridge-side port ``v<i>``
+(bridge -> host). So each host has a symmetric access link of ``rate``;
+traffic from host A to host B crosses A's uplink and B's downlink, and
+several flows leaving one host share its uplink, as on a real network.
+
+Optional one-way latency needs the kernel's ``sch_netem``; half of
+``latency_ms`` is added at each of the two egress points on a path, so one
+way between two hosts costs ``latency_ms`` and a round trip ``2*latency_ms``.
+
+Typical use::
+
+    ok, why = available()
+    if not ok:
+        print(why)                      # and fall back to loopback
+    with EmulatedNetwork(4, rate="20mbit") as net:
+        procs = [subprocess.Popen(net.wrap([sys.executable, "worker.py",
+                 "--host", h.address], i)) for i, h in enumerate(net.hosts)]
+        ...
+
+``close()`` (also run by ``__exit__``, by SIGINT/SIGTERM/SIGHUP handlers
+installed while the network exists, and at interpreter exit) kills every
+process still running inside the network's namespaces, then deletes the
+namespaces (which removes their links). ``cleanup_stale()`` removes leftovers
+of an earlier run that was SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "EmulatedNetwork",
+    "Host",
+    "NetworkSetupError",
+    "available",
+    "cleanup_stale",
+    "list_namespaces",
+    "parse_rate",
+]
+
+DEFAULT_PREFIX = "dlc-"
+FALLBACK_NOTE = "running on loopback without a bandwidth cap"
+_REGISTRY = Path("/run/diloco-netns")  # owner pid of each live network
+_HANDLED_SIGNALS = tuple(
+    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
+)
+_CMD_TIMEOUT = 15.0
+
+
+class NetworkSetupError(RuntimeError):
+    """An ``ip``/``tc`` command failed, or a requested feature is missing."""
+
+
+# --------------------------------------------------------------------------- rates
+
+_RATE_UNITS = {
+    "": 1.0,
+    "bit": 1.0,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "kibit": 2.0**10,
+    "mibit": 2.0**20,
+    "gibit": 2.0**30,
+    "tibit": 2.0**40,
+}
+_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([a-z]*)(?:/s)?\s*$")
+
+
+def parse_rate(rate: str | int | float) -> float:
+    """Parse a link rate into bits per second.
+
+    Accepts ``"20mbit"``, ``"1gbit"``, ``"500kbit"``, ``"1.5Mbit/s"``, ``"64kibit"``
+    (case-insensitive, SI prefixes are powers of 1000 as in ``tc``), a bare number of
+    bits/s (``"2e7"``, ``20_000_000``). Byte-based spellings (``"mbps"``, ``"MB"``) are
+    rejected because ``tc`` reads ``mbps`` as megaBYTES per second: spell out ``bit``.
+    """
+    if isinstance(rate, bool):
+        raise ValueError(f"invalid rate {rate!r}: expected e.g. '20mbit'")
+    if isinstance(rate, (int, float)):
+        value = float(rate)
+    elif isinstance(rate, str):
+        m = _RATE_RE.match(rate.lower())
+        if not m:
+            raise ValueError(
+                f"invalid rate {rate!r}: expected a number and a unit such as '500kbit', '20mbit', '1gbit'"
+            )
+        mant, exp, unit = m.groups()
+        if unit not in _RATE_UNITS:
+            if unit.endswith(("bps", "b", "byte", "bytes")):
+                raise ValueError(
+                    f"ambiguous rate unit in {rate!r}: byte units ('MB', 'mbps') are ambiguous "
+                    "(tc reads 'mbps' as megabytes/s); write bits explicitly, e.g. '20mbit'"
+                )
+            raise ValueError(
+                f"unknown rate unit {unit!r} in {rate!r}: use one of bit, kbit, mbit, gbit, tbit, kibit, mibit, gibit"
+            )
+        value = float(mant) * (10.0 ** int(exp) if exp else 1.0) * _RATE_UNITS[unit]
+    else:
+        raise ValueError(f"invalid rate {rate!r}: expected a string like '20mbit' or a number of bits/s")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"invalid rate {rate!r}: must be a positive, finite number of bits/s")
+    if value < 8000:
+        raise ValueError(f"rate {rate!r} is below 8 kbit/s, too slow for a usable link")
+    return value
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _run(args: list[str], check: bool = True, timeout: float = _CMD_TIMEOUT) -> subprocess.CompletedProcess:
+    try:
+        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        if check:
+            raise NetworkSetupError(f"{' '.join(args)}: {e}") from e
+        return subprocess.CompletedProcess(args, 255, "", str(e))
+    if check and res.returncode != 0:
+        raise NetworkSetupError(f"{' '.join(args)} failed: {(res.stderr or res.stdout).strip()}")
+    return res
+
+
+def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Names of the network namespaces (``ip netns list``) that start with ``prefix``."""
+    if shutil.which("ip") is None:
+        return []
+    res = _run(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix)]
+
+
+def _ns_pids(ns: str) -> list[int]:
+    res = _run(["ip", "netns", "pids", ns], check=False)
+    out = []
+    for tok in res.stdout.split():
+        if tok.isdigit() and int(tok) != os.getpid():
+            out.append(int(tok))
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie has exited already
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _kill_namespace_processes(namespaces: list[str], grace: float = 3.0) -> None:
+    """SIGTERM every process inside ``namespaces``; SIGKILL whatever survives ``grace`` s."""
+    pids = {p for ns in namespaces for p in _ns_pids(ns)}
+    if not pids:
+        return
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        pids = {p for p in pids if _pid_alive(p)}
+        if not pids:
+            return
+        time.sleep(0.05)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + 2.0
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if _pid_alive(p)}
+        time.sleep(0.02)
+
+
+def _delete_namespaces(namespaces: list[str]) -> None:
+    existing = set(list_namespaces(""))
+    for ns in namespaces:
+        if ns in existing:
+            _run(["ip", "netns", "delete", ns], check=False)
+
+
+def _owner_file(base: str) -> Path:
+    return _REGISTRY / f"{base}.json"
+
+
+def _owner_alive(base: str) -> bool:
+    try:
+        info = json.loads(_owner_file(base).read_text())
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return _pid_alive(pid) and _start_time(pid) == info.get("start")
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX, only_dead_owners: bool = True) -> list[str]:
+    """Remove namespaces (and the processes inside them) left behind by crashed runs.
+
+    A namespace is stale when its name starts with ``prefix`` and the process that
+    created it is gone (tracked in ``/run/diloco-netns``). With
+    ``only_dead_owners=False`` every namespace with the prefix is removed, including
+    those of live runs. Returns the names of the namespaces removed.
+    """
+    if not prefix:
+        raise ValueError("cleanup_stale needs a non-empty prefix")
+    stale = []
+    for ns in list_namespaces(prefix):
+        base = re.sub(r"-(h\d+|hub)$", "", ns)
+        if only_dead_owners and _owner_alive(base):
+            continue
+        stale.append(ns)
+    if stale:
+        _kill_namespace_processes(stale)
+        _delete_namespaces(stale)
+    if _REGISTRY.is_dir():
+        for f in _REGISTRY.glob(f"{prefix}*.json"):
+            if not (only_dead_owners and _owner_alive(f.stem)):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+    return stale
+
+
+# --------------------------------------------------------------------------- availability
+
+_AVAILABLE_CACHE: dict[bool, tuple[bool, str]] = {}
+
+
+def _unavailable(detail: str) -> tuple[bool, str]:
+    return False, f"emulated links need root and iproute2 (ip, tc) [{detail}]; {FALLBACK_NOTE}"
+
+
+def _probe(delay: bool) -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return _unavailable(f"not Linux ({sys.platform})")
+    if os.geteuid() != 0:
+        return _unavailable("not running as root")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return _unavailable(f"missing {', '.join(missing)}: apt-get install -y iproute2")
+    ns = f"{DEFAULT_PREFIX}probe{os.getpid()}x{secrets.token_hex(2)}"
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+        ["ip", "-n", ns, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", ns, "link", "set", "pb", "master", "br0"],
+        ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "4096", "latency", "50ms"],
+    ]
+    if delay:
+        steps.append(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"])
+    try:
+        for cmd in steps:
+            res = _run(cmd, check=False)
+            if res.returncode != 0:
+                err = (res.stderr or res.stdout).strip().splitlines()
+                if "netem" in cmd:
+                    return False, ("latency emulation needs the kernel's netem qdisc (sch_netem), which is missing "
+                                   "here; the bandwidth cap works without it (use latency_ms=0)")
+                return _unavailable(f"'{' '.join(cmd[:6])} ...' failed: {err[-1] if err else res.returncode}")
+    finally:
+        _run(["ip", "netns", "delete", ns], check=False)
+    return True, "network namespaces, veth, bridge and tbf" + (" and netem" if delay else "") + " work"
+
+
+def available(delay: bool = False, refresh: bool = False) -> tuple[bool, str]:
+    """Whether emulated links can be built here, with a one-line reason.
+
+    Really creates (and deletes) a probe namespace with a veth pair, a bridge and a
+    tbf qdisc. ``delay=True`` additionally requires netem (for ``latency_ms > 0``).
+    The result is cached per process unless ``refresh``.
+    """
+    if refresh or delay not in _AVAILABLE_CACHE:
+        _AVAILABLE_CACHE[delay] = _probe(delay)
+    return _AVAILABLE_CACHE[delay]
+
+
+# --------------------------------------------------------------------------- network
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    namespace: str
+    address: str  # IPv4 address of the host's eth0 inside its namespace
+    interface: str = "eth0"
+    bridge_port: str = ""  # name of the peer veth in the hub namespace
+
+
+_RX_SCRIPT = r"""
+import json, socket, sys, time
+addr, limit = sys.argv[1], float(sys.argv[2])
+s = socket.socket(); s.bind((addr, 0)); s.listen(1); s.settimeout(limit)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.settimeout(limit)
+buf = bytearray(1 << 16); n = 0; t0 = t1 = None; end = time.monotonic() + limit
+while time.monotonic() < end:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    now = time.monotonic()
+    if t0 is None:
+        t0 = now          # the first chunk only starts the clock
+    else:
+        n += k
+    t1 = now
+print(json.dumps({"bytes": n, "seconds": (t1 - t0) if t0 is not None else 0.0}), flush=True)
+"""
+
+_TX_SCRIPT = r"""
+import socket, sys, time
+addr, port, seconds, max_bytes, sndbuf = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf); s.settimeout(seconds + 10)
+s.connect((addr, port))
+chunk = bytes(1 << 16); sent = 0; t = time.monotonic()
+while time.monotonic() - t < seconds and sent < max_bytes:
+    s.sendall(chunk); sent += len(chunk)
+s.shutdown(socket.SHUT_WR); s.recv(1); s.close()
+"""
+
+_PROBE_RX = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(float(sys.argv[2]))
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.sendall(b"ok"); c.close()
+"""
+
+_PROBE_TX = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+assert c.recv(2) == b"ok"
+"""
+
+
+class EmulatedNetwork:
+    """N emulated hosts joined through a bridge by rate-capped links (see module doc).
+
+    Building happens in the constructor; use as a context manager or call ``close()``.
+    Raises ``NetworkSetupError`` when the kernel/tools cannot build it (check
+    ``available()`` first to fall back gracefully).
+    """
+
+    def __init__(
+        self,
+        n_hosts: int,
+        rate: str | int | float = "20mbit",
+        latency_ms: float = 0,
+        run_id: str | None = None,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        subnet: int = 0,
+        queue_ms: float = 50.0,
+        kill_grace_s: float = 3.0,
+    ):
+        if not isinstance(n_hosts, int) or not 1 <= n_hosts <= 253:
+            raise ValueError(f"n_hosts must be an int in 1..253, got {n_hosts!r}")
+        if not 0 <= int(subnet) <= 255:
+            raise ValueError(f"subnet must be in 0..255, got {subnet!r}")
+        if not math.isfinite(latency_ms) or latency_ms < 0:
+            raise ValueError(f"latency_ms must be >= 0, got {latency_ms!r}")
+        if run_id is None:
+            run_id = secrets.token_hex(3)
+        if not re.fullmatch(r"[A-Za-z0-9_.]{1,40}", run_id):
+            raise ValueError(f"run_id must match [A-Za-z0-9_.]{{1,40}}, got {run_id!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,20}", prefix):
+            raise ValueError(f"invalid prefix {prefix!r}")
+
+        self.n_hosts = n_hosts
+        self.rate = str(rate)
+        self.rate_bits = parse_rate(rate)
+        self.latency_ms = float(latency_ms)
+        self.run_id = run_id
+        self.prefix = prefix
+        self.subnet = f"10.77.{int(subnet)}.0/24"
+        self.queue_ms = float(queue_ms)
+        self.kill_grace_s = float(kill_grace_s)
+        self.base = f"{prefix}{run_id}"
+        self.hub = f"{self.base}-hub"
+        self.hosts = [
+            Host(i, f"{self.base}-h{i}", f"10.77.{int(subnet)}.{i + 1}", "eth0", f"v{i}") for i in range(n_hosts)
+        ]
+        self._created: list[str] = []  # namespaces we created, in creation order
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.RLock()
+        self._closed = False
+        self._old_handlers: dict[int, object] = {}
+        self._owner_pid = os.getpid()  # forked children inherit handlers but must not tear down
+
+        if self.latency_ms > 0:
+            ok, why = available(delay=True)
+            if not ok:
+                raise NetworkSetupError(
+                    f"latency_ms={latency_ms} cannot be emulated: {why}"
+                )
+        existing = set(list_namespaces(self.base))
+        clash = existing & {self.hub, *(h.namespace for h in self.hosts)}
+        if clash:
+            raise NetworkSetupError(
+                f"namespaces {sorted(clash)} already exist: another run uses run_id {run_id!r} "
+                f"(or call cleanup_stale({prefix!r}))"
+            )
+
+        self._install_handlers()
+        atexit.register(self._atexit_close)
+        try:
+            self._register_owner()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- building
+
+    def _add_ns(self, ns: str) -> None:
+        self._created.append(ns)  # before creation: a half-made one is still removed
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate_bytes = self.rate_bits / 8
+        # bucket: >= 5 ms of traffic (timer granularity) and >= a couple of frames
+        burst = max(int(rate_bytes * 0.005), 4096)
+        tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", f"{self.queue_ms:g}ms"]
+        if self.latency_ms > 0:
+            half = self.latency_ms / 2
+            # netem must hold a full bandwidth-delay product in flight
+            limit = max(1000, int(rate_bytes * (self.latency_ms / 1000) * 2 / 1000))
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                  "delay", f"{half:g}ms", "limit", str(limit)])
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+        else:
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+
+    def _build(self) -> None:
+        self._add_ns(self.hub)
+        _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge", "stp_state", "0"])
+        _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+        plen = self.subnet.split("/")[1]
+        for h in self.hosts:
+            self._add_ns(h.namespace)
+            for key in ("all", "default"):
+                _run(["ip", "netns", "exec", h.namespace, "sysctl", "-qw", f"net.ipv6.conf.{key}.disable_ipv6=1"],
+                     check=False)
+            _run(["ip", "-n", h.namespace, "link", "add", h.interface, "type", "veth",
+                  "peer", "name", h.bridge_port, "netns", self.hub])
+            _run(["ip", "-n", self.hub, "link", "set", h.bridge_port, "master", "br0"])
+            _run(["ip", "-n", self.hub, "link", "set", h.bridge_port, "up"])
+            _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/{plen}", "dev", h.interface])
+            _run(["ip", "-n", h.namespace, "link", "set", h.interface, "up"])
+            self._shape(h.namespace, h.interface)  # host -> bridge
+            self._shape(self.hub, h.bridge_port)  # bridge -> host
+
+    def _register_owner(self) -> None:
+        try:
+            _REGISTRY.mkdir(parents=True, exist_ok=True)
+            info = {"pid": os.getpid(), "start": _start_time(os.getpid()),
+                    "namespaces": [self.hub, *(h.namespace for h in self.hosts)]}
+            _owner_file(self.base).write_text(json.dumps(info))
+        except OSError:
+            pass  # only used by cleanup_stale to spare live runs
+
+    # ----------------------------------------------------------------- signals
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in _HANDLED_SIGNALS:
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in list(self._old_handlers.items()):
+            try:
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, old if old is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):
+                pass
+            self._old_handlers.pop(sig, None)
+
+    def _atexit_close(self) -> None:
+        if os.getpid() == self._owner_pid:
+            self.close()
+
+    def _on_signal(self, signum, frame) -> None:
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        if os.getpid() == self._owner_pid:
+            self.close()  # also restores the previous handlers
+        else:  # a forked child (e.g. multiprocessing worker): behave as if we were not here
+            try:
+                signal.signal(signum, old if old is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):
+                pass
+        if callable(old):
+            old(signum, frame)  # e.g. default_int_handler raises KeyboardInterrupt
+        elif old == signal.SIG_IGN:
+            return
+        else:  # SIG_DFL (or unknown): die of the same signal
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # ----------------------------------------------------------------- API
+
+    def __enter__(self) -> "EmulatedNetwork":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.hub, *(h.namespace for h in self.hosts)]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _host(self, host: int) -> Host:
+        if self._closed:
+            raise RuntimeError("EmulatedNetwork is closed")
+        if not isinstance(host, int) or not 0 <= host < self.n_hosts:
+            raise IndexError(f"host must be in 0..{self.n_hosts - 1}, got {host!r}")
+        return self.hosts[host]
+
+    def wrap(self, cmd: list[str], host: int) -> list[str]:
+        """``cmd`` prefixed so that it runs inside host ``host``'s namespace."""
+        return ["ip", "netns", "exec", self._host(host).namespace, *cmd]
+
+    def popen(self, cmd: list[str], host: int, **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen(self.wrap(cmd, host), **kwargs)``, killed by ``close()``."""
+        p = subprocess.Popen(self.wrap(cmd, host), **kwargs)
+        self._procs.append(p)
+        return p
+
+    def can_reach(self, src: int, dst: int, timeout: float = 3.0) -> bool:
+        """Whether a TCP connection from host ``src`` to host ``dst`` succeeds."""
+        d = self._host(dst)
+        rx = self.popen([sys.executable, "-c", _PROBE_RX, d.address, str(timeout + 2)], dst,
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            port = self._read_port(rx, timeout + 2)
+            tx = _run(self.wrap([sys.executable, "-c", _PROBE_TX, d.address, str(port), str(timeout)], src),
+                      check=False, timeout=timeout + 5)
+            return tx.returncode == 0
+        finally:
+            self._reap(rx)
+
+    def measure_rate(self, src: int, dst: int, seconds: float = 2) -> float:
+        """Achieved TCP goodput in bits/s from host ``src`` to host ``dst``.
+
+        Sends zeros for ``seconds`` (at most ~2x the configured rate's worth of bytes)
+        and times them at the receiver. Goodput is ~4-5% under the configured rate
+        because tbf counts Ethernet/IP/TCP headers.
+        """
+        if src == dst:
+            raise ValueError("measure_rate needs two different hosts")
+        if not 0 < seconds <= 60:
+            raise ValueError(f"seconds must be in (0, 60], got {seconds!r}")
+        self._host(src)
+        d = self._host(dst)
+        limit = seconds + 15
+        rx = self.popen([sys.executable, "-c", _RX_SCRIPT, d.address, str(limit)], dst,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            port = self._read_port(rx, 10)
+            max_bytes = int(self.rate_bits / 8 * seconds * 2) + (1 << 20)
+            sndbuf = int(min(max(self.rate_bits / 8 * 0.05, 1 << 16), 4 << 20))
+            tx = _run(self.wrap([sys.executable, "-c", _TX_SCRIPT, d.address, str(port), str(seconds),
+                                 str(max_bytes), str(sndbuf)], src), check=False, timeout=limit)
+            if tx.returncode != 0:
+                raise NetworkSetupError(f"rate-measurement sender failed: {tx.stderr.strip()[-500:]}")
+            out, err = rx.communicate(timeout=limit)
+        except subprocess.TimeoutExpired as e:
+            raise NetworkSetupError(f"rate measurement from host {src} to {dst} timed out") from e
+        finally:
+            self._reap(rx)
+        try:
+            res = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError) as e:
+            raise NetworkSetupError(f"rate-measurement receiver failed: {err.strip()[-500:]}") from e
+        if res["seconds"] <= 0:
+            raise NetworkSetupError("rate measurement received too little data to time")
+        return res["bytes"] * 8 / res["seconds"]
+
+    @staticmethod
+    def _read_port(p: subprocess.Popen, timeout: float) -> int:
+        ready, _, _ = select.select([p.stdout], [], [], timeout)
+        line = p.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            raise NetworkSetupError("helper process in namespace did not start listening")
+        return int(line)
+
+    def _reap(self, p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (p.stdout, p.stderr, p.stdin):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if p in self._procs:
+            self._procs.remove(p)
+
+    def close(self) -> None:
+        """Kill processes in the network, delete its namespaces and links. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            created = list(self._created)
+            # processes first, or a namespace would outlive its name
+            for p in list(self._procs):
+                if p.poll() is None:
+                    try:
+                        p.terminate()
+                    except OSError:
+                        pass
+            _kill_namespace_processes(created, grace=self.kill_grace_s)
+            for p in list(self._procs):
+                self._reap(p)
+            # hosts first, then the hub: deleting a namespace deletes its veth ends
+            _delete_namespaces([ns for ns in reversed(created)])
+            try:
+                _owner_file(self.base).unlink()
+            except OSError:
+                pass
+            self._closed = True
+            self._restore_handlers()
+            try:
+                atexit.unregister(self._atexit_close)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"EmulatedNetwork({self.n_hosts} hosts, rate={self.rate}, latency_ms={self.latency_ms:g}, {self.base}, {state})"

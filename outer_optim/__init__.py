@@ -1,0 +1,5 @@
+"""Outer optimizers of DiLoCo and pseudo-gradient handling."""
+
+from outer_optim.outer import OuterOptimizer
+
+__all__ = ["OuterOptimizer"]

@@ -1,0 +1,103 @@
+"""The outer optimizer of DiLoCo: an fp32 master copy of θ_global stepped by averaged pseudo-gradients.
+
+Pseudo-gradient Δ = θ_global − θ_local points from where the island ended towards where it started,
+so a plain SGD step with lr 1 on Δ lands exactly on θ_local (FedAvg); Nesterov momentum on Δ is
+the DiLoCo default.  The optimizer works on named tensors (this rank's local shards under tensor or
+pipeline parallelism), so it never needs to know how the model is split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping
+
+import torch
+
+
+class OuterOptimizer:
+    """Holds θ_global (fp32, on ``device``) and applies outer steps to it."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9,
+                 nesterov: bool = True, device: str | torch.device = "cpu"):
+        self.names = list(params)
+        self.master: dict[str, torch.Tensor] = {
+            n: p.detach().to(device=device, dtype=torch.float32, copy=True) for n, p in params.items()}
+        for t in self.master.values():
+            t.requires_grad_(True)
+        self.optimizer = torch.optim.SGD(list(self.master.values()), lr=lr, momentum=momentum,
+                                         nesterov=nesterov and momentum > 0)
+        self.step_count = 0
+
+    @classmethod
+    def from_config(cls, params: Mapping[str, torch.Tensor], kind: str, lr: float, momentum: float,
+                    device: str = "cpu") -> "OuterOptimizer":
+        """`nesterov` uses (lr, momentum); `avg` is FedAvg: lr 1, no momentum."""
+        if kind == "avg":
+            return cls(params, lr=1.0, momentum=0.0, nesterov=False, device=device)
+        if kind == "nesterov":
+            return cls(params, lr=lr, momentum=momentum, nesterov=True, device=device)
+        raise ValueError(f"unknown outer optimizer {kind!r}; use nesterov or avg")
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def pseudo_gradient(self, local: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Δ = θ_global − θ_local for every parameter, as fp32 tensors on the master device."""
+        return [self.master[n].detach() - local[n].detach().to(self.master[n].device, torch.float32)
+                for n in self.names]
+
+    @torch.no_grad()
+    def step(self, averaged_delta: list[torch.Tensor]) -> None:
+        """Apply one outer step with the group's averaged Δ (same order as :attr:`names`)."""
+        for n, d in zip(self.names, averaged_delta):
+            self.master[n].grad = d.to(self.master[n].device, torch.float32).reshape(self.master[n].shape)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+
+    @torch.no_grad()
+    def copy_to(self, local: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite the island's parameters with θ_global (cast to their dtype and device)."""
+        for n in self.names:
+            local[n].copy_(self.master[n])
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """Momentum of each parameter (zeros before the first step), same order as :attr:`names`."""
+        out = []
+        for n in self.names:
+            buf = self.optimizer.state.get(self.master[n], {}).get("momentum_buffer")
+            out.append(buf.detach() if buf is not None else torch.zeros_like(self.master[n]))
+        return out
+
+    @torch.no_grad()
+    def set_momentum_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Install momentum downloaded from a peer."""
+        for n, b in zip(self.names, buffers):
+            p = self.master[n]
+            self.optimizer.state[p]["momentum_buffer"] = b.to(p.device, torch.float32).reshape(p.shape).clone()
+
+    def state_dict(self) -> dict:
+        """θ_global, momentum and step count (for checkpoints)."""
+        return {"master": {n: t.detach().clone() for n, t in self.master.items()},
+                "momentum": self.momentum_buffers(), "step_count": self.step_count,
+                "lr": self.lr}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        missing = set(self.names) ^ set(state["master"])
+        if missing:
+            raise ValueError(f"outer optimizer state does not match the model (differing names: {sorted(missing)[:3]})")
+        for n in self.names:
+            self.master[n].copy_(state["master"][n])
+        self.set_momentum_buffers(list(state["momentum"]))
+        self.step_count = int(state["step_count"])
+
+    def checksum(self) -> str:
+        """A short hash of θ_global rounded to bf16, to compare islands cheaply."""
+        h = hashlib.sha1()
+        for n in self.names:
+            h.update(self.master[n].detach().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+        return h.hexdigest()[:16]

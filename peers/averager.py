@@ -1,0 +1,296 @@
+"""Averaging pseudo-gradients between islands over hivemind, one verified round at a time.
+
+hivemind's all-reduce can report success while part of the vector kept local values (a peer that
+failed mid-round) and has no timeouts by default.  :class:`IslandAverager` closes both holes:
+every timeout is explicit, retries are off, and each round ends with a vote through the DHT in
+which every group member publishes a fingerprint of what it received.  A round counts only if the
+group is large enough, every member voted, and all fingerprints agree and are finite; otherwise the
+caller gets a failed :class:`RoundResult` and the averaged values are thrown away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
+                                  Uniform8BitQuantization)
+
+log = logging.getLogger(__name__)
+
+# name -> (hivemind codec, bytes on the wire per fp32 byte, relative tolerance of the vote)
+COMPRESSIONS: dict[str, tuple[Callable[[], Any], float, float]] = {
+    "none": (NoCompression, 1.0, 1e-5),
+    "fp16": (Float16Compression, 0.5, 1e-2),
+    "scaled-fp16": (ScaledFloat16Compression, 0.5, 1e-2),
+    "uint8": (Uniform8BitQuantization, 0.25, 5e-2),
+}
+
+FINGERPRINT_CHUNKS = 64
+
+StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+"""Returns (metadata, tensors) describing the island's global state, served to joining islands."""
+
+
+@dataclass
+class AveragerSettings:
+    """Group formation, timeouts and wire format of the pseudo-gradient averager."""
+
+    prefix: str = "diloco"
+    """DHT prefix shared by all islands of a run."""
+    min_group_size: int = 2
+    """Rounds with fewer islands are rejected."""
+    target_group_size: int = 0
+    """Start as soon as this many islands are ready (0: whoever arrives within matchmaking_time)."""
+    matchmaking_time: float = 5.0
+    """Seconds to gather peers before averaging."""
+    matchmaking_timeout: float = 60.0
+    """Give up forming a group after this long."""
+    allreduce_timeout: float = 120.0
+    """Give up an all-reduce after this long."""
+    next_chunk_timeout: float = 30.0
+    """Give up on a silent peer after this long."""
+    request_timeout: float = 3.0
+    """Timeout of one matchmaking request (below matchmaking_time)."""
+    vote_timeout: float = 15.0
+    """Seconds to wait for every group member's verdict after the all-reduce."""
+    state_download_timeout: float = 60.0
+    """Seconds allowed to download the global state from a peer."""
+    compression: str = "none"
+    """Wire format: none, fp16, scaled-fp16 or uint8."""
+    client_mode: bool = False
+    """No incoming connections: this island neither reduces parts nor serves state."""
+
+
+@dataclass
+class RoundResult:
+    """What one averaging round did; failures are data, not exceptions."""
+
+    ok: bool
+    """True when the averaged values may be applied."""
+    reason: str = ""
+    """Why the round failed (empty on success)."""
+    group_size: int = 0
+    """Islands in the group (including this one)."""
+    peers: list[str] = field(default_factory=list)
+    """Peer ids of the group members."""
+    bytes_sent: int = 0
+    """Bytes this island sent in the all-reduce (from the butterfly protocol, see :func:`allreduce_bytes`)."""
+    bytes_received: int = 0
+    """Bytes this island received in the all-reduce."""
+    seconds: float = 0.0
+    """Wall-clock seconds of the whole round (matchmaking, all-reduce, vote)."""
+    matchmaking_seconds: float = 0.0
+    """Part of ``seconds`` spent until the group formed and the all-reduce finished."""
+    vote_seconds: float = 0.0
+    """Part of ``seconds`` spent agreeing on the result."""
+    total_weight: float = 0.0
+    """Sum of the group's weights (tokens processed by all members)."""
+    gathered: dict[str, dict] = field(default_factory=dict)
+    """Metadata each member sent with its pseudo-gradient, by peer id."""
+
+
+def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
+    """Bytes one peer sends (and receives) in hivemind's butterfly all-reduce with equal shares.
+
+    Each peer sends the (n-1)/n of its vector that others reduce, then returns its reduced 1/n to
+    the n-1 others: 2·(n-1)/n of the vector, times the codec's size ratio.
+    """
+    if group_size <= 1:
+        return 0
+    return int(2 * num_bytes * wire_ratio * (group_size - 1) / group_size)
+
+
+def fingerprint(tensors: Sequence[torch.Tensor], chunks: int = FINGERPRINT_CHUNKS) -> list[float]:
+    """Per-chunk sums, absolute sums and square sums of the flattened tensors (float64).
+
+    Two peers holding the same values up to rounding produce fingerprints equal within a small
+    relative tolerance; a vector with a part left unaveraged or NaN does not.
+    """
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors else torch.zeros(1)
+    out: list[float] = []
+    for part in flat.tensor_split(chunks):
+        out += [part.sum().item(), part.abs().sum().item(), part.pow(2).sum().item()]
+    return out
+
+
+def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
+    """True when two fingerprints are finite and equal within ``rtol`` of each chunk's magnitude."""
+    if len(a) != len(b):
+        return False
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    if not (torch.isfinite(ta).all() and torch.isfinite(tb).all()):
+        return False
+    # per chunk (sum, abs-sum, square-sum): compare each to the chunk's own scale
+    ta, tb = ta.view(-1, 3), tb.view(-1, 3)
+    scale = torch.stack([ta[:, 1], ta[:, 1], ta[:, 2]], dim=1).abs() + 1e-30
+    return bool(((ta - tb).abs() <= rtol * scale + 1e-12).all())
+
+
+class _PseudoGradientAverager(hivemind.DecentralizedAverager):
+    """hivemind averager whose downloadable state is whatever the island's state provider returns.
+
+    Every island of a run must use this class (hivemind keys groups by the class name and prefix).
+    """
+
+    def __init__(self, *args: Any, state_provider: StateProvider | None = None, **kwargs: Any):
+        self._state_provider = state_provider
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):  # runs in this (host) process, in hivemind's fetcher thread
+        if self._state_provider is None:
+            return {}, []
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+
+class IslandAverager:
+    """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
+
+    ``template`` fixes the shapes of the averaged tensors (fp32, CPU); every island of a run must
+    use the same shapes.  Call :meth:`average` once per outer round and :meth:`shutdown` at the end.
+    """
+
+    def __init__(self, dht: hivemind.DHT, template: Sequence[torch.Tensor], settings: AveragerSettings,
+                 state_provider: StateProvider | None = None):
+        if settings.compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {settings.compression!r}; use one of {', '.join(COMPRESSIONS)}")
+        codec, self._wire_ratio, self._vote_rtol = COMPRESSIONS[settings.compression]
+        self.settings = settings
+        self.dht = dht
+        self._buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in template]
+        self._num_bytes = sum(b.numel() * 4 for b in self._buffers)
+        self._lock = threading.Lock()
+        self._averager = _PseudoGradientAverager(
+            self._buffers, dht, start=True, prefix=settings.prefix,
+            target_group_size=settings.target_group_size or None,
+            min_group_size=settings.min_group_size,
+            min_matchmaking_time=settings.matchmaking_time,
+            request_timeout=settings.request_timeout,
+            allreduce_timeout=settings.allreduce_timeout,
+            next_chunk_timeout=settings.next_chunk_timeout,
+            compression=codec(),
+            client_mode=settings.client_mode,
+            state_provider=state_provider,
+            shutdown_timeout=5,
+        )
+        self.peer_id = str(dht.peer_id)
+
+    @property
+    def num_bytes(self) -> int:
+        """Size of the averaged vector in fp32 bytes."""
+        return self._num_bytes
+
+    def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict,
+                round_id: str) -> tuple[RoundResult, list[torch.Tensor] | None]:
+        """Run one verified averaging round.
+
+        ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
+        ``metadata`` small facts sent to every member (outer step, config fingerprint, ...), and
+        ``round_id`` a label all islands of the round agree on (the outer step).  Returns the
+        result and, only when it succeeded, the weighted average of the group's deltas.
+        """
+        t0 = time.perf_counter()
+        if weight <= 0 or not all(torch.isfinite(d).all() for d in deltas):
+            return RoundResult(False, "this island's pseudo-gradient is not finite or its weight is not positive; "
+                               "not sending it"), None
+        with self._averager.get_tensors() as bufs:
+            for buf, d in zip(bufs, deltas):
+                buf.copy_(d.detach().reshape(buf.shape))
+        try:
+            gathered = self._averager.step(
+                gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
+                timeout=self.settings.matchmaking_timeout, allow_retries=False)
+        except Exception as e:  # hivemind raises several types when no group forms or a peer fails
+            return RoundResult(False, f"averaging failed: {type(e).__name__}: {_short(e)}",
+                               seconds=time.perf_counter() - t0), None
+        t1 = time.perf_counter()
+        if not gathered:
+            return RoundResult(False, "averaging returned no group", seconds=t1 - t0), None
+        peers = sorted(str(p) for p in gathered)
+        meta = {str(p): (m if isinstance(m, dict) else {}) for p, m in gathered.items()}
+        n = len(peers)
+        nbytes = allreduce_bytes(self._num_bytes, n, self._wire_ratio)
+        result = RoundResult(False, group_size=n, peers=peers, bytes_sent=nbytes, bytes_received=nbytes,
+                             matchmaking_seconds=t1 - t0, gathered=meta,
+                             total_weight=float(sum(m.get("weight", 0.0) for m in meta.values())))
+        with self._averager.get_tensors() as bufs:
+            averaged = [b.clone() for b in bufs]
+        result.reason = self._check_group(meta, n, round_id)
+        if not result.reason:
+            result.reason = self._vote(averaged, peers, round_id)
+        result.vote_seconds = time.perf_counter() - t1
+        result.seconds = time.perf_counter() - t0
+        result.ok = not result.reason
+        return result, (averaged if result.ok else None)
+
+    def _check_group(self, meta: dict[str, dict], n: int, round_id: str) -> str:
+        """Reasons to reject the group itself, identical on every member (they all see the same data)."""
+        if n < self.settings.min_group_size:
+            return f"group of {n} island(s) is below --averaging.min_group_size {self.settings.min_group_size}"
+        rounds = {m.get("round_id") for m in meta.values()}
+        if len(rounds) > 1:
+            return f"islands were at different rounds {sorted(map(str, rounds))}"
+        prints = {m.get("config_fingerprint") for m in meta.values()}
+        if len(prints) > 1:
+            return "islands in the group run different model or training configs (config fingerprints differ)"
+        return ""
+
+    def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> str:
+        """Publish our fingerprint of the result and wait for every member's; '' if all agree."""
+        mine = fingerprint(averaged)
+        key = f"{self.settings.prefix}.vote.{_group_key(peers, round_id)}"
+        expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
+        self.dht.store(key, subkey=self.peer_id, value=mine, expiration_time=expiration)
+        deadline = time.perf_counter() + self.settings.vote_timeout
+        votes: dict[str, Any] = {}
+        while True:
+            found = self.dht.get(key, latest=True)
+            if found is not None and isinstance(found.value, dict):
+                votes = {str(k): v.value for k, v in found.value.items() if hasattr(v, "value")}
+            missing = [p for p in peers if p not in votes]
+            if not missing or time.perf_counter() > deadline:
+                break
+            if self.peer_id in missing:  # our own store was lost: publish again
+                self.dht.store(key, subkey=self.peer_id, value=mine, expiration_time=expiration)
+            time.sleep(0.1)
+        if missing:
+            return f"{len(missing)} of {len(peers)} island(s) did not confirm the result (left or failed mid-round)"
+        if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in votes.values()):
+            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
+        if not all(fingerprints_agree(mine, votes[p], self._vote_rtol) for p in peers):
+            return "islands received different averages (an all-reduce part failed); discarding the round"
+        return ""
+
+    def set_state_priority(self, outer_step: int) -> None:
+        """Advertise how fresh our state is: joiners download from the island with the highest outer step."""
+        self._averager.state_sharing_priority = float(outer_step) + 1.0
+
+    def download_state(self) -> tuple[dict, list[torch.Tensor]] | None:
+        """Download (metadata, tensors) of the freshest island of the run, or None if none answers."""
+        timeout = self.settings.state_download_timeout
+        try:
+            return self._averager.load_state_from_peers(timeout=timeout)
+        except Exception as e:  # TimeoutError and hivemind's own errors
+            log.warning("could not download state from peers: %s", _short(e))
+            return None
+
+    def shutdown(self) -> None:
+        """Stop the averager process (the DHT is the caller's)."""
+        if self._averager.is_alive():
+            self._averager.shutdown()
+
+
+def _group_key(peers: list[str], round_id: str) -> str:
+    return hashlib.sha1(("|".join(peers) + "#" + round_id).encode()).hexdigest()[:16]
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__

@@ -1,0 +1,90 @@
+"""Starting and joining the peer-to-peer network (hivemind's DHT) with errors a person can act on."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
+
+
+class PeerNetworkError(RuntimeError):
+    """The island could not join or start the peer network; the message says what to check."""
+
+
+@dataclass
+class NetworkSettings:
+    """Where an island listens, what it announces and whom it joins."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs ending in /p2p/PEER_ID of islands already in the run (empty: start a new run)."""
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    """Multiaddrs to listen on."""
+    announce_maddrs: list[str] = field(default_factory=list)
+    """Multiaddrs to advertise instead of the listening ones (public address behind port forwarding)."""
+    identity_path: str = ""
+    """Private key file for a stable peer id (created if missing)."""
+    client_mode: bool = False
+    """Accept no incoming connections."""
+    startup_timeout: float = 20.0
+    """Seconds allowed to start the daemon and reach the initial peers."""
+
+
+def check_multiaddr(addr: str, what: str, need_peer_id: bool = False) -> None:
+    """Raise PeerNetworkError naming ``what`` if ``addr`` is not a parseable multiaddr."""
+    try:
+        parsed = Multiaddr(addr)
+    except Exception as e:  # multiaddr raises several exception types for malformed input
+        raise PeerNetworkError(
+            f"{what} {addr!r} is not a valid multiaddr ({e}); it should look like "
+            f"/ip4/203.0.113.5/tcp/31337{'/p2p/PEER_ID' if need_peer_id else ''}") from None
+    if need_peer_id and "p2p" not in [p.name for p in parsed.protocols()]:
+        raise PeerNetworkError(
+            f"{what} {addr!r} lacks its /p2p/PEER_ID suffix; copy the full address printed by the island you join")
+
+
+def start_dht(settings: NetworkSettings) -> hivemind.DHT:
+    """Start this island's DHT node and join ``settings.initial_peers``.
+
+    Raises PeerNetworkError with one actionable sentence when an address is malformed, a port is
+    taken or no initial peer answers within ``startup_timeout`` seconds.
+    """
+    for addr in settings.initial_peers:
+        check_multiaddr(addr, "initial peer", need_peer_id=True)
+    for addr in settings.host_maddrs:
+        check_multiaddr(addr, "listen address")
+    for addr in settings.announce_maddrs:
+        check_multiaddr(addr, "announce address")
+    kwargs: dict = dict(
+        host_maddrs=settings.host_maddrs,
+        client_mode=settings.client_mode,
+        startup_timeout=settings.startup_timeout,
+    )
+    if settings.announce_maddrs:
+        kwargs["announce_maddrs"] = settings.announce_maddrs
+    if settings.identity_path:
+        os.makedirs(os.path.dirname(os.path.abspath(settings.identity_path)), exist_ok=True)
+        kwargs["identity_path"] = settings.identity_path
+    try:
+        dht = hivemind.DHT(initial_peers=settings.initial_peers or None, start=True,
+                           await_ready=True, **kwargs)
+    except Exception as e:
+        detail = " ".join(str(e).split())[:300]
+        if settings.initial_peers:
+            raise PeerNetworkError(
+                f"could not reach any initial peer ({', '.join(settings.initial_peers)}) within "
+                f"{settings.startup_timeout:.0f} s: check the address, that the island there is running and "
+                f"that its port is open to you [{type(e).__name__}: {detail}]") from None
+        raise PeerNetworkError(
+            f"could not start the peer-to-peer node on {', '.join(settings.host_maddrs)}: is the port free "
+            f"and the address local to this machine? [{type(e).__name__}: {detail}]") from None
+    return dht
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """The full multiaddrs (with /p2p/PEER_ID) other islands can pass as initial peers."""
+    return [str(a) for a in dht.get_visible_maddrs()]

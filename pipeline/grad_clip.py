@@ -1,0 +1,48 @@
+"""Gradient-norm clipping over all the ranks of an island (TP shards and PP stages)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipeline.shards import local_grad, shard_spec_of
+
+
+def island_grad_norm(params: Iterable[torch.Tensor], mesh: DeviceMesh | None) -> torch.Tensor:
+    """L2 norm of the gradient of the whole model, the same (fp32 scalar) on every rank of the island.
+
+    Each rank sums the squares of its local gradient shards, counting replicated tensors only on TP
+    rank 0, then the sums are all-reduced over the ``tp`` and ``pp`` mesh dimensions.
+    """
+    params = list(params)
+    tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        g = local_grad(p)
+        if g is None or (shard_spec_of(p).replicated and tp_rank != 0):
+            continue
+        total += g.detach().float().pow(2).sum()
+    if mesh is not None:
+        for dim in ("tp", "pp"):
+            if mesh[dim].size() > 1:
+                dist.all_reduce(total, group=mesh[dim].get_group())
+    return total.sqrt()
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, mesh: DeviceMesh | None) -> float:
+    """Scale gradients in place so the island-wide norm is at most ``max_norm``; return the norm
+    before clipping.  Same rule as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``,
+    capped at 1); ``max_norm <= 0`` only measures."""
+    params = list(params)
+    norm = island_grad_norm(params, mesh)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            g = local_grad(p)
+            if g is not None:
+                g.mul_(coef.to(g.dtype))
+    return float(norm)

@@ -1,0 +1,283 @@
+"""One island: a model split over a ``("pp", "tp")`` mesh, trained as if it were one process.
+
+Every rank of the island builds the same full model (same seed), constructs an :class:`Island`
+and calls the same methods with the same batch; only the first pipeline stage reads the inputs and
+only the last reads the targets.  The inner optimizer is an ordinary torch optimizer over
+:meth:`Island.parameters` (DTensors when ``tp > 1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from pipeline.grad_clip import clip_grad_norm_
+from pipeline.pipeline_parallel import (
+    SCHEDULES,
+    build_pipeline_stages,
+    build_schedule,
+    build_stage_modules,
+    check_schedule,
+    stages_per_rank,
+)
+from pipeline.shards import ShardSpec, local_grad, shard_spec_of
+from pipeline.tensor_parallel import apply_tensor_parallel
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (in fp32), the default loss of an island."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass
+class IslandSettings:
+    """How an island splits its model (mirrors the trainer's ``ParallelConfig``)."""
+
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    """Model chunks per rank; used only by ``interleaved-1f1b``."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    activation_checkpointing: bool = False
+
+    @property
+    def local_stages(self) -> int:
+        """Stages each pipeline rank holds."""
+        return stages_per_rank(self.schedule, self.virtual_stages)
+
+
+def check_island(settings: IslandSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
+                 vocab_size: int) -> list[str]:
+    """One sentence per reason the model cannot be split as ``settings`` asks (empty if it can)."""
+    from pipeline.tensor_parallel import check_tensor_parallel
+
+    problems = check_tensor_parallel(n_heads, dim, ffn_dim, vocab_size, settings.tp)
+    if settings.pp < 1:
+        problems.append(f"--parallel.pp must be at least 1, got {settings.pp}")
+        return problems
+    if settings.virtual_stages < 1:
+        problems.append(f"--parallel.virtual_stages must be at least 1, got {settings.virtual_stages}")
+        return problems
+    n_stages = settings.pp * settings.local_stages
+    if settings.pp > n_layers:
+        problems.append(f"--parallel.pp ({settings.pp}) must not exceed --model.n_layers ({n_layers})")
+    elif n_stages > n_layers:
+        problems.append(f"--parallel.pp * --parallel.virtual_stages ({n_stages}) must not exceed "
+                        f"--model.n_layers ({n_layers}) for interleaved-1f1b")
+    if settings.layers_per_stage:
+        if len(settings.layers_per_stage) != n_stages:
+            problems.append(f"--parallel.layers_per_stage lists {len(settings.layers_per_stage)} stages but the "
+                            f"pipeline has {n_stages}")
+        elif sum(settings.layers_per_stage) != n_layers or min(settings.layers_per_stage) < 1:
+            problems.append(f"--parallel.layers_per_stage {settings.layers_per_stage} must be positive and sum to "
+                            f"--model.n_layers ({n_layers})")
+    if settings.pp > 1:
+        problems += check_schedule(settings.schedule, settings.pp, settings.microbatches, settings.local_stages)
+    elif settings.schedule not in SCHEDULES:
+        problems.append(f"--parallel.schedule is {settings.schedule!r} but must be one of {', '.join(SCHEDULES)}")
+    return problems
+
+
+class Island:
+    """This rank's part of an island's model, with a training step, evaluation and shard layout.
+
+    ``model`` is the full ``Transformer`` (same weights on every rank).  With ``pp == 1`` it is
+    sharded in place and used directly; with ``pp > 1`` this rank's stages are copied out of it and
+    ``model`` is left untouched (and can be freed).  ``mesh`` is the ``("pp", "tp")`` mesh from
+    :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: IslandSettings,
+                 loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None):
+        tp = mesh["tp"].size() if mesh is not None else 1
+        pp = mesh["pp"].size() if mesh is not None else 1
+        if (tp, pp) != (settings.tp, settings.pp):
+            raise ValueError(f"the mesh is pp={pp} x tp={tp} but the settings ask for pp={settings.pp} x tp={settings.tp}")
+        block = next(iter(model.layers.values()))
+        head_dim = block.attention.head_dim
+        problems = check_island(settings, len(model.layers), block.attention.wq.weight.shape[0] // head_dim,
+                                block.attention.wq.weight.shape[1], block.feed_forward.w1.weight.shape[0],
+                                model.tok_embeddings.weight.shape[0])
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.mesh, self.settings, self.loss_fn = mesh, settings, loss_fn
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if mesh is not None and \
+                mesh.device_type == "cuda" else torch.device("cpu")
+        self.device = torch.device(device)
+        self.pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
+        self.tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
+        self.n_stages = pp * settings.local_stages if pp > 1 else 1
+        if pp > 1:
+            owned = build_stage_modules(model, self.pp_rank, pp, settings.local_stages,
+                                        settings.layers_per_stage or None)
+        else:
+            owned = [(0, model)]
+        for _, module in owned:
+            module.to(self.device)
+            if tp > 1:
+                apply_tensor_parallel(module, mesh["tp"])
+            module.activation_checkpointing = settings.activation_checkpointing
+            module.train()
+        self.stage_ids = [stage for stage, _ in owned]
+        self.modules: list[nn.Module] = [module for _, module in owned]
+        self._loss_scale = 1.0
+        self._batch_shape: tuple[torch.Size, torch.Size] | None = None
+        self.stages = []
+        self.schedule = None
+        if pp > 1:
+            self.stages = build_pipeline_stages(owned, self.n_stages, self.device, mesh["pp"].get_group())
+            self.schedule = build_schedule(settings.schedule, self.stages, settings.microbatches,
+                                           self._scaled_loss, scale_grads=False)
+
+    # ----------------------------------------------------------------------------------- parameters
+    @property
+    def has_first_stage(self) -> bool:
+        """Whether this rank runs the embedding (stage 0)."""
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank runs the output projection (the last stage)."""
+        return self.n_stages - 1 in self.stage_ids
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters (DTensors under TP) with the unsplit model's names."""
+        for module in self.modules:
+            yield from module.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters, for the inner optimizer."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def local_named_parameters(self) -> dict[str, torch.Tensor]:
+        """``{name: local shard}``: detached tensors sharing storage with the parameters (writing
+        into them updates the model); see :meth:`shard_spec` for where each sits in the full tensor."""
+        return {name: _local(p).detach() for name, p in self.named_parameters()}
+
+    def shard_spec(self, name: str) -> ShardSpec:
+        """Where the local tensor of parameter ``name`` sits in the full parameter."""
+        return shard_spec_of(dict(self.named_parameters())[name])
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """:meth:`shard_spec` of every local parameter."""
+        return {name: shard_spec_of(p) for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def load_full_parameters(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slices out of a full (unsplit) ``{name: tensor}`` into the parameters."""
+        specs = self.shard_specs()
+        for name, local in self.local_named_parameters().items():
+            local.copy_(specs[name].slice_of(full[name]).to(local.dtype))
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters as CPU tensors, on every rank (collective; for checkpoints/tests)."""
+        full = {}
+        for name, p in self.named_parameters():
+            full[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+        if self.mesh is not None and self.mesh["pp"].size() > 1:
+            parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh["pp"].size()
+            dist.all_gather_object(parts, full, group=self.mesh["pp"].get_group())
+            full = {k: v for part in parts for k, v in part.items()}
+        return full
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of this rank's parameters."""
+        for p in self.parameters():
+            p.grad = None
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the island-wide gradient norm (over TP shards and PP stages) to ``max_norm``; return
+        the norm before clipping (the same on every rank).  ``max_norm <= 0`` only measures."""
+        return clip_grad_norm_(list(self.parameters()), max_norm, self.mesh)
+
+    # ------------------------------------------------------------------------------------ compute
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self._loss_scale
+
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        m = self.settings.microbatches
+        if self.schedule is not None and inputs.shape[0] % m:
+            raise ValueError(f"the batch of {inputs.shape[0]} sequences does not split into "
+                             f"--parallel.microbatches ({m}) equal micro-batches")
+        if inputs.shape != targets.shape:
+            raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must have the same shape")
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
+        """Forward and backward of one batch; gradients (times ``loss_scale``) are *added* to ``.grad``.
+
+        Returns the batch's mean loss (unscaled) on every rank.  With ``pp > 1`` the batch is split
+        into ``microbatches`` and run by the pipeline schedule; every call must then use the same
+        batch shape.  Use ``loss_scale = 1 / grad_accum`` to accumulate over several calls.
+        """
+        self._check_batch(inputs, targets)
+        if self.schedule is None:
+            logits = self.modules[0](inputs.to(self.device))
+            loss = self.loss_fn(logits, targets.to(self.device))
+            (loss * loss_scale).backward()
+            self._align_grads()
+            return float(loss.detach())
+        shapes = (inputs.shape, targets.shape)
+        if self._batch_shape is not None and shapes != self._batch_shape:
+            raise ValueError(f"pipeline batches must keep the shape of the first one {tuple(self._batch_shape[0])}, "
+                             f"got {tuple(inputs.shape)}")
+        self._batch_shape = shapes
+        self._loss_scale = loss_scale / self.settings.microbatches
+        losses = self._run_schedule(inputs, targets, train=True)
+        self._align_grads()
+        return self._broadcast_loss(losses, scale=1.0 / loss_scale)
+
+    def _align_grads(self) -> None:
+        """Give every DTensor gradient its parameter's placements (see :func:`local_grad`)."""
+        for p in self.parameters():
+            local_grad(p)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss of one batch without gradients (blocks in eval mode), on every rank."""
+        self._check_batch(inputs, targets)
+        for module in self.modules:
+            module.eval()
+        try:
+            if self.schedule is None:
+                return float(self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device)))
+            self._loss_scale = 1.0 / self.settings.microbatches
+            losses = self._run_schedule(inputs, targets, train=False)
+            return self._broadcast_loss(losses, scale=1.0)
+        finally:
+            for module in self.modules:
+                module.train()
+
+    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
+        args = (inputs.to(self.device),) if self.has_first_stage else ()
+        kwargs = {}
+        if self.has_last_stage:
+            kwargs = {"target": targets.to(self.device), "losses": []}
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, **kwargs)
+        return kwargs.get("losses", [])
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> float:
+        """Sum of the last stage's (already 1/m-scaled) micro-batch losses, sent to every PP rank."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.has_last_stage:
+            total += torch.stack([loss.detach().float() for loss in losses]).sum() * scale
+        dist.broadcast(total, group=self.mesh["pp"].get_group(), group_src=self.mesh["pp"].size() - 1)
+        return float(total)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p

@@ -1,0 +1,58 @@
+"""The 2-D device mesh of one island: pipeline stages outside, tensor parallelism inside.
+
+An island is one ``torchrun`` job (its world is the island).  Ranks are laid out row-major over
+``("pp", "tp")`` so the TP group of a rank is ``tp`` consecutive ranks (one server's GPUs), and
+the PP group strides across them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def backend_for(device_type: str) -> str:
+    """Process-group backend for a device type: NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def island_coords(rank: int, tp: int, pp: int) -> tuple[int, int]:
+    """``(pp_rank, tp_rank)`` of a global rank in a ``(pp, tp)`` island (TP innermost)."""
+    if not 0 <= rank < tp * pp:
+        raise ValueError(f"rank {rank} is outside an island of tp*pp = {tp * pp} processes")
+    return rank // tp, rank % tp
+
+
+def island_ranks(tp: int, pp: int) -> list[list[int]]:
+    """Global ranks as a ``pp x tp`` grid: row ``i`` is the TP group of pipeline stage ``i``."""
+    return [[p * tp + t for t in range(tp)] for p in range(pp)]
+
+
+def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: float = 600.0) -> DeviceMesh:
+    """Initialise the default process group if needed (from torchrun's env vars) and return the
+    ``("pp", "tp")`` mesh of this island.
+
+    Uses gloo on CPU and NCCL on CUDA (setting this process's GPU from ``LOCAL_RANK``).  Raises
+    ValueError when the world size is not ``tp * pp``.
+    """
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--parallel.tp and --parallel.pp must be at least 1, got tp={tp}, pp={pp}")
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world != tp * pp:
+        raise ValueError(f"the island has {world} processes but --parallel.tp * --parallel.pp = {tp * pp}; "
+                         f"launch it with torchrun --nproc-per-node {tp * pp}")
+    return init_device_mesh(device_type, (pp, tp), mesh_dim_names=("pp", "tp"))
+
+
+def destroy_island() -> None:
+    """Destroy the default process group (and with it the mesh's subgroups) if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

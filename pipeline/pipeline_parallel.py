@@ -1,0 +1,180 @@
+"""Pipeline parallelism for the Llama-style ``Transformer`` with ``torch.distributed.pipelining``.
+
+A stage is the model with parts removed (torchtitan's approach): blocks it does not own are
+deleted from the ``layers`` ``ModuleDict`` and ``tok_embeddings``/``norm``/``output`` are set to
+``None`` where it is not the first/last stage, so parameter names are those of the whole model.
+With ``v`` virtual stages per rank (interleaved 1F1B) the ``pp * v`` stages are placed in a loop:
+rank ``r`` owns stages ``r, r + pp, r + 2 pp, ...``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Model chunks each pipeline rank holds: ``virtual_stages`` for interleaved 1F1B, else 1."""
+    return virtual_stages if schedule == "interleaved-1f1b" else 1
+
+
+def model_layer_costs(model: nn.Module) -> tuple[list[int], int, int]:
+    """Parameter count of each block (in ``layers`` order), of the embedding and of norm + output."""
+    costs = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
+    first = sum(p.numel() for p in model.tok_embeddings.parameters()) if model.tok_embeddings is not None else 0
+    last = sum(p.numel() for m in (model.norm, model.output) if m is not None for p in m.parameters())
+    return costs, first, last
+
+
+def stage_layer_split(layer_costs: list[int], n_stages: int, layers_per_stage: list[int] | None = None,
+                      first_cost: int = 0, last_cost: int = 0) -> list[list[int]]:
+    """Split layers ``0..L-1`` into ``n_stages`` contiguous, non-empty runs; return their indices.
+
+    With ``layers_per_stage`` the runs have exactly those lengths.  Otherwise the split minimises the
+    largest stage cost, where a stage costs the sum of its ``layer_costs`` plus ``first_cost`` (the
+    embedding) on the first stage and ``last_cost`` (norm and output) on the last; ties go to the
+    split that puts fewer layers first.  Raises ValueError when no such split exists.
+    """
+    n_layers = len(layer_costs)
+    if n_stages < 1:
+        raise ValueError(f"the number of pipeline stages must be at least 1, got {n_stages}")
+    if n_stages > n_layers:
+        raise ValueError(f"the pipeline has {n_stages} stages (--parallel.pp times virtual stages) but the model "
+                         f"has only {n_layers} layers; every stage needs at least one layer")
+    if layers_per_stage is not None and len(layers_per_stage) > 0:
+        if len(layers_per_stage) != n_stages:
+            raise ValueError(f"--parallel.layers_per_stage lists {len(layers_per_stage)} stages but the pipeline has "
+                             f"{n_stages} (--parallel.pp times virtual stages)")
+        if any(n < 1 for n in layers_per_stage):
+            raise ValueError(f"--parallel.layers_per_stage {list(layers_per_stage)} must give every stage at least one layer")
+        if sum(layers_per_stage) != n_layers:
+            raise ValueError(f"--parallel.layers_per_stage {list(layers_per_stage)} sums to {sum(layers_per_stage)} "
+                             f"but the model has {n_layers} layers")
+        sizes = list(layers_per_stage)
+    else:
+        sizes = _balanced_sizes(layer_costs, n_stages, first_cost, last_cost)
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def _balanced_sizes(costs: list[int], n_stages: int, first_cost: int, last_cost: int) -> list[int]:
+    """Stage sizes minimising the most expensive stage (dynamic programming over split points)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(s: int, i: int, j: int) -> int:  # stage s holds layers i..j-1
+        extra = (first_cost if s == 0 else 0) + (last_cost if s == n_stages - 1 else 0)
+        return prefix[j] - prefix[i] + extra
+
+    inf = float("inf")
+    # best[s][j]: smallest possible max cost placing layers 0..j-1 on stages 0..s
+    best = [[inf] * (n + 1) for _ in range(n_stages)]
+    cut = [[0] * (n + 1) for _ in range(n_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for s in range(1, n_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):  # last stage s holds i..j-1
+                value = max(best[s - 1][i], cost(s, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    sizes, j = [], n
+    for s in range(n_stages - 1, 0, -1):
+        i = cut[s][j]
+        sizes.append(j - i)
+        j = i
+    sizes.append(j)
+    return sizes[::-1]
+
+
+def stage_ids_of_rank(pp_rank: int, pp_size: int, n_local: int) -> list[int]:
+    """Stages owned by ``pp_rank`` under loop placement: ``pp_rank + k * pp_size``."""
+    return [pp_rank + k * pp_size for k in range(n_local)]
+
+
+def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1,
+                        layers_per_stage: list[int] | None = None) -> list[tuple[int, nn.Module]]:
+    """Return ``(stage_index, module)`` for each stage this rank owns (loop placement).
+
+    Each module is a deep copy of ``model`` without the parts the stage does not own (blocks
+    removed from ``layers``; ``tok_embeddings`` kept on stage 0 only, ``norm``/``output`` on the last
+    stage only), so its parameter names are those of the whole model.  The parts a stage drops are
+    never copied (they are pre-seeded as ``None`` in the deep-copy memo), so each stage costs only
+    its own memory.  ``model`` itself is left untouched.
+    """
+    n_stages = pp_size * virtual_stages
+    costs, first, last = model_layer_costs(model)
+    split = stage_layer_split(costs, n_stages, layers_per_stage, first, last)
+    keys = list(model.layers.keys())
+    out = []
+    for stage in stage_ids_of_rank(pp_rank, pp_size, virtual_stages):
+        owned = {keys[i] for i in split[stage]}
+        dropped: list[nn.Module | None] = [model.layers[k] for k in keys if k not in owned]
+        if stage != 0:
+            dropped.append(model.tok_embeddings)
+        if stage != n_stages - 1:
+            dropped += [model.norm, model.output]
+        memo = {id(m): None for m in dropped if m is not None}
+        module = copy.deepcopy(model, memo)
+        for k in keys:
+            if k not in owned:
+                del module.layers[k]
+        out.append((stage, module))
+    return out
+
+
+def build_pipeline_stages(modules: list[tuple[int, nn.Module]], n_stages: int, device: torch.device,
+                          pp_group: ProcessGroup) -> list[PipelineStage]:
+    """Wrap each ``(stage_index, module)`` in a :class:`PipelineStage` communicating over ``pp_group``."""
+    return [PipelineStage(module, stage, n_stages, device, group=pp_group) for stage, module in modules]
+
+
+def check_schedule(name: str, pp: int, n_microbatches: int, n_local: int = 1) -> list[str]:
+    """One sentence per reason ``name`` cannot run ``n_microbatches`` micro-batches on ``pp`` ranks."""
+    problems = []
+    if name not in SCHEDULES:
+        return [f"--parallel.schedule is {name!r} but must be one of {', '.join(SCHEDULES)}"]
+    if n_microbatches < 1:
+        return [f"--parallel.microbatches must be at least 1, got {n_microbatches}"]
+    if name == "1f1b" and n_microbatches < pp:
+        problems.append(f"the 1f1b schedule needs --parallel.microbatches ({n_microbatches}) to be at least "
+                        f"--parallel.pp ({pp})")
+    if name == "interleaved-1f1b":
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            problems.append(f"the interleaved-1f1b schedule needs --parallel.microbatches ({n_microbatches}) to be a "
+                            f"multiple of {rounds} (microbatches // pp); use a multiple of --parallel.pp ({pp})")
+    elif n_local != 1:
+        problems.append(f"the {name} schedule runs one stage per rank, got {n_local}")
+    return problems
+
+
+def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   scale_grads: bool = True) -> _PipelineSchedule:
+    """The torch schedule ``gpipe``, ``1f1b`` or ``interleaved-1f1b`` over this rank's ``stages``.
+
+    ``scale_grads=True`` divides the gradients by ``n_microbatches`` after the step (for a mean
+    loss); pass False when ``loss_fn`` already includes that factor.
+    """
+    problems = check_schedule(name, stages[0].group_size, n_microbatches, len(stages))
+    if problems:
+        raise ValueError("; ".join(problems))
+    if name == "gpipe":
+        return ScheduleGPipe(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    if name == "1f1b":
+        return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)

@@ -1,0 +1,114 @@
+"""Megatron-style tensor parallelism for the Llama-style ``Transformer``, applied with DTensor.
+
+The plan (as torchtitan applies it, without sequence parallelism):
+
+* attention ``wq``/``wk``/``wv`` and MLP ``w1``/``w3``: :class:`ColwiseParallel` (weight ``Shard(0)``),
+  so each rank computes a subset of heads / hidden units.  The attention reshapes with ``-1`` heads,
+  so it runs unchanged on the local heads.
+* attention ``wo`` and MLP ``w2``: :class:`RowwiseParallel` (weight ``Shard(1)``), whose partial
+  sums are all-reduced into a replicated residual stream.
+* ``tok_embeddings``: :class:`RowwiseParallel` over the vocabulary (weight ``Shard(0)``, token ids
+  replicated); each rank looks up its slice of the vocabulary and the partial results are summed.
+* ``output``: :class:`ColwiseParallel` over the vocabulary with a *replicated* output, i.e. the
+  logits are all-gathered so the ordinary cross-entropy runs unchanged on every TP rank.  We chose
+  this over loss-parallel because the pipeline schedules hand plain tensors to the loss function,
+  the loss stays bit-for-bit the single-process one, and the all-gather costs
+  ``batch*seq*vocab/tp`` floats per step, small next to the weight traffic of a 32k-vocab model.
+* RMSNorm weights: :class:`ReplicateParallel`, i.e. replicated DTensors computing on replicated
+  inputs.  Their inputs and output-gradients are already replicated (the colwise layers all-reduce
+  the input gradient), so their gradients agree on all TP ranks without communication.  Making them
+  DTensors too (rather than plain tensors) keeps every parameter of a TP model a DTensor, which
+  ``foreach``/fused optimizers (the CUDA default) require: they refuse mixed Tensor/DTensor lists.
+
+Hidden states between blocks (and between pipeline stages) are plain, replicated tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+
+def check_tensor_parallel(n_heads: int, dim: int, ffn_dim: int, vocab_size: int, tp: int) -> list[str]:
+    """Return one sentence per model width that cannot be split evenly over ``tp`` ranks."""
+    if tp < 1:
+        return [f"--parallel.tp must be at least 1, got {tp}"]
+    problems = []
+    for key, value in (("n_heads", n_heads), ("ffn_dim", ffn_dim), ("vocab_size", vocab_size)):
+        if value % tp:
+            problems.append(f"--model.{key} ({value}) must be divisible by --parallel.tp ({tp})")
+    if n_heads % tp == 0 and dim % tp:  # implied by n_heads | dim, reported only when it adds information
+        problems.append(f"--model.dim ({dim}) must be divisible by --parallel.tp ({tp})")
+    return problems
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors; it takes and returns plain (replicated) tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The Megatron plan for the parts of ``model`` that are present (a pipeline stage may lack some)."""
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = ReplicateParallel()
+    for key in model.layers:
+        prefix = f"layers.{key}"
+        plan[f"{prefix}.attention_norm"] = ReplicateParallel()
+        plan[f"{prefix}.ffn_norm"] = ReplicateParallel()
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"{prefix}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` (in place) over the 1-D ``tp_mesh`` with the Megatron plan; return it.
+
+    Parameter names do not change; sharded weights become DTensors whose ``to_local()`` is this
+    rank's slice.  Every rank must hold the same full weights before the call (rank 0 of the mesh
+    is the source the shards are scattered from).  Raises ValueError when the widths do not divide.
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    attn = next(iter(model.layers.values())).attention if len(model.layers) else None
+    if attn is not None:
+        n_heads = attn.wq.weight.shape[0] // attn.head_dim
+        dim = attn.wq.weight.shape[1]
+        ffn_dim = next(iter(model.layers.values())).feed_forward.w1.weight.shape[0]
+        vocab = _vocab_size(model) or tp
+        problems = check_tensor_parallel(n_heads, dim, ffn_dim, vocab, tp)
+        if problems:
+            raise ValueError("; ".join(problems))
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    return model
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    if getattr(model, "tok_embeddings", None) is not None:
+        return model.tok_embeddings.weight.shape[0]
+    if getattr(model, "output", None) is not None:
+        return model.output.weight.shape[0]
+    return None

@@ -1,0 +1,211 @@
+"""Emulated slow links (experiments/netns.py) on real namespaces, veths and tbf qdiscs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.netns import (
+    EmulatedNetwork,
+    available,
+    cleanup_stale,
+    list_namespaces,
+    parse_rate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ parse_rate (no root needed)
+
+
+@pytest.mark.parametrize(
+    "text, bits",
+    [
+        ("20mbit", 20e6),
+        ("1gbit", 1e9),
+        ("500kbit", 500e3),
+        ("20Mbit", 20e6),
+        ("1.5mbit/s", 1.5e6),
+        ("64kibit", 65536),
+        ("2e7", 2e7),
+        ("100000bit", 1e5),
+        (20_000_000, 2e7),
+    ],
+)
+def test_parse_rate(text, bits):
+    assert parse_rate(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("bad", ["", "fast", "20", "-5mbit", "0mbit", "20mbps", "20MB", "20 zbit", "nanmbit", None, True])
+def test_parse_rate_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_rate(bad)
+
+
+# ------------------------------------------------------------------ real namespaces
+
+
+@pytest.fixture
+def netns_ok():
+    ok, reason = available()
+    if not ok:
+        pytest.skip(reason)
+
+
+def _run_id() -> str:
+    return f"t{os.getpid()}{secrets.token_hex(2)}"
+
+
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.strip()}
+
+
+def _ns_of(base: str) -> list[str]:
+    return sorted(n for n in list_namespaces(base) if re.fullmatch(re.escape(base) + r"-(hub|h\d+)", n))
+
+
+def _gone(base: str) -> None:
+    assert _ns_of(base) == [], f"namespaces left: {_ns_of(base)}"
+
+
+def test_two_hosts_rate_reach_and_cleanup(netns_ok):
+    links_before = _root_links()
+    rid = _run_id()
+    with EmulatedNetwork(2, rate="20mbit", run_id=rid) as net:
+        base = net.base
+        assert _ns_of(base) == sorted(net.namespaces)
+        assert [h.address for h in net.hosts] == ["10.77.0.1", "10.77.0.2"]
+        assert net.wrap(["true"], 1) == ["ip", "netns", "exec", net.hosts[1].namespace, "true"]
+        assert _root_links() == links_before, "the root namespace's links must not change"
+        assert net.can_reach(0, 1) and net.can_reach(1, 0)
+        bps = net.measure_rate(0, 1, seconds=2)
+        print(f"measured {bps / 1e6:.2f} Mbit/s at a 20mbit cap")
+        assert 0.5 * 20e6 <= bps <= 1.1 * 20e6
+        # a process left running in a namespace is ended by close()
+        sleeper = net.popen(["sleep", "60"], 1)
+    assert net.closed
+    _gone(base)
+    assert sleeper.poll() is not None
+    assert not (_root_links() - links_before)
+    net.close()  # idempotent
+
+
+def test_close_on_exception(netns_ok):
+    rid = _run_id()
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedNetwork(2, rate="20mbit", run_id=rid) as net:
+            assert list_namespaces(net.base)
+            raise RuntimeError("boom")
+    assert net.closed
+    _gone(net.base)
+
+
+def test_handlers_restored(netns_ok):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with EmulatedNetwork(1, run_id=_run_id()):
+        assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def _suicide():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+
+
+def test_forked_child_signal_leaves_network_alone(netns_ok):
+    import multiprocessing
+
+    with EmulatedNetwork(1, run_id=_run_id()) as net:
+        p = multiprocessing.get_context("fork").Process(target=_suicide)
+        p.start()
+        p.join(10)
+        assert p.exitcode == -signal.SIGTERM
+        assert _ns_of(net.base) == sorted(net.namespaces), "a forked child's SIGTERM must not tear down"
+    _gone(net.base)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, subprocess, sys, time
+    from experiments.netns import EmulatedNetwork
+    net = EmulatedNetwork(2, rate="20mbit", run_id=sys.argv[1])
+    sleeper = net.popen(["sleep", "60"], 0)
+    print(json.dumps({"base": net.base, "sleeper": sleeper.pid}), flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(3)
+    """
+)
+
+
+def _start_child(rid: str) -> tuple[subprocess.Popen, dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", CHILD, rid], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    line = p.stdout.readline()
+    assert line, "child failed to build its network"
+    info = json.loads(line)
+    assert _ns_of(info["base"]) == sorted([f"{info['base']}-hub", f"{info['base']}-h0", f"{info['base']}-h1"])
+    return p, info
+
+
+def _wait_dead(pid: int, timeout: float = 5) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # our grandchild may linger as a zombie if nobody reaps it
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_cleans_up(netns_ok):
+    p, info = _start_child(_run_id())
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=15) == -signal.SIGTERM  # cleaned up, then died of SIGTERM
+    _gone(info["base"])
+    assert _wait_dead(info["sleeper"])
+
+
+def test_sigint_cleans_up_and_raises_keyboardinterrupt(netns_ok):
+    p, info = _start_child(_run_id())
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=15) == 3
+    assert "KeyboardInterrupt" in p.stdout.read()
+    _gone(info["base"])
+    assert _wait_dead(info["sleeper"])
+
+
+def test_cleanup_stale_after_sigkill(netns_ok):
+    rid = _run_id()
+    with EmulatedNetwork(1, run_id=f"{rid}live") as live:
+        p, info = _start_child(rid)
+        p.kill()
+        p.wait(timeout=10)
+        assert _ns_of(info["base"]), "SIGKILL cannot clean up; namespaces should remain"
+        removed = cleanup_stale(f"dlc-t{os.getpid()}")
+        assert sorted(removed) == sorted([f"{info['base']}-hub", f"{info['base']}-h0", f"{info['base']}-h1"])
+        _gone(info["base"])
+        assert _wait_dead(info["sleeper"])
+        assert _ns_of(live.base) == sorted(live.namespaces), "a live run must be spared"
+    _gone(live.base)

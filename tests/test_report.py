@@ -1,0 +1,188 @@
+"""The comparison report writer (experiments/report.py) on synthetic runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+
+from experiments.report import (
+    RunResult,
+    format_bytes,
+    format_ratio,
+    markdown_table,
+    perplexity,
+    write_report,
+)
+
+PNG_SIG = b"\x89PNG\r\n\x1a\n"
+
+
+def _curve(n, tokens_per_step, bytes_per_step, sec_per_step, offset=0.0):
+    return [
+        dict(tokens=i * tokens_per_step, bytes=i * bytes_per_step, seconds=i * sec_per_step,
+             eval_loss=4.0 * math.exp(-i / 10) + 3.0 + offset)
+        for i in range(n + 1)
+    ]
+
+
+def _runs():
+    return [
+        RunResult("single", "single", 1, _curve(20, 8192, 0, 1.0, 0.1), 3.2, 0.0, 40.0, 38.0),
+        RunResult("ddp-4", "ddp", 4, _curve(20, 32768, 4.8e8, 6.0), 3.0, 9.6e9, 120.0, 40.0),
+        RunResult("diloco-4", "diloco", 4, _curve(20, 32768, 9.6e6, 2.2, 0.03), 3.03, 1.92e8, 44.0, 39.6,
+                  extra={"H": 50}),
+    ]
+
+
+def _table(md: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    lines = [l for l in md.splitlines() if l.startswith("|")]
+    split = lambda l: [c.strip() for c in l.strip().strip("|").split("|")]
+    headers = split(lines[0])
+    assert set(lines[1].replace("|", "").replace(" ", "")) <= set(":-")
+    rows = [dict(zip(headers, split(l))) for l in lines[2:]]
+    return headers, {r["run"].replace(" (ref)", ""): r for r in rows}
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIG, f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_write_report(tmp_path):
+    runs = _runs()
+    md_path = write_report(runs, tmp_path / "out", reference="ddp-4",
+                           notes=["link rate measured: 19.1 Mbit/s (cap 20mbit)", "synthetic"])
+    out = tmp_path / "out"
+    assert md_path == out / "results.md"
+
+    for name in ("loss_vs_tokens.png", "loss_vs_bytes.png", "loss_vs_time.png"):
+        p = out / name
+        assert p.stat().st_size > 10_000, f"{name} suspiciously small"
+        w, h = _png_size(p)
+        assert w >= 600 and h >= 400
+
+    md = md_path.read_text()
+    headers, rows = _table(md)
+    assert set(rows) == {"single", "ddp-4", "diloco-4"}
+    assert "bytes ÷ ddp-4" in headers and "wall ÷ ddp-4" in headers and "loss vs ddp-4" in headers
+    assert "ddp-4 (ref)" in md
+
+    d = rows["diloco-4"]
+    assert d["workers"] == "4"
+    assert d["final held-out loss"] == "3.0300"
+    assert d["perplexity"] == f"{math.exp(3.03):.2f}" == "20.70"
+    assert d["bytes / worker"] == "192 MB"
+    assert d["wall-clock (s)"] == "44.0"
+    assert d["compute util."] == "90.0%"
+    assert d["bytes ÷ ddp-4"] == "0.02× (1/50)"
+    assert d["wall ÷ ddp-4"] == "0.367×"
+    assert d["loss vs ddp-4"] == "+1.00%"
+
+    r = rows["ddp-4"]
+    assert r["bytes / worker"] == "9.60 GB"
+    assert r["bytes ÷ ddp-4"] == "1×" and r["wall ÷ ddp-4"] == "1×" and r["loss vs ddp-4"] == "+0.00%"
+    assert r["compute util."] == "33.3%"
+
+    s = rows["single"]
+    assert s["bytes / worker"] == "0 B" and s["bytes ÷ ddp-4"] == "0×"
+    assert s["perplexity"] == f"{math.exp(3.2):.2f}"
+    assert s["loss vs ddp-4"] == "+6.67%"
+    assert s["compute util."] == "95.0%"
+
+    assert "## Notes" in md and "- link rate measured: 19.1 Mbit/s (cap 20mbit)" in md
+    assert "![" in md and "(loss_vs_bytes.png)" in md
+
+    data = json.loads((out / "results.json").read_text())
+    assert data["reference"] == "ddp-4"
+    assert [x["name"] for x in data["runs"]] == ["single", "ddp-4", "diloco-4"]
+    dj = data["runs"][2]
+    assert dj["extra"] == {"H": 50} and len(dj["curve"]) == 21
+    assert dj["derived"]["bytes_ratio"] == pytest.approx(0.02)
+    assert dj["derived"]["wall_ratio"] == pytest.approx(44 / 120)
+    assert dj["derived"]["perplexity"] == pytest.approx(math.exp(3.03))
+    assert dj["derived"]["compute_utilization"] == pytest.approx(0.9)
+    assert data["runs"][0]["derived"]["loss_change_pct"] == pytest.approx(20 / 3)
+
+
+def test_default_reference_and_degenerate_runs(tmp_path):
+    runs = [
+        RunResult("solo", "single", 1, [], 3.5, 0.0, 10.0, 9.0),  # no curve at all
+        RunResult("ddp", "ddp", 2, [{"tokens": 1, "bytes": 0, "seconds": 1, "eval_loss": float("nan")}],
+                  float("nan"), 0.0, 0.0, 0.0),
+    ]
+    md = write_report(runs, tmp_path, notes="one note").read_text()
+    headers, rows = _table(md)
+    assert "bytes ÷ ddp" in headers  # the ddp run is the default reference
+    assert rows["solo"]["bytes ÷ ddp"] == "—"  # 0 / 0
+    assert rows["solo"]["wall ÷ ddp"] == "∞"
+    assert rows["ddp"]["final held-out loss"] == "n/a" and rows["ddp"]["compute util."] == "n/a"
+    assert "- one note" in md
+    for name in ("loss_vs_tokens.png", "loss_vs_bytes.png", "loss_vs_time.png"):
+        _png_size(tmp_path / name)
+    json.loads((tmp_path / "results.json").read_text())  # NaN written as null, still valid JSON
+
+
+def test_write_report_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError):
+        write_report([], tmp_path)
+    with pytest.raises(ValueError, match="reference"):
+        write_report(_runs(), tmp_path, reference="nope")
+    dup = _runs()
+    dup[1].name = "single"
+    with pytest.raises(ValueError, match="unique"):
+        write_report(dup, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1.00 kB"),
+        (1234, "1.23 kB"),
+        (12_345_678, "12.3 MB"),
+        (123_400_000, "123 MB"),
+        (999_999, "1.00 MB"),
+        (9_996, "10.0 kB"),
+        (1.05e9, "1.05 GB"),
+        (2.5e12, "2.50 TB"),
+        (-2048, "-2.05 kB"),
+        (float("nan"), "n/a"),
+        (None, "n/a"),
+    ],
+)
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
+
+
+def test_format_ratio_and_perplexity():
+    assert format_ratio(1, 500) == "0.002× (1/500)"
+    assert format_ratio(3, 2) == "1.5×"
+    assert format_ratio(0, 0) == "—"
+    assert format_ratio(1, 0) == "∞"
+    assert format_ratio(float("nan"), 1) == "n/a"
+    assert perplexity(0.0) == 1.0
+    assert perplexity(math.log(20)) == pytest.approx(20)
+    assert perplexity(1e6) == math.inf
+    assert math.isnan(perplexity(None))
+
+
+def test_markdown_table():
+    t = markdown_table(["name", "H", "loss"], [["a|b", 10, 3.14159], ["c", 500, 2.5]])
+    lines = t.splitlines()
+    assert len(lines) == 4
+    assert all(l.startswith("| ") and l.endswith(" |") for l in lines)
+    assert lines[1].replace(" ", "") == "|:---|--:|----:|"
+    assert "a\\|b" in lines[2] and "3.142" in lines[2]
+    assert lines[3].split("|")[2].strip() == "500"
+    t2 = markdown_table(["x", "y"], [["1", None]], align=["c", "r"])
+    assert t2.splitlines()[1].replace(" ", "") == "|:-:|--:|"
+    with pytest.raises(ValueError):
+        markdown_table(["a", "b"], [[1]])
+    with pytest.raises(ValueError):
+        markdown_table(["a"], [[1]], align=["x"])
