@@ -21,6 +21,7 @@ commands:
   train                 run one island (prints the multiaddrs other islands join with)
   simulate --islands N  run N islands on this machine over loopback, then print a summary table
   config show           print the effective configuration (TOML, with a comment per key)
+  config reference      print every key with its default and meaning (markdown)
 
 shortcuts: --initial-peers ADDR[,ADDR] = --averaging.initial_peers, --resume = --checkpoint.resume latest
 examples:
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_simulate(cfg, ns.islands)
         if command == ["config", "show"]:
             print(config_mod.describe(cfg), end="")
+            return 0
+        if command == ["config", "reference"]:
+            print(config_mod.reference_markdown(), end="")
             return 0
         print(f"error: unknown command {' '.join(command)!r}; run `diloco --help` for the list", file=sys.stderr)
         return 2

@@ -326,11 +326,11 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
 
 
 def _unknown_key_message(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    tail = key.split(".")[-1]
+    # a bare or misplaced name (`--inner_steps`) most likely means the key with that exact last part
+    close = [k for k in valid if k.split(".")[-1] == tail and k != key][:1]
     if not close:
-        # Try matching the last component alone (e.g. `--inner_steps` -> `diloco.inner_steps`).
-        tail = key.split(".")[-1]
-        close = [k for k in valid if k.split(".")[-1] == tail][:1]
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean --{close[0]}?" if close else "; run `diloco config show` to list valid keys."
     return f"unknown config key --{key}{hint}"
 

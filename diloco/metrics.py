@@ -61,7 +61,7 @@ class MetricsLogger:
         """Flush and finish the W&B run."""
         self._file.close()
         if self._wandb is not None:
-            self._wandb.finish(quiet=True)
+            self._wandb.finish()
             self._wandb = None
 
 

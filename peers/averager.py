@@ -224,6 +224,8 @@ class IslandAverager:
         with self._averager.get_tensors() as bufs:
             averaged = [b.clone() for b in bufs]
         result.reason = self._check_group(meta, n, round_id)
+        if not result.reason and not all(torch.isfinite(a).all() for a in averaged):
+            result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
         if not result.reason:
             result.reason = self._vote(averaged, peers, round_id)
         result.vote_seconds = time.perf_counter() - t1

@@ -40,8 +40,9 @@ def stage_layer_split(layer_costs: list[int], n_stages: int, layers_per_stage: l
 
     With ``layers_per_stage`` the runs have exactly those lengths.  Otherwise the split minimises the
     largest stage cost, where a stage costs the sum of its ``layer_costs`` plus ``first_cost`` (the
-    embedding) on the first stage and ``last_cost`` (norm and output) on the last; ties go to the
-    split that puts fewer layers first.  Raises ValueError when no such split exists.
+    embedding) on the first stage and ``last_cost`` (norm and output) on the last; among such splits
+    it takes the most even one (least sum of squared stage costs).  Raises ValueError when no split
+    exists.
     """
     n_layers = len(layer_costs)
     if n_stages < 1:
@@ -69,7 +70,8 @@ def stage_layer_split(layer_costs: list[int], n_stages: int, layers_per_stage: l
 
 
 def _balanced_sizes(costs: list[int], n_stages: int, first_cost: int, last_cost: int) -> list[int]:
-    """Stage sizes minimising the most expensive stage (dynamic programming over split points)."""
+    """Stage sizes minimising the most expensive stage and, among those, the sum of squared stage
+    costs (so equal layers spread evenly).  Two dynamic programmes over the split points."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -79,25 +81,29 @@ def _balanced_sizes(costs: list[int], n_stages: int, first_cost: int, last_cost:
         extra = (first_cost if s == 0 else 0) + (last_cost if s == n_stages - 1 else 0)
         return prefix[j] - prefix[i] + extra
 
-    inf = float("inf")
-    # best[s][j]: smallest possible max cost placing layers 0..j-1 on stages 0..s
-    best = [[inf] * (n + 1) for _ in range(n_stages)]
-    cut = [[0] * (n + 1) for _ in range(n_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = cost(0, 0, j)
-    for s in range(1, n_stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):  # last stage s holds i..j-1
-                value = max(best[s - 1][i], cost(s, i, j))
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
-    sizes, j = [], n
-    for s in range(n_stages - 1, 0, -1):
-        i = cut[s][j]
-        sizes.append(j - i)
-        j = i
-    sizes.append(j)
-    return sizes[::-1]
+    def solve(score, combine) -> tuple[float, list[int]]:
+        # best[s][j]: best score placing layers 0..j-1 on stages 0..s (stage s non-empty)
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(n_stages)]
+        cut = [[0] * (n + 1) for _ in range(n_stages)]
+        for j in range(1, n + 1):
+            best[0][j] = score(cost(0, 0, j))
+        for s in range(1, n_stages):
+            for j in range(s + 1, n + 1):
+                for i in range(s, j):
+                    value = combine(best[s - 1][i], score(cost(s, i, j)))
+                    if value < best[s][j]:
+                        best[s][j], cut[s][j] = value, i
+        sizes, j = [], n
+        for s in range(n_stages - 1, 0, -1):
+            sizes.append(j - cut[s][j])
+            j = cut[s][j]
+        sizes.append(j)
+        return best[n_stages - 1][n], sizes[::-1]
+
+    limit, _ = solve(lambda c: c, max)
+    _, sizes = solve(lambda c: c * c if c <= limit else float("inf"), lambda a, b: a + b)
+    return sizes
 
 
 def stage_ids_of_rank(pp_rank: int, pp_size: int, n_local: int) -> list[int]:

@@ -1,0 +1,49 @@
+"""Shared test helpers: tiny configs, one thread per process, and a check that no daemon leaks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from diloco.config import Config, load  # noqa: E402
+
+
+def tiny_config(run_dir, **overrides) -> Config:
+    """A `tiny` model config that trains in seconds, with W&B off and no peers."""
+    items = {
+        "model.preset": "tiny", "diloco.inner_steps": 5, "diloco.outer_steps": 3, "inner.batch_size": 4,
+        "inner.warmup_steps": 2, "logging.run_dir": str(run_dir), "logging.eval_batches": 2,
+        "wandb.mode": "disabled", "averaging.backend": "local", "averaging.min_group_size": 1,
+        "checkpoint.every": 0, "threads": 1, "data.max_bytes": 2_000_000,
+    }
+    items.update(overrides)
+    return load(None, {k: v for k, v in items.items()})
+
+
+def p2pd_pids() -> set[int]:
+    """Process ids of running p2pd daemons."""
+    out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+@pytest.fixture
+def no_leaked_daemons():
+    """Fail the test if it leaves p2pd daemons behind."""
+    before = p2pd_pids()
+    yield
+    import time
+
+    deadline = time.time() + 10
+    while time.time() < deadline and (p2pd_pids() - before):
+        time.sleep(0.2)
+    leaked = p2pd_pids() - before
+    assert not leaked, f"test left p2pd daemons running: {sorted(leaked)}"

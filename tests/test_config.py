@@ -1,0 +1,103 @@
+"""The config tree: TOML + overrides, one clear line per problem, docs for every key."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from diloco import config as C
+from diloco.config import ConfigError, load
+
+
+def test_defaults_are_valid_and_presets_fill_the_model():
+    cfg = load()
+    assert cfg.model.preset == "small" and cfg.model.dim == 128 and cfg.diloco.outer_lr == 0.7
+    assert load(None, ["--model.preset", "1b"]).model.n_layers == 24
+
+
+def test_toml_file_then_command_line_overrides(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('seed = 7\n[diloco]\ninner_steps = 20\n[averaging]\ninitial_peers = ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]\n')
+    cfg = load(str(f), ["--diloco.inner_steps", "30", "--wandb.mode=offline"])
+    assert cfg.seed == 7 and cfg.diloco.inner_steps == 30 and cfg.wandb.mode == "offline"
+    assert cfg.averaging.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--diloco.inner_step", "5"], "unknown config key --diloco.inner_step; did you mean --diloco.inner_steps?"),
+    (["--inner_steps", "5"], "did you mean --diloco.inner_steps?"),
+    (["--diloco.inner_steps", "five"], "--diloco.inner_steps expects an integer, got 'five'"),
+    (["--averaging.client_mode", "maybe"], "expects true or false"),
+    (["--model.n_heads", "3"], "--model.n_heads (3) must divide --model.dim (128)"),
+    (["--diloco.inner_steps", "0"], "--diloco.inner_steps (H) must be at least 1"),
+    (["--model.preset", "huge"], "--model.preset is 'huge' but must be one of tiny, small, 150m, 1b"),
+    (["--wandb.mode", "on"], "must be one of online, offline, disabled"),
+    (["--averaging.initial_peers", "1.2.3.4:5"], "is not a multiaddr ending in /p2p/PEER_ID"),
+    (["--data.shard_index", "3", "--data.num_shards", "2"], "--data.shard_index must be in [0, 1]"),
+    (["--averaging.matchmaking_timeout", "1"], "must exceed --averaging.matchmaking_time"),
+])
+def test_each_problem_is_one_clear_line(args, expected):
+    with pytest.raises(ConfigError) as e:
+        load(None, args)
+    assert any(expected in p for p in e.value.problems), e.value.problems
+    assert all("\n" not in p for p in e.value.problems)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        load(None, ["--model.dimm", "3", "--diloco.outer_steps", "0", "--inner.lr", "-1"])
+    assert len(e.value.problems) == 3
+
+
+def test_bad_toml_names_the_file(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[model\npreset = 1")
+    with pytest.raises(ConfigError, match="bad.toml is not valid TOML"):
+        load(str(f))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(str(tmp_path / "missing.toml"))
+
+
+def test_every_field_has_a_docstring():
+    def walk(cls):
+        docs = C.field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+                continue
+            sub = getattr(cls(), f.name)
+            if dataclasses.is_dataclass(sub):
+                walk(type(sub))
+            else:
+                assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+    walk(C.Config)
+
+
+def test_describe_round_trips_through_toml(tmp_path):
+    cfg = load(None, ["--diloco.inner_steps", "17", "--averaging.host_maddrs", "/ip4/0.0.0.0/tcp/1234"])
+    f = tmp_path / "shown.toml"
+    f.write_text(C.describe(cfg))
+    again = load(str(f))
+    assert C.flatten(again) == C.flatten(cfg)
+
+
+def test_cli_exit_codes():
+    ok = subprocess.run([sys.executable, "-m", "diloco.cli", "config", "show", "--seed", "3"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "seed = 3" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--model.dimm", "3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: unknown config key --model.dimm; did you mean --model.dim?"
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    current = readme[readme.index(start) + len(start):readme.index(end)]
+    assert current == C.reference_markdown(), "README config reference is stale: regenerate it with " \
+        "`diloco config reference`"

@@ -1,0 +1,151 @@
+"""The hivemind averager behind our interface: real DHTs and averagers on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from peers.averager import AveragerSettings, IslandAverager, allreduce_bytes, fingerprint, fingerprints_agree
+from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
+
+FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
+            allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)
+TEMPLATE = [torch.zeros(64, 8), torch.zeros(300)]
+
+
+@pytest.fixture
+def swarm(no_leaked_daemons):
+    """A factory of connected (dht, averager) pairs; everything is shut down afterwards."""
+    made: list = []
+
+    def make(n: int, prefix: str = "t", template=TEMPLATE, **overrides):
+        settings = AveragerSettings(prefix=prefix, **{**FAST, "target_group_size": n, **overrides})
+        first = start_dht(NetworkSettings())
+        dhts = [first] + [start_dht(NetworkSettings(initial_peers=visible_maddrs(first))) for _ in range(n - 1)]
+        made.extend(dhts)
+        avgs = [IslandAverager(d, template, settings) for d in dhts]
+        made.extend(avgs)
+        return avgs
+
+    yield make
+    for obj in reversed(made):
+        obj.shutdown()
+
+
+def _run_round(avgs, deltas, weights, metas=None, round_id="0"):
+    results = [None] * len(avgs)
+
+    def go(i):
+        meta = (metas or [{"config_fingerprint": "same"}] * len(avgs))[i]
+        results[i] = avgs[i].average(deltas[i], weights[i], meta, round_id)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(avgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def _rand():
+    return [torch.randn_like(t) for t in TEMPLATE]
+
+
+def test_weighted_average_reaches_every_island(swarm):
+    avgs = swarm(3)
+    deltas = [_rand() for _ in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    results = _run_round(avgs, deltas, weights)
+    expected = [sum(w * d[k] for w, d in zip(weights, deltas)) / sum(weights) for k in range(len(TEMPLATE))]
+    for result, averaged in results:
+        assert result.ok, result.reason
+        assert result.group_size == 3 and len(result.peers) == 3
+        assert result.total_weight == pytest.approx(8.0)
+        assert result.bytes_sent == allreduce_bytes(sum(t.numel() * 4 for t in TEMPLATE), 3, 1.0) > 0
+        for a, e in zip(averaged, expected):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_group_below_minimum_is_rejected_by_everyone(swarm):
+    avgs = swarm(2, min_group_size=3, target_group_size=3)
+    results = _run_round(avgs, [_rand(), _rand()], [1.0, 1.0])
+    for result, averaged in results:
+        assert not result.ok and averaged is None
+        assert result.reason
+
+
+def test_nan_from_a_peer_is_rejected_by_all(swarm):
+    avgs = swarm(2)
+    bad = _rand()
+    bad[0][3, 3] = float("nan")
+    honest, hostile = avgs
+
+    # the hostile peer bypasses our own finiteness check and pushes NaN through hivemind directly
+    def hostile_round():
+        with hostile._averager.get_tensors() as bufs:
+            for b, d in zip(bufs, bad):
+                b.copy_(d)
+        try:
+            hostile._averager.step(gather={"config_fingerprint": "same", "round_id": "0", "weight": 1.0},
+                                   weight=1.0, timeout=8.0, allow_retries=False)
+        except Exception:
+            pass
+
+    t = threading.Thread(target=hostile_round)
+    t.start()
+    result, averaged = honest.average(_rand(), 1.0, {"config_fingerprint": "same"}, "0")
+    t.join(30)
+    assert not result.ok and averaged is None
+    assert "not finite" in result.reason
+
+
+def test_different_configs_are_not_averaged(swarm):
+    avgs = swarm(2)
+    results = _run_round(avgs, [_rand(), _rand()], [1.0, 1.0],
+                         metas=[{"config_fingerprint": "a"}, {"config_fingerprint": "b"}])
+    for result, _ in results:
+        assert not result.ok and "different model or training configs" in result.reason
+
+
+def test_our_own_nan_is_never_sent(swarm):
+    (avg,) = swarm(1, min_group_size=1)
+    bad = _rand()
+    bad[1][0] = float("inf")
+    result, averaged = avg.average(bad, 1.0, {}, "0")
+    assert not result.ok and "not finite" in result.reason and averaged is None
+
+
+def test_state_download_from_the_freshest_peer(swarm):
+    a, b = swarm(2)
+    served = ({"outer_step": 7}, [torch.full((4,), 3.0)])
+    a._averager._state_provider = lambda: served
+    a.set_state_priority(7)
+    time.sleep(1.0)
+    meta, tensors = b.download_state()
+    assert meta == {"outer_step": 7} and torch.equal(tensors[0], served[1][0])
+
+
+def test_fingerprints_catch_a_part_left_unaveraged():
+    averaged = [torch.randn(10_000)]
+    partial = [averaged[0].clone()]
+    partial[0][2000:2500] = torch.randn(500)  # one peer kept its local values for one part
+    assert fingerprints_agree(fingerprint(averaged), fingerprint([averaged[0] * (1 + 1e-7)]), 1e-5)
+    assert not fingerprints_agree(fingerprint(averaged), fingerprint(partial), 1e-5)
+    nan = [averaged[0].clone()]
+    nan[0][5] = float("nan")
+    assert not fingerprints_agree(fingerprint(averaged), fingerprint(nan), 1e-5)
+
+
+def test_unreachable_and_malformed_peers_fail_fast_with_one_line(no_leaked_daemons):
+    t0 = time.time()
+    with pytest.raises(PeerNetworkError, match="could not reach any initial peer"):
+        start_dht(NetworkSettings(initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWPv9PooUzajcypH6NMZc2Cp6fvGbzvTKPc4y87xBxdPV7"],
+                                  startup_timeout=5))
+    assert time.time() - t0 < 30
+    with pytest.raises(PeerNetworkError, match="is not a valid multiaddr"):
+        start_dht(NetworkSettings(initial_peers=["/ip4/1.2.3/tcp/5/p2p/x"]))
+    with pytest.raises(PeerNetworkError, match="lacks its /p2p/PEER_ID"):
+        start_dht(NetworkSettings(initial_peers=["/ip4/127.0.0.1/tcp/5"]))

@@ -1,0 +1,373 @@
+"""Tensor- and pipeline-parallel islands (package ``pipeline``) on real gloo process groups.
+
+The distributed checks run this file as a script in 2 or 4 subprocesses (one gloo group per
+group of checks) and compare what the ranks report with a single-process reference trained in the
+test process on the same data and seed: per-step losses, gradient norms, evaluation loss and the
+final parameters (each rank's local shard against the matching slice of the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.config import ModelConfig
+from diloco.model import build_model, lm_loss
+from pipeline.island import Island, IslandSettings, check_island
+from pipeline.pipeline_parallel import build_stage_modules, check_schedule, model_layer_costs, stage_layer_split
+from pipeline.shards import ShardSpec, shard_spec_of
+from pipeline.tensor_parallel import check_tensor_parallel
+
+STEPS = 20
+BATCH, SEQ = 8, 16
+LR, CLIP = 3e-3, 0.5
+EVAL_SEED = 99
+PROC_TIMEOUT_S = 200
+
+
+def tiny_model_config() -> ModelConfig:
+    return ModelConfig(preset="tiny", dim=32, n_layers=4, n_heads=4, ffn_dim=64, seq_len=SEQ, vocab_size=256)
+
+
+def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    """``n`` batches of random token sequences (inputs are ``[:, :-1]``, targets ``[:, 1:]``)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
+
+
+# --------------------------------------------------------------------------------- single process
+def test_stage_layer_split_balances_uniform_layers():
+    assert stage_layer_split([10] * 4, 2) == [[0, 1], [2, 3]]
+    assert stage_layer_split([10] * 4, 4) == [[0], [1], [2], [3]]
+    assert stage_layer_split([10] * 5, 1) == [[0, 1, 2, 3, 4]]
+    # Uneven: the extra layer goes to a later stage.
+    assert stage_layer_split([10] * 5, 2) == [[0, 1], [2, 3, 4]]
+
+
+def test_stage_layer_split_counts_embedding_and_output():
+    # A heavy embedding pushes layers off the first stage, a heavy output off the last.
+    assert stage_layer_split([10] * 6, 2, first_cost=20) == [[0, 1], [2, 3, 4, 5]]
+    assert stage_layer_split([10] * 6, 2, last_cost=20) == [[0, 1, 2, 3], [4, 5]]
+    split = stage_layer_split([10] * 6, 3, first_cost=10, last_cost=10)
+    assert [len(s) for s in split] in ([2, 2, 2], [1, 3, 2], [2, 3, 1])  # all cost at most 30 per stage
+    # Heterogeneous layer costs: minimise the largest stage (3 and 11 rather than 12 and 2).
+    assert stage_layer_split([1, 1, 1, 9, 1, 1], 2) == [[0, 1, 2], [3, 4, 5]]
+    # Among the splits with the same largest stage, the most even one.
+    assert stage_layer_split([5] * 12, 4, first_cost=1, last_cost=2) == [
+        [0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+def test_stage_layer_split_explicit_and_errors():
+    assert stage_layer_split([10] * 4, 2, [3, 1]) == [[0, 1, 2], [3]]
+    with pytest.raises(ValueError, match="has only 4 layers"):
+        stage_layer_split([10] * 4, 5)
+    with pytest.raises(ValueError, match="sums to 3"):
+        stage_layer_split([10] * 4, 2, [2, 1])
+    with pytest.raises(ValueError, match="lists 3 stages"):
+        stage_layer_split([10] * 4, 2, [2, 1, 1])
+    with pytest.raises(ValueError, match="at least one layer"):
+        stage_layer_split([10] * 4, 2, [4, 0])
+
+
+def test_stage_layer_split_on_the_model_balances_parameters():
+    model = build_model(tiny_model_config())
+    costs, first, last = model_layer_costs(model)
+    assert len(costs) == 4 and first == 256 * 32 and last == 32 + 256 * 32
+    assert sum(costs) + first + last == sum(p.numel() for p in model.parameters())
+    assert [len(s) for s in stage_layer_split(costs, 2, None, first, last)] == [2, 2]
+
+
+def test_tensor_parallel_divisibility_errors():
+    assert check_tensor_parallel(4, 32, 64, 256, 2) == []
+    assert check_tensor_parallel(6, 48, 64, 256, 4) == ["--model.n_heads (6) must be divisible by --parallel.tp (4)"]
+    problems = check_tensor_parallel(4, 32, 66, 250, 4)
+    assert "--model.ffn_dim (66) must be divisible by --parallel.tp (4)" in problems
+    assert "--model.vocab_size (250) must be divisible by --parallel.tp (4)" in problems
+    assert check_tensor_parallel(4, 32, 64, 256, 0) == ["--parallel.tp must be at least 1, got 0"]
+
+
+def test_island_settings_errors():
+    ok = dict(n_layers=4, n_heads=4, dim=32, ffn_dim=64, vocab_size=256)
+    assert check_island(IslandSettings(tp=2, pp=2, microbatches=4), **ok) == []
+    assert check_island(IslandSettings(pp=5, microbatches=8), **ok) == [
+        "--parallel.pp (5) must not exceed --model.n_layers (4)"]
+    assert check_island(IslandSettings(pp=2, schedule="interleaved-1f1b", virtual_stages=3, microbatches=4), **ok) == [
+        "--parallel.pp * --parallel.virtual_stages (6) must not exceed --model.n_layers (4) for interleaved-1f1b"]
+    # virtual_stages only matters for the interleaved schedule.
+    assert check_island(IslandSettings(pp=2, schedule="1f1b", virtual_stages=3, microbatches=4), **ok) == []
+    assert check_island(IslandSettings(pp=4, schedule="1f1b", microbatches=2), **ok) == [
+        "the 1f1b schedule needs --parallel.microbatches (2) to be at least --parallel.pp (4)"]
+    assert check_island(IslandSettings(pp=2, schedule="zb"), **ok)[0].startswith("--parallel.schedule is 'zb'")
+    assert check_schedule("interleaved-1f1b", 4, 10) == []
+    assert check_island(IslandSettings(tp=3), **ok) == [
+        "--model.n_heads (4) must be divisible by --parallel.tp (3)",
+        "--model.ffn_dim (64) must be divisible by --parallel.tp (3)",
+        "--model.vocab_size (256) must be divisible by --parallel.tp (3)"]
+    with pytest.raises(ValueError, match="the mesh is pp=1 x tp=1"):
+        Island(build_model(tiny_model_config()), None, IslandSettings(tp=2))
+
+
+def test_build_stage_modules_keeps_names_and_copies_only_owned_parts():
+    model = build_model(tiny_model_config())
+    full = dict(model.named_parameters())
+    seen: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        for stage, module in build_stage_modules(model, rank, 2, virtual_stages=2):
+            assert stage in (rank, rank + 2)
+            assert list(module.layers.keys()) == [str(stage)]
+            assert (module.tok_embeddings is not None) == (stage == 0)
+            assert (module.norm is not None) == (module.output is not None) == (stage == 3)
+            for name, p in module.named_parameters():
+                assert name not in seen
+                assert p.data_ptr() != full[name].data_ptr()
+                torch.testing.assert_close(p, full[name], rtol=0, atol=0)
+                seen[name] = p
+    assert set(seen) == set(full)
+    assert len(model.layers) == 4 and model.output is not None  # the original is untouched
+
+
+def test_stages_compose_to_the_full_model():
+    model = build_model(tiny_model_config())
+    x = batches(1)[0][:, :-1]
+    h = x
+    for _, module in sorted((s for r in range(2) for s in build_stage_modules(model, r, 2, 1, [1, 3])),
+                            key=lambda s: s[0]):
+        h = module(h)
+    torch.testing.assert_close(h, model(x))
+
+
+def test_shard_spec_of_plain_tensor_is_the_whole_tensor():
+    spec = shard_spec_of(torch.zeros(6, 4))
+    assert spec == ShardSpec((6, 4), 0, 0, 6, True)
+    assert spec.local_shape == (6, 4)
+    full = torch.arange(24.0).view(6, 4)
+    assert ShardSpec((6, 4), 1, 2, 2, False).slice_of(full).tolist() == full[:, 2:4].tolist()
+
+
+def test_single_process_island_matches_plain_training():
+    cfg = tiny_model_config()
+    ref = build_model(cfg)
+    island = Island(build_model(cfg), None, IslandSettings(activation_checkpointing=True))
+    opt, ref_opt = make_optimizer(island.parameters()), make_optimizer(ref.parameters())
+    for x in batches(3):
+        loss = island.train_step(x[:, :-1], x[:, 1:])
+        norm = island.clip_grad_norm_(CLIP)
+        opt.step()
+        island.zero_grad()
+        ref_loss = lm_loss(ref(x[:, :-1]), x[:, 1:])
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+        assert norm == pytest.approx(ref_norm.item(), rel=1e-5)
+    for name, p in island.local_named_parameters().items():
+        torch.testing.assert_close(p, dict(ref.named_parameters())[name].detach())
+
+
+# ----------------------------------------------------------------------------- distributed checks
+CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 one-layer stages)
+    dict(name="tp2-pp2-gpipe", tp=2, pp=2, schedule="gpipe", microbatches=4),
+    dict(name="tp2-pp2-1f1b", tp=2, pp=2, schedule="1f1b", microbatches=4, activation_checkpointing=True),
+    dict(name="tp2-pp2-interleaved-1f1b", tp=2, pp=2, schedule="interleaved-1f1b", microbatches=4,
+         virtual_stages=2),
+]
+CASES_2 = [
+    dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
+    dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
+    dict(name="pp2-interleaved-1f1b", tp=1, pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2),
+]
+
+
+def _run_case(case: dict, out_dir: Path, rank: int) -> None:
+    """Train one island for STEPS steps and save what this rank sees."""
+    from pipeline.mesh import init_island_mesh
+
+    settings = IslandSettings(**{k: v for k, v in case.items() if k != "name"})
+    mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60)
+    island = Island(build_model(tiny_model_config()), mesh, settings)
+    opt = make_optimizer(island.parameters())
+    losses, norms = [], []
+    for x in batches(STEPS):
+        losses.append(island.train_step(x[:, :-1], x[:, 1:]))
+        norms.append(island.clip_grad_norm_(CLIP))
+        opt.step()
+        island.zero_grad()
+    ev = batches(1, EVAL_SEED)[0]
+    eval_loss = island.eval_loss(ev[:, :-1], ev[:, 1:])
+    after_eval = island.train_step(ev[:, :-1], ev[:, 1:])  # training works again after an evaluation
+    island.zero_grad()
+    full = island.full_parameters()  # collective: every rank gets the whole model
+    result = dict(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval,
+                  local={k: v.clone() for k, v in island.local_named_parameters().items()},
+                  specs=island.shard_specs(), full=full if rank == 0 else None)
+    # Writing through local_named_parameters updates the model; load_full_parameters restores it.
+    saved = {k: v.clone() for k, v in island.local_named_parameters().items()}
+    for v in island.local_named_parameters().values():
+        v.zero_()
+    result["zeroed"] = all(float(_local(p).abs().sum()) == 0 for p in island.parameters())
+    island.load_full_parameters(full)
+    result["restored"] = all(torch.equal(saved[k], v) for k, v in island.local_named_parameters().items())
+    if settings.pp > 1:  # a batch that does not split into micro-batches is refused on every rank
+        try:
+            island.train_step(ev[:3, :-1], ev[:3, 1:])
+            result["microbatch_error"] = None
+        except ValueError as e:
+            result["microbatch_error"] = str(e)
+    torch.save(result, out_dir / f"{case['name']}-rank{rank}.pt")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+
+def _worker(cases: list[dict], out_dir: str) -> None:
+    """Entry point of one rank (this file run as a script)."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    try:
+        for case in cases:
+            _run_case(case, Path(out_dir), rank)
+    finally:
+        from pipeline.mesh import destroy_island
+
+        destroy_island()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cases: list[dict], world: int, out_dir: Path) -> None:
+    """Run ``cases`` on a fresh gloo group of ``world`` subprocesses; kill them all on failure."""
+    port = _free_port()
+    repo = str(Path(__file__).resolve().parents[1])
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                   RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cases), str(out_dir)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs, failed = [], False
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=PROC_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                failed = True
+                break
+            outputs.append(out)
+            failed = failed or p.returncode != 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed:
+        raise AssertionError("island processes failed:\n" + "\n----\n".join(o[-3000:] for o in outputs))
+
+
+def reference_run() -> dict:
+    """The single-process run every island must reproduce."""
+    torch.set_num_threads(1)
+    model = build_model(tiny_model_config())
+    opt = make_optimizer(model.parameters())
+    losses, norms = [], []
+    for x in batches(STEPS):
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ev = batches(1, EVAL_SEED)[0]
+    with torch.no_grad():
+        eval_loss = lm_loss(model(ev[:, :-1]), ev[:, 1:]).item()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return dict(losses=losses, norms=norms, eval_loss=eval_loss, params=params)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return reference_run()
+
+
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("island4")
+    launch(CASES_4, 4, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results_2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("island2")
+    launch(CASES_2, 2, out)
+    return out
+
+
+def check_case(case: dict, world: int, out: Path, ref: dict) -> None:
+    seen: dict[str, list[ShardSpec]] = {}
+    for rank in range(world):
+        r = torch.load(out / f"{case['name']}-rank{rank}.pt", weights_only=False)
+        for step, (got, want) in enumerate(zip(r["losses"], ref["losses"], strict=True)):
+            assert got == pytest.approx(want, rel=1e-4), f"{case['name']} rank {rank} step {step} loss"
+        for step, (got, want) in enumerate(zip(r["norms"], ref["norms"], strict=True)):
+            assert got == pytest.approx(want, rel=1e-3), f"{case['name']} rank {rank} step {step} grad norm"
+        assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-4)
+        assert r["after_eval"] == pytest.approx(ref["eval_loss"], rel=1e-4)
+        for name, local in r["local"].items():
+            spec = r["specs"][name]
+            assert tuple(spec.full_shape) == tuple(ref["params"][name].shape)
+            assert tuple(local.shape) == spec.local_shape
+            torch.testing.assert_close(local, spec.slice_of(ref["params"][name]), rtol=1e-3, atol=2e-4,
+                                       msg=lambda m, n=name: f"{case['name']} rank {rank} {n}: {m}")
+            seen.setdefault(name, []).append(spec)
+        if r["full"] is not None:
+            assert set(r["full"]) == set(ref["params"])
+            for name, p in r["full"].items():
+                torch.testing.assert_close(p, ref["params"][name], rtol=1e-3, atol=2e-4)
+        assert r["zeroed"] and r["restored"]
+        if case["pp"] > 1:
+            assert r["microbatch_error"] == ("the batch of 3 sequences does not split into "
+                                             f"--parallel.microbatches ({case['microbatches']}) equal micro-batches")
+    # The shards of every parameter tile it exactly once (replicated ones are whole on every TP rank).
+    assert set(seen) == set(ref["params"])
+    for name, specs in seen.items():
+        if specs[0].replicated:
+            assert all(s.replicated and s.length == s.full_shape[0] for s in specs)
+            assert len(specs) == case["tp"]
+        else:
+            covered = sorted((s.offset, s.offset + s.length) for s in specs)
+            assert covered == [(i * covered[0][1], (i + 1) * covered[0][1]) for i in range(case["tp"])]
+            assert covered[-1][1] == specs[0].full_shape[specs[0].dim]
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c["name"] for c in CASES_4])
+def test_tp2_pp2_island_trains_like_one_process(case, results_4, reference):
+    check_case(case, 4, results_4, reference)
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c["name"] for c in CASES_2])
+def test_tp_or_pp_island_trains_like_one_process(case, results_2, reference):
+    check_case(case, 2, results_2, reference)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]), sys.argv[2])
