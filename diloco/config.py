@@ -143,6 +143,20 @@ class AveragingConfig:
     """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (uniform 8-bit)."""
     maddr_file: str = ""
     """If set, write this island's visible multiaddrs to this file once it is reachable."""
+    run_key: str = ""
+    """Shared secret of the run: only islands holding it can join, average or download state. Empty on
+    the first island: a key is generated and printed; islands joining a private run must pass it."""
+    public: bool = False
+    """Run without a run key: anyone who reaches an island may join (not recommended over the internet)."""
+    vote_timeout: float = 15.0
+    """Seconds to wait for every group member to confirm the averaged result."""
+    max_norm_ratio: float = 10.0
+    """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
+    committed rounds (0 disables the check)."""
+    wait_for_islands: int = 0
+    """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
+    member_ttl: float = 60.0
+    """Seconds an island's registration lives without a heartbeat (refreshed every third of it)."""
 
 
 @dataclass
@@ -489,7 +503,12 @@ def validate(cfg: Config) -> list[str]:
     if not 0 < a.request_timeout < a.matchmaking_time:
         p.append(f"--averaging.request_timeout ({a.request_timeout}) must be positive and below "
                  f"--averaging.matchmaking_time ({a.matchmaking_time})")
-    for name in ("allreduce_timeout", "next_chunk_timeout", "startup_timeout", "state_download_timeout"):
+    if a.wait_for_islands < 0:
+        p.append(f"--averaging.wait_for_islands must be 0 or more, got {a.wait_for_islands}")
+    if a.max_norm_ratio < 0:
+        p.append(f"--averaging.max_norm_ratio must be 0 (off) or positive, got {a.max_norm_ratio}")
+    for name in ("allreduce_timeout", "next_chunk_timeout", "startup_timeout", "state_download_timeout",
+                 "vote_timeout", "member_ttl"):
         if getattr(a, name) <= 0:
             p.append(f"--averaging.{name} must be positive, got {getattr(a, name)}")
     for addr in a.initial_peers:

@@ -19,6 +19,7 @@ import torch
 
 from diloco.config import Config, to_dict
 from diloco.metrics import read_metrics
+from peers.membership import new_run_key
 
 
 class SimulationError(RuntimeError):
@@ -29,6 +30,7 @@ def island_configs(cfg: Config, n: int) -> list[dict[str, Any]]:
     """Per-island config dicts: disjoint data shards, own run directory, loopback networking."""
     base = Path(cfg.logging.run_dir)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
+    run_key = cfg.averaging.run_key or ("" if cfg.averaging.public else new_run_key())
     out = []
     for i in range(n):
         d = to_dict(cfg)
@@ -42,6 +44,9 @@ def island_configs(cfg: Config, n: int) -> list[dict[str, Any]]:
         if not a["target_group_size"]:
             a["target_group_size"] = n
         a["maddr_file"] = str(base / f"island{i}" / "maddrs.txt")
+        a["run_key"] = run_key
+        if not a["wait_for_islands"]:
+            a["wait_for_islands"] = n
         out.append(d)
     return out
 

@@ -31,15 +31,20 @@ from diloco.data import ShardedBatches, heldout_batches, load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.metrics import MetricsLogger
 from diloco.model import build_model, lm_loss
+from diloco.faults import FaultPlan
 from outer_optim import OuterOptimizer
-from peers.averager import AveragerSettings, IslandAverager
+from outer_optim.guard import NormGuard
+from peers.averager import AveragerSettings, IslandAverager, fingerprint, fingerprints_agree
 from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
 from peers.local import LocalAverager
+from peers.membership import Membership, new_run_key, wait_until
 
 log = logging.getLogger("diloco")
 
+STATE_FINGERPRINT_CHUNKS = 16
+
 # Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
-FINGERPRINT_PREFIXES = ("model.", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
+FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
                         "averaging.compression", "averaging.run_id")
 
 
@@ -113,30 +118,44 @@ class Island:
         self._stop = threading.Event()
         self.dht = None
         self.averager: IslandAverager | LocalAverager | None = None
+        self.membership: Membership | None = None
         self.metrics: MetricsLogger | None = None
+        self.guard = NormGuard(cfg.averaging.max_norm_ratio)
+        self.faults = FaultPlan.from_env()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
 
     # ------------------------------------------------------------------ peers
     def connect(self) -> None:
-        """Start the averager (hivemind or local) and print the addresses others can join."""
+        """Start the averager (hivemind or local) and print the command line others can join with."""
         a = self.cfg.averaging
         if a.backend == "local":
             self.averager = LocalAverager()
             return
+        run_key = a.run_key
+        if not a.public and not run_key:
+            if a.initial_peers:
+                raise TrainingError("this run is private: pass --averaging.run_key KEY as printed by the island "
+                                    "that started it (or --averaging.public true if the run is public)")
+            run_key = new_run_key()
         self.dht = start_dht(NetworkSettings(
             initial_peers=a.initial_peers, host_maddrs=a.host_maddrs, announce_maddrs=a.announce_maddrs,
-            identity_path=a.identity_path, client_mode=a.client_mode, startup_timeout=a.startup_timeout))
+            identity_path=a.identity_path, client_mode=a.client_mode, startup_timeout=a.startup_timeout,
+            run_key="" if a.public else run_key))
         settings = AveragerSettings(
             prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
             matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
             allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
-            request_timeout=a.request_timeout, state_download_timeout=a.state_download_timeout,
-            compression=a.compression, client_mode=a.client_mode)
+            request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
+            state_download_timeout=a.state_download_timeout, compression=a.compression,
+            client_mode=a.client_mode, private=not a.public)
         self.averager = IslandAverager(self.dht, list(self.outer.master.values()), settings,
                                        state_provider=self.global_state)
+        self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl)
+        self.membership.start_heartbeat()
         maddrs = visible_maddrs(self.dht)
-        print(f"[{self.name}] other islands can join with --initial-peers {' '.join(maddrs)}", flush=True)
+        key = "" if a.public else f" --averaging.run_key {run_key}"
+        print(f"[{self.name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
         if a.maddr_file:
             tmp = Path(a.maddr_file + ".tmp")
             tmp.write_text("\n".join(maddrs) + "\n")
@@ -146,20 +165,62 @@ class Island:
         """θ_global, outer momentum and outer step, served to islands that join (runs in a helper thread)."""
         with self._state_lock:
             meta = {"outer_step": self.outer_step, "config_fingerprint": self.fingerprint,
-                    "names": self.outer.names}
+                    "names": self.outer.names, "state_fingerprint": self.state_fingerprint()}
             tensors = [t.detach().clone() for t in self.outer.master.values()]
             tensors += [b.clone() for b in self.outer.momentum_buffers()]
         return meta, tensors
 
+    def state_fingerprint(self) -> list[float]:
+        """Coarse, rounding-tolerant summary of θ_global that travels with every round."""
+        return fingerprint(list(self.outer.master.values()), STATE_FINGERPRINT_CHUNKS)
+
     def join_from_peers(self) -> bool:
-        """Adopt the freshest peer's θ_global, momentum and outer step if it is ahead of ours."""
-        if not self.cfg.averaging.initial_peers or self.averager is None:
+        """Before training: wait for the expected islands, then catch up with the run if it moved on."""
+        a = self.cfg.averaging
+        if self.membership is not None and a.wait_for_islands > 1:
+            ok = wait_until(lambda: self.membership.live_count() >= a.wait_for_islands, a.matchmaking_timeout)
+            log.info("%d of %d expected islands registered%s", self.membership.live_count(), a.wait_for_islands,
+                     "" if ok else " (gave up waiting)")
+        if not a.initial_peers or self.membership is None:
             return False
-        state = self.averager.download_state()
-        if state is None:
-            log.info("no peer served its state; starting from our own θ_global (outer step %d)", self.outer_step)
+        others = self.membership.others()
+        if others and all(m.outer_step <= self.outer_step and not m.averaging for m in others):
+            return False  # the run has not moved past us: θ_0 comes from the shared seed
+        return self.catch_up(force_download=True)
+
+    def catch_up(self, force_download: bool = False) -> bool:
+        """If other islands are ahead of us (or, with ``force_download``, always), adopt the freshest
+        θ_global, outer momentum and outer step from a peer.
+
+        When that state belongs to a round the others are still averaging, wait for it to commit, so
+        that we start the next round together with them instead of one round behind.
+        """
+        if self.membership is None or self.averager is None:
             return False
-        meta, tensors = state
+        if not force_download and self.membership.furthest_step() <= self.outer_step:
+            return False
+        a = self.cfg.averaging
+        deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
+        while True:
+            state = self.averager.download_state()
+            step = int(state[0].get("outer_step", 0)) if state is not None else -1
+            in_flight = step >= 0 and self.membership.averaging_round(step)
+            if step >= self.outer_step and (not in_flight or time.monotonic() > deadline):
+                break
+            if time.monotonic() > deadline or (state is None and force_download):
+                log.info("no peer served a state at least as fresh as ours (outer step %d)", self.outer_step)
+                return False
+            time.sleep(0.5)
+        if step == self.outer_step and not force_download:
+            return False
+        self.adopt_state(*state)
+        self.averager.set_state_priority(self.outer_step)
+        self.membership.announce(self.outer_step, averaging=False)
+        log.info("caught up with the run at outer step %d (θ_global downloaded from a peer)", self.outer_step)
+        return True
+
+    def adopt_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Install a peer's θ_global, outer momentum and outer step; restart inner training from θ_global."""
         if meta.get("config_fingerprint") != self.fingerprint:
             raise TrainingError(
                 f"the run you joined uses a different model or outer-optimizer config (fingerprint "
@@ -168,22 +229,35 @@ class Island:
         n = len(self.outer.names)
         shapes_ok = len(tensors) == 2 * n and all(
             t.shape == p.shape for t, p in zip(tensors[:n], self.outer.master.values()))
-        if not shapes_ok:
-            raise TrainingError("the state downloaded from a peer does not match this model's parameter shapes; "
-                                "use the same --model.* settings as the other islands")
-        peer_step = int(meta.get("outer_step", 0))
-        if peer_step < self.outer_step:
-            log.info("peer state is older (outer step %d < ours %d); keeping ours", peer_step, self.outer_step)
-            return False
+        if not shapes_ok or not all(torch.isfinite(t).all() for t in tensors):
+            raise TrainingError("the state downloaded from a peer does not match this model's parameter shapes "
+                                "or is not finite; use the same --model.* settings as the other islands")
         with self._state_lock, torch.no_grad():
             for t, m in zip(tensors[:n], self.outer.master.values()):
                 m.copy_(t)
             self.outer.set_momentum_buffers(tensors[n:])
-            self.outer.step_count = peer_step
-            self.outer_step = peer_step
+            self.outer.step_count = int(meta.get("outer_step", 0))
+            self.outer_step = int(meta.get("outer_step", 0))
         self.outer.copy_to(self.params)
-        log.info("joined the run at outer step %d with θ_global downloaded from a peer", peer_step)
-        return True
+
+    def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
+        """We hold a θ_global the majority does not: download theirs (verified by its fingerprint)."""
+        target = gathered[majority[0]].get("state_fingerprint")
+        self.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
+        try:
+            for attempt in range(attempts):
+                state = self.averager.download_state()
+                if state is not None:
+                    meta, tensors = state
+                    downloaded = fingerprint(tensors[:len(self.outer.names)], STATE_FINGERPRINT_CHUNKS)
+                    if target is None or fingerprints_agree(downloaded, target, 1e-5):
+                        self.adopt_state(meta, tensors)
+                        log.warning("resynchronized θ_global from the majority (outer step %d)", self.outer_step)
+                        return True
+                log.warning("resync attempt %d/%d did not get the majority's state", attempt + 1, attempts)
+            return False
+        finally:
+            self.averager.set_state_priority(self.outer_step)
 
     # --------------------------------------------------------------- training
     def train_step(self) -> float:
@@ -218,32 +292,58 @@ class Island:
         return float(np.mean(losses))
 
     def outer_round(self, tokens_in_round: int) -> dict[str, Any]:
-        """Average Δ with the group and commit the outer step, or roll back; returns round metrics."""
+        """Snapshot, average, validate, then commit the outer step or roll back; returns round metrics.
+
+        Rolling back means θ_global stays as it was and this island keeps training from its own
+        parameters, so the next round carries the pseudo-gradient of both rounds.
+        """
+        if self.catch_up():
+            # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
+            self.stats.rounds_failed += 1
+            self.stats.failures.append(f"round {self.outer_step}: behind the run, caught up from a peer")
+            return {"round_ok": 0, "num_peers": 0, "pseudo_grad_norm": float("nan"),
+                    "averaged_pseudo_grad_norm": float("nan"), "allreduce_seconds": 0.0,
+                    "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received,
+                    "outer_lr": self.outer.lr, "round_failure": "behind the run; caught up from a peer"}
+        rnd = self.outer_step
         delta = self.outer.pseudo_gradient(self.params)
-        norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta))
-        meta = {"outer_step": self.outer_step, "config_fingerprint": self.fingerprint,
-                "theta_checksum": self.outer.checksum()}
-        result, averaged = self.averager.average(delta, float(tokens_in_round), meta, round_id=str(self.outer_step))
+        if self.faults.has("scale", "send", rnd):
+            delta = [d * 1e6 for d in delta]
+        local_norm = _norm(delta)
+        meta = {"outer_step": rnd, "config_fingerprint": self.fingerprint,
+                "state_fingerprint": self.state_fingerprint()}
+        if self.membership is not None:
+            self.membership.announce(rnd, averaging=True)
+        result, averaged = self.averager.average(delta, float(tokens_in_round), meta, round_id=str(rnd),
+                                                 on_stage=lambda phase: self.faults.at(phase, rnd))
+        reason = result.reason
+        avg_norm = _norm(averaged) if averaged is not None else float("nan")
         if result.ok:
+            reason = self.guard.check(avg_norm)
+        if not reason:
             with self._state_lock:
                 self.outer.step(averaged)
                 self.outer_step += 1
             self.outer.copy_to(self.params)
+            self.guard.record(avg_norm)
             self.averager.set_state_priority(self.outer_step)
             self.stats.rounds_ok += 1
         else:
             self.outer_step += 1  # stay aligned with the others' round numbering
             self.stats.rounds_failed += 1
-            self.stats.failures.append(f"round {self.outer_step - 1}: {result.reason}")
-            log.warning("round %d failed (%s); continuing from this island's own parameters",
-                        self.outer_step - 1, result.reason)
+            self.stats.failures.append(f"round {rnd}: {reason}")
+            log.warning("round %d rolled back (%s); continuing from this island's own parameters", rnd, reason)
+            if result.in_minority:
+                self.resync(result.gathered, result.majority_peers)
+        if self.membership is not None:
+            self.membership.announce(self.outer_step, averaging=False)
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         self.stats.comm_seconds += result.seconds
-        return {"round_ok": int(result.ok), "num_peers": result.group_size, "pseudo_grad_norm": norm,
-                "allreduce_seconds": result.seconds, "bytes_sent": self.stats.bytes_sent,
-                "bytes_received": self.stats.bytes_received, "outer_lr": self.outer.lr,
-                "round_failure": result.reason}
+        return {"round_ok": int(not reason), "num_peers": result.group_size, "pseudo_grad_norm": local_norm,
+                "averaged_pseudo_grad_norm": avg_norm, "allreduce_seconds": result.seconds,
+                "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received,
+                "outer_lr": self.outer.lr, "round_failure": reason}
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -254,6 +354,7 @@ class Island:
             "inner_optimizer": self.inner_opt.state_dict(), "inner_scheduler": self.inner_sched.state_dict(),
             "outer_optimizer": self.outer.state_dict(), "data": self.batches.state_dict(),
             "rng": rng_state(), "stats": {k: v for k, v in self.stats.__dict__.items()},
+            "norm_history": list(self.guard.history),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,6 +368,7 @@ class Island:
         self.outer_step, self.inner_step = int(state["outer_step"]), int(state["inner_step"])
         for k, v in state["stats"].items():
             setattr(self.stats, k, v)
+        self.guard.history = [float(x) for x in state.get("norm_history", [])]
 
     def save_checkpoint(self) -> Path:
         path = checkpoint.save(self.state_dict(), checkpoint.checkpoint_path(self.ckpt_dir, self.outer_step),
@@ -326,6 +428,8 @@ class Island:
             t_round = time.perf_counter()
             window_t, window_tokens = time.perf_counter(), self.stats.tokens
             for h in range(H):
+                if h == H // 2:
+                    self.faults.at("inner", self.outer_step)
                 loss = self.train_step()
                 if (h + 1) % cfg.logging.log_every == 0 or h == H - 1:
                     now = time.perf_counter()
@@ -379,7 +483,10 @@ class Island:
         return summary
 
     def close(self) -> None:
-        """Stop the averager, the DHT and the W&B run (idempotent)."""
+        """Announce leaving, stop the averager, the DHT and the W&B run (idempotent)."""
+        if self.membership is not None:
+            self.membership.leave()
+            self.membership = None
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
@@ -389,6 +496,10 @@ class Island:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
 
 def rng_state() -> dict[str, Any]:

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import hivemind
 import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   Uniform8BitQuantization)
@@ -67,6 +71,8 @@ class AveragerSettings:
     """Wire format: none, fp16, scaled-fp16 or uint8."""
     client_mode: bool = False
     """No incoming connections: this island neither reduces parts nor serves state."""
+    private: bool = False
+    """Serve only islands registered in the run's member registry (see peers.membership)."""
 
 
 @dataclass
@@ -95,6 +101,10 @@ class RoundResult:
     """Sum of the group's weights (tokens processed by all members)."""
     gathered: dict[str, dict] = field(default_factory=dict)
     """Metadata each member sent with its pseudo-gradient, by peer id."""
+    majority_peers: list[str] = field(default_factory=list)
+    """Members whose θ_global agrees with the largest agreeing subset of the group."""
+    in_minority: bool = False
+    """True when this island's θ_global disagrees with the majority: it must resynchronize."""
 
 
 def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
@@ -137,11 +147,17 @@ def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> b
 class _PseudoGradientAverager(hivemind.DecentralizedAverager):
     """hivemind averager whose downloadable state is whatever the island's state provider returns.
 
-    Every island of a run must use this class (hivemind keys groups by the class name and prefix).
+    With ``members_key`` set (a private run) it serves only peers registered under that DHT key:
+    an outsider can neither join a group, nor send parts, nor download state.  Every island of a
+    run must use this class (hivemind keys groups by the class name and prefix).
     """
 
-    def __init__(self, *args: Any, state_provider: StateProvider | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, state_provider: StateProvider | None = None, members_key: str | None = None,
+                 **kwargs: Any):
         self._state_provider = state_provider
+        self._members_key = members_key
+        self._known_members: set[str] = set()
+        self.refused_peers: set[str] = set()
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):  # runs in this (host) process, in hivemind's fetcher thread
@@ -149,6 +165,47 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
             return {}, []
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+    async def _is_member(self, remote_id: PeerID) -> bool:
+        """Runs in the averager process: is the calling peer registered in the run?"""
+        if self._members_key is None:
+            return True
+        pid = str(remote_id)
+        if pid in self._known_members:
+            return True
+        found = await self.dht.get(self._members_key, latest=True, return_future=True)
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                value = getattr(item, "value", None)
+                if isinstance(value, dict) and not value.get("left", False):
+                    self._known_members.add(str(subkey))
+        if pid not in self._known_members:
+            log.warning("refused a request from %s: not a member of this run", pid)
+            return False
+        return True
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._is_member(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._is_member(context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._is_member(context.remote_id):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
 
 class IslandAverager:
@@ -179,6 +236,7 @@ class IslandAverager:
             compression=codec(),
             client_mode=settings.client_mode,
             state_provider=state_provider,
+            members_key=f"{settings.prefix}.members" if settings.private else None,
             shutdown_timeout=5,
         )
         self.peer_id = str(dht.peer_id)
@@ -188,16 +246,19 @@ class IslandAverager:
         """Size of the averaged vector in fp32 bytes."""
         return self._num_bytes
 
-    def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict,
-                round_id: str) -> tuple[RoundResult, list[torch.Tensor] | None]:
+    def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
+                on_stage: Callable[[str], None] | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
         """Run one verified averaging round.
 
         ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
-        ``metadata`` small facts sent to every member (outer step, config fingerprint, ...), and
-        ``round_id`` a label all islands of the round agree on (the outer step).  Returns the
-        result and, only when it succeeded, the weighted average of the group's deltas.
+        ``metadata`` small facts sent to every member (config fingerprint, ``state_fingerprint`` of
+        θ_global, ...), and ``round_id`` a label all islands of the round agree on (the outer step).
+        ``on_stage`` is called with "matchmaking", "allreduce" and "vote" as the round moves on
+        (used for fault injection and progress).  Returns the result and, only when it succeeded,
+        the weighted average of the group's deltas.
         """
         t0 = time.perf_counter()
+        stage = on_stage or (lambda _: None)
         if weight <= 0 or not all(torch.isfinite(d).all() for d in deltas):
             return RoundResult(False, "this island's pseudo-gradient is not finite or its weight is not positive; "
                                "not sending it"), None
@@ -205,9 +266,19 @@ class IslandAverager:
             for buf, d in zip(bufs, deltas):
                 buf.copy_(d.detach().reshape(buf.shape))
         try:
-            gathered = self._averager.step(
+            stage("matchmaking")
+            # islands at different rounds must never meet: each round matches in its own DHT bucket
+            self._averager.set_group_bits(_round_bits(round_id))
+            control = self._averager.step(
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
-                timeout=self.settings.matchmaking_timeout, allow_retries=False)
+                timeout=self.settings.matchmaking_timeout, allow_retries=False, wait=False)
+            seen_allreduce = False
+            while not control.done():
+                if not seen_allreduce and control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                    seen_allreduce = True
+                    stage("allreduce")
+                time.sleep(0.005)
+            gathered = control.result()
         except Exception as e:  # hivemind raises several types when no group forms or a peer fails
             return RoundResult(False, f"averaging failed: {type(e).__name__}: {_short(e)}",
                                seconds=time.perf_counter() - t0), None
@@ -220,12 +291,17 @@ class IslandAverager:
         nbytes = allreduce_bytes(self._num_bytes, n, self._wire_ratio)
         result = RoundResult(False, group_size=n, peers=peers, bytes_sent=nbytes, bytes_received=nbytes,
                              matchmaking_seconds=t1 - t0, gathered=meta,
-                             total_weight=float(sum(m.get("weight", 0.0) for m in meta.values())))
+                             total_weight=float(sum(_as_float(m.get("weight")) for m in meta.values())))
         with self._averager.get_tensors() as bufs:
             averaged = [b.clone() for b in bufs]
         result.reason = self._check_group(meta, n, round_id)
+        result.majority_peers, result.in_minority = majority_by_state(meta, self.peer_id)
+        if not result.reason and len(result.majority_peers) < n:
+            result.reason = (f"θ_global differs between islands ({n - len(result.majority_peers)} of {n} hold "
+                             f"another one); the minority resynchronizes from the majority")
         if not result.reason and not all(torch.isfinite(a).all() for a in averaged):
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
+        stage("vote")
         if not result.reason:
             result.reason = self._vote(averaged, peers, round_id)
         result.vote_seconds = time.perf_counter() - t1
@@ -243,6 +319,9 @@ class IslandAverager:
         prints = {m.get("config_fingerprint") for m in meta.values()}
         if len(prints) > 1:
             return "islands in the group run different model or training configs (config fingerprints differ)"
+        weights = [_as_float(m.get("weight")) for m in meta.values()]
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
         return ""
 
     def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> str:
@@ -288,6 +367,44 @@ class IslandAverager:
         """Stop the averager process (the DHT is the caller's)."""
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+def majority_by_state(meta: dict[str, dict], me: str, rtol: float = 1e-5) -> tuple[list[str], bool]:
+    """Split the group by agreeing ``state_fingerprint``; return (majority peers, am I outside it).
+
+    The majority is the largest subset whose fingerprints agree; ties go to the subset holding the
+    smallest peer id, so every member computes the same answer.  Members that sent no fingerprint
+    agree with everybody.
+    """
+    peers = sorted(meta)
+    prints = {p: meta[p].get("state_fingerprint") for p in peers}
+    clusters: list[list[str]] = []
+    for p in peers:
+        if prints[p] is None:
+            continue
+        for cluster in clusters:
+            if fingerprints_agree(prints[cluster[0]], prints[p], rtol):
+                cluster.append(p)
+                break
+        else:
+            clusters.append([p])
+    if len(clusters) <= 1:
+        return peers, False
+    best = sorted(clusters, key=lambda c: (-len(c), min(c)))[0]
+    best = best + [p for p in peers if prints[p] is None]
+    return sorted(best), me not in best
+
+
+def _as_float(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _round_bits(round_id: str, nbits: int = 12) -> str:
+    value = int(hashlib.sha1(round_id.encode()).hexdigest(), 16) % (1 << nbits)
+    return format(value, f"0{nbits}b")
 
 
 def _group_key(peers: list[str], round_id: str) -> str:

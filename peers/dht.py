@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from peers.membership import RunKeyValidator
+
 log = logging.getLogger(__name__)
 
 
@@ -32,6 +34,8 @@ class NetworkSettings:
     """Accept no incoming connections."""
     startup_timeout: float = 20.0
     """Seconds allowed to start the daemon and reach the initial peers."""
+    run_key: str = ""
+    """Shared secret of a private run: every DHT record is signed with it (empty: a public run)."""
 
 
 def check_multiaddr(addr: str, what: str, need_peer_id: bool = False) -> None:
@@ -64,6 +68,8 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
         client_mode=settings.client_mode,
         startup_timeout=settings.startup_timeout,
     )
+    if settings.run_key:
+        kwargs["record_validators"] = [RunKeyValidator(settings.run_key)]
     if settings.announce_maddrs:
         kwargs["announce_maddrs"] = settings.announce_maddrs
     if settings.identity_path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,8 +19,8 @@ class LocalAverager:
 
     peer_id = "local"
 
-    def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict,
-                round_id: str) -> tuple[RoundResult, list[torch.Tensor] | None]:
+    def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
+                on_stage: Callable[[str], None] | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
         """Return this island's own pseudo-gradient as the group's average."""
         t0 = time.perf_counter()
         if not all(torch.isfinite(d).all() for d in deltas):

@@ -28,7 +28,7 @@ from pipeline.pipeline_parallel import (
     stages_per_rank,
 )
 from pipeline.shards import ShardSpec, local_grad, shard_spec_of
-from pipeline.tensor_parallel import apply_tensor_parallel
+from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -51,6 +51,15 @@ class IslandSettings:
     layers_per_stage: list[int] = field(default_factory=list)
     activation_checkpointing: bool = False
 
+    @classmethod
+    def from_config(cls, parallel: object) -> IslandSettings:
+        """Settings from any object with the trainer's ``ParallelConfig`` fields (duck-typed, so this
+        package need not import the trainer); ``layers_per_stage`` may hold strings."""
+        return cls(tp=int(parallel.tp), pp=int(parallel.pp), schedule=str(parallel.schedule),
+                   microbatches=int(parallel.microbatches), virtual_stages=int(parallel.virtual_stages),
+                   layers_per_stage=[int(n) for n in getattr(parallel, "layers_per_stage", []) or []],
+                   activation_checkpointing=bool(getattr(parallel, "activation_checkpointing", False)))
+
     @property
     def local_stages(self) -> int:
         """Stages each pipeline rank holds."""
@@ -60,8 +69,6 @@ class IslandSettings:
 def check_island(settings: IslandSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
                  vocab_size: int) -> list[str]:
     """One sentence per reason the model cannot be split as ``settings`` asks (empty if it can)."""
-    from pipeline.tensor_parallel import check_tensor_parallel
-
     problems = check_tensor_parallel(n_heads, dim, ffn_dim, vocab_size, settings.tp)
     if settings.pp < 1:
         problems.append(f"--parallel.pp must be at least 1, got {settings.pp}")
@@ -133,7 +140,7 @@ class Island:
         self.stage_ids = [stage for stage, _ in owned]
         self.modules: list[nn.Module] = [module for _, module in owned]
         self._loss_scale = 1.0
-        self._batch_shape: tuple[torch.Size, torch.Size] | None = None
+        self._batch_shapes: dict[bool, torch.Size] = {}  # train / eval -> the pipeline's batch shape
         self.stages = []
         self.schedule = None
         if pp > 1:
@@ -187,7 +194,7 @@ class Island:
         """The whole model's parameters as CPU tensors, on every rank (collective; for checkpoints/tests)."""
         full = {}
         for name, p in self.named_parameters():
-            full[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            full[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
         if self.mesh is not None and self.mesh["pp"].size() > 1:
             parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh["pp"].size()
             dist.all_gather_object(parts, full, group=self.mesh["pp"].get_group())
@@ -208,13 +215,20 @@ class Island:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self._loss_scale
 
-    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        m = self.settings.microbatches
-        if self.schedule is not None and inputs.shape[0] % m:
-            raise ValueError(f"the batch of {inputs.shape[0]} sequences does not split into "
-                             f"--parallel.microbatches ({m}) equal micro-batches")
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> None:
+        """Refuse (on every rank alike, before any communication) a batch the pipeline cannot run."""
         if inputs.shape != targets.shape:
             raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must have the same shape")
+        if self.schedule is None:
+            return
+        m = self.settings.microbatches
+        if inputs.shape[0] % m:
+            raise ValueError(f"the batch of {inputs.shape[0]} sequences does not split into "
+                             f"--parallel.microbatches ({m}) equal micro-batches")
+        first = self._batch_shapes.setdefault(train, inputs.shape)
+        if inputs.shape != first:
+            raise ValueError(f"pipeline {'training' if train else 'evaluation'} batches must keep the shape of the "
+                             f"first one {tuple(first)}, got {tuple(inputs.shape)}")
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
         """Forward and backward of one batch; gradients (times ``loss_scale``) are *added* to ``.grad``.
@@ -223,18 +237,13 @@ class Island:
         into ``microbatches`` and run by the pipeline schedule; every call must then use the same
         batch shape.  Use ``loss_scale = 1 / grad_accum`` to accumulate over several calls.
         """
-        self._check_batch(inputs, targets)
+        self._check_batch(inputs, targets, train=True)
         if self.schedule is None:
             logits = self.modules[0](inputs.to(self.device))
             loss = self.loss_fn(logits, targets.to(self.device))
             (loss * loss_scale).backward()
             self._align_grads()
             return float(loss.detach())
-        shapes = (inputs.shape, targets.shape)
-        if self._batch_shape is not None and shapes != self._batch_shape:
-            raise ValueError(f"pipeline batches must keep the shape of the first one {tuple(self._batch_shape[0])}, "
-                             f"got {tuple(inputs.shape)}")
-        self._batch_shape = shapes
         self._loss_scale = loss_scale / self.settings.microbatches
         losses = self._run_schedule(inputs, targets, train=True)
         self._align_grads()
@@ -247,8 +256,10 @@ class Island:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Mean loss of one batch without gradients (blocks in eval mode), on every rank."""
-        self._check_batch(inputs, targets)
+        """Mean loss of one batch without gradients (blocks in eval mode), on every rank.  With
+        ``pp > 1`` every evaluation batch must have the shape of the first one (which may differ from
+        the training batches' shape)."""
+        self._check_batch(inputs, targets, train=False)
         for module in self.modules:
             module.eval()
         try:

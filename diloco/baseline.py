@@ -1,0 +1,483 @@
+"""The synchronous data-parallel baseline DiLoCo is compared against.
+
+``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run: worker
+``r`` reads shard ``r`` of ``k`` (:class:`~diloco.data.ShardedBatches`) with the same per-worker
+batch (``inner.batch_size`` × ``inner.grad_accum``), the same inner AdamW and schedule
+(:func:`~diloco.inner.build_inner_optimizer`) and the same number of steps
+(``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers
+after **every** step, as torch DDP does.
+
+How gradients are averaged (and why not through DDP hooks): after the backward pass each worker
+flattens its gradients (plus its loss, 4 bytes) into one fp32 buffer and calls
+``torch.distributed.all_reduce`` on it (gloo on CPU, NCCL on GPU), then divides by ``k``, clips the
+global norm and steps AdamW.  That is mathematically what DDP computes (DDP also all-reduces the
+mean gradient before the optimizer step), but the time blocked in the all-reduce can be measured
+exactly: ``comm_seconds`` is the time spent inside ``all_reduce``, ``compute_seconds`` the time in
+forward/backward/optimizer steps and evaluations.  DDP would overlap part of the all-reduce with the
+backward pass; with a link-bound all-reduce that hides at most the backward time, so this baseline
+is pessimistic by at most ``backward seconds`` per step.  Identical initial parameters are checked
+with a checksum all-reduce instead of DDP's broadcast of rank 0's parameters (every worker builds
+the model from the same seed).
+
+``bytes_sent`` is what a ring all-reduce makes each worker send per step: ``2·(k−1)/k`` × the buffer
+size (the same accounting as the hivemind averager's ``allreduce_bytes``).
+
+Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
+all workers, ``tokens_per_second``, ``bytes_sent``, ``allreduce_seconds``, ``compute_utilization``,
+``eval/loss`` every ``inner_steps`` steps so the curves line up with DiLoCo rounds, ``outer_step`` =
+step // inner_steps) to ``<run_dir>/metrics.jsonl`` and W&B, and ``<run_dir>/summary.json`` with the
+island summary's keys where they apply.
+
+Entry points: :func:`run_baseline` launches the ``k`` workers as separate processes (each one
+``python -m diloco.baseline --config FILE --rank R --workers K --master ADDR:PORT``, so a launcher can
+wrap them, e.g. in ``ip netns exec``), and :func:`baseline_main` is the worker itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import Config, to_dict
+
+log = logging.getLogger("diloco.baseline")
+
+DEFAULT_PORT = 29517
+"""Port of the rendezvous store on worker 0 when it runs on its own (emulated) host."""
+
+
+class BaselineError(RuntimeError):
+    """A worker of the baseline failed; the message points at its log."""
+
+
+def ring_allreduce_bytes(num_bytes: int, workers: int) -> int:
+    """Bytes one worker sends (and receives) in a ring all-reduce of ``num_bytes``: 2·(k−1)/k of it."""
+    if workers <= 1:
+        return 0
+    return int(2 * num_bytes * (workers - 1) / workers)
+
+
+def param_checksum(params: Sequence[torch.Tensor]) -> str:
+    """A short hash of the parameters rounded to bf16 (same recipe as the outer optimizer's checksum)."""
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.detach().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def worker_threads(cfg: Config, workers: int) -> int:
+    """Threads per worker: ``cfg.threads`` or the cores divided among the workers (as for islands)."""
+    return cfg.threads or max(1, (os.cpu_count() or 1) // workers)
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+
+def _device_for(cfg: Config, rank: int) -> torch.device:
+    if cfg.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    return torch.device(cfg.device)
+
+
+def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
+    from diloco.data import ShardedBatches, heldout_batches, load_corpus
+    from diloco.inner import build_inner_optimizer
+    from diloco.metrics import MetricsLogger
+    from diloco.model import build_model, lm_loss
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = _device_for(cfg, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=workers,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    metrics = None
+    try:
+        torch.manual_seed(cfg.seed)
+        m, H = cfg.model, cfg.diloco.inner_steps
+        total_steps = cfg.diloco.outer_steps * H
+        corpus = load_corpus(cfg.data)
+        batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
+        eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
+                        if rank == 0 else [])
+        model = build_model(m, seed=cfg.seed).to(device)
+        model.activation_checkpointing = cfg.parallel.activation_checkpointing
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt, sched = build_inner_optimizer(model.named_parameters(), cfg.inner, total_steps)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        accum = cfg.inner.grad_accum
+
+        # every worker must start from the same parameters (DDP would broadcast rank 0's)
+        check = torch.tensor([float(sum(p.detach().double().sum() for p in params))], dtype=torch.float64,
+                             device=device)
+        lo, hi = check.clone(), check.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if lo.item() != hi.item():
+            raise BaselineError("workers built different initial parameters; use the same --model.* and --seed")
+
+        numel = sum(p.numel() for p in params)
+        flat = torch.zeros(numel + 1, dtype=torch.float32, device=device)  # gradients, then the loss
+        step_bytes = ring_allreduce_bytes(flat.numel() * flat.element_size(), workers)
+        tokens_per_step = workers * batches.tokens_per_batch * accum
+
+        name = f"{cfg.averaging.run_id}-baseline-rank{rank}"
+        if rank == 0:
+            w = cfg.wandb
+            metrics = MetricsLogger(cfg.logging.run_dir, wandb_mode=w.mode, project=w.project,
+                                    group=w.group or cfg.averaging.run_id, name=f"{cfg.averaging.run_id}-baseline",
+                                    entity=w.entity, config=dict(to_dict(cfg), baseline_workers=workers))
+
+        @torch.no_grad()
+        def evaluate() -> float:
+            model.eval()
+            losses = []
+            for x, y in eval_batches:
+                with autocast:
+                    losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
+            return float(sum(losses) / len(losses))
+
+        compute = comm = 0.0
+        comm_window = 0.0
+        bytes_sent = tokens = 0
+        eval_start = eval_end = float("nan")
+        step_losses: list[float] = []
+        dist.barrier()
+        t_start = time.perf_counter()
+        if rank == 0:
+            eval_start = evaluate()
+            metrics.log({"eval/loss": eval_start, "eval/perplexity": math.exp(eval_start), "tokens": 0,
+                         "outer_step": 0, "bytes_sent": 0})
+        compute += time.perf_counter() - t_start
+        window_t, window_tokens = time.perf_counter(), 0
+        for step in range(total_steps):
+            t0 = time.perf_counter()
+            model.train()
+            local_loss = 0.0
+            for _ in range(accum):
+                x, y = batches.next_batch()
+                x, y = x.to(device), y.to(device)
+                with autocast:
+                    loss = lm_loss(model(x), y) / accum
+                loss.backward()
+                local_loss += loss.item()
+            if workers > 1:
+                offset = 0
+                for p in params:
+                    n = p.numel()
+                    if p.grad is None:
+                        flat[offset:offset + n].zero_()
+                    else:
+                        flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                    offset += n
+                flat[-1] = local_loss
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                dist.all_reduce(flat)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t2 = time.perf_counter()
+                comm += t2 - t1
+                comm_window += t2 - t1
+                flat.div_(workers)
+                offset = 0
+                for p in params:
+                    n = p.numel()
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+                step_loss = float(flat[-1].item())
+                bytes_sent += step_bytes
+            else:
+                t1 = t2 = time.perf_counter()
+                step_loss = local_loss
+            if cfg.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            compute += (t1 - t0) + (time.perf_counter() - t2)
+            tokens += tokens_per_step
+            step_losses.append(step_loss)
+            done = step + 1
+            if rank != 0:
+                continue
+            if done % cfg.logging.log_every == 0 or done % H == 0 or done == total_steps:
+                now = time.perf_counter()
+                metrics.log({"loss": step_loss, "perplexity": math.exp(min(step_loss, 50)),
+                             "lr": sched.get_last_lr()[0], "tokens": tokens,
+                             "tokens_per_second": (tokens - window_tokens) / max(now - window_t, 1e-9),
+                             "outer_step": done // H, "inner_step": done, "bytes_sent": bytes_sent,
+                             "num_peers": workers})
+                window_t, window_tokens = now, tokens
+            if done % H == 0 or done == total_steps:
+                t_eval = time.perf_counter()
+                eval_end = evaluate()
+                compute += time.perf_counter() - t_eval
+                wall = time.perf_counter() - t_start
+                metrics.log({"eval/loss": eval_end, "eval/perplexity": math.exp(eval_end), "tokens": tokens,
+                             "outer_step": done // H, "inner_step": done, "loss": step_loss,
+                             "bytes_sent": bytes_sent, "bytes_received": bytes_sent,
+                             "allreduce_seconds": comm_window, "num_peers": workers, "round_ok": 1,
+                             "compute_utilization": compute / max(wall, 1e-9)})
+                comm_window = 0.0
+                print(f"[baseline] step {done}/{total_steps} (outer step {done // H}) loss={step_loss:.3f} "
+                      f"eval={eval_end:.3f} comm={comm:.1f}s compute={compute:.1f}s", flush=True)
+        dist.barrier()
+        wall = time.perf_counter() - t_start
+        per_rank = torch.zeros(workers, 2, dtype=torch.float64, device=device)
+        per_rank[rank, 0], per_rank[rank, 1] = compute, comm
+        dist.all_reduce(per_rank)
+        summary = {
+            "island": name, "workers": workers, "outer_step": total_steps // H, "inner_step": total_steps,
+            "tokens": tokens, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
+            "rounds_ok": total_steps if workers > 1 else 0, "rounds_failed": 0,
+            "bytes_sent": bytes_sent, "bytes_received": bytes_sent, "bytes_per_step": step_bytes,
+            "compute_seconds": compute, "comm_seconds": comm, "wall_seconds": wall,
+            "compute_seconds_per_rank": per_rank[:, 0].tolist(), "comm_seconds_per_rank": per_rank[:, 1].tolist(),
+            "theta_checksum": param_checksum(params), "losses": step_losses,
+            "comm_method": "explicit all_reduce of the flattened fp32 gradients (+loss) after backward, "
+                           f"backend {backend}; comm_seconds = time blocked in all_reduce",
+            "failures": [], "stopped_early": False,
+        }
+        if rank == 0:
+            run_dir = Path(cfg.logging.run_dir)
+            torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()}, run_dir / "params.pt")
+            metrics.summary(summary)
+        return summary
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def baseline_main(argv: list[str] | None = None) -> int:
+    """Worker entry point: ``python -m diloco.baseline --config FILE --rank R --workers K --master ADDR:PORT``.
+
+    Without ``--rank`` it launches all ``--workers`` workers on loopback (:func:`run_baseline`), with
+    any ``--section.key VALUE`` overrides.
+    """
+    from diloco import config as config_mod
+    from diloco.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m diloco.baseline", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="TOML config file (the launcher writes one)")
+    parser.add_argument("--rank", type=int, help="this worker's rank (omit to launch all workers)")
+    parser.add_argument("--workers", type=int, default=2, help="number of data-parallel workers k")
+    parser.add_argument("--master", help="ADDR:PORT of rank 0's rendezvous store")
+    parser.add_argument("--iface", default="", help="network interface gloo uses (sets GLOO_SOCKET_IFNAME)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may block")
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s [baseline rank {args.rank}] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("wandb").setLevel(logging.WARNING)
+    try:
+        cfg = config_mod.load(args.config, rest)
+        if args.workers < 1:
+            raise ConfigError([f"--workers must be at least 1, got {args.workers}"])
+        if args.rank is None:
+            summary = run_baseline(cfg, args.workers)
+            print(json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
+            return 0
+        if not 0 <= args.rank < args.workers:
+            raise ConfigError([f"--rank must be in [0, {args.workers - 1}], got {args.rank}"])
+        if not args.master or ":" not in args.master:
+            raise ConfigError(["--master ADDR:PORT is required for a worker (rank 0's address)"])
+        if args.iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = args.iface
+        summary = train_worker(cfg, args.rank, args.workers, args.master, args.timeout)
+        if args.rank == 0:
+            print(json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
+        return 0
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    except BaselineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------- launcher
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM each process group, wait up to ``grace`` s, then SIGKILL what is left and reap."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:  # children left in the worker's session (e.g. a W&B service) go too
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_baseline(cfg: Config, workers: int, network: Any = None, *,
+                 wrap: Callable[[list[str], int], list[str]] | None = None,
+                 progress: bool = True, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Train the synchronous data-parallel baseline with ``workers`` processes; return rank 0's summary.
+
+    Worker ``r`` runs ``python -m diloco.baseline --config <run_dir>/config.toml --rank r ...`` with its
+    log in ``<run_dir>/rank<r>.log``; rank 0 writes ``metrics.jsonl``, ``summary.json`` and the final
+    parameters ``params.pt`` into ``cfg.logging.run_dir``.  With ``network`` (an
+    :class:`experiments.netns.EmulatedNetwork` with at least ``workers`` hosts) worker ``r`` runs in
+    host ``r``'s namespace and the workers talk over its capped links; otherwise they use loopback.
+    ``wrap`` (``(cmd, rank) -> cmd``) overrides how a worker's command is wrapped.  Every worker is
+    stopped when one fails, on Ctrl-C/SIGTERM and at the end.
+    """
+    import tomli_w
+
+    if workers < 1:
+        raise BaselineError(f"the baseline needs at least one worker, got {workers}")
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "metrics.jsonl", "params.pt"):
+        (run_dir / stale).unlink(missing_ok=True)
+    d = to_dict(cfg)
+    d["threads"] = worker_threads(cfg, workers)
+    cfg_path = run_dir / "config.toml"
+    cfg_path.write_text(tomli_w.dumps(d))
+    if network is not None:
+        if len(network.hosts) < workers:
+            raise BaselineError(f"the emulated network has {len(network.hosts)} hosts but the baseline needs {workers}")
+        master = f"{network.hosts[0].address}:{DEFAULT_PORT}"
+        iface = network.hosts[0].interface
+        wrap = wrap or network.wrap
+    else:
+        master = f"127.0.0.1:{free_port()}"
+        iface = "lo"
+    env = dict(os.environ, OMP_NUM_THREADS=str(d["threads"]), PYTHONUNBUFFERED="1")
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main = _in_main_thread()
+
+    def _interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if in_main:
+        signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.time()
+    try:
+        for r in range(workers):
+            cmd = [sys.executable, "-m", "diloco.baseline", "--config", str(cfg_path), "--rank", str(r),
+                   "--workers", str(workers), "--master", master, "--iface", iface, "--timeout", str(timeout_s)]
+            if wrap is not None:
+                cmd = wrap(cmd, r)
+            log_path = run_dir / f"rank{r}.log"
+            with open(log_path, "w") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+            logs.append(log_path)
+        if progress:
+            print(f"started {workers} baseline worker(s) (master {master}); logs in {run_dir}/rank*.log", flush=True)
+        seen = 0
+        while any(p.poll() is None for p in procs):
+            for r, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    raise BaselineError(f"baseline worker {r} exited with code {p.returncode}; its log {logs[r]} "
+                                        f"ends with:\n{_tail(logs[r])}")
+            if progress:
+                seen = _print_progress(logs[0], seen, t0)
+            time.sleep(0.5)
+        for r, p in enumerate(procs):
+            if p.returncode != 0:
+                raise BaselineError(f"baseline worker {r} exited with code {p.returncode}; its log {logs[r]} "
+                                    f"ends with:\n{_tail(logs[r])}")
+        if progress:
+            _print_progress(logs[0], seen, t0)
+    except KeyboardInterrupt:
+        print("interrupted: stopping every baseline worker", flush=True)
+        stop_processes(procs)
+        raise
+    except BaseException:
+        stop_processes(procs)
+        raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    stop_processes(procs)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise BaselineError(f"baseline rank 0 wrote no {summary_path}; see {logs[0]}")
+    summary = json.loads(summary_path.read_text())
+    summary["launcher_wall_seconds"] = time.time() - t0
+    return summary
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _print_progress(log_path: Path, seen: int, t0: float) -> int:
+    try:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith("[baseline] step")]
+    except OSError:
+        return seen
+    for ln in lines[seen:]:
+        print(f"[{time.time() - t0:6.0f}s] {ln}", flush=True)
+    return len(lines)
+
+
+__all__ = ["run_baseline", "baseline_main", "train_worker", "ring_allreduce_bytes", "BaselineError",
+           "stop_processes", "free_port", "worker_threads"]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(baseline_main())

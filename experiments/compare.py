@@ -1,0 +1,527 @@
+"""How much wall-clock and bandwidth does DiLoCo save against synchronous data parallelism, and at what
+cost in model quality?
+
+``run_compare(cfg, islands, rate, out_dir)`` trains three runs with the same per-worker batch and the
+same number of inner steps per worker, one after the other:
+
+(a) ``single``   one worker: an island with the ``local`` backend and the ``avg`` outer optimizer, which
+                 is plain AdamW (θ_global ← θ_global − (θ_global − θ_local) = θ_local);
+(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.baseline.run_baseline`),
+                 gradients all-reduced every step: ``k`` × the tokens of (a);
+(c) ``diloco``   ``k`` DiLoCo islands averaging every ``H`` steps: the same tokens as (b).
+
+With ``rate`` (e.g. ``20mbit``) and :func:`experiments.netns.available`, every baseline worker and every
+island runs in its own emulated host over links capped at ``rate`` (the real goodput is measured and
+reported); otherwise the one-line reason is printed and everything runs on loopback.  Results land in
+``out_dir``: ``loss_vs_tokens.png``, ``loss_vs_bytes.png``, ``loss_vs_time.png``, ``results.md``,
+``results.json`` (:func:`experiments.report.write_report`), the runs' logs and metrics under
+``out_dir/runs/`` and offline W&B runs grouped by experiment (``--wandb.group``).
+
+Command line::
+
+    python -m experiments.compare --islands 4 --rate 20mbit --out experiments/results/compare \\
+        [--config FILE] [--section.key VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+from diloco import config as config_mod
+from diloco.config import Config, ConfigError
+from diloco.metrics import read_metrics
+from experiments.report import RunResult, format_bytes, write_report
+
+# Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
+# cores in well under 30 minutes: the `small` model (918,656 parameters = 3.67 MB of fp32 gradients) makes
+# one ring all-reduce among 4 workers cost 5.5 MB per worker ≈ 2.3 s at 20 Mbit/s, so the baseline is
+# link-bound while DiLoCo communicates once every H = 50 steps.  Any of them can be overridden.
+COMPARE_DEFAULTS: dict[str, Any] = {
+    "model.preset": "small",
+    "inner.batch_size": 16,
+    "inner.warmup_steps": 30,
+    "diloco.inner_steps": 50,
+    "diloco.outer_steps": 6,
+    "logging.eval_batches": 8,
+    "logging.log_every": 10,
+    "checkpoint.every": 0,
+    "averaging.matchmaking_time": 3.0,
+    "averaging.request_timeout": 2.0,
+    "averaging.matchmaking_timeout": 120.0,
+    "averaging.allreduce_timeout": 300.0,
+    "averaging.next_chunk_timeout": 60.0,
+    "averaging.startup_timeout": 60.0,
+    "averaging.state_download_timeout": 120.0,
+    "wandb.mode": "offline",
+}
+
+ACCEPT_LOSS_PCT = 2.0
+ACCEPT_BYTES_FACTOR = 0.8  # × H
+ACCEPT_WALL_RATIO = 3.0
+
+
+class CompareError(RuntimeError):
+    """A run of the comparison failed; the message points at its log."""
+
+
+# ------------------------------------------------------------------------------------ island launcher
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, log_path: Path, timeout: float) -> list[str]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            lines = [line for line in path.read_text().split() if line]
+            if lines:
+                return lines
+        if proc.poll() is not None:
+            raise CompareError(f"island 0 exited with code {proc.returncode} before it was reachable; its log "
+                               f"{log_path} ends with:\n{_tail(log_path)}")
+        time.sleep(0.2)
+    raise CompareError(f"island 0 did not become reachable within {timeout:.0f} s; see {log_path}")
+
+
+def _island_progress(run_dirs: list[Path], outer_steps: int, t0: float) -> str:
+    parts = []
+    for i, d in enumerate(run_dirs):
+        recs = [r for r in read_metrics(d) if "round_ok" in r]
+        if recs:
+            r = recs[-1]
+            ev = f" eval {r['eval/loss']:.3f}" if "eval/loss" in r else ""
+            parts.append(f"island{i} {r['outer_step']}/{outer_steps} loss {r.get('loss', float('nan')):.3f}{ev}")
+        else:
+            parts.append(f"island{i} warming up")
+    return f"[{time.time() - t0:6.0f}s] " + " | ".join(parts)
+
+
+def launch_islands(cfg: Config, n: int, network: Any = None, *,
+                   wrap: Callable[[list[str], int], list[str]] | None = None,
+                   startup_timeout: float = 180.0, progress: bool = True) -> dict[str, Any]:
+    """Run ``n`` islands (``diloco train`` processes) to completion; return their summaries.
+
+    Like :func:`diloco.simulate.simulate` (whose :func:`~diloco.simulate.island_configs` it reuses), but
+    with ``network`` island ``i`` listens on emulated host ``i``'s address and its command is wrapped
+    with ``network.wrap(cmd, i)`` (or ``wrap``).  Every island is stopped on failure, Ctrl-C and at the end.
+    """
+    from diloco.baseline import stop_processes
+    from diloco.simulate import island_configs, theta_spread
+    import tomli_w
+
+    configs = island_configs(cfg, n)
+    if network is not None:
+        if len(network.hosts) < n:
+            raise CompareError(f"the emulated network has {len(network.hosts)} hosts but {n} islands need one each")
+        wrap = wrap or network.wrap
+        for i, d in enumerate(configs):
+            d["averaging"]["host_maddrs"] = [f"/ip4/{network.hosts[i].address}/tcp/0"]
+    run_dirs = [Path(d["logging"]["run_dir"]) for d in configs]
+    for d in run_dirs:
+        for stale in ("maddrs.txt", "summary.json", "metrics.jsonl", "theta_global.pt"):
+            (d / stale).unlink(missing_ok=True)
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+
+    def spawn(i: int, d: dict[str, Any]) -> None:
+        run_dir = Path(d["logging"]["run_dir"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = run_dir / "config.toml"
+        cfg_path.write_text(tomli_w.dumps(d))
+        log_path = run_dir / "train.log"
+        env = dict(os.environ, OMP_NUM_THREADS=str(d["threads"]), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "diloco.cli", "train", "--config", str(cfg_path)]
+        if wrap is not None:
+            cmd = wrap(cmd, i)
+        with open(log_path, "w") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+        logs.append(log_path)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main = _in_main_thread()
+
+    def _interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if in_main:
+        signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.time()
+    try:
+        spawn(0, configs[0])
+        if n > 1:
+            maddrs = _wait_for_file(Path(configs[0]["averaging"]["maddr_file"]), procs[0], logs[0], startup_timeout)
+            for i, d in enumerate(configs[1:], start=1):
+                d["averaging"]["initial_peers"] = maddrs
+                spawn(i, d)
+        if progress:
+            print(f"started {n} island(s); logs in {run_dirs[0].parent}/island*/train.log", flush=True)
+        last = ""
+        while any(p.poll() is None for p in procs):
+            for i, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    raise CompareError(f"island {i} exited with code {p.returncode}; its log {logs[i]} ends "
+                                       f"with:\n{_tail(logs[i])}")
+            if progress:
+                line = _island_progress(run_dirs, cfg.diloco.outer_steps, t0)
+                if line.split("] ", 1)[1] != last:
+                    print(line, flush=True)
+                    last = line.split("] ", 1)[1]
+            time.sleep(1.0)
+        for i, p in enumerate(procs):
+            if p.returncode != 0:
+                raise CompareError(f"island {i} exited with code {p.returncode}; its log {logs[i]} ends with:\n"
+                                   f"{_tail(logs[i])}")
+    except KeyboardInterrupt:
+        print("interrupted: stopping every island", flush=True)
+        stop_processes(procs, grace=20.0)
+        raise
+    except BaseException:
+        stop_processes(procs, grace=20.0)
+        raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    stop_processes(procs, grace=20.0)  # reaps p2pd daemons and W&B services left in the islands' sessions
+    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+    spread = theta_spread([d / "theta_global.pt" for d in run_dirs]) if n > 1 else 0.0
+    return {"islands": summaries, "theta_global_max_abs_diff": spread, "launcher_wall_seconds": time.time() - t0,
+            "run_dirs": [str(d) for d in run_dirs]}
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+def curve_from_metrics(run_dir: Path, token_scale: int = 1) -> list[dict[str, float]]:
+    """Held-out-loss points {tokens (all workers), bytes (per worker), seconds, eval_loss} of one run.
+
+    ``seconds`` counts from the first record (the evaluation before training).  ``token_scale``
+    multiplies the logged tokens (an island logs its own tokens; the run's total is k times that).
+    """
+    records = read_metrics(run_dir)
+    if not records:
+        return []
+    t0 = records[0]["time"]
+    bytes_so_far = 0.0
+    points = []
+    for r in records:
+        if "bytes_sent" in r:
+            bytes_so_far = float(r["bytes_sent"])
+        if "eval/loss" in r:
+            points.append({"tokens": float(r.get("tokens", 0)) * token_scale, "bytes": bytes_so_far,
+                           "seconds": float(r["time"] - t0), "eval_loss": float(r["eval/loss"]),
+                           "outer_step": r.get("outer_step")})
+    return points
+
+
+def _diloco_result(name: str, kind: str, out: dict[str, Any]) -> RunResult:
+    summaries = out["islands"]
+    n = len(summaries)
+    first = summaries[0]
+    wall = max(s["wall_seconds"] for s in summaries)
+    compute = sum(s["compute_seconds"] for s in summaries) / n
+    return RunResult(
+        name=name, kind=kind, workers=n, curve=curve_from_metrics(Path(out["run_dirs"][0]), token_scale=n),
+        final_eval_loss=float(first["eval_loss_end"]), bytes_per_worker=float(max(s["bytes_sent"] for s in summaries)),
+        wall_seconds=float(wall), compute_seconds=float(compute),
+        extra={"comm_seconds": sum(s["comm_seconds"] for s in summaries) / n,
+               "rounds_ok": [s["rounds_ok"] for s in summaries], "rounds_failed": [s["rounds_failed"] for s in summaries],
+               "tokens": sum(s["tokens"] for s in summaries), "inner_steps_per_worker": first["inner_step"],
+               "theta_global_max_abs_diff": out["theta_global_max_abs_diff"],
+               "launcher_wall_seconds": out["launcher_wall_seconds"],
+               "failures": [f for s in summaries for f in s.get("failures", [])][:20]})
+
+
+def _baseline_result(name: str, summary: dict[str, Any], run_dir: Path) -> RunResult:
+    return RunResult(
+        name=name, kind="ddp", workers=int(summary["workers"]), curve=curve_from_metrics(run_dir),
+        final_eval_loss=float(summary["eval_loss_end"]), bytes_per_worker=float(summary["bytes_sent"]),
+        wall_seconds=float(summary["wall_seconds"]), compute_seconds=float(summary["compute_seconds"]),
+        extra={"comm_seconds": summary["comm_seconds"], "tokens": summary["tokens"],
+               "inner_steps_per_worker": summary["inner_step"], "bytes_per_step": summary["bytes_per_step"],
+               "comm_seconds_per_rank": summary.get("comm_seconds_per_rank"),
+               "compute_seconds_per_rank": summary.get("compute_seconds_per_rank"),
+               "launcher_wall_seconds": summary.get("launcher_wall_seconds"),
+               "comm_method": summary.get("comm_method")})
+
+
+def wall_model_line(r: RunResult, rate_bits: float | None) -> str:
+    """``wall ≈ compute + bytes / link rate`` for one run, against what was measured."""
+    comm = r.extra.get("comm_seconds", 0.0) or 0.0
+    if rate_bits:
+        link = r.bytes_per_worker * 8 / rate_bits
+        predicted = r.compute_seconds + link
+        return (f"{r.name}: wall ≈ compute {r.compute_seconds:.0f} s + bytes/link {format_bytes(r.bytes_per_worker)}"
+                f" ÷ {rate_bits / 1e6:.1f} Mbit/s = {link:.0f} s → {predicted:.0f} s predicted, "
+                f"{r.wall_seconds:.0f} s measured (time blocked communicating {comm:.0f} s)")
+    return (f"{r.name}: wall ≈ compute {r.compute_seconds:.0f} s + communication {comm:.0f} s "
+            f"= {r.compute_seconds + comm:.0f} s predicted, {r.wall_seconds:.0f} s measured (loopback, no link cap)")
+
+
+def acceptance_lines(single: RunResult | None, base: RunResult, dl: RunResult, H: int,
+                     capped: bool) -> tuple[list[str], dict[str, Any]]:
+    """The three acceptance checks (loss within 2 %, bytes ≥ 0.8·H lower, wall ≥ 3× shorter)."""
+    loss_pct = (dl.final_eval_loss - base.final_eval_loss) / abs(base.final_eval_loss) * 100
+    bytes_factor = base.bytes_per_worker / dl.bytes_per_worker if dl.bytes_per_worker else math.inf
+    wall_factor = base.wall_seconds / dl.wall_seconds if dl.wall_seconds else math.inf
+    checks = {
+        "loss_change_pct": loss_pct, "loss_ok": abs(loss_pct) <= ACCEPT_LOSS_PCT or loss_pct < 0,
+        "bytes_reduction": bytes_factor, "bytes_ok": bytes_factor >= ACCEPT_BYTES_FACTOR * H,
+        "wall_speedup": wall_factor, "wall_ok": wall_factor >= ACCEPT_WALL_RATIO, "link_capped": capped,
+    }
+    ok = lambda b: "PASS" if b else "FAIL"  # noqa: E731
+    lines = [
+        f"acceptance: DiLoCo final held-out loss {dl.final_eval_loss:.4f} vs baseline {base.final_eval_loss:.4f} "
+        f"({loss_pct:+.2f}%, target within {ACCEPT_LOSS_PCT:g}%) {ok(checks['loss_ok'])}",
+        f"acceptance: bytes per worker {bytes_factor:.1f}× lower than the baseline (target ≥ {ACCEPT_BYTES_FACTOR:g}·H "
+        f"= {ACCEPT_BYTES_FACTOR * H:g}×) {ok(checks['bytes_ok'])}",
+        f"acceptance: wall-clock {wall_factor:.2f}× shorter than the baseline (target ≥ {ACCEPT_WALL_RATIO:g}× "
+        f"{'under the capped link' if capped else 'ON LOOPBACK, the target is about a capped link'}) "
+        f"{ok(checks['wall_ok'])}",
+    ]
+    if single is not None:
+        lines.append(f"single worker (1/{dl.workers} of the tokens): final held-out loss {single.final_eval_loss:.4f}")
+    return lines, checks
+
+
+def _iface_tx_bytes(network: Any) -> list[int]:
+    """Bytes each emulated host has sent on its link so far (kernel counters, headers included)."""
+    out = []
+    for h in network.hosts:
+        res = subprocess.run(["ip", "-n", h.namespace, "-j", "-s", "link", "show", h.interface],
+                             capture_output=True, text=True, timeout=10)
+        try:
+            out.append(int(json.loads(res.stdout)[0]["stats64"]["tx"]["bytes"]))
+        except (ValueError, IndexError, KeyError):
+            out.append(0)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the experiment
+
+
+def _variant(cfg: Config, **items: Any) -> Config:
+    """A deep copy of ``cfg`` with dotted keys set (validated)."""
+    c = copy.deepcopy(cfg)
+    problems = config_mod.apply(c, items)
+    problems += config_mod.validate(c)
+    if problems:
+        raise ConfigError(problems)
+    return c
+
+
+def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
+                latency_ms: float = 0.0) -> Path:
+    """Run single worker, synchronous baseline and DiLoCo; write the report; return ``results.md``."""
+    from diloco.baseline import run_baseline
+    from experiments import netns
+
+    if islands < 2:
+        raise ConfigError([f"--islands must be at least 2 to compare against data parallelism, got {islands}"])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = out_dir / "runs"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    group = cfg.wandb.group or f"compare-{out_dir.name}-{stamp}"
+    H, T = cfg.diloco.inner_steps, cfg.diloco.outer_steps * cfg.diloco.inner_steps
+    say = print if progress else (lambda *a, **k: None)
+    notes: list[str] = []
+    say(f"compare: {islands} workers, model {cfg.model.preset} ({cfg.model.dim}d × {cfg.model.n_layers} layers), "
+        f"batch {cfg.inner.batch_size}×{cfg.model.seq_len} tokens per worker, {T} steps per worker, H={H}, "
+        f"data {cfg.data.path}; results in {out_dir}", flush=True)
+
+    network = None
+    rate_bits = None
+    capped = False
+    try:
+        if rate:
+            ok, why = netns.available(delay=latency_ms > 0)
+            if ok:
+                network = netns.EmulatedNetwork(islands, rate=rate, latency_ms=latency_ms)
+                rate_bits = network.measure_rate(0, 1, seconds=2)
+                capped = True
+                msg = (f"link: every worker on its own emulated host, links capped at {rate} "
+                       f"({network.rate_bits / 1e6:g} Mbit/s configured, {rate_bits / 1e6:.2f} Mbit/s TCP goodput "
+                       f"measured host0→host1)" + (f", {latency_ms:g} ms one-way latency" if latency_ms else ""))
+            else:
+                msg = f"link: {why}"
+            say(msg, flush=True)
+            notes.append(msg)
+        else:
+            notes.append("link: loopback, no bandwidth cap (pass --rate 20mbit to cap each worker's link)")
+
+        # (a) one worker, plain AdamW (an island averaging with nobody, FedAvg outer step = identity)
+        say("\n== (a) single worker ==", flush=True)
+        c_single = _variant(cfg, **{"logging.run_dir": str(runs / "single"), "averaging.backend": "local",
+                                    "averaging.min_group_size": 1, "averaging.target_group_size": 0,
+                                    "diloco.outer_optimizer": "avg", "averaging.run_id": "single",
+                                    "wandb.group": group})
+        out_single = launch_islands(c_single, 1, progress=progress)
+        single = _diloco_result("single", "single", out_single)
+
+        # (b) synchronous data parallelism over k workers
+        say(f"\n== (b) synchronous data-parallel baseline, {islands} workers ==", flush=True)
+        c_base = _variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
+                                  "wandb.group": group})
+        tx0 = _iface_tx_bytes(network) if network else None
+        s_base = run_baseline(c_base, islands, network=network, progress=progress)
+        tx1 = _iface_tx_bytes(network) if network else None
+        base = _baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
+
+        # (c) DiLoCo with k islands
+        say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
+        c_dl = _variant(cfg, **{"logging.run_dir": str(runs / "diloco"), "averaging.backend": "hivemind",
+                                "averaging.run_id": "diloco", "wandb.group": group})
+        out_dl = launch_islands(c_dl, islands, network=network, progress=progress)
+        tx2 = _iface_tx_bytes(network) if network else None
+        dl = _diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
+    finally:
+        if network is not None:
+            network.close()
+
+    results = [single, base, dl]
+    if tx0 is not None:
+        wire_base = max(b - a for a, b in zip(tx0, tx1))
+        wire_dl = max(b - a for a, b in zip(tx1, tx2))
+        base.extra["wire_bytes_sent_max_host"] = wire_base
+        dl.extra["wire_bytes_sent_max_host"] = wire_dl
+        notes.append(f"bytes on the wire (kernel counters of each host's link, headers and DHT traffic included, "
+                     f"busiest host): baseline {format_bytes(wire_base)}, DiLoCo {format_bytes(wire_dl)} "
+                     f"(the DiLoCo figure includes the one-time download of θ_global and the outer momentum by "
+                     f"each joining island); ratio {wire_base / max(wire_dl, 1):.1f}×")
+    acc, checks = acceptance_lines(single, base, dl, H, capped)
+    model_lines = [wall_model_line(r, rate_bits) for r in results]
+    notes += model_lines + acc
+    notes.append(f"scale: model `{cfg.model.preset}` ({_param_count(cfg):,} parameters, fp32 gradient "
+                 f"{format_bytes(4 * _param_count(cfg))}), {T} steps per worker of {cfg.inner.batch_size}×"
+                 f"{cfg.model.seq_len} byte tokens, {islands} workers, data `{cfg.data.path}`, {os.cpu_count()} CPU "
+                 f"core(s) shared by all workers; DiLoCo outer {cfg.diloco.outer_optimizer} "
+                 f"(lr {cfg.diloco.outer_lr}, momentum {cfg.diloco.outer_momentum}), inner AdamW lr {cfg.inner.lr}")
+    notes.append("wall-clock is each run's training loop (first evaluation to last), excluding process start, "
+                 "data loading and (DiLoCo) DHT bootstrap; launch-to-exit: "
+                 + ", ".join(f"{r.name} {r.extra.get('launcher_wall_seconds', float('nan')):.0f} s" for r in results))
+    notes.append("baseline communication: " + str(s_base.get("comm_method", "")) +
+                 "; DiLoCo bytes are the hivemind all-reduce's 2·(k−1)/k of the fp32 pseudo-gradient per round")
+    md = write_report(results, out_dir, reference=base.name, notes=notes,
+                      title=f"DiLoCo ({islands} islands, H={H}) vs synchronous data parallelism")
+    summary = {"acceptance": checks, "measured_link_bits_per_second": rate_bits, "wandb_group": group,
+               "config": config_mod.to_dict(cfg), "islands": islands, "rate": rate}
+    payload = json.loads((out_dir / "results.json").read_text())
+    payload.update(summary)
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    if progress:
+        print("\n" + md.read_text(encoding="utf-8").split("\n## Plots")[0])
+        for line in model_lines + acc:
+            print(line)
+        print(f"\nreport: {md}", flush=True)
+    return md
+
+
+def _param_count(cfg: Config) -> int:
+    from diloco.model import build_model
+
+    return sum(p.numel() for p in build_model(copy.deepcopy(cfg.model), seed=0).parameters())
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_with_defaults(defaults: dict[str, Any], config_file: str | None, overrides: list[str]) -> Config:
+    """``defaults`` < ``config_file`` < ``--section.key VALUE`` overrides, validated by :func:`diloco.config.load`."""
+    items = dict(defaults)
+    if config_file:
+        try:
+            items.update(_flatten(tomllib.loads(Path(config_file).read_text())))
+        except FileNotFoundError:
+            raise ConfigError([f"config file {config_file} does not exist; check the path passed to --config"]) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"config file {config_file} is not valid TOML ({e}); fix the syntax"]) from None
+    parsed, problems = config_mod.parse_overrides(overrides)
+    if problems:
+        raise ConfigError(problems)
+    items.update(parsed)
+    return config_mod.load(None, items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.compare --islands K [--rate 20mbit] [--out DIR] [--section.key VALUE ...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.compare",
+        description="DiLoCo vs synchronous data parallelism vs a single worker: loss, bytes, wall-clock.",
+        epilog="Any config key can follow as --section.key VALUE (defaults of this command: "
+               + ", ".join(f"{k}={v}" for k, v in COMPARE_DEFAULTS.items()) + ").")
+    parser.add_argument("--islands", type=int, default=4, help="workers k of the baseline and of DiLoCo (default 4)")
+    parser.add_argument("--rate", default=None,
+                        help="cap every worker's link at this rate, e.g. 20mbit (needs root and iproute2; "
+                             "default: loopback, no cap)")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency between hosts (needs netem)")
+    parser.add_argument("--out", default="experiments/results/compare", help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
+    args, rest = parser.parse_known_args(argv)
+    from diloco.baseline import BaselineError
+    from diloco.data import DataError
+    from experiments.netns import NetworkSetupError
+
+    try:
+        cfg = load_with_defaults(COMPARE_DEFAULTS, args.config, rest)
+        rate = args.rate if args.rate and args.rate.lower() not in ("none", "off", "0") else None
+        if rate:
+            from experiments.netns import parse_rate
+
+            try:
+                parse_rate(rate)
+            except ValueError as e:
+                raise ConfigError([f"--rate: {e}"]) from None
+        run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms)
+        return 0
+    except ConfigError as e:
+        for p in e.problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
+    except (CompareError, BaselineError, DataError, NetworkSetupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: every worker and emulated link was removed", file=sys.stderr)
+        return 130
+
+
+__all__ = ["run_compare", "launch_islands", "curve_from_metrics", "COMPARE_DEFAULTS", "main", "load_with_defaults",
+           "wall_model_line", "acceptance_lines"]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

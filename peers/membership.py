@@ -1,0 +1,168 @@
+"""Who belongs to a run: a shared run key, signed DHT records, heartbeats and clean leaves.
+
+Every DHT record of a private run carries an HMAC made with the run key (a hivemind record
+validator), so a node without the key can neither write the run's keys nor have its records
+believed.  Members register their peer id under ``<prefix>.members``; the averager consults that
+registry before letting a peer join a group, send parts or download state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+log = logging.getLogger(__name__)
+
+MAC_BYTES = 32
+
+
+def new_run_key() -> str:
+    """A fresh random run key (hex), printed by the island that starts a run."""
+    return secrets.token_hex(16)
+
+
+class RunKeyValidator(RecordValidatorBase):
+    """Signs every DHT record with HMAC-SHA256(run key) and rejects records without a valid one."""
+
+    def __init__(self, run_key: str):
+        self._key = hashlib.sha256(b"diloco-run-key:" + run_key.encode()).digest()
+
+    def _mac(self, record: DHTRecord, value: bytes) -> bytes:
+        msg = b"|".join([record.key, record.subkey, value, repr(float(record.expiration_time)).encode()])
+        return hmac.new(self._key, msg, hashlib.sha256).digest()
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value + self._mac(record, record.value)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) < MAC_BYTES:
+            return False
+        value, mac = record.value[:-MAC_BYTES], record.value[-MAC_BYTES:]
+        return hmac.compare_digest(mac, self._mac(record, value))
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value[:-MAC_BYTES]
+
+    @property
+    def priority(self) -> int:
+        return 10  # sign last, validate first
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+
+@dataclass
+class Member:
+    """A registered island as seen in the DHT."""
+
+    peer_id: str
+    outer_step: int
+    left: bool
+    averaging: bool = False
+    """True while the island is in the averaging phase of round ``outer_step``."""
+
+
+class Membership:
+    """Registers this island, keeps its registration alive, and lists the run's live islands."""
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, ttl: float = 60.0):
+        self.dht = dht
+        self.key = f"{prefix}.members"
+        self.peer_id = str(dht.peer_id)
+        self.ttl = ttl
+        self.outer_step = 0
+        self.averaging = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def announce(self, outer_step: int | None = None, averaging: bool | None = None) -> None:
+        """Publish (or refresh) this island's registration: its outer step and whether it is averaging."""
+        if outer_step is not None:
+            self.outer_step = outer_step
+        if averaging is not None:
+            self.averaging = averaging
+        self.dht.store(self.key, subkey=self.peer_id,
+                       value={"outer_step": self.outer_step, "averaging": self.averaging, "left": False},
+                       expiration_time=get_dht_time() + self.ttl)
+
+    def start_heartbeat(self) -> None:
+        """Refresh the registration every ttl/3 seconds in a daemon thread."""
+        self.announce()
+
+        def beat() -> None:
+            while not self._stop.wait(self.ttl / 3):
+                try:
+                    self.announce()
+                except Exception as e:  # the DHT may be shutting down
+                    log.debug("heartbeat failed: %s", e)
+
+        self._thread = threading.Thread(target=beat, name="diloco-heartbeat", daemon=True)
+        self._thread.start()
+
+    def leave(self) -> None:
+        """Tell the run this island is gone, so nobody waits for it."""
+        self._stop.set()
+        try:
+            self.dht.store(self.key, subkey=self.peer_id, value={"outer_step": self.outer_step, "left": True},
+                           expiration_time=get_dht_time() + self.ttl + 1)
+        except Exception as e:
+            log.debug("could not announce leaving: %s", e)
+
+    def members(self) -> dict[str, Member]:
+        """Registered islands (including those that announced leaving), by peer id."""
+        found = self.dht.get(self.key, latest=True)
+        out: dict[str, Member] = {}
+        if found is None or not isinstance(found.value, dict):
+            return out
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            if isinstance(value, dict):
+                pid = subkey if isinstance(subkey, str) else str(subkey)
+                out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
+                                  bool(value.get("averaging", False)))
+        return out
+
+    def others(self) -> list[Member]:
+        """Live islands other than this one."""
+        return [m for pid, m in self.members().items() if not m.left and pid != self.peer_id]
+
+    def furthest_step(self) -> int:
+        """The highest outer step announced by another live island (-1 if none)."""
+        return max((m.outer_step for m in self.others()), default=-1)
+
+    def averaging_round(self, outer_step: int) -> bool:
+        """True if another live island announced it is averaging round ``outer_step`` right now."""
+        return any(m.averaging and m.outer_step == outer_step for m in self.others())
+
+    def live_count(self) -> int:
+        """Islands registered and not departed (at least 1: ourselves)."""
+        return max(1, sum(1 for m in self.members().values() if not m.left))
+
+
+def is_registered(dht: hivemind.DHT, prefix: str, peer_id: str) -> bool:
+    """True if ``peer_id`` holds a live (validated) registration in the run's member registry."""
+    found = dht.get(f"{prefix}.members", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return False
+    item = found.value.get(peer_id)
+    value = getattr(item, "value", None)
+    return isinstance(value, dict) and not value.get("left", False)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,91 @@
+"""The synchronous data-parallel baseline: real gloo process groups in separate worker processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+
+from diloco.baseline import BaselineError, ring_allreduce_bytes, run_baseline
+from diloco.data import ShardedBatches, load_corpus
+from diloco.inner import build_inner_optimizer
+from diloco.metrics import read_metrics
+from diloco.model import build_model, lm_loss
+from tests.conftest import tiny_config
+
+
+def _baseline_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "-x", r".*-m diloco\.baseline --config .*"], capture_output=True,
+                         text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+def _reference(cfg, workers: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, one model, a batch k× as large: the concatenation of the k workers' batches."""
+    corpus = load_corpus(cfg.data)
+    m = cfg.model
+    shards = [ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, r, workers, cfg.seed)
+              for r in range(workers)]
+    model = build_model(m, seed=cfg.seed)
+    params = [p for p in model.parameters()]
+    opt, sched = build_inner_optimizer(model.named_parameters(), cfg.inner, steps)
+    losses = []
+    for _ in range(steps):
+        xs, ys = zip(*(s.next_batch() for s in shards))
+        loss = lm_loss(model(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_two_workers_match_one_worker_with_twice_the_batch(tmp_path):
+    before = _baseline_pids()
+    cfg = tiny_config(tmp_path / "ddp", **{"diloco.inner_steps": 3, "diloco.outer_steps": 2,
+                                           "inner.grad_clip": 0.5})
+    summary = run_baseline(cfg, 2, progress=False)
+    steps = 6
+    ref_losses, ref_params = _reference(cfg, 2, steps)
+
+    assert summary["workers"] == 2 and summary["inner_step"] == steps
+    assert len(summary["losses"]) == steps
+    for got, want in zip(summary["losses"], ref_losses):
+        assert abs(got - want) < 1e-5, (summary["losses"], ref_losses)
+    params = torch.load(tmp_path / "ddp" / "params.pt", weights_only=True)
+    worst = max((params[n] - t).abs().max().item() for n, t in ref_params.items())
+    assert worst < 1e-5, worst
+
+    # accounting: tokens over both workers, ring all-reduce bytes per step, curves every H steps
+    numel = sum(t.numel() for t in ref_params.values())
+    assert summary["bytes_per_step"] == ring_allreduce_bytes(4 * (numel + 1), 2) == 4 * (numel + 1)
+    assert summary["bytes_sent"] == steps * summary["bytes_per_step"]
+    assert summary["tokens"] == steps * 2 * cfg.inner.batch_size * cfg.model.seq_len
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    for key in ("eval_loss_start", "eval_loss_end", "bytes_sent", "compute_seconds", "comm_seconds",
+                "wall_seconds"):
+        assert math.isfinite(summary[key]), key
+    assert json.loads((tmp_path / "ddp" / "summary.json").read_text())["theta_checksum"] == summary["theta_checksum"]
+    evals = [r for r in read_metrics(tmp_path / "ddp") if "eval/loss" in r]
+    assert [r["outer_step"] for r in evals] == [0, 1, 2]
+    assert [r["tokens"] for r in evals] == [0, summary["tokens"] // 2, summary["tokens"]]
+    assert all("compute_utilization" in r for r in evals[1:])
+    assert _baseline_pids() <= before  # every worker process is gone
+
+
+def test_failing_worker_stops_the_others(tmp_path):
+    before = _baseline_pids()
+    cfg = tiny_config(tmp_path / "bad", **{"diloco.inner_steps": 2, "diloco.outer_steps": 1})
+
+    def wrap(cmd: list[str], rank: int) -> list[str]:
+        # rank 1 gets a bogus config key and exits at once; rank 0 must not hang in the rendezvous
+        return cmd + (["--model.no_such_key", "1"] if rank == 1 else [])
+
+    with pytest.raises(BaselineError, match="worker 1 exited"):
+        run_baseline(cfg, 2, wrap=wrap, progress=False, timeout_s=60)
+    assert _baseline_pids() <= before
