@@ -224,7 +224,7 @@ class Island:
         if meta.get("config_fingerprint") != self.fingerprint:
             raise TrainingError(
                 f"the run you joined uses a different model or outer-optimizer config (fingerprint "
-                f"{meta.get('config_fingerprint')} vs ours {self.fingerprint}); use the same --model.* and "
+                f"{meta.get('config_fingerprint')} vs ours {self.fingerprint}); use the same --model.*, --seed and "
                 f"--diloco.outer_* settings as the other islands")
         n = len(self.outer.names)
         shapes_ok = len(tensors) == 2 * n and all(

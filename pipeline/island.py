@@ -237,6 +237,8 @@ class Island:
         into ``microbatches`` and run by the pipeline schedule; every call must then use the same
         batch shape.  Use ``loss_scale = 1 / grad_accum`` to accumulate over several calls.
         """
+        if not loss_scale > 0:
+            raise ValueError(f"loss_scale must be positive, got {loss_scale}")
         self._check_batch(inputs, targets, train=True)
         if self.schedule is None:
             logits = self.modules[0](inputs.to(self.device))
@@ -278,7 +280,7 @@ class Island:
         if self.has_last_stage:
             kwargs = {"target": targets.to(self.device), "losses": []}
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, **kwargs)
+        run(*args, return_outputs=False, **kwargs)  # keep no logits: the losses are all we need
         return kwargs.get("losses", [])
 
     def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> float:
@@ -286,7 +288,8 @@ class Island:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.has_last_stage:
             total += torch.stack([loss.detach().float() for loss in losses]).sum() * scale
-        dist.broadcast(total, group=self.mesh["pp"].get_group(), group_src=self.mesh["pp"].size() - 1)
+        group = self.mesh["pp"].get_group()
+        dist.broadcast(total, src=dist.get_global_rank(group, self.mesh["pp"].size() - 1), group=group)
         return float(total)
 
 

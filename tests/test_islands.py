@@ -12,8 +12,9 @@ from tests.conftest import tiny_config
 
 def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
     cfg = tiny_config(tmp_path, **{
-        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.matchmaking_time": 2.0,
-        "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "diloco.outer_steps": 3,
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0,
+        "averaging.matchmaking_time": 5.0, "diloco.outer_steps": 3,
         "diloco.inner_steps": 8, "checkpoint.every": 0})
     result = simulate(cfg, 3)
     islands = result["islands"]
@@ -29,7 +30,8 @@ def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
 
 
 def test_late_joiner_downloads_global_state(tmp_path, no_leaked_daemons):
-    common = {"averaging.backend": "hivemind", "averaging.state_download_timeout": 15.0}
+    common = {"averaging.backend": "hivemind", "averaging.state_download_timeout": 15.0,
+              "averaging.run_key": "test-run-key"}
     first = Island(tiny_config(tmp_path / "a", **common))
     first.connect()
     try:
@@ -38,8 +40,9 @@ def test_late_joiner_downloads_global_state(tmp_path, no_leaked_daemons):
             first.outer.step([torch.randn_like(t) * 0.01 for t in first.outer.master.values()])
         first.outer_step = 3
         first.averager.set_state_priority(3)
+        first.membership.announce(3, averaging=False)
         joiner_cfg = tiny_config(tmp_path / "b", **common,
-                                 **{"averaging.initial_peers": visible_maddrs(first.dht), "seed": 123})
+                                 **{"averaging.initial_peers": visible_maddrs(first.dht)})
         joiner = Island(joiner_cfg)
         joiner.connect()
         try:

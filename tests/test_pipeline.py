@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -275,33 +276,34 @@ def _free_port() -> int:
 
 
 def launch(cases: list[dict], world: int, out_dir: Path) -> None:
-    """Run ``cases`` on a fresh gloo group of ``world`` subprocesses; kill them all on failure."""
+    """Run ``cases`` on a fresh gloo group of ``world`` subprocesses.  If one rank fails or time runs
+    out, the others are killed at once (so nothing waits on a dead peer) and the logs are shown."""
     port = _free_port()
     repo = str(Path(__file__).resolve().parents[1])
-    procs = []
+    procs, logs = [], []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                    RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
                    PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cases), str(out_dir)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs, failed = [], False
+        logs.append(out_dir / f"rank{rank}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cases), str(out_dir)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + PROC_TIMEOUT_S
     try:
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=PROC_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                failed = True
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
                 break
-            outputs.append(out)
-            failed = failed or p.returncode != 0
+            time.sleep(0.1)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
-    if failed:
-        raise AssertionError("island processes failed:\n" + "\n----\n".join(o[-3000:] for o in outputs))
+            p.wait()
+    if any(p.returncode != 0 for p in procs):
+        raise AssertionError("island processes failed (exit codes "
+                             f"{[p.returncode for p in procs]}):\n"
+                             + "\n----\n".join(log.read_text()[-3000:] for log in logs))
 
 
 def reference_run() -> dict:
