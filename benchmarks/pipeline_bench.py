@@ -199,22 +199,25 @@ def throughput_table(args: argparse.Namespace) -> None:
         print(f"{name:<34}{procs:>6}{tps:>11.0f}{tps / base:>13.2f}x{idle_s}{note}")
 
 
-def mfu_table(args: argparse.Namespace) -> None:
-    """MFU of a one-GPU island (tp=pp=1) on the 150m model with bf16 autocast."""
-    cfg = ModelConfig(preset="150m")
+def mfu_table(args: argparse.Namespace, device: str = "cuda", preset: str = "150m") -> None:
+    """MFU of a one-GPU island (tp=pp=1) on the ``preset`` model with bf16 autocast and fused AdamW.
+
+    ``device``/``preset`` exist so the code path can be smoke-tested on CPU with a tiny model."""
+    cfg = ModelConfig(preset=preset)
     resolve_model(cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
     n_non_embedding = count_parameters(model, exclude_embeddings=True)
     flops_per_token = 6 * n_non_embedding + 6 * cfg.n_layers * cfg.dim * cfg.seq_len
     island = Island(model, None, IslandSettings(activation_checkpointing=args.gpu_checkpointing),
-                    device=torch.device("cuda"))
+                    device=torch.device(device))
     opt = torch.optim.AdamW(island.parameters(), lr=3e-4, fused=True)
-    x = torch.randint(0, cfg.vocab_size, (args.gpu_batch, cfg.seq_len + 1), device="cuda")
+    x = torch.randint(0, cfg.vocab_size, (args.gpu_batch, cfg.seq_len + 1), device=device)
     inputs, targets = x[:, :-1], x[:, 1:]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             island.train_step(inputs, targets)
         island.clip_grad_norm_(1.0)
         opt.step()
@@ -222,19 +225,20 @@ def mfu_table(args: argparse.Namespace) -> None:
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(args.gpu_steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - t0
     tokens_per_s = args.gpu_steps * args.gpu_batch * cfg.seq_len / elapsed
     achieved = tokens_per_s * flops_per_token
-    print(f"\nMFU, one-GPU island on {torch.cuda.get_device_name()}: 150m model ({n_non_embedding / 1e6:.1f}M "
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else device
+    print(f"\nMFU, one-GPU island on {name}: {preset} model ({n_non_embedding / 1e6:.1f}M "
           f"non-embedding parameters), batch {args.gpu_batch} x {cfg.seq_len}, bf16 autocast, fused AdamW")
-    print(f"{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}   (FLOPs/token {flops_per_token / 1e9:.2f} G, "
+    print(f"{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}   (FLOPs/token {flops_per_token / 1e9:.3f} G, "
           f"peak {H100_BF16_PEAK / 1e12:.0f} TFLOP/s)")
-    print(f"{tokens_per_s:>12.0f}{achieved / 1e12:>10.1f}{achieved / H100_BF16_PEAK:>8.1%}")
+    print(f"{tokens_per_s:>12.0f}{achieved / 1e12:>10.2f}{achieved / H100_BF16_PEAK:>8.1%}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,10 +1,14 @@
-"""Run N islands on this machine as separate processes on loopback, show progress, print a summary.
+"""Run N islands on this machine as separate processes, show progress, print a summary.
 
-Island 0 starts first and bootstraps the DHT; the others join it by the multiaddr it writes to a file.
+Island 0 starts first and bootstraps the DHT; the others join it by the multiaddr it writes to a
+file.  :class:`Cluster` is the reusable part: it starts, kills and restarts island processes (tests
+inject faults with it, the soak script churns islands with it, experiments wrap each island in a
+network namespace with ``wrap``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -12,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tomli_w
 import torch
@@ -21,13 +25,19 @@ from diloco.config import Config, to_dict
 from diloco.metrics import read_metrics
 from peers.membership import new_run_key
 
+Wrap = Callable[[list[str], int], list[str]]
+"""Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""
+
 
 class SimulationError(RuntimeError):
     """An island of the simulation failed; the message points at its log."""
 
 
-def island_configs(cfg: Config, n: int) -> list[dict[str, Any]]:
-    """Per-island config dicts: disjoint data shards, own run directory, loopback networking."""
+def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None) -> list[dict[str, Any]]:
+    """Per-island config dicts: disjoint data shards, own run directory, a shared run key.
+
+    ``host_addresses`` gives each island the IP it listens on (default 127.0.0.1).
+    """
     base = Path(cfg.logging.run_dir)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
     run_key = cfg.averaging.run_key or ("" if cfg.averaging.public else new_run_key())
@@ -36,151 +46,222 @@ def island_configs(cfg: Config, n: int) -> list[dict[str, Any]]:
         d = to_dict(cfg)
         d["data"]["shard_index"], d["data"]["num_shards"] = i, n
         d["logging"]["run_dir"] = str(base / f"island{i}")
-        d["checkpoint"]["dir"] = str(base / f"island{i}" / "checkpoints") if not cfg.checkpoint.dir else \
-            str(Path(cfg.checkpoint.dir) / f"island{i}")
+        d["checkpoint"]["dir"] = str(Path(cfg.checkpoint.dir or base / f"island{i}" / "checkpoints") /
+                                     (f"island{i}" if cfg.checkpoint.dir else ""))
         d["threads"] = threads
         a = d["averaging"]
-        a["host_maddrs"] = ["/ip4/127.0.0.1/tcp/0"]
-        if not a["target_group_size"]:
-            a["target_group_size"] = n
+        host = host_addresses[i] if host_addresses else "127.0.0.1"
+        a["host_maddrs"] = [f"/ip4/{host}/tcp/0"]
+        a["target_group_size"] = a["target_group_size"] or n
+        a["wait_for_islands"] = a["wait_for_islands"] or n
         a["maddr_file"] = str(base / f"island{i}" / "maddrs.txt")
         a["run_key"] = run_key
-        if not a["wait_for_islands"]:
-            a["wait_for_islands"] = n
         out.append(d)
     return out
 
 
-def _spawn(d: dict[str, Any], extra: list[str]) -> tuple[subprocess.Popen, Path]:
-    run_dir = Path(d["logging"]["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.toml"
-    cfg_path.write_text(tomli_w.dumps(d))
-    log_path = run_dir / "train.log"
-    env = dict(os.environ, OMP_NUM_THREADS=str(d["threads"]), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "train", "--config", str(cfg_path), *extra],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    return proc, log_path
-
-
-def _tail(path: Path, n: int = 15) -> str:
+def tail(path: Path, n: int = 15) -> str:
+    """The last ``n`` lines of a log file."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
 
 
-def _wait_for_file(path: Path, proc: subprocess.Popen, log_path: Path, timeout: float) -> list[str]:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists():
-            return [line for line in path.read_text().split() if line]
-        if proc.poll() is not None:
-            raise SimulationError(f"island 0 exited with code {proc.returncode} before it was reachable; "
-                                  f"its log {log_path} ends with:\n{_tail(log_path)}")
-        time.sleep(0.2)
-    raise SimulationError(f"island 0 did not become reachable within {timeout:.0f} s; see {log_path}")
+class Cluster:
+    """Island processes of one run on this machine."""
 
+    def __init__(self, cfg: Config, n: int, *, wrap: Wrap | None = None, host_addresses: list[str] | None = None,
+                 env: dict[int, dict[str, str]] | None = None):
+        if n < 1:
+            raise SimulationError(f"--islands must be at least 1, got {n}")
+        self.cfg, self.n = cfg, n
+        self.configs = island_configs(cfg, n, host_addresses)
+        self.run_dirs = [Path(d["logging"]["run_dir"]) for d in self.configs]
+        self.logs = [d / "train.log" for d in self.run_dirs]
+        self.wrap = wrap
+        self.env = env or {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restarts = 0
+        for d in self.run_dirs:
+            for stale in ("maddrs.txt", "summary.json", "metrics.jsonl", "theta_global.pt"):
+                (d / stale).unlink(missing_ok=True)
 
-def _stop_all(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
-    for p in procs:
-        if p.poll() is None:
+    def start(self, i: int, extra_args: list[str] = (), env: dict[str, str] | None = None,
+              append_log: bool = False) -> subprocess.Popen:
+        """Start island ``i`` (its config is written next to its log)."""
+        d = self.configs[i]
+        self.run_dirs[i].mkdir(parents=True, exist_ok=True)
+        cfg_path = self.run_dirs[i] / "config.toml"
+        cfg_path.write_text(tomli_w.dumps(d))
+        cmd = [sys.executable, "-m", "diloco.cli", "train", "--config", str(cfg_path), *extra_args]
+        if self.wrap is not None:
+            cmd = self.wrap(cmd, i)
+        full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1",
+                    **self.env.get(i, {}), **(env or {})}
+        log = open(self.logs[i], "a" if append_log else "w")
+        self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=True)
+        log.close()
+        return self.procs[i]
+
+    def maddrs(self, i: int) -> list[str]:
+        """Island ``i``'s multiaddrs, once it wrote them (empty before)."""
+        path = Path(self.configs[i]["averaging"]["maddr_file"])
+        return path.read_text().split() if path.exists() else []
+
+    def wait_reachable(self, i: int, timeout: float) -> list[str]:
+        """Wait until island ``i`` published its multiaddrs; raise if it died or took too long."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            found = self.maddrs(i)
+            if found:
+                return found
+            if self.procs[i].poll() is not None:
+                raise SimulationError(f"island {i} exited with code {self.procs[i].returncode} before it was "
+                                      f"reachable; its log {self.logs[i]} ends with:\n{tail(self.logs[i])}")
+            time.sleep(0.2)
+        raise SimulationError(f"island {i} did not become reachable within {timeout:.0f} s; see {self.logs[i]}")
+
+    def start_all(self, startup_timeout: float = 90.0) -> None:
+        """Start island 0, wait until it is reachable, then start the others joining it."""
+        self.start(0)
+        if self.n > 1:
+            peers = self.wait_reachable(0, startup_timeout)
+            for i in range(1, self.n):
+                self.configs[i]["averaging"]["initial_peers"] = peers
+                self.start(i)
+
+    def alive(self, i: int) -> bool:
+        return i in self.procs and self.procs[i].poll() is None
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to island ``i`` and everything it started (its p2pd daemons included)."""
+        if i in self.procs:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(self.procs[i].pid, sig)
             except ProcessLookupError:
                 pass
-    deadline = time.time() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:  # anything left (including p2pd daemons in the island's session) goes hard
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+            if sig == signal.SIGKILL:
+                self.procs[i].wait()
+
+    def restart(self, i: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start island ``i`` again with ``--resume``, joining through any live island."""
+        self.kill(i)
+        for j in range(self.n):
+            if j != i and self.alive(j) and self.maddrs(j):
+                self.configs[i]["averaging"]["initial_peers"] = self.maddrs(j)
+                break
+        (self.run_dirs[i] / "maddrs.txt").unlink(missing_ok=True)
+        self.configs[i]["averaging"]["wait_for_islands"] = 0
+        self.restarts += 1
+        return self.start(i, ["--resume"], env=env or {}, append_log=True)
+
+    def failed(self) -> list[int]:
+        """Islands that exited with a non-zero code."""
+        return [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
+
+    def wait(self, timeout: float | None = None, on_tick: Callable[[], None] | None = None,
+             allow_failures: bool = False) -> None:
+        """Wait for every island to exit; raise on the first failure unless ``allow_failures``."""
+        deadline = None if timeout is None else time.time() + timeout
+        while self.running():
+            if on_tick is not None:
+                on_tick()
+            if not allow_failures and self.failed():
+                i = self.failed()[0]
+                raise SimulationError(f"island {i} exited with code {self.procs[i].returncode}; its log "
+                                      f"{self.logs[i]} ends with:\n{tail(self.logs[i])}")
+            if deadline is not None and time.time() > deadline:
+                raise SimulationError(f"islands still running after {timeout:.0f} s; see {self.run_dirs[0].parent}")
+            time.sleep(0.5)
+        if not allow_failures and self.failed():
+            i = self.failed()[0]
+            raise SimulationError(f"island {i} exited with code {self.procs[i].returncode}; its log "
+                                  f"{self.logs[i]} ends with:\n{tail(self.logs[i])}")
+
+    def stop_all(self, grace: float = 20.0) -> None:
+        """SIGTERM every island (each writes a checkpoint), then SIGKILL whatever is left."""
+        for i in self.procs:
+            if self.alive(i):
+                self.kill(i, signal.SIGTERM)
+        deadline = time.time() + grace
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for i in self.procs:  # reaps daemons left in the island's process group as well
+            self.kill(i, signal.SIGKILL)
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """Each island's summary.json."""
+        return [json.loads((d / "summary.json").read_text()) for d in self.run_dirs]
+
+    def theta_spread(self) -> float:
+        """Largest |difference| of θ_global between any island and island 0."""
+        return theta_spread([d / "theta_global.pt" for d in self.run_dirs])
+
+    def progress_line(self, t0: float) -> str:
+        """One line: every island's round, last loss and held-out loss."""
+        parts = []
+        for i, d in enumerate(self.run_dirs):
+            recs = [r for r in read_metrics(d) if "round_ok" in r]
+            if recs:
+                r = recs[-1]
+                ev = f" eval {r['eval/loss']:.3f}" if "eval/loss" in r else ""
+                parts.append(f"island{i} {r['outer_step']}/{self.cfg.diloco.outer_steps} loss {r['loss']:.3f}{ev}")
+            else:
+                parts.append(f"island{i} warming up")
+        return f"[{time.time() - t0:6.0f}s] " + " | ".join(parts)
 
 
-def _progress_line(run_dirs: list[Path], outer_steps: int, t0: float) -> str:
-    parts = []
-    for i, d in enumerate(run_dirs):
-        recs = [r for r in read_metrics(d) if "round_ok" in r]
-        if recs:
-            r = recs[-1]
-            ev = f" eval {r['eval/loss']:.3f}" if "eval/loss" in r else ""
-            parts.append(f"island{i} {r['outer_step']}/{outer_steps} loss {r['loss']:.3f}{ev}")
-        else:
-            parts.append(f"island{i} warming up")
-    return f"[{time.time() - t0:6.0f}s] " + " | ".join(parts)
-
-
-def simulate(cfg: Config, islands: int, extra_args: list[str] | None = None,
-             startup_timeout: float = 90.0) -> dict[str, Any]:
+def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: Wrap | None = None,
+             host_addresses: list[str] | None = None, env: dict[int, dict[str, str]] | None = None,
+             quiet: bool = False) -> dict[str, Any]:
     """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread."""
-    if islands < 1:
-        raise SimulationError(f"--islands must be at least 1, got {islands}")
-    configs = island_configs(cfg, islands)
-    run_dirs = [Path(d["logging"]["run_dir"]) for d in configs]
-    for d in run_dirs:
-        for stale in ("maddrs.txt", "summary.json", "metrics.jsonl"):
-            (d / stale).unlink(missing_ok=True)
-    procs: list[subprocess.Popen] = []
-    logs: list[Path] = []
+    cluster = Cluster(cfg, islands, wrap=wrap, host_addresses=host_addresses, env=env)
     t0 = time.time()
-    previous_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
+    last = [""]
+
+    def show() -> None:
+        line = cluster.progress_line(t0)
+        if not quiet and line.split("] ", 1)[1] != last[0]:
+            print(line, flush=True)
+            last[0] = line.split("] ", 1)[1]
+
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        p0, l0 = _spawn(configs[0], extra_args or [])
-        procs.append(p0)
-        logs.append(l0)
-        if islands > 1:
-            maddrs = _wait_for_file(Path(configs[0]["averaging"]["maddr_file"]), p0, l0, startup_timeout)
-            for d in configs[1:]:
-                d["averaging"]["initial_peers"] = maddrs
-                p, lp = _spawn(d, extra_args or [])
-                procs.append(p)
-                logs.append(lp)
-        print(f"started {islands} island(s); logs in {', '.join(map(str, logs))}", flush=True)
-        last = ""
-        while any(p.poll() is None for p in procs):
-            line = _progress_line(run_dirs, cfg.diloco.outer_steps, t0)
-            if line.split("] ", 1)[1] != last:
-                print(line, flush=True)
-                last = line.split("] ", 1)[1]
-            for i, p in enumerate(procs):
-                if p.poll() not in (None, 0):
-                    raise SimulationError(f"island {i} exited with code {p.returncode}; its log {logs[i]} "
-                                          f"ends with:\n{_tail(logs[i])}")
-            time.sleep(1.0)
-        for i, p in enumerate(procs):
-            if p.returncode != 0:
-                raise SimulationError(f"island {i} exited with code {p.returncode}; its log {logs[i]} ends "
-                                      f"with:\n{_tail(logs[i])}")
+        cluster.start_all(startup_timeout)
+        if not quiet:
+            print(f"started {islands} island(s); logs in {', '.join(map(str, cluster.logs))}", flush=True)
+        cluster.wait(on_tick=show)
+        show()
     except KeyboardInterrupt:
         print("interrupted: stopping every island (each writes a checkpoint)", flush=True)
-        _stop_all(procs)
+        cluster.stop_all()
         raise
     except BaseException:
-        _stop_all(procs)
+        cluster.stop_all()
         raise
     finally:
-        for s, h in previous_handlers.items():
+        for s, h in previous.items():
             signal.signal(s, h)
-    _stop_all(procs)  # reaps anything the islands left in their sessions
-    summaries = [__import__("json").loads((d / "summary.json").read_text()) for d in run_dirs]
-    spread = theta_spread([d / "theta_global.pt" for d in run_dirs])
-    return {"islands": summaries, "theta_global_max_abs_diff": spread, "wall_seconds": time.time() - t0}
+    cluster.stop_all()  # reaps anything the islands left in their process groups
+    return {"islands": cluster.summaries(), "theta_global_max_abs_diff": cluster.theta_spread(),
+            "wall_seconds": time.time() - t0}
 
 
 def theta_spread(paths: list[Path]) -> float:
-    """Largest absolute difference of any θ_global entry between any island and island 0."""
+    """Largest absolute difference of any θ_global entry between any island and the first."""
     states = [torch.load(p, weights_only=True) for p in paths]
     worst = 0.0
     for other in states[1:]:

@@ -184,16 +184,16 @@ class Island:
         if not a.initial_peers or self.membership is None:
             return False
         others = self.membership.others()
-        if others and all(m.outer_step <= self.outer_step and not m.averaging for m in others):
+        if all(m.outer_step <= self.outer_step and not m.averaging for m in others):
             return False  # the run has not moved past us: θ_0 comes from the shared seed
         return self.catch_up(force_download=True)
 
     def catch_up(self, force_download: bool = False) -> bool:
-        """If other islands are ahead of us (or, with ``force_download``, always), adopt the freshest
-        θ_global, outer momentum and outer step from a peer.
+        """If other islands are ahead of us, adopt the freshest θ_global, outer momentum and outer step.
 
-        When that state belongs to a round the others are still averaging, wait for it to commit, so
-        that we start the next round together with them instead of one round behind.
+        When the others are averaging the round that state belongs to, wait for that round to
+        commit (bounded), so that we start the next round together with them rather than one behind.
+        ``force_download`` checks with the peers even if none announced a later step.
         """
         if self.membership is None or self.averager is None:
             return False
@@ -204,15 +204,13 @@ class Island:
         while True:
             state = self.averager.download_state()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
-            in_flight = step >= 0 and self.membership.averaging_round(step)
-            if step >= self.outer_step and (not in_flight or time.monotonic() > deadline):
-                break
-            if time.monotonic() > deadline or (state is None and force_download):
-                log.info("no peer served a state at least as fresh as ours (outer step %d)", self.outer_step)
+            if step <= self.outer_step:
+                if step < 0:
+                    log.info("no peer served its state; keeping ours (outer step %d)", self.outer_step)
                 return False
-            time.sleep(0.5)
-        if step == self.outer_step and not force_download:
-            return False
+            if not self.membership.averaging_round(step) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # the round that state belongs to is in flight: take its result instead
         self.adopt_state(*state)
         self.averager.set_state_priority(self.outer_step)
         self.membership.announce(self.outer_step, averaging=False)

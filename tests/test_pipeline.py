@@ -167,6 +167,15 @@ def test_stages_compose_to_the_full_model():
     torch.testing.assert_close(h, model(x))
 
 
+def test_island_rank_layout_puts_tp_innermost():
+    from pipeline.mesh import island_coords, island_ranks
+
+    assert island_ranks(tp=2, pp=3) == [[0, 1], [2, 3], [4, 5]]
+    assert [island_coords(r, tp=2, pp=3) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    with pytest.raises(ValueError, match="outside an island"):
+        island_coords(6, tp=2, pp=3)
+
+
 def test_shard_spec_of_plain_tensor_is_the_whole_tensor():
     spec = shard_spec_of(torch.zeros(6, 4))
     assert spec == ShardSpec((6, 4), 0, 0, 6, True)
