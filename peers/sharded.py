@@ -1,0 +1,522 @@
+"""Shard-wise averaging across islands: every rank of an island averages the buckets it owns.
+
+An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see
+:mod:`peers.layout`) and cut into buckets; bucket ``b`` belongs to island rank
+``layout.owner_of(b, island_size)`` (round-robin), which averages it with the other islands' owners
+of bucket ``b`` over hivemind (one verified :class:`~peers.averager.IslandAverager` per owned bucket,
+DHT prefix ``f"{prefix}_b{b}"`` (hivemind forbids dots in prefixes)).  Slow-link traffic is thus spread over the island's ranks and
+nothing is gathered onto rank 0.  A round of :meth:`ShardedAverager.average`:
+
+a. *gather* (inside the island, point-to-point): each rank sends the pieces of each bucket it
+   contributes straight to the bucket's owner, which assembles the whole bucket;
+b. the owners run the hivemind rounds of their buckets concurrently (one thread per bucket);
+c. the island agrees (an ``all_gather_object`` of per-bucket outcomes): the round counts only if
+   every bucket succeeded, with the same set of islands, otherwise *every* rank returns None, so an
+   island never applies half a round;
+d. *scatter* (point-to-point): owners send each rank the averaged values of the elements it holds.
+
+Replicated shards (RMSNorm weights on every TP rank, or anything two ranks hold with the same
+spec) are contributed by the lowest island rank holding them only; every holder gets the result.
+Partially overlapping shards (not produced by our TP plan) are averaged over their holders.
+
+With ``backend="torch"`` the cross-island step is a torch.distributed all-reduce among the owners
+(:class:`peers.fallback.HierarchicalAllReduce`); with ``backend="auto"`` hivemind is tried first and
+the round falls back to torch when hivemind could not form a group (never when a group formed and
+rejected the result, e.g. a NaN).  This package takes plain data only: names, shapes, specs and
+process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+import torch
+import torch.distributed as dist
+
+from peers.averager import AveragerSettings, IslandAverager, RoundResult, StateProvider
+from peers.layout import CanonicalLayout, Segment, spec_tuple
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("hivemind", "torch", "auto")
+
+
+@dataclass
+class BucketOutcome:
+    """What happened to one bucket in a round (as seen by its owner, shared with the island)."""
+
+    index: int
+    owner: int
+    ok: bool
+    reason: str = ""
+    group_size: int = 0
+    no_group: bool = False
+    """The round failed because no (large enough) group formed: a torch fallback may retry it."""
+    islands: tuple[str, ...] = ()
+    """Island ids in the bucket's group."""
+    total_weight: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class ShardedRoundResult:
+    """One island's outcome of a sharded round; identical on all its ranks except the byte counts."""
+
+    ok: bool
+    """True when every bucket was averaged and the results may be applied (on every rank alike)."""
+    reason: str = ""
+    backend: str = ""
+    """"hivemind" or "torch": the path whose result this is ("" when neither produced one)."""
+    group_size: int = 0
+    """Islands averaged (the smallest bucket group)."""
+    bytes_sent: int = 0
+    """This rank's slow-link bytes sent (hivemind: :func:`~peers.averager.allreduce_bytes` per owned
+    bucket; torch: the ring all-reduce equivalent)."""
+    bytes_received: int = 0
+    island_bytes_sent: int = 0
+    """The whole island's slow-link bytes sent in the hivemind attempt (sum over its ranks)."""
+    seconds: float = 0.0
+    total_weight: float = 0.0
+    peers: list[str] = field(default_factory=list)
+    """Peer ids (hivemind) or island ids (torch) of the lead bucket's group."""
+    gathered: dict[str, dict] = field(default_factory=dict)
+    """Metadata each member sent with the lead bucket (the lowest bucket that formed a group)."""
+    majority_peers: list[str] = field(default_factory=list)
+    in_minority: bool = False
+    buckets: list[BucketOutcome] = field(default_factory=list)
+    fallback_reason: str = ""
+    """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
+
+
+class IslandExchange:
+    """Moves bucket pieces between the ranks of one island (point-to-point, any backend).
+
+    Collective over ``group`` at construction: every rank must build it with its own local shapes
+    and specs.  ``group=None`` is a single-process island.
+    """
+
+    def __init__(self, layout: CanonicalLayout, local_tensors: Mapping[str, Any], specs: Mapping[str, Any],
+                 group: dist.ProcessGroup | None, device: torch.device | str | None = None):
+        self.layout, self.group = layout, group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self._global = [0] if group is None else [dist.get_global_rank(group, r) for r in range(self.size)]
+        if device is None:
+            nccl = group is not None and dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+        self.local_shapes = {n: tuple(_shape(t)) for n, t in local_tensors.items()}
+        missing = sorted(set(self.local_shapes) ^ set(specs))
+        if missing:
+            raise ValueError(f"local tensors and specs name different parameters: {missing[:5]}")
+        mine = {n: (spec_tuple(specs[n]), self.local_shapes[n]) for n in self.local_shapes}
+        everyone = self.all_gather_object(mine)
+        problems = []
+        for r, holdings in enumerate(everyone):
+            for name, (spec, shape) in holdings.items():
+                try:
+                    layout.check_local(name, spec, shape)
+                except (KeyError, ValueError) as e:
+                    problems.append(f"island rank {r}: {e.args[0]}")
+        if problems:
+            raise ValueError("shards do not fit the canonical layout: " + "; ".join(problems[:5]))
+        self.specs: dict[str, tuple[int, int, int]] = {n: s for n, (s, _) in mine.items()}
+        holder_specs = [{n: s for n, (s, _) in h.items()} for h in everyone]
+        # replicated shards: the lowest rank with a given (name, spec) contributes, the others only receive
+        first: dict[tuple, int] = {}
+        contrib_specs: list[dict] = [{} for _ in range(self.size)]
+        for r, held in enumerate(holder_specs):
+            for name, spec in held.items():
+                key = (name, "full" if layout.is_full(name, spec) else spec)
+                if key not in first:
+                    first[key] = r
+                    contrib_specs[r][name] = spec
+        self.owner = [layout.owner_of(b.index, self.size) for b in layout.buckets]
+        self.owned = layout.owned_buckets(self.rank, self.size)
+        self._my_contrib = _by_bucket(layout, contrib_specs[self.rank])
+        self._my_hold = _by_bucket(layout, holder_specs[self.rank])
+        self._in: dict[int, dict[int, list[Segment]]] = {b: {} for b in self.owned}
+        self._out: dict[int, dict[int, list[Segment]]] = {b: {} for b in self.owned}
+        owned = set(self.owned)
+        for r in range(self.size):
+            for b, segs in _by_bucket(layout, contrib_specs[r], owned).items():
+                self._in[b][r] = segs
+            for b, segs in _by_bucket(layout, holder_specs[r], owned).items():
+                self._out[b][r] = segs
+        self._inv: dict[int, torch.Tensor | None] = {}
+        problems = []
+        for b in self.owned:
+            count = torch.zeros(layout.buckets[b].numel, dtype=torch.int32)
+            for segs in self._in[b].values():
+                for s in segs:
+                    s.bucket_view(count).add_(1)
+            holes = int((count == 0).sum())
+            if holes:
+                at = layout.buckets[b].start + int((count == 0).nonzero()[0])
+                problems.append(f"bucket {b}: {holes} element(s) held by no rank of the island "
+                                f"(first at canonical index {at}, in {self.param_at(at)!r})")
+            self._inv[b] = None if holes or bool((count == 1).all()) else 1.0 / count.float()
+        problems = [p for ps in self.all_gather_object(problems) for p in ps]
+        if problems:
+            raise ValueError("the island's shards do not cover the model: " + "; ".join(problems[:5]))
+
+    def param_at(self, index: int) -> str:
+        """Name of the parameter holding canonical element ``index``."""
+        for p in self.layout.params:
+            if p.start <= index < p.end:
+                return p.name
+        return "?"
+
+    # -------------------------------------------------------------------------------- collectives
+    def _p2p(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> None:
+        """Run ``(kind "send"/"recv", tensor, island rank, tag)`` operations and wait for all of them.
+
+        Every operation is posted before any is waited on, so the order across peers cannot
+        deadlock.  NCCL gets one ``batch_isend_irecv`` (grouped, as its point-to-point needs);
+        gloo gets plain ``isend``/``irecv`` with tags.
+        """
+        if not ops:
+            return
+        if self.device.type == "cuda":
+            p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self._global[peer], self.group, tag)
+                   for kind, t, peer, tag in ops]
+            reqs = dist.batch_isend_irecv(p2p)
+        else:
+            reqs = [(dist.isend if kind == "send" else dist.irecv)(t, self._global[peer], group=self.group, tag=tag)
+                    for kind, t, peer, tag in ops]
+        for q in reqs:
+            q.wait()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of the island, in rank order."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.MIN) -> list[float]:
+        """Element-wise reduction of a few floats over the island."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.group is not None:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=op, group=self.group)
+        return t.cpu().tolist()
+
+    def precheck(self, local_deltas: Mapping[str, torch.Tensor], weight: float) -> str:
+        """Agree (collective) whether this island may take part: every rank's Δ complete and finite
+        and the same positive weight on every rank; returns '' or the reason (same on all ranks)."""
+        complete = set(local_deltas) >= set(self.local_shapes) and all(
+            local_deltas[n].numel() == _numel(s) for n, s in self.local_shapes.items())
+        finite = complete and all(bool(torch.isfinite(local_deltas[n]).all()) for n in self.local_shapes)
+        w = float(weight)
+        if w != w:  # NaN weight: make the MIN see it
+            w = float("-inf")
+        ok, wmin, neg_wmax, whole = self.all_reduce([float(finite), w, -w, float(complete)])
+        if whole < 1:
+            return "a rank of the island passed pseudo-gradients that do not match its shards"
+        if ok < 1:
+            return "this island's pseudo-gradient is not finite; not sending it"
+        if not wmin > 0:
+            return "this island's weight is not positive; not sending it"
+        if wmin != -neg_wmax:
+            return f"the island's ranks passed different weights ({wmin} to {-neg_wmax})"
+        return ""
+
+    # ----------------------------------------------------------------------------- gather/scatter
+    def gather(self, local_deltas: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Collective: every owner receives its buckets, assembled from the island's pieces
+        (fp32 CPU, one 1-D tensor per owned bucket)."""
+        flat = {n: local_deltas[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.local_shapes}
+        ops, recv = [], {}
+        for b in range(len(self.layout.buckets)):
+            o = self.owner[b]
+            if o == self.rank:
+                for r, segs in self._in[b].items():
+                    if r != self.rank:
+                        buf = torch.empty(sum(s.numel for s in segs), dtype=torch.float32, device=self.device)
+                        ops.append(("recv", buf, r, b))
+                        recv[(b, r)] = buf
+            elif b in self._my_contrib:
+                buf = torch.cat([s.local_view(flat[s.name]).reshape(-1) for s in self._my_contrib[b]]).to(self.device)
+                ops.append(("send", buf, o, b))
+        self._p2p(ops)
+        out = {}
+        for b in self.owned:
+            values = torch.zeros(self.layout.buckets[b].numel, dtype=torch.float32)
+            for r, segs in self._in[b].items():
+                if r == self.rank:
+                    for s in segs:
+                        s.bucket_view(values).add_(s.local_view(flat[s.name]))
+                else:
+                    _add_pieces(values, segs, recv[(b, r)].cpu())
+            if self._inv[b] is not None:
+                values.mul_(self._inv[b])
+            out[b] = values
+        return out
+
+    def scatter(self, averaged: Mapping[int, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Collective: owners send each rank the averaged values of the elements it holds; returns
+        ``{name: tensor}`` shaped like this rank's local shards (fp32 CPU)."""
+        out = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.local_shapes.items()}
+        flat_out = {n: t.view(-1) for n, t in out.items()}
+        nb = len(self.layout.buckets)
+        ops, recv = [], {}
+        for b in range(nb):
+            o = self.owner[b]
+            if o == self.rank:
+                values = averaged[b].reshape(-1).to("cpu", torch.float32)
+                for r, segs in self._out[b].items():
+                    if r == self.rank:
+                        for s in segs:
+                            s.local_view(flat_out[s.name]).copy_(s.bucket_view(values))
+                    else:
+                        buf = torch.cat([s.bucket_view(values).reshape(-1) for s in segs]).to(self.device)
+                        ops.append(("send", buf, r, nb + b))
+            elif b in self._my_hold:
+                buf = torch.empty(sum(s.numel for s in self._my_hold[b]), dtype=torch.float32, device=self.device)
+                ops.append(("recv", buf, o, nb + b))
+                recv[b] = buf
+        self._p2p(ops)
+        for b, buf in recv.items():
+            buf, pos = buf.cpu(), 0
+            for s in self._my_hold[b]:
+                s.local_view(flat_out[s.name]).copy_(buf[pos:pos + s.numel].view(s.rows, s.row_len))
+                pos += s.numel
+        return out
+
+
+class ShardedAverager:
+    """Cross-island averaging of one island rank's shards; build and call it on every rank alike.
+
+    ``layout``: the run's :class:`CanonicalLayout`; ``local_tensors``: ``{name: tensor}`` (only the
+    shapes are used) and ``specs``: ``{name: (dim, offset, length) or ShardSpec}`` of this rank's
+    shards; ``group``: the island's process group (None for a single-process island); ``dht``: this
+    rank's hivemind DHT (None with ``backend="torch"``); ``settings``: the run's averager settings
+    (each owned bucket gets prefix ``f"{settings.prefix}_b{index}"``); ``fallback``: a
+    :class:`peers.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
+    ``backend="torch"``, optional for ``"auto"``); ``state_provider_for(bucket_index)`` gives the
+    state provider of an owned bucket's averager (for late joiners; wired by the trainer).
+    Construction is collective over ``group``.
+    """
+
+    def __init__(self, layout: CanonicalLayout, local_tensors: Mapping[str, Any], specs: Mapping[str, Any],
+                 group: dist.ProcessGroup | None, dht: hivemind.DHT | None, settings: AveragerSettings, *,
+                 backend: str = "hivemind", fallback: Any = None,
+                 state_provider_for: Callable[[int], StateProvider | None] | None = None,
+                 island_id: str | None = None, device: torch.device | str | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        if backend == "torch" and fallback is None:
+            raise ValueError("backend 'torch' needs a HierarchicalAllReduce (fallback=...)")
+        if backend != "torch" and dht is None:
+            raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")
+        self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
+        problem, shared = "", False
+        if fallback is not None:
+            fx = fallback.exchange
+            mine = {n: spec_tuple(specs[n]) for n in specs}
+            shapes = {n: tuple(_shape(t)) for n, t in local_tensors.items()}
+            if fx.specs != mine or fx.local_shapes != shapes:
+                problem = "the fallback was built with other shards than this averager"
+            elif fallback.layout.fingerprint() != layout.fingerprint():
+                problem = "the fallback uses another canonical layout"
+            shared = not problem and group is fallback.island_group and device is None
+        # sharing the fallback's exchange (same island, same shards) skips recomputing the plan
+        self.exchange = fallback.exchange if shared else IslandExchange(layout, local_tensors, specs, group, device)
+        if fallback is not None and not problem and \
+                (fallback.exchange.size, fallback.exchange.rank) != (self.exchange.size, self.exchange.rank):
+            problem = "the fallback's island does not match this averager's group (same ranks in the same order)"
+        ident = island_id or (str(dht.peer_id) if dht is not None else uuid.uuid4().hex)
+        everyone = self.exchange.all_gather_object((ident, problem))  # raise on every rank alike, never hang
+        problems = [p for _, p in everyone if p]
+        if problems:
+            raise ValueError(problems[0])
+        self.island_id = str(everyone[0][0])  # rank 0's id names the island
+        self.layout_fingerprint = layout.fingerprint()
+        self.averagers: dict[int, IslandAverager] = {}
+        if backend != "torch":
+            try:
+                for b in self.exchange.owned:
+                    bucket_settings = dataclasses.replace(settings, prefix=f"{settings.prefix}_b{b}")
+                    provider = state_provider_for(b) if state_provider_for is not None else None
+                    self.averagers[b] = IslandAverager(dht, [torch.zeros(layout.buckets[b].numel)], bucket_settings,
+                                                       provider)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    @property
+    def rank(self) -> int:
+        return self.exchange.rank
+
+    @property
+    def owned_buckets(self) -> list[int]:
+        return list(self.exchange.owned)
+
+    def average(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
+                on_stage: Callable[[str], None] | None = None
+                ) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
+        """One round on every rank of the island (collective): returns the island's result and, only
+        when the whole round succeeded, ``{name: averaged Δ}`` shaped like this rank's shards.
+
+        ``metadata`` goes to every bucket's group (``config_fingerprint`` gets the layout fingerprint
+        appended so islands with different layouts refuse each other; ``island_id`` and
+        ``layout_fingerprint`` are added).  ``on_stage`` is passed to every owned bucket's averager.
+        """
+        t0 = time.perf_counter()
+        meta = dict(metadata)
+        meta["config_fingerprint"] = f"{metadata.get('config_fingerprint', '')}|layout:{self.layout_fingerprint}"
+        meta["layout_fingerprint"] = self.layout_fingerprint
+        meta["island_id"] = self.island_id
+        refusal = self.exchange.precheck(local_deltas, weight)
+        participate = not refusal
+        owned = self.exchange.gather(local_deltas) if participate else {}
+        result = ShardedRoundResult(False, refusal)
+        averaged: dict[int, torch.Tensor] | None = None
+        needs_fallback = veto = False
+        if self.backend != "torch":
+            outcomes = self._hivemind_round(owned, weight, meta, round_id, on_stage) if participate else {}
+            result, needs_fallback, veto = self._island_verdict(outcomes, refusal)
+            if result.ok:
+                averaged = {b: avg for b, (_, avg) in outcomes.items()}
+        run_torch = False
+        if self.backend == "torch":
+            run_torch = True
+        elif self.backend == "auto" and self.fallback is not None:
+            run_torch = self.fallback.agree(needs_fallback, veto)  # collective over every island
+        if run_torch:
+            hm = result
+            result, averaged = self.fallback.reduce_owned(owned, float(weight) if participate else 0.0, meta,
+                                                          round_id, participate)
+            if self.backend == "auto":
+                result.fallback_reason = hm.reason or "another island could not form a hivemind group"
+                result.buckets = hm.buckets
+                result.bytes_sent += hm.bytes_sent
+                result.bytes_received += hm.bytes_received
+            if not participate:
+                result.ok, result.reason = False, refusal
+        if result.ok and averaged is not None:
+            local = self.exchange.scatter(averaged)
+        else:
+            local = None
+            result.ok = False
+        result.seconds = time.perf_counter() - t0
+        return result, local
+
+    def _hivemind_round(self, owned: dict[int, torch.Tensor], weight: float, meta: dict, round_id: str,
+                        on_stage: Callable[[str], None] | None) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
+        """Run the owned buckets' hivemind rounds concurrently; ``{bucket: (result, averaged)}``."""
+        outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = {}
+
+        def run(b: int) -> None:
+            try:
+                res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage)
+                outcomes[b] = (res, avg[0] if avg is not None else None)
+            except Exception as e:  # never let one bucket's thread take the island's round down silently
+                log.exception("bucket %d: averaging raised", b)
+                outcomes[b] = (RoundResult(False, f"averaging raised {type(e).__name__}: {e}"), None)
+
+        s = self.settings
+        deadline = time.monotonic() + s.matchmaking_timeout + s.allreduce_timeout + s.vote_timeout + 30.0
+        threads = [threading.Thread(target=run, args=(b,), name=f"bucket-{b}", daemon=True) for b in self.averagers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for b in self.averagers:
+            if b not in outcomes:
+                outcomes[b] = (RoundResult(False, "the bucket's round did not finish in time"), None)
+        return dict(outcomes)
+
+    def _island_verdict(self, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str
+                        ) -> tuple[ShardedRoundResult, bool, bool]:
+        """Share the owned buckets' outcomes with the island (collective) and decide, identically on every
+        rank: (result, needs a fallback, a group rejected the round)."""
+        mine, lead = [], None
+        for b in sorted(outcomes):
+            res, _ = outcomes[b]
+            islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
+            mine.append(BucketOutcome(b, self.rank, res.ok, res.reason, res.group_size,
+                                      res.group_size < self.settings.min_group_size, islands, res.total_weight,
+                                      res.bytes_sent, res.bytes_received))
+            if lead is None and res.group_size > 0:
+                lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
+        shared = self.exchange.all_gather_object((mine, lead))
+        buckets = sorted((o for m, _ in shared for o in m), key=lambda o: o.index)
+        leads = sorted((ld for _, ld in shared if ld is not None), key=lambda ld: ld[0])
+        mine_sent = sum(o.bytes_sent for o in mine)
+        result = ShardedRoundResult(False, refusal, "", bytes_sent=mine_sent,
+                                    bytes_received=sum(o.bytes_received for o in mine),
+                                    island_bytes_sent=sum(o.bytes_sent for o in buckets), buckets=buckets)
+        if leads:
+            _, result.peers, result.gathered, result.majority_peers, _ = leads[0]
+            result.in_minority = any(ld[4] for ld in leads)
+        if refusal:
+            return result, False, False
+        failed = [o for o in buckets if not o.ok]
+        result.group_size = min((o.group_size for o in buckets), default=0)
+        if failed:
+            f = failed[0]
+            more = f" ({len(failed)} of {len(buckets)} buckets failed)" if len(failed) > 1 else ""
+            result.reason = f"bucket {f.index}: {f.reason}{more}"
+            no_group = all(o.no_group for o in failed)
+            return result, no_group, not no_group
+        if len({o.islands for o in buckets}) > 1:
+            result.reason = ("buckets were averaged with different sets of islands "
+                             f"({sorted({len(o.islands) for o in buckets})} islands); discarding the round")
+            return result, True, False
+        result.ok, result.backend = True, "hivemind"
+        result.total_weight = buckets[0].total_weight if buckets else 0.0
+        return result, False, False
+
+    def set_state_priority(self, outer_step: int) -> None:
+        """Advertise the freshness of this rank's state on every owned bucket's averager."""
+        for avg in self.averagers.values():
+            avg.set_state_priority(outer_step)
+
+    def shutdown(self) -> None:
+        """Stop the bucket averagers (the DHT and process groups are the caller's)."""
+        for avg in self.averagers.values():
+            try:
+                avg.shutdown()
+            except Exception as e:  # keep stopping the others
+                log.warning("could not stop a bucket averager: %s", e)
+
+
+def _by_bucket(layout: CanonicalLayout, specs: Mapping[str, Any], only: set[int] | None = None
+               ) -> dict[int, list[Segment]]:
+    """``{bucket: segments}`` of some shards, in model order within each bucket."""
+    out: dict[int, list[Segment]] = {}
+    for name in sorted(specs, key=lambda n: layout.entry(n).start):
+        for b, segs in layout.segments(name, specs[name]).items():
+            if only is None or b in only:
+                out.setdefault(b, []).extend(segs)
+    return out
+
+
+def _add_pieces(values: torch.Tensor, segs: list[Segment], buf: torch.Tensor) -> None:
+    pos = 0
+    for s in segs:
+        s.bucket_view(values).add_(buf[pos:pos + s.numel].view(s.rows, s.row_len))
+        pos += s.numel
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(t.shape) if hasattr(t, "shape") else tuple(t)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,72 @@
+"""The comparison runner end to end: single worker, synchronous baseline and DiLoCo, then the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import netns
+from experiments.compare import curve_from_metrics, load_with_defaults, run_compare
+from tests.conftest import tiny_config
+
+COMMON = {
+    "averaging.min_group_size": 2, "averaging.matchmaking_time": 2.0, "averaging.request_timeout": 1.0,
+    "averaging.matchmaking_timeout": 60.0, "diloco.inner_steps": 4, "diloco.outer_steps": 2,
+}
+
+
+def _check_report(out, H: int) -> dict:
+    for name in ("loss_vs_tokens.png", "loss_vs_bytes.png", "loss_vs_time.png", "results.md", "results.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "loss_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "results.md").read_text()
+    for run in ("single", "baseline-ddp-2 (ref)", f"diloco-2x-H{H}"):
+        assert f"| {run}" in md, md
+    assert "wall ≈ compute" in md and "acceptance:" in md
+    data = json.loads((out / "results.json").read_text())
+    runs = {r["name"]: r for r in data["runs"]}
+    single, base, dl = runs["single"], runs["baseline-ddp-2"], runs[f"diloco-2x-H{H}"]
+    # same steps per worker, same per-worker batch: the baseline and DiLoCo see k× the single worker's tokens
+    assert base["curve"][-1]["tokens"] == dl["curve"][-1]["tokens"] == 2 * single["curve"][-1]["tokens"] > 0
+    assert [p["tokens"] for p in base["curve"]] == [p["tokens"] for p in dl["curve"]]
+    assert single["bytes_per_worker"] == 0
+    assert dl["extra"]["rounds_ok"] == [2, 2] and dl["extra"]["rounds_failed"] == [0, 0]
+    assert data["acceptance"]["bytes_reduction"] == pytest.approx(H, rel=1e-3)
+    assert data["acceptance"]["bytes_ok"]
+    for r in (single, base, dl):
+        assert r["final_eval_loss"] < r["curve"][0]["eval_loss"]
+    return data
+
+
+def test_compare_on_loopback(tmp_path, no_leaked_daemons):
+    cfg = tiny_config(tmp_path / "unused", **COMMON)
+    md = run_compare(cfg, 2, None, tmp_path / "out", progress=False)
+    assert md == tmp_path / "out" / "results.md"
+    data = _check_report(tmp_path / "out", H=4)
+    assert data["measured_link_bits_per_second"] is None
+    assert any("loopback" in n for n in data["notes"])
+    # the metrics of every run are where the report says
+    assert curve_from_metrics(tmp_path / "out" / "runs" / "baseline")[-1]["outer_step"] == 2
+
+
+@pytest.mark.skipif(not netns.available()[0], reason=netns.available()[1])
+def test_compare_over_emulated_links(tmp_path, no_leaked_daemons):
+    before = set(netns.list_namespaces())
+    cfg = tiny_config(tmp_path / "unused", **COMMON)
+    run_compare(cfg, 2, "50mbit", tmp_path / "out", progress=False)
+    data = _check_report(tmp_path / "out", H=4)
+    rate = data["measured_link_bits_per_second"]
+    assert 30e6 < rate < 55e6  # tbf at 50 Mbit/s; TCP goodput a few % lower
+    assert any("TCP goodput measured" in n for n in data["notes"])
+    assert any("bytes on the wire" in n for n in data["notes"])
+    assert set(netns.list_namespaces()) <= before  # every namespace and link is gone
+
+
+def test_compare_defaults_and_overrides(tmp_path):
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[diloco]\ninner_steps = 7\n[model]\npreset = "tiny"\n')
+    cfg = load_with_defaults({"diloco.inner_steps": 50, "diloco.outer_steps": 6, "inner.batch_size": 16},
+                             str(cfg_file), ["--diloco.outer_steps", "3"])
+    assert (cfg.diloco.inner_steps, cfg.diloco.outer_steps, cfg.inner.batch_size) == (7, 3, 16)
+    assert cfg.model.dim == 32  # preset resolved after the file replaced the default preset

@@ -1,0 +1,77 @@
+"""A private run: outsiders without the run key can't join groups, download state or write the run's keys."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from peers.averager import AveragerSettings, IslandAverager
+from peers.dht import NetworkSettings, start_dht, visible_maddrs
+from peers.membership import Membership, RunKeyValidator, is_registered
+from hivemind.dht.validation import DHTRecord
+
+FAST = dict(prefix="run", matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
+            allreduce_timeout=10.0, next_chunk_timeout=3.0, state_download_timeout=5.0)
+TEMPLATE = [torch.zeros(50)]
+
+
+def test_validator_rejects_unsigned_and_tampered_records():
+    good, other = RunKeyValidator("secret"), RunKeyValidator("guess")
+    record = DHTRecord(b"k", b"s", b"value", 123.0)
+    signed = DHTRecord(b"k", b"s", good.sign_value(record), 123.0)
+    assert good.validate(signed) and good.strip_value(signed) == b"value"
+    assert not other.validate(signed)
+    assert not good.validate(record)
+    tampered = DHTRecord(b"k", b"s", b"VALUE" + signed.value[5:], 123.0)
+    assert not good.validate(tampered)
+    assert not good.validate(DHTRecord(b"k", b"s", signed.value, 124.0))
+
+
+def test_outsider_is_refused_everywhere(no_leaked_daemons):
+    made = []
+    try:
+        settings = AveragerSettings(**FAST, private=True, target_group_size=2)
+        d1 = start_dht(NetworkSettings(run_key="secret"))
+        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="secret"))
+        # the outsider knows an address, the prefix and the tensor shapes, but not the run key
+        d3 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
+        made += [d1, d2, d3]
+        served = ({"outer_step": 5}, [torch.full((3,), 7.0)])
+        a1 = IslandAverager(d1, TEMPLATE, settings, state_provider=lambda: served)
+        a2 = IslandAverager(d2, TEMPLATE, settings)
+        outsider = IslandAverager(d3, TEMPLATE, AveragerSettings(**FAST, private=False, target_group_size=3))
+        made += [a1, a2, outsider]
+        m1, m2 = Membership(d1, "run"), Membership(d2, "run")
+        m1.announce(5)
+        m2.announce(5)
+        a1.set_state_priority(5)
+        outsider_membership = Membership(d3, "run")
+        outsider_membership.announce(5)  # unsigned: members' DHT nodes must not believe it
+        time.sleep(1.0)
+        assert not is_registered(d1, "run", str(d3.peer_id))
+        assert is_registered(d1, "run", str(d2.peer_id))
+
+        x1, x2, bad = [torch.ones(50)], [torch.full((50,), 3.0)], [torch.full((50,), 1e6)]
+        out = {}
+
+        def run(name, avg, x):
+            out[name] = avg.average(x, 1.0, {"config_fingerprint": "same"}, "0")
+
+        threads = [threading.Thread(target=run, args=a) for a in
+                   (("a1", a1, x1), ("a2", a2, x2), ("outsider", outsider, bad))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for name in ("a1", "a2"):
+            result, averaged = out[name]
+            assert result.ok, result.reason
+            assert str(d3.peer_id) not in result.peers
+            assert torch.allclose(averaged[0], torch.full((50,), 2.0))
+        assert not out["outsider"][0].ok
+        assert outsider.download_state() is None
+    finally:
+        for obj in reversed(made):
+            obj.shutdown()

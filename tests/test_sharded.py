@@ -1,0 +1,310 @@
+"""Islands of different shapes averaging shard-wise over real hivemind on loopback.
+
+The distributed checks run this file as a script in 3 subprocesses: one gloo world used only to
+hand out the first DHT's address, with island A = ranks 0 and 1 (a gloo group, each holding half
+of most parameters, split on dim 0 or dim 1, plus pipeline-style whole tensors and replicated ones)
+and island B = rank 2 (one process holding everything).  Every process starts its own DHT.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+# full shapes in model order; island A's split of each (rank 0, rank 1); None: the rank lacks it
+PARAMS = [("emb", (10, 6)), ("wq", (6, 6)), ("wo", (6, 8)), ("norm", (6,)), ("w2", (5, 7)), ("tail", (3,)),
+          ("head", (4, 6)), ("scale", ())]
+SPLIT_A = {
+    "emb": [(0, 0, 5), (0, 5, 5)], "wq": [(0, 0, 3), (0, 3, 3)], "wo": [(1, 0, 4), (1, 4, 4)],
+    "norm": [(0, 0, 6), (0, 0, 6)], "w2": [(1, 0, 4), (1, 4, 3)], "tail": [(0, 0, 3), None],
+    "head": [None, (0, 0, 4)], "scale": [(0, 0, 1), (0, 0, 1)],
+}
+BUCKET = 72  # 3 buckets over 213 elements: buckets span parameters, emb spans buckets
+WEIGHTS = {"A": 1.0, "B": 3.0}
+FAST = dict(matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=6.0,
+            allreduce_timeout=15.0, next_chunk_timeout=5.0)
+PROC_TIMEOUT_S = 150
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def full_delta(island: str, round_id: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed((1 if island == "A" else 2) * 100 + int(round_id))
+    return {n: torch.randn(s, generator=g) for n, s in PARAMS}
+
+
+def expected_average(round_id: str) -> dict[str, torch.Tensor]:
+    a, b = full_delta("A", round_id), full_delta("B", round_id)
+    total = WEIGHTS["A"] + WEIGHTS["B"]
+    return {n: (WEIGHTS["A"] * a[n] + WEIGHTS["B"] * b[n]) / total for n in a}
+
+
+def my_specs(island: str, island_rank: int) -> dict[str, tuple[int, int, int]]:
+    if island == "B":
+        return {n: (0, 0, (s or (1,))[0]) for n, s in PARAMS}
+    return {n: split[island_rank] for n, split in SPLIT_A.items() if split[island_rank] is not None}
+
+
+def shard(t: torch.Tensor, spec: tuple[int, int, int]) -> torch.Tensor:
+    return t.clone() if t.dim() == 0 else t.narrow(*spec).contiguous()
+
+
+def local_delta(island: str, island_rank: int, round_id: str) -> dict[str, torch.Tensor]:
+    full = full_delta(island, round_id)
+    return {n: shard(full[n], s) for n, s in my_specs(island, island_rank).items()}
+
+
+def reassemble(parts: list[tuple[dict, dict]]) -> dict[str, torch.Tensor]:
+    """Full tensors from (specs, local tensors) of an island's ranks."""
+    out = {n: torch.full(s, float("nan")) for n, s in PARAMS}
+    for specs, tensors in parts:
+        for n, spec in specs.items():
+            if out[n].dim() == 0:
+                out[n] = tensors[n].clone()
+            else:
+                out[n].narrow(*spec).copy_(tensors[n])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, cases: list[dict], out_dir: Path, world: int = 3, timeout_s: float = PROC_TIMEOUT_S) -> None:
+    """Run ``script`` as ``world`` gloo ranks with ``cases``; kill all ranks as soon as one fails."""
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                   RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        logs.append(out_dir / f"rank{rank}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, script, json.dumps(cases), str(out_dir)], env=env,
+                                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    children: dict[int, str] = {}
+    tick = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            if tick % 10 == 0:  # remember what the ranks started, to clean up after a crash
+                for p in procs:
+                    children.update(descendants(p.pid))
+            tick += 1
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                children.update(descendants(p.pid))
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            p.wait()
+        if any(p.returncode != 0 for p in procs):  # orphans of a failed rank (DHTs, averagers, p2pd): ours, by pid
+            _kill(children)
+    if any(p.returncode != 0 for p in procs):
+        raise AssertionError("island processes failed (exit codes "
+                             f"{[p.returncode for p in procs]}):\n"
+                             + "\n----\n".join(log.read_text()[-4000:] for log in logs))
+
+
+def descendants(root: int) -> dict[int, str]:
+    """``{pid: command name}`` of the processes started (directly or not) by ``root``, from /proc."""
+    parent, comm = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm[int(entry)] = stat[stat.index("(") + 1:stat.rindex(")")]
+            parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    return {pid: name for pid, name in comm.items() if descends(pid)}
+
+
+def descendant_p2pd(root: int) -> list[int]:
+    """p2pd daemons started (directly or not) by process ``root``."""
+    return [pid for pid, name in descendants(root).items() if name == "p2pd"]
+
+
+def _kill(processes: dict[int, str]) -> None:
+    for pid, name in processes.items():
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def alive_p2pd(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "p2pd":
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def check_no_leaks(out_dir: Path, world: int = 3) -> None:
+    """Every p2pd a test process started is gone (other sessions' daemons are not ours to judge)."""
+    pids = [pid for r in range(world) for pid in json.loads((out_dir / f"p2pd.{r}.json").read_text())]
+    assert pids, "the test processes started no p2pd daemon?"
+    deadline = time.time() + 10
+    while time.time() < deadline and alive_p2pd(pids):
+        time.sleep(0.2)
+    leaked = alive_p2pd(pids)
+    _kill({pid: "p2pd" for pid in leaked})
+    assert not leaked, f"test processes left p2pd daemons running: {leaked}"
+
+
+class Rank:
+    """One test process: its island, gloo groups and DHT (island B's DHT bootstraps the others)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        from peers.dht import NetworkSettings, start_dht, visible_maddrs
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        self.rank = dist.get_rank()
+        self.island = "A" if self.rank < 2 else "B"
+        self.island_rank = self.rank if self.island == "A" else 0
+        self.group_a = dist.new_group([0, 1])
+        self.group = self.group_a if self.island == "A" else None
+        self.dht = None
+        addrs = [None]
+        if self.rank == 2:
+            self.dht = start_dht(NetworkSettings())
+            addrs = [visible_maddrs(self.dht)]
+        dist.broadcast_object_list(addrs, src=2)
+        if self.dht is None:
+            self.dht = start_dht(NetworkSettings(initial_peers=addrs[0]))
+        self.specs = my_specs(self.island, self.island_rank)
+
+    def close(self, out_dir: str):
+        import torch.distributed as dist
+
+        (Path(out_dir) / f"p2pd.{self.rank}.json").write_text(json.dumps(descendant_p2pd(os.getpid())))
+        if self.dht is not None:
+            self.dht.shutdown()
+        dist.destroy_process_group()
+
+
+def save(out_dir: str, case: str, rank: Rank, result, averaged) -> None:
+    torch.save({"island": rank.island, "island_rank": rank.island_rank, "specs": rank.specs,
+                "ok": result.ok, "reason": result.reason, "backend": result.backend,
+                "fallback_reason": result.fallback_reason, "group_size": result.group_size,
+                "bytes_sent": result.bytes_sent, "total_weight": result.total_weight,
+                "buckets": [(o.index, o.owner, o.ok, o.reason) for o in result.buckets],
+                "averaged": averaged}, Path(out_dir) / f"{case}.{rank.rank}.pt")
+
+
+def load(out_dir: Path, case: str, world: int = 3) -> list[dict]:
+    return [torch.load(out_dir / f"{case}.{r}.pt", weights_only=False) for r in range(world)]
+
+
+# --------------------------------------------------------------------------------------- the cases
+def run_cases(cases: list[dict], out_dir: str) -> None:
+    from peers.averager import AveragerSettings, RoundResult
+    from peers.layout import CanonicalLayout
+    from peers.sharded import ShardedAverager
+
+    t0 = time.monotonic()
+    me = Rank()
+    print(f"rank {me.rank}: DHT and groups ready after {time.monotonic() - t0:.1f} s", flush=True)
+    layout = CanonicalLayout.build(PARAMS, BUCKET)
+    avg = None
+    try:
+        settings = AveragerSettings(prefix="sharded", min_group_size=2, target_group_size=2, **FAST)
+        deltas0 = local_delta(me.island, me.island_rank, "0")
+        avg = ShardedAverager(layout, deltas0, me.specs, me.group, me.dht, settings)
+        for case in cases:
+            rid = case["round"]
+            if case.get("sabotage") is not None and me.island == "B":
+                def never_joins(*_args, **_kwargs):
+                    return RoundResult(False, "injected: island B never joins this bucket"), None
+                avg.averagers[case["sabotage"]].average = never_joins
+            result, averaged = avg.average(local_delta(me.island, me.island_rank, rid), WEIGHTS[me.island],
+                                           {"config_fingerprint": "cfg"}, rid)
+            save(out_dir, case["name"], me, result, averaged)
+            print(f"rank {me.rank}: case {case['name']} done after {time.monotonic() - t0:.1f} s "
+                  f"(round {result.seconds:.1f} s, ok={result.ok}, {result.reason})", flush=True)
+    finally:
+        if avg is not None:
+            avg.shutdown()
+        me.close(out_dir)
+
+
+# ------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    launch(__file__, [{"name": "average", "round": "0"}, {"name": "rollback", "round": "1", "sabotage": 1}], out)
+    check_no_leaks(out)
+    return out
+
+
+def test_islands_of_different_shapes_average_to_identical_results(runs):
+    ranks = load(runs, "average")
+    expected = expected_average("0")
+    for r in ranks:
+        assert r["ok"], r["reason"]
+        assert r["backend"] == "hivemind" and r["group_size"] == 2
+        assert r["total_weight"] == pytest.approx(4.0)
+    # every rank of island A took part in the slow-link traffic (buckets 0, 2 on rank 0; 1 on rank 1)
+    assert ranks[0]["bytes_sent"] > 0 and ranks[1]["bytes_sent"] > 0
+    assert {o[0]: o[1] for o in ranks[0]["buckets"]} == {0: 0, 1: 1, 2: 0}
+    assert ranks[2]["bytes_sent"] == ranks[0]["bytes_sent"] + ranks[1]["bytes_sent"]
+    island_a = reassemble([(r["specs"], r["averaged"]) for r in ranks[:2]])
+    island_b = reassemble([(ranks[2]["specs"], ranks[2]["averaged"])])
+    for n, _ in PARAMS:
+        torch.testing.assert_close(island_a[n], expected[n], rtol=1e-5, atol=1e-6)
+        assert (island_a[n] - island_b[n]).abs().max() <= 1e-6, n
+    # replicated shards reach both holders alike
+    assert torch.equal(ranks[0]["averaged"]["norm"], ranks[1]["averaged"]["norm"])
+    assert torch.equal(ranks[0]["averaged"]["scale"], ranks[1]["averaged"]["scale"])
+
+
+def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
+    ranks = load(runs, "rollback")
+    for r in ranks:
+        assert not r["ok"] and r["averaged"] is None
+        assert "bucket 1" in r["reason"], r["reason"]
+    # island A: buckets 0 and 2 did average (on rank 0), bucket 1 (rank 1's) found no group
+    outcomes = {o[0]: o[2] for o in ranks[0]["buckets"]}
+    assert outcomes == {0: True, 1: False, 2: True}
+    assert ranks[1]["buckets"] == ranks[0]["buckets"]  # the island agrees on what happened
+    assert "injected" in ranks[2]["reason"]
+
+
+if __name__ == "__main__":
+    run_cases(json.loads(sys.argv[1]), sys.argv[2])
