@@ -58,6 +58,9 @@ def setup_logging(prefix: str = "") -> None:
                         format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("hivemind", "wandb"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    if os.environ.get("DILOCO_HIVEMIND_LOGS"):
+        logging.getLogger("hivemind").setLevel(logging.INFO)
+        return
     # failed rounds are reported by us in one line; hivemind would print a traceback for each
     logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
     logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.CRITICAL)

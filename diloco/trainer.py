@@ -204,6 +204,10 @@ class Island:
         while True:
             state = self.averager.download_state()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
+            if state is None and self.membership.furthest_step() > self.outer_step \
+                    and time.monotonic() < deadline:
+                time.sleep(1.0)  # others are ahead but busy or unreachable right now: ask again
+                continue
             if step <= self.outer_step:
                 if step < 0:
                     log.info("no peer served its state; keeping ours (outer step %d)", self.outer_step)

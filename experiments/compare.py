@@ -56,9 +56,12 @@ COMPARE_DEFAULTS: dict[str, Any] = {
     "logging.eval_batches": 8,
     "logging.log_every": 10,
     "checkpoint.every": 0,
-    "averaging.matchmaking_time": 3.0,
-    "averaging.request_timeout": 2.0,
-    "averaging.matchmaking_timeout": 120.0,
+    # rounds start as soon as all k islands are in (target_group_size = k); the long window only keeps a
+    # slow island (2 shared cores) from being left out of a round
+    "averaging.matchmaking_time": 30.0,
+    "averaging.request_timeout": 10.0,
+    "averaging.matchmaking_timeout": 180.0,
+    "averaging.vote_timeout": 60.0,
     "averaging.allreduce_timeout": 300.0,
     "averaging.next_chunk_timeout": 60.0,
     "averaging.startup_timeout": 60.0,
@@ -301,6 +304,11 @@ def acceptance_lines(single: RunResult | None, base: RunResult, dl: RunResult, H
         f"{'under the capped link' if capped else 'ON LOOPBACK, the target is about a capped link'}) "
         f"{ok(checks['wall_ok'])}",
     ]
+    failed = dl.extra.get("rounds_failed") or []
+    checks["diloco_rounds_failed"] = failed
+    if any(failed):
+        lines.append(f"warning: DiLoCo rounds failed (per island {failed}): "
+                     + "; ".join(dl.extra.get("failures", [])[:3]))
     if single is not None:
         lines.append(f"single worker (1/{dl.workers} of the tokens): final held-out loss {single.final_eval_loss:.4f}")
     return lines, checks

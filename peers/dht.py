@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import hivemind
@@ -75,20 +76,26 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
     if settings.identity_path:
         os.makedirs(os.path.dirname(os.path.abspath(settings.identity_path)), exist_ok=True)
         kwargs["identity_path"] = settings.identity_path
-    try:
-        dht = hivemind.DHT(initial_peers=settings.initial_peers or None, start=True,
-                           await_ready=True, **kwargs)
-    except Exception as e:
-        detail = " ".join(str(e).split())[:300]
-        if settings.initial_peers:
-            raise PeerNetworkError(
-                f"could not reach any initial peer ({', '.join(settings.initial_peers)}) within "
-                f"{settings.startup_timeout:.0f} s: check the address, that the island there is running and "
-                f"that its port is open to you [{type(e).__name__}: {detail}]") from None
+    deadline = time.monotonic() + settings.startup_timeout
+    while True:
+        try:
+            return hivemind.DHT(initial_peers=settings.initial_peers or None, start=True, await_ready=True,
+                                **dict(kwargs, startup_timeout=max(1.0, deadline - time.monotonic())))
+        except Exception as e:
+            error = e
+        # a busy or just-restarted peer may refuse a first dial: retry until the deadline
+        if not settings.initial_peers or time.monotonic() + 1.0 > deadline:
+            break
+        time.sleep(1.0)
+    detail = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    if settings.initial_peers:
         raise PeerNetworkError(
-            f"could not start the peer-to-peer node on {', '.join(settings.host_maddrs)}: is the port free "
-            f"and the address local to this machine? [{type(e).__name__}: {detail}]") from None
-    return dht
+            f"could not reach any initial peer ({', '.join(settings.initial_peers)}) within "
+            f"{settings.startup_timeout:.0f} s: check the address, that the island there is running and "
+            f"that its port is open to you [{detail}]")
+    raise PeerNetworkError(
+        f"could not start the peer-to-peer node on {', '.join(settings.host_maddrs)}: is the port free "
+        f"and the address local to this machine? [{detail}]")
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -117,7 +117,8 @@ def spec_tuple(spec: Any, full_shape: Sequence[int] | None = None) -> Spec:
         if not 0 <= dim < len(shape):
             raise ValueError(f"shard dim {dim} is outside a tensor of shape {tuple(full_shape)}")
         if offset < 0 or length < 0 or offset + length > shape[dim]:
-            raise ValueError(f"shard [{offset}, {offset + length}) on dim {dim} does not fit in shape {tuple(full_shape)}")
+            raise ValueError(f"shard [{offset}, {offset + length}) on dim {dim} does not fit in shape "
+                             f"{tuple(full_shape)}")
     return dim, offset, length
 
 
@@ -200,7 +201,8 @@ class CanonicalLayout:
         inner = math.prod(shape[dim + 1:])
         return entry, spec, outer, shape[dim] * inner, length * inner, entry.start + offset * inner
 
-    def local_ranges(self, name: str, spec: Any, local_shape: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    def local_ranges(self, name: str, spec: Any,
+                     local_shape: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
         """``[(canonical_start, local_flat_start, n), ...]`` covering a local shard, in local order.
 
         A shard narrowed on dim 0 (or a whole tensor) is one range; narrowed on dim ``d > 0`` it is

@@ -3,9 +3,10 @@
 An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see
 :mod:`peers.layout`) and cut into buckets; bucket ``b`` belongs to island rank
 ``layout.owner_of(b, island_size)`` (round-robin), which averages it with the other islands' owners
-of bucket ``b`` over hivemind (one verified :class:`~peers.averager.IslandAverager` per owned bucket,
-DHT prefix ``f"{prefix}_b{b}"`` (hivemind forbids dots in prefixes)).  Slow-link traffic is thus spread over the island's ranks and
-nothing is gathered onto rank 0.  A round of :meth:`ShardedAverager.average`:
+of bucket ``b`` over hivemind: one verified :class:`~peers.averager.IslandAverager` per owned
+bucket, with DHT prefix ``f"{prefix}_b{b}"`` (hivemind forbids dots in prefixes).  Slow-link
+traffic is thus spread over the island's ranks and nothing is gathered onto rank 0.  A round of
+:meth:`ShardedAverager.average`:
 
 a. *gather* (inside the island, point-to-point): each rank sends the pieces of each bucket it
    contributes straight to the bucket's owner, which assembles the whole bucket;
@@ -16,14 +17,24 @@ c. the island agrees (an ``all_gather_object`` of per-bucket outcomes): the roun
 d. *scatter* (point-to-point): owners send each rank the averaged values of the elements it holds.
 
 Replicated shards (RMSNorm weights on every TP rank, or anything two ranks hold with the same
-spec) are contributed by the lowest island rank holding them only; every holder gets the result.
-Partially overlapping shards (not produced by our TP plan) are averaged over their holders.
+spec) are contributed by the lowest island rank holding them only (TP keeps replicas equal); every
+holder gets the result, so replicas are re-synchronised by each round.  Partially overlapping
+shards (not produced by our TP plan) are averaged over their holders (the owner divides by the
+holder count).  An island whose shards leave any element uncovered is refused at construction.
+
+Process-group requirements: ``group``'s timeout must exceed a hivemind round (matchmaking +
+all-reduce + vote timeouts), since ranks that own no failing bucket wait in the island's
+collectives meanwhile.  ``on_stage`` (fault injection, progress) is called from the owners' bucket
+threads, once per owned bucket and stage.
 
 With ``backend="torch"`` the cross-island step is a torch.distributed all-reduce among the owners
 (:class:`peers.fallback.HierarchicalAllReduce`); with ``backend="auto"`` hivemind is tried first and
 the round falls back to torch when hivemind could not form a group (never when a group formed and
-rejected the result, e.g. a NaN).  This package takes plain data only: names, shapes, specs and
-process groups.
+rejected the result, e.g. a NaN).  Every island of the torch world takes part in that decision each
+round (one small all-reduce, :meth:`HierarchicalAllReduce.agree`), and when any island needs the
+fallback and none saw a rejection, *all* of them use the torch result, so they stay identical.
+Hence all islands of a torch world must run ``auto`` (or all ``torch``).  This package takes plain
+data only: names, shapes, specs and process groups.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ import hivemind
 import torch
 import torch.distributed as dist
 
-from peers.averager import AveragerSettings, IslandAverager, RoundResult, StateProvider
+from peers.averager import AveragerSettings, IslandAverager, RoundResult, StateProvider, fingerprint
 from peers.layout import CanonicalLayout, Segment, spec_tuple
 
 log = logging.getLogger(__name__)
@@ -231,6 +242,20 @@ class IslandExchange:
         if wmin != -neg_wmax:
             return f"the island's ranks passed different weights ({wmin} to {-neg_wmax})"
         return ""
+
+    def canonical_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
+                              ) -> list[float]:
+        """Collective: :func:`~peers.averager.fingerprint` of the island's tensors in canonical bucket order.
+
+        Every owner fingerprints its assembled buckets, so two islands holding the same values get
+        the same list whatever their shapes (use it as the ``state_fingerprint`` of θ_global).
+        """
+        owned = self.gather(local_tensors)
+        mine = {b: fingerprint([owned[b]], chunks_per_bucket) for b in owned}
+        merged: dict[int, list[float]] = {}
+        for part in self.all_gather_object(mine):
+            merged.update(part)
+        return [x for b in sorted(merged) for x in merged[b]]
 
     # ----------------------------------------------------------------------------- gather/scatter
     def gather(self, local_deltas: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -478,6 +503,13 @@ class ShardedAverager:
         result.ok, result.backend = True, "hivemind"
         result.total_weight = buckets[0].total_weight if buckets else 0.0
         return result, False, False
+
+    def state_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
+                          ) -> list[float]:
+        """Collective over the island: a fingerprint of ``local_tensors`` (e.g. this rank's θ_global
+        shards) that is identical on every rank and on every island holding the same values, whatever
+        its shape; see :meth:`IslandExchange.canonical_fingerprint`."""
+        return self.exchange.canonical_fingerprint(local_tensors, chunks_per_bucket)
 
     def set_state_priority(self, outer_step: int) -> None:
         """Advertise the freshness of this rank's state on every owned bucket's averager."""

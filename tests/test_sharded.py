@@ -247,6 +247,9 @@ def run_cases(cases: list[dict], out_dir: str) -> None:
         settings = AveragerSettings(prefix="sharded", min_group_size=2, target_group_size=2, **FAST)
         deltas0 = local_delta(me.island, me.island_rank, "0")
         avg = ShardedAverager(layout, deltas0, me.specs, me.group, me.dht, settings)
+        # the same θ held by differently shaped islands has the same canonical fingerprint
+        theta = {n: shard(t, me.specs[n]) for n, t in full_delta("A", "7").items() if n in me.specs}
+        torch.save(avg.state_fingerprint(theta), Path(out_dir) / f"fingerprint.{me.rank}.pt")
         for case in cases:
             rid = case["round"]
             if case.get("sabotage") is not None and me.island == "B":
@@ -294,6 +297,12 @@ def test_islands_of_different_shapes_average_to_identical_results(runs):
     assert torch.equal(ranks[0]["averaged"]["scale"], ranks[1]["averaged"]["scale"])
 
 
+def test_state_fingerprint_does_not_depend_on_the_island_shape(runs):
+    prints = [torch.load(runs / f"fingerprint.{r}.pt") for r in range(3)]
+    assert len(prints[0]) == 3 * 4 * 3  # buckets x chunks x (sum, abs-sum, square-sum)
+    assert prints[0] == prints[1] == prints[2]
+
+
 def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
     ranks = load(runs, "rollback")
     for r in ranks:
@@ -304,6 +313,34 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
     assert outcomes == {0: True, 1: False, 2: True}
     assert ranks[1]["buckets"] == ranks[0]["buckets"]  # the island agrees on what happened
     assert "injected" in ranks[2]["reason"]
+
+
+def test_single_process_island_exchange_and_its_checks():
+    from peers.layout import CanonicalLayout
+    from peers.sharded import IslandExchange
+
+    layout = CanonicalLayout.build(PARAMS, BUCKET)
+    full = full_delta("B", "0")
+    specs = my_specs("B", 0)
+    ex = IslandExchange(layout, full, specs, None)
+    assert ex.size == 1 and ex.owned == [0, 1, 2]
+    owned = ex.gather(full)
+    canonical = torch.cat([full[n].reshape(-1) for n, _ in PARAMS])
+    for b in layout.buckets:
+        assert torch.equal(owned[b.index], canonical[b.start:b.end])
+    back = ex.scatter(owned)
+    assert all(torch.equal(back[n], full[n]) for n in full)
+    assert ex.precheck(full, 1.0) == ""
+    bad = dict(full, wo=full["wo"].clone())
+    bad["wo"][1, 1] = float("inf")
+    assert "not finite" in ex.precheck(bad, 1.0)
+    assert "weight is not positive" in ex.precheck(full, 0.0)
+    # an island whose shards leave a hole (island A's rank 0 alone) or do not fit is refused up front
+    part = local_delta("A", 0, "0")
+    with pytest.raises(ValueError, match="do not cover the model"):
+        IslandExchange(layout, part, my_specs("A", 0), None)
+    with pytest.raises(ValueError, match="do not fit"):
+        IslandExchange(layout, {"wo": torch.zeros(6, 5)}, {"wo": (1, 0, 4)}, None)
 
 
 if __name__ == "__main__":

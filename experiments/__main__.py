@@ -1,0 +1,34 @@
+"""``python -m experiments compare|sweeps [...]``: the experiment commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """python -m experiments COMMAND [options] [--section.key VALUE ...]
+
+commands:
+  compare   single worker vs synchronous data parallelism vs DiLoCo (python -m experiments compare --help)
+  sweeps    H, islands and outer-optimizer sweeps next to the paper's numbers (... sweeps --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "compare":
+        from experiments.compare import main as run
+    elif command == "sweeps":
+        from experiments.sweeps import main as run
+    else:
+        print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
