@@ -135,5 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

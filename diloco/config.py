@@ -108,7 +108,9 @@ class DilocoConfig:
 @dataclass
 class AveragingConfig:
     backend: str = "hivemind"
-    """`hivemind` (peer-to-peer over the internet) or `local` (no peers: a group of one)."""
+    """`hivemind` (peer-to-peer over the internet), `local` (no peers: a group of one), `torch` (islands
+    launched as one torchrun world average with a torch.distributed all-reduce) or `auto` (hivemind, falling
+    back to that all-reduce when no hivemind group forms); `torch` and `auto` average shard-wise."""
     run_id: str = "diloco"
     """Name shared by all islands of one run: the DHT prefix of its averager."""
     initial_peers: list[str] = field(default_factory=list)
@@ -157,6 +159,13 @@ class AveragingConfig:
     """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
     member_ttl: float = 60.0
     """Seconds an island's registration lives without a heartbeat (refreshed every third of it)."""
+    sharded: bool = False
+    """Average shard-wise over the canonical layout (each rank of a tp/pp island averages the buckets it owns).
+    Implied by --parallel.tp/pp above 1 and by the torch and auto backends; set it on single-process islands
+    that join a run with tp/pp islands."""
+    bucket_numel: int = 4_000_000
+    """Elements per bucket of shard-wise averaging (the unit one island rank averages); must be the same on
+    every island of a run."""
 
 
 @dataclass
@@ -244,7 +253,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.preset": tuple(MODEL_PRESETS),
     "diloco.outer_optimizer": ("nesterov", "avg"),
-    "averaging.backend": ("hivemind", "local"),
+    "averaging.backend": ("hivemind", "local", "torch", "auto"),
     "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8"),
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
@@ -518,6 +527,9 @@ def validate(cfg: Config) -> list[str]:
     for addr in a.host_maddrs + a.announce_maddrs:
         if not addr.startswith("/ip4/") and not addr.startswith("/ip6/") and not addr.startswith("/dns"):
             p.append(f"multiaddr {addr!r} must look like /ip4/ADDRESS/tcp/PORT")
+    if a.bucket_numel < 1:
+        p.append(f"--averaging.bucket_numel must be at least 1, got {a.bucket_numel}")
+    p += parallel_problems(cfg)
     c = cfg.checkpoint
     if c.every < 0:
         p.append(f"--checkpoint.every must be 0 (off) or positive, got {c.every}")
@@ -532,6 +544,26 @@ def validate(cfg: Config) -> list[str]:
     if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
         p.append(f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
     return p
+
+
+def parallel_problems(cfg: Config) -> list[str]:
+    """Why the model cannot be split over ``--parallel.tp`` x ``--parallel.pp`` (one sentence each)."""
+    par, m = cfg.parallel, cfg.model
+    if par.tp == 1 and par.pp == 1:
+        return []
+    if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size) < 1:
+        return []  # reported above
+    from pipeline.island import IslandSettings, check_island  # torch-heavy: only for parallel islands
+
+    try:
+        settings = IslandSettings.from_config(par)
+    except ValueError:
+        return [f"--parallel.layers_per_stage must list integers, got {','.join(par.layers_per_stage)}"]
+    problems = check_island(settings, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
+    if par.pp > 1 and par.microbatches >= 1 and cfg.inner.batch_size % par.microbatches:
+        problems.append(f"--inner.batch_size ({cfg.inner.batch_size}) must be divisible by "
+                        f"--parallel.microbatches ({par.microbatches}) when --parallel.pp is above 1")
+    return problems
 
 
 def describe(cfg: Config) -> str:

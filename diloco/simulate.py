@@ -136,10 +136,14 @@ class Cluster:
         return i in self.procs and self.procs[i].poll() is None
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to island ``i`` and everything it started (its p2pd daemons included)."""
+        """Send ``sig`` to island ``i``: SIGKILL to everything it started (its p2pd daemons included),
+        other signals to its main process, which shuts its helpers down itself."""
         if i in self.procs:
             try:
-                os.killpg(self.procs[i].pid, sig)
+                if sig == signal.SIGKILL:
+                    os.killpg(self.procs[i].pid, sig)
+                else:
+                    self.procs[i].send_signal(sig)
             except ProcessLookupError:
                 pass
             if sig == signal.SIGKILL:

@@ -30,7 +30,6 @@ import copy
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -81,137 +80,28 @@ class CompareError(RuntimeError):
 # ------------------------------------------------------------------------------------ island launcher
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, log_path: Path, timeout: float) -> list[str]:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists():
-            lines = [line for line in path.read_text().split() if line]
-            if lines:
-                return lines
-        if proc.poll() is not None:
-            raise CompareError(f"island 0 exited with code {proc.returncode} before it was reachable; its log "
-                               f"{log_path} ends with:\n{_tail(log_path)}")
-        time.sleep(0.2)
-    raise CompareError(f"island 0 did not become reachable within {timeout:.0f} s; see {log_path}")
-
-
-def _island_progress(run_dirs: list[Path], outer_steps: int, t0: float) -> str:
-    parts = []
-    for i, d in enumerate(run_dirs):
-        recs = [r for r in read_metrics(d) if "round_ok" in r]
-        if recs:
-            r = recs[-1]
-            ev = f" eval {r['eval/loss']:.3f}" if "eval/loss" in r else ""
-            parts.append(f"island{i} {r['outer_step']}/{outer_steps} loss {r.get('loss', float('nan')):.3f}{ev}")
-        else:
-            parts.append(f"island{i} warming up")
-    return f"[{time.time() - t0:6.0f}s] " + " | ".join(parts)
-
-
 def launch_islands(cfg: Config, n: int, network: Any = None, *,
                    wrap: Callable[[list[str], int], list[str]] | None = None,
                    startup_timeout: float = 180.0, progress: bool = True) -> dict[str, Any]:
     """Run ``n`` islands (``diloco train`` processes) to completion; return their summaries.
 
-    Like :func:`diloco.simulate.simulate` (whose :func:`~diloco.simulate.island_configs` it reuses), but
-    with ``network`` island ``i`` listens on emulated host ``i``'s address and its command is wrapped
-    with ``network.wrap(cmd, i)`` (or ``wrap``).  Every island is stopped on failure, Ctrl-C and at the end.
+    :func:`diloco.simulate.simulate` with, when ``network`` is given, island ``i`` listening on emulated
+    host ``i``'s address and its command wrapped with ``network.wrap(cmd, i)`` (or ``wrap``).  Every
+    island is stopped on failure, Ctrl-C/SIGTERM and at the end.
     """
-    from diloco.baseline import stop_processes
-    from diloco.simulate import island_configs, theta_spread
-    import tomli_w
+    from diloco.simulate import simulate
 
-    configs = island_configs(cfg, n)
+    hosts = None
     if network is not None:
         if len(network.hosts) < n:
             raise CompareError(f"the emulated network has {len(network.hosts)} hosts but {n} islands need one each")
         wrap = wrap or network.wrap
-        for i, d in enumerate(configs):
-            d["averaging"]["host_maddrs"] = [f"/ip4/{network.hosts[i].address}/tcp/0"]
-    run_dirs = [Path(d["logging"]["run_dir"]) for d in configs]
-    for d in run_dirs:
-        for stale in ("maddrs.txt", "summary.json", "metrics.jsonl", "theta_global.pt"):
-            (d / stale).unlink(missing_ok=True)
-    procs: list[subprocess.Popen] = []
-    logs: list[Path] = []
-
-    def spawn(i: int, d: dict[str, Any]) -> None:
-        run_dir = Path(d["logging"]["run_dir"])
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg_path = run_dir / "config.toml"
-        cfg_path.write_text(tomli_w.dumps(d))
-        log_path = run_dir / "train.log"
-        env = dict(os.environ, OMP_NUM_THREADS=str(d["threads"]), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "diloco.cli", "train", "--config", str(cfg_path)]
-        if wrap is not None:
-            cmd = wrap(cmd, i)
-        with open(log_path, "w") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
-        logs.append(log_path)
-
-    previous = signal.getsignal(signal.SIGTERM)
-    in_main = _in_main_thread()
-
-    def _interrupt(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    if in_main:
-        signal.signal(signal.SIGTERM, _interrupt)
+        hosts = [h.address for h in network.hosts[:n]]
     t0 = time.time()
-    try:
-        spawn(0, configs[0])
-        if n > 1:
-            maddrs = _wait_for_file(Path(configs[0]["averaging"]["maddr_file"]), procs[0], logs[0], startup_timeout)
-            for i, d in enumerate(configs[1:], start=1):
-                d["averaging"]["initial_peers"] = maddrs
-                spawn(i, d)
-        if progress:
-            print(f"started {n} island(s); logs in {run_dirs[0].parent}/island*/train.log", flush=True)
-        last = ""
-        while any(p.poll() is None for p in procs):
-            for i, p in enumerate(procs):
-                if p.poll() not in (None, 0):
-                    raise CompareError(f"island {i} exited with code {p.returncode}; its log {logs[i]} ends "
-                                       f"with:\n{_tail(logs[i])}")
-            if progress:
-                line = _island_progress(run_dirs, cfg.diloco.outer_steps, t0)
-                if line.split("] ", 1)[1] != last:
-                    print(line, flush=True)
-                    last = line.split("] ", 1)[1]
-            time.sleep(1.0)
-        for i, p in enumerate(procs):
-            if p.returncode != 0:
-                raise CompareError(f"island {i} exited with code {p.returncode}; its log {logs[i]} ends with:\n"
-                                   f"{_tail(logs[i])}")
-    except KeyboardInterrupt:
-        print("interrupted: stopping every island", flush=True)
-        stop_processes(procs, grace=20.0)
-        raise
-    except BaseException:
-        stop_processes(procs, grace=20.0)
-        raise
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-    stop_processes(procs, grace=20.0)  # reaps p2pd daemons and W&B services left in the islands' sessions
-    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
-    spread = theta_spread([d / "theta_global.pt" for d in run_dirs]) if n > 1 else 0.0
-    return {"islands": summaries, "theta_global_max_abs_diff": spread, "launcher_wall_seconds": time.time() - t0,
-            "run_dirs": [str(d) for d in run_dirs]}
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
+    out = simulate(cfg, n, startup_timeout, wrap=wrap, host_addresses=hosts, quiet=not progress)
+    out["launcher_wall_seconds"] = time.time() - t0
+    out["run_dirs"] = [str(Path(cfg.logging.run_dir) / f"island{i}") for i in range(n)]
+    return out
 
 
 # ------------------------------------------------------------------------------------ results
@@ -500,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     from diloco.baseline import BaselineError
     from diloco.data import DataError
+    from diloco.simulate import SimulationError
     from experiments.netns import NetworkSetupError
 
     try:
@@ -518,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in e.problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
-    except (CompareError, BaselineError, DataError, NetworkSetupError) as e:
+    except (CompareError, BaselineError, SimulationError, DataError, NetworkSetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -50,9 +50,12 @@ SWEEP_DEFAULTS: dict[str, Any] = {
     "logging.log_every": 25,
     "checkpoint.every": 0,
     "wandb.mode": "disabled",
-    "averaging.matchmaking_time": 2.0,
-    "averaging.request_timeout": 1.0,
-    "averaging.matchmaking_timeout": 90.0,
+    # a round starts as soon as all k islands are in (target_group_size = k); the long window only keeps
+    # an island slowed down by the shared cores from being left out of a round
+    "averaging.matchmaking_time": 30.0,
+    "averaging.request_timeout": 10.0,
+    "averaging.matchmaking_timeout": 180.0,
+    "averaging.vote_timeout": 60.0,
     "averaging.startup_timeout": 60.0,
 }
 
@@ -279,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
     from diloco.data import DataError
+    from diloco.simulate import SimulationError
 
     try:
         cfg = load_with_defaults(SWEEP_DEFAULTS, args.config, rest)
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in e.problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
-    except (CompareError, DataError, ValueError) as e:
+    except (CompareError, SimulationError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

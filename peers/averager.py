@@ -73,6 +73,9 @@ class AveragerSettings:
     """No incoming connections: this island neither reduces parts nor serves state."""
     private: bool = False
     """Serve only islands registered in the run's member registry (see peers.membership)."""
+    members_key: str = ""
+    """DHT key of that member registry (empty: ``f"{prefix}.members"``); set it when the prefix is not
+    the run's own, e.g. for the per-bucket averagers of :mod:`peers.sharded` (prefix ``f"{run}_b{i}"``)."""
 
 
 @dataclass
@@ -236,7 +239,7 @@ class IslandAverager:
             compression=codec(),
             client_mode=settings.client_mode,
             state_provider=state_provider,
-            members_key=f"{settings.prefix}.members" if settings.private else None,
+            members_key=(settings.members_key or f"{settings.prefix}.members") if settings.private else None,
             shutdown_timeout=5,
         )
         self.peer_id = str(dht.peer_id)

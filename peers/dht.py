@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +55,26 @@ def check_multiaddr(addr: str, what: str, need_peer_id: bool = False) -> None:
             f"{what} {addr!r} lacks its /p2p/PEER_ID suffix; copy the full address printed by the island you join")
 
 
+@contextlib.contextmanager
+def signals_ignored_by_children():
+    """Start helper processes with SIGINT ignored.
+
+    Ctrl-C in a terminal reaches the whole process group; the island's own handler then finishes
+    the round and checkpoints, which needs its DHT and averager processes alive.  They are stopped
+    by the island's ``shutdown`` calls instead (SIGTERM still ends them, as hivemind's shutdown
+    relies on ``terminate()``).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def start_dht(settings: NetworkSettings) -> hivemind.DHT:
     """Start this island's DHT node and join ``settings.initial_peers``.
 
@@ -79,8 +102,9 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
     deadline = time.monotonic() + settings.startup_timeout
     while True:
         try:
-            return hivemind.DHT(initial_peers=settings.initial_peers or None, start=True, await_ready=True,
-                                **dict(kwargs, startup_timeout=max(1.0, deadline - time.monotonic())))
+            with signals_ignored_by_children():
+                return hivemind.DHT(initial_peers=settings.initial_peers or None, start=True, await_ready=True,
+                                    **dict(kwargs, startup_timeout=max(1.0, deadline - time.monotonic())))
         except Exception as e:
             error = e
         # a busy or just-restarted peer may refuse a first dial: retry until the deadline

@@ -4,6 +4,11 @@ Every DHT record of a private run carries an HMAC made with the run key (a hivem
 validator), so a node without the key can neither write the run's keys nor have its records
 believed.  Members register their peer id under ``<prefix>.members``; the averager consults that
 registry before letting a peer join a group, send parts or download state.
+
+An island of several processes (tensor/pipeline parallel) registers every rank's peer id, each
+record naming its island (the peer id of the island's rank 0) and rank; the island-level queries
+(:meth:`Membership.others`, :meth:`~Membership.live_count`, :meth:`~Membership.furthest_step`) count
+distinct islands, not processes.
 """
 
 from __future__ import annotations
@@ -62,27 +67,49 @@ class RunKeyValidator(RecordValidatorBase):
 
 @dataclass
 class Member:
-    """A registered island as seen in the DHT."""
+    """A registered island (or one rank of it) as seen in the DHT."""
 
     peer_id: str
     outer_step: int
     left: bool
     averaging: bool = False
     """True while the island is in the averaging phase of round ``outer_step``."""
+    island: str = ""
+    """The island this peer belongs to (its rank 0's peer id); empty is read as ``peer_id``."""
+    rank: int = 0
+    """The peer's rank inside its island."""
+    sharded: bool = False
+    """The island averages shard-wise over the canonical layout (peers.sharded), not as one tensor list."""
 
 
 class Membership:
-    """Registers this island, keeps its registration alive, and lists the run's live islands."""
+    """Registers this island (or one rank of it), keeps the registration alive, and lists the run's
+    live islands.  ``island`` is the island's id (its rank 0's peer id; empty: this peer's id) and
+    ``rank`` this process's rank in it; ``sharded`` is published so islands that average differently
+    can tell."""
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, ttl: float = 60.0):
+    def __init__(self, dht: hivemind.DHT, prefix: str, ttl: float = 60.0, *, island: str = "", rank: int = 0,
+                 sharded: bool = False):
         self.dht = dht
         self.key = f"{prefix}.members"
         self.peer_id = str(dht.peer_id)
+        self.island = island or self.peer_id
+        self.rank = int(rank)
+        self.sharded = bool(sharded)
         self.ttl = ttl
         self.outer_step = 0
         self.averaging = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _value(self, **extra: object) -> dict:
+        value: dict = {"outer_step": self.outer_step, "averaging": self.averaging, "left": False}
+        if self.island != self.peer_id or self.rank:
+            value.update(island=self.island, rank=self.rank)
+        if self.sharded:
+            value["sharded"] = True
+        value.update(extra)
+        return value
 
     def announce(self, outer_step: int | None = None, averaging: bool | None = None) -> None:
         """Publish (or refresh) this island's registration: its outer step and whether it is averaging."""
@@ -90,8 +117,7 @@ class Membership:
             self.outer_step = outer_step
         if averaging is not None:
             self.averaging = averaging
-        self.dht.store(self.key, subkey=self.peer_id,
-                       value={"outer_step": self.outer_step, "averaging": self.averaging, "left": False},
+        self.dht.store(self.key, subkey=self.peer_id, value=self._value(),
                        expiration_time=get_dht_time() + self.ttl)
 
     def start_heartbeat(self) -> None:
@@ -112,13 +138,13 @@ class Membership:
         """Tell the run this island is gone, so nobody waits for it."""
         self._stop.set()
         try:
-            self.dht.store(self.key, subkey=self.peer_id, value={"outer_step": self.outer_step, "left": True},
+            self.dht.store(self.key, subkey=self.peer_id, value=self._value(averaging=False, left=True),
                            expiration_time=get_dht_time() + self.ttl + 1)
         except Exception as e:
             log.debug("could not announce leaving: %s", e)
 
     def members(self) -> dict[str, Member]:
-        """Registered islands (including those that announced leaving), by peer id."""
+        """Registered peers (every rank of every island, including those that announced leaving), by peer id."""
         found = self.dht.get(self.key, latest=True)
         out: dict[str, Member] = {}
         if found is None or not isinstance(found.value, dict):
@@ -127,13 +153,35 @@ class Membership:
             value = getattr(item, "value", None)
             if isinstance(value, dict):
                 pid = subkey if isinstance(subkey, str) else str(subkey)
+                try:
+                    rank = int(value.get("rank", 0))
+                except (TypeError, ValueError):
+                    rank = 0
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
-                                  bool(value.get("averaging", False)))
+                                  bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
+                                  bool(value.get("sharded", False)))
+        return out
+
+    def islands(self) -> dict[str, Member]:
+        """Live islands by island id, one :class:`Member` each (``peer_id`` is the island id): the
+        highest outer step any of its live ranks announced, averaging if any rank is."""
+        out: dict[str, Member] = {}
+        for m in self.members().values():
+            if m.left:
+                continue
+            island = m.island or m.peer_id
+            seen = out.get(island)
+            if seen is None:
+                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, m.sharded)
+            else:
+                seen.outer_step = max(seen.outer_step, m.outer_step)
+                seen.averaging = seen.averaging or m.averaging
+                seen.sharded = seen.sharded or m.sharded
         return out
 
     def others(self) -> list[Member]:
-        """Live islands other than this one."""
-        return [m for pid, m in self.members().items() if not m.left and pid != self.peer_id]
+        """Live islands other than this one (one entry per island, however many ranks it has)."""
+        return [m for island, m in self.islands().items() if island != self.island]
 
     def furthest_step(self) -> int:
         """The highest outer step announced by another live island (-1 if none)."""
@@ -144,8 +192,8 @@ class Membership:
         return any(m.averaging and m.outer_step == outer_step for m in self.others())
 
     def live_count(self) -> int:
-        """Islands registered and not departed (at least 1: ourselves)."""
-        return max(1, sum(1 for m in self.members().values() if not m.left))
+        """Distinct islands registered and not departed (at least 1: ourselves)."""
+        return max(1, len(self.islands()))
 
 
 def is_registered(dht: hivemind.DHT, prefix: str, peer_id: str) -> bool:

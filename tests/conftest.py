@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 
+# marks every process this test session starts (p2pd daemons inherit it), so leak checks ignore
+# daemons of other sessions running on the same machine
+SESSION_MARK = f"DILOCO_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["DILOCO_TEST_SESSION"] = SESSION_MARK.split("=", 1)[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -30,9 +35,17 @@ def tiny_config(run_dir, **overrides) -> Config:
 
 
 def p2pd_pids() -> set[int]:
-    """Process ids of running p2pd daemons."""
+    """Process ids of running p2pd daemons started by this test session."""
     out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout
-    return {int(x) for x in out.split()}
+    mine = set()
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if SESSION_MARK.encode() in f.read().split(b"\0"):
+                    mine.add(pid)
+        except OSError:
+            continue
+    return mine
 
 
 @pytest.fixture
