@@ -20,6 +20,9 @@ USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
 commands:
   train                 run one island (prints the multiaddrs other islands join with)
   simulate --islands N  run N islands on this machine over loopback, then print a summary table
+  baseline --workers K  synchronous data parallelism (DDP, gradients all-reduced every step) on K workers
+  experiment compare    single worker vs synchronous baseline vs DiLoCo: plots and tables (--help)
+  experiment sweeps     H / islands / outer-optimizer sweeps next to the paper's numbers (--help)
   config show           print the effective configuration (TOML, with a comment per key)
   config reference      print every key with its default and meaning (markdown)
 
@@ -36,6 +39,7 @@ def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("command", nargs="*")
     parser.add_argument("--config")
     parser.add_argument("--islands", type=int)
+    parser.add_argument("--workers", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--initial-peers", "--initial_peers", dest="initial_peers")
     parser.add_argument("-h", "--help", action="store_true")
@@ -94,13 +98,28 @@ def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
     return 0
 
 
+def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
+    from diloco.baseline import run_baseline
+
+    setup_logging("[baseline] ")
+    summary = run_baseline(cfg, workers or 2)
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, (list, dict))}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console command."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["experiment"]:
+        # experiments build on diloco, not the other way round: hand the rest of the line over
+        from experiments.__main__ import main as experiment_main
+
+        return experiment_main(argv[1:])
     ns, rest = _split_args(argv)
     if ns.help or not ns.command:
         print(USAGE)
         return 0 if ns.help else 2
+    from diloco.baseline import BaselineError
     from diloco.checkpoint import CheckpointError
     from diloco.data import DataError
     from diloco.simulate import SimulationError
@@ -114,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(cfg)
         if command == ["simulate"]:
             return cmd_simulate(cfg, ns.islands)
+        if command == ["baseline"]:
+            return cmd_baseline(cfg, ns.workers)
         if command == ["config", "show"]:
             print(config_mod.describe(cfg), end="")
             return 0
@@ -126,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
-    except (CheckpointError, DataError, PeerNetworkError, TrainingError, SimulationError) as e:
+    except (CheckpointError, DataError, PeerNetworkError, TrainingError, SimulationError, BaselineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
