@@ -301,6 +301,7 @@ def baseline_main(argv: list[str] | None = None) -> int:
         if args.workers < 1:
             raise ConfigError([f"--workers must be at least 1, got {args.workers}"])
         if args.rank is None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops every worker
             summary = run_baseline(cfg, args.workers)
             print(json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
             return 0
@@ -321,6 +322,9 @@ def baseline_main(argv: list[str] | None = None) -> int:
     except BaselineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------------------- launcher

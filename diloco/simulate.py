@@ -1,9 +1,11 @@
 """Run N islands on this machine as separate processes, show progress, print a summary.
 
 Island 0 starts first and bootstraps the DHT; the others join it by the multiaddr it writes to a
-file.  :class:`Cluster` is the reusable part: it starts, kills and restarts island processes (tests
-inject faults with it, the soak script churns islands with it, experiments wrap each island in a
-network namespace with ``wrap``).
+file.  An island of ``--parallel.tp T --parallel.pp P`` with ``T * P > 1`` is started as its own
+``torchrun --standalone --nproc-per-node T*P`` job (gloo on CPU, its own rendezvous port, one
+thread per rank unless ``--threads`` says otherwise).  :class:`Cluster` is the reusable part: it
+starts, kills and restarts island processes (tests inject faults with it, the soak script churns
+islands with it, experiments wrap each island in a network namespace with ``wrap``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None)
     ``host_addresses`` gives each island the IP it listens on (default 127.0.0.1).
     """
     base = Path(cfg.logging.run_dir)
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
+    ranks = n * cfg.parallel.tp * cfg.parallel.pp
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // ranks)
     run_key = cfg.averaging.run_key or ("" if cfg.averaging.public else new_run_key())
     out = []
     for i in range(n):
@@ -95,15 +98,26 @@ class Cluster:
         cfg_path = self.run_dirs[i] / "config.toml"
         cfg_path.write_text(tomli_w.dumps(d))
         cmd = [sys.executable, "-m", "diloco.cli", "train", "--config", str(cfg_path), *extra_args]
+        size = self.island_size(i)
+        parallel_env = {}
+        if size > 1:  # one torchrun job per island; --standalone picks a free rendezvous port for each
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   "--nproc-per-node", str(size), *cmd[1:]]
+            parallel_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         if self.wrap is not None:
             cmd = self.wrap(cmd, i)
-        full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1",
+        full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1", **parallel_env,
                     **self.env.get(i, {}), **(env or {})}
         log = open(self.logs[i], "a" if append_log else "w")
         self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                          start_new_session=True)
         log.close()
         return self.procs[i]
+
+    def island_size(self, i: int) -> int:
+        """Processes of island ``i`` (``tp * pp`` of its config)."""
+        par = self.configs[i].get("parallel", {})
+        return int(par.get("tp", 1)) * int(par.get("pp", 1))
 
     def maddrs(self, i: int) -> list[str]:
         """Island ``i``'s multiaddrs, once it wrote them (empty before)."""
@@ -139,15 +153,28 @@ class Cluster:
         """Send ``sig`` to island ``i``: SIGKILL to everything it started (its p2pd daemons included),
         other signals to its main process, which shuts its helpers down itself."""
         if i in self.procs:
+            proc = self.procs[i]
+            # a torchrun island's ranks run in sessions of their own, with their helpers (p2pd, DHT)
+            workers = _descendants(proc.pid) if self.island_size(i) > 1 and proc.poll() is None else {}
             try:
                 if sig == signal.SIGKILL:
-                    os.killpg(self.procs[i].pid, sig)
+                    os.killpg(proc.pid, sig)
+                elif workers:
+                    # straight to the ranks: torchrun would signal their whole groups, helpers included
+                    for pid, (ppid, _) in workers.items():
+                        if ppid == proc.pid:
+                            _signal(pid, sig)
                 else:
-                    self.procs[i].send_signal(sig)
+                    proc.send_signal(sig)
             except ProcessLookupError:
                 pass
             if sig == signal.SIGKILL:
-                self.procs[i].wait()
+                for pgid in {pgid for _, pgid in workers.values()} - {proc.pid}:
+                    try:
+                        os.killpg(pgid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                proc.wait()
 
     def restart(self, i: int, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start island ``i`` again with ``--resume``, joining through any live island."""
@@ -227,6 +254,12 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
              host_addresses: list[str] | None = None, env: dict[int, dict[str, str]] | None = None,
              quiet: bool = False) -> dict[str, Any]:
     """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread."""
+    if cfg.averaging.backend == "torch":
+        size = cfg.parallel.tp * cfg.parallel.pp
+        raise SimulationError(f"simulate starts every island as its own job; --averaging.backend torch needs them "
+                              f"in one torchrun world: torchrun --standalone --nproc-per-node {islands * size} -m "
+                              f"diloco.cli train --averaging.backend torch ... (or use --averaging.backend hivemind "
+                              f"or auto here)")
     cluster = Cluster(cfg, islands, wrap=wrap, host_addresses=host_addresses, env=env)
     t0 = time.time()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -262,6 +295,36 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
     cluster.stop_all()  # reaps anything the islands left in their process groups
     return {"islands": cluster.summaries(), "theta_global_max_abs_diff": cluster.theta_spread(),
             "wall_seconds": time.time() - t0}
+
+
+def _descendants(root: int) -> dict[int, tuple[int, int]]:
+    """``{pid: (parent pid, process group)}`` of the processes started, directly or not, by ``root``."""
+    info: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            info[int(entry)] = (int(fields[1]), int(fields[2]))
+    out = {}
+    for pid in info:
+        p = pid
+        while p > 1 and p in info:
+            p = info[p][0]
+            if p == root:
+                out[pid] = info[pid]
+                break
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def theta_spread(paths: list[Path]) -> float:

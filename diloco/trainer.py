@@ -52,6 +52,26 @@ class TrainingError(RuntimeError):
     """The island cannot continue; the message says why and what to do."""
 
 
+def needs_parallel_island(cfg: Config) -> bool:
+    """Whether this island runs as :class:`diloco.parallel_island.ParallelIsland` (tp/pp processes,
+    shard-wise averaging, or a torchrun world) rather than the single-process :class:`Island`."""
+    return (cfg.parallel.tp * cfg.parallel.pp > 1 or cfg.averaging.sharded
+            or cfg.averaging.backend in ("torch", "auto") or int(os.environ.get("WORLD_SIZE", "1")) > 1)
+
+
+class NullMetrics:
+    """Stands in for :class:`MetricsLogger` on the ranks of an island that do not write metrics."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def config_fingerprint(cfg: Config) -> str:
     """Hash of the settings islands must share (model shape, outer optimizer, wire format, run id)."""
     shared = {k: v for k, v in flatten(cfg).items() if k.startswith(FINGERPRINT_PREFIXES)}
@@ -84,7 +104,14 @@ class IslandStats:
 
 
 class Island:
-    """Everything one island owns: model, data shard, inner and outer optimizers, averager, logs."""
+    """Everything one island owns: model, data shard, inner and outer optimizers, averager, logs.
+
+    This is the single-process island; :class:`diloco.parallel_island.ParallelIsland` overrides the
+    rank-aware parts (model, averaging, state, checkpoints) for islands of tp x pp processes.
+    """
+
+    is_main = True
+    """Whether this process writes the island's metrics, summary and files and prints (rank 0)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -102,11 +129,9 @@ class Island:
                                       cfg.data.num_shards, cfg.seed)
         self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size,
                                             cfg.logging.eval_batches)
-        self.model = build_model(m, seed=cfg.seed).to(self.device)
-        self.model.activation_checkpointing = cfg.parallel.activation_checkpointing
-        self.params = dict(self.model.named_parameters())
+        self.model, self.params, inner_params = self._build_model()
         total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
-        self.inner_opt, self.inner_sched = build_inner_optimizer(self.params.items(), cfg.inner, total_inner)
+        self.inner_opt, self.inner_sched = build_inner_optimizer(inner_params, cfg.inner, total_inner)
         d = cfg.diloco
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
@@ -124,6 +149,14 @@ class Island:
         self.faults = FaultPlan.from_env()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
+        self._stopping = False
+
+    def _build_model(self) -> tuple[Any, dict[str, torch.Tensor], list[tuple[str, torch.nn.Parameter]]]:
+        """(model, ``{name: tensor}`` the outer optimizer works on, named parameters of the inner optimizer)."""
+        model = build_model(self.cfg.model, seed=self.cfg.seed).to(self.device)
+        model.activation_checkpointing = self.cfg.parallel.activation_checkpointing
+        params = dict(model.named_parameters())
+        return model, params, list(params.items())
 
     # ------------------------------------------------------------------ peers
     def connect(self) -> None:
@@ -184,6 +217,7 @@ class Island:
         if not a.initial_peers or self.membership is None:
             return False
         others = self.membership.others()
+        check_same_averaging(others, sharded=False)
         if all(m.outer_step <= self.outer_step and not m.averaging for m in others):
             return False  # the run has not moved past us: θ_0 comes from the shared seed
         return self.catch_up(force_download=True)
@@ -201,6 +235,7 @@ class Island:
             return False
         a = self.cfg.averaging
         deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
+        first = None
         while True:
             state = self.averager.download_state()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
@@ -212,7 +247,9 @@ class Island:
                 if step < 0:
                     log.info("no peer served its state; keeping ours (outer step %d)", self.outer_step)
                 return False
-            if not self.membership.averaging_round(step) or time.monotonic() > deadline:
+            first = step if first is None else first
+            # wait for the round in flight when we first looked (committed or failed), not for later ones
+            if step > first or not self.membership.averaging_round(step) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)  # the round that state belongs to is in flight: take its result instead
         self.adopt_state(*state)
@@ -311,15 +348,14 @@ class Island:
         delta = self.outer.pseudo_gradient(self.params)
         if self.faults.has("scale", "send", rnd):
             delta = [d * 1e6 for d in delta]
-        local_norm = _norm(delta)
+        local_norm = self._global_norm(delta)
         meta = {"outer_step": rnd, "config_fingerprint": self.fingerprint,
                 "state_fingerprint": self.state_fingerprint()}
         if self.membership is not None:
             self.membership.announce(rnd, averaging=True)
-        result, averaged = self.averager.average(delta, float(tokens_in_round), meta, round_id=str(rnd),
-                                                 on_stage=lambda phase: self.faults.at(phase, rnd))
+        result, averaged = self._average(delta, float(tokens_in_round), meta, rnd)
         reason = result.reason
-        avg_norm = _norm(averaged) if averaged is not None else float("nan")
+        avg_norm = self._global_norm(averaged) if averaged is not None else float("nan")
         if result.ok:
             reason = self.guard.check(avg_norm)
         if not reason:
@@ -328,10 +364,11 @@ class Island:
                 self.outer_step += 1
             self.outer.copy_to(self.params)
             self.guard.record(avg_norm)
-            self.averager.set_state_priority(self.outer_step)
+            self._after_commit()
             self.stats.rounds_ok += 1
         else:
             self.outer_step += 1  # stay aligned with the others' round numbering
+            self._after_rollback()
             self.stats.rounds_failed += 1
             self.stats.failures.append(f"round {rnd}: {reason}")
             log.warning("round %d rolled back (%s); continuing from this island's own parameters", rnd, reason)
@@ -345,24 +382,61 @@ class Island:
         return {"round_ok": int(not reason), "num_peers": result.group_size, "pseudo_grad_norm": local_norm,
                 "averaged_pseudo_grad_norm": avg_norm, "allreduce_seconds": result.seconds,
                 "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received,
-                "outer_lr": self.outer.lr, "round_failure": reason}
+                "outer_lr": self.outer.lr, "round_failure": reason,
+                "averaging_backend": self._backend_used(result),
+                "used_fallback": int(bool(getattr(result, "fallback_reason", "")))}
+
+    # ------------------------------------------------- hooks (overridden by ParallelIsland)
+    def _average(self, delta: list[torch.Tensor], weight: float, meta: dict, rnd: int) -> tuple[Any, Any]:
+        """One averaging round of this island's Δ (in :attr:`outer.names` order): (result, averaged Δ or None)."""
+        return self.averager.average(delta, weight, meta, round_id=str(rnd),
+                                     on_stage=lambda phase: self.faults.at(phase, rnd))
+
+    def _global_norm(self, tensors: list[torch.Tensor]) -> float:
+        """L2 norm of the island's whole Δ (over all its ranks)."""
+        return _norm(tensors)
+
+    def _after_commit(self) -> None:
+        """After an outer step was applied: advertise the fresher state to joining islands."""
+        self.averager.set_state_priority(self.outer_step)
+
+    def _after_rollback(self) -> None:
+        """After a failed round moved the round number on (θ_global unchanged): keep advertising our
+        state as current, so joiners prefer live islands to the stale records of departed ones."""
+        self.averager.set_state_priority(self.outer_step)
+
+    def _backend_used(self, result: Any) -> str:
+        """Which averaging path produced this round's result (metric ``averaging_backend``)."""
+        return self.cfg.averaging.backend
+
+    def _stop_agreed(self) -> bool:
+        """Whether to stop now (a stop was requested); every rank of an island gets the same answer."""
+        self._stopping = self._stop.is_set()
+        return self._stopping
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this island exactly."""
         return {
             "config": to_dict(self.cfg), "outer_step": self.outer_step, "inner_step": self.inner_step,
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "model": self._model_state(),
             "inner_optimizer": self.inner_opt.state_dict(), "inner_scheduler": self.inner_sched.state_dict(),
             "outer_optimizer": self.outer.state_dict(), "data": self.batches.state_dict(),
             "rng": rng_state(), "stats": {k: v for k, v in self.stats.__dict__.items()},
             "norm_history": list(self.guard.history),
         }
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.model.load_state_dict(state["model"])
         self.inner_opt.load_state_dict(state["inner_optimizer"])
+        self._load_training_state(state)
+
+    def _load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore everything of :meth:`state_dict` but the model and the inner optimizer."""
         self.inner_sched.load_state_dict(state["inner_scheduler"])
         self.outer.load_state_dict(state["outer_optimizer"])
         self.batches.load_state_dict(state["data"])
@@ -394,7 +468,7 @@ class Island:
     # ------------------------------------------------------------------- loop
     def request_stop(self, *_: Any) -> None:
         """Finish the current inner step, checkpoint and leave (SIGINT/SIGTERM)."""
-        if not self._stop.is_set():
+        if not self._stop.is_set() and self.is_main:
             print(f"[{self.name}] stopping: finishing the current step and writing a checkpoint", flush=True)
         self._stop.set()
 
@@ -410,7 +484,7 @@ class Island:
         w = cfg.wandb
         self.metrics = MetricsLogger(self.run_dir, wandb_mode=w.mode, project=w.project,
                                      group=w.group or cfg.averaging.run_id, name=self.name, entity=w.entity,
-                                     config=to_dict(cfg))
+                                     config=to_dict(cfg)) if self.is_main else NullMetrics()
         try:
             self.join_from_peers()
             return self._loop()
@@ -426,7 +500,7 @@ class Island:
                               "eval/perplexity": math.exp(self.stats.eval_loss_start),
                               "tokens": self.stats.tokens, "outer_step": self.outer_step})
         tokens_at_commit = self.stats.tokens
-        while self.outer_step < cfg.diloco.outer_steps and not self._stop.is_set():
+        while self.outer_step < cfg.diloco.outer_steps and not self._stop_agreed():
             t_round = time.perf_counter()
             window_t, window_tokens = time.perf_counter(), self.stats.tokens
             for h in range(H):
@@ -440,10 +514,10 @@ class Island:
                                       "tokens_per_second": (self.stats.tokens - window_tokens) / (now - window_t),
                                       "outer_step": self.outer_step, "inner_step": self.inner_step})
                     window_t, window_tokens = now, self.stats.tokens
-                if self._stop.is_set():
+                if self._stop_agreed():
                     break
             self.stats.compute_seconds += time.perf_counter() - t_round
-            if self._stop.is_set():
+            if self._stopping:
                 break
             round_metrics = self.outer_round(self.stats.tokens - tokens_at_commit)
             if round_metrics["round_ok"]:
@@ -459,27 +533,36 @@ class Island:
             record["compute_utilization"] = self.stats.compute_seconds / max(wall, 1e-9)
             self.metrics.log(record)
             status = "ok" if round_metrics["round_ok"] else f"FAILED ({round_metrics['round_failure']})"
-            print(f"[{self.name}] round {self.outer_step}/{cfg.diloco.outer_steps} {status} "
-                  f"peers={round_metrics['num_peers']} loss={loss:.3f}"
-                  + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
+            via = round_metrics["averaging_backend"]
+            if self.is_main:
+                print(f"[{self.name}] round {self.outer_step}/{cfg.diloco.outer_steps} {status} "
+                      f"peers={round_metrics['num_peers']} loss={loss:.3f}"
+                      + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else "")
+                      + (f" via={via}" if via in ("torch", "auto") else ""), flush=True)
             if cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every == 0:
                 self.save_checkpoint()
-        if self._stop.is_set() or (cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every):
+        if self._stop_agreed() or (cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every):
             self.save_checkpoint()
         if math.isnan(self.stats.eval_loss_end):
             self.stats.eval_loss_end = self.evaluate()
         return self._finish(time.perf_counter() - t_start)
 
+    def _theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """The whole θ_global (None on ranks that do not write it) and its checksum."""
+        return {n: t.detach().clone() for n, t in self.outer.master.items()}, self.outer.checksum()
+
     def _finish(self, wall: float) -> dict[str, Any]:
-        torch.save({n: t.detach().clone() for n, t in self.outer.master.items()}, self.run_dir / "theta_global.pt")
+        theta, checksum = self._theta_global()
+        if self.is_main:
+            torch.save(theta, self.run_dir / "theta_global.pt")
         s = self.stats
         summary = {
             "island": self.name, "outer_step": self.outer_step, "inner_step": self.inner_step, "tokens": s.tokens,
             "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
             "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received, "compute_seconds": s.compute_seconds,
-            "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": self.outer.checksum(),
-            "failures": s.failures[-20:], "stopped_early": self._stop.is_set(),
+            "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": checksum,
+            "failures": s.failures[-20:], "stopped_early": self._stopping,
         }
         self.metrics.summary(summary)
         return summary
@@ -498,6 +581,19 @@ class Island:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def check_same_averaging(others: list[Any], sharded: bool) -> None:
+    """Raise TrainingError when a live island of the run averages differently (shard-wise or not):
+    such islands never meet in a group."""
+    odd = [m for m in others if bool(getattr(m, "sharded", False)) != sharded]
+    if not odd:
+        return
+    if sharded:
+        raise TrainingError(f"{len(odd)} island(s) of this run average their parameters as a whole, not shard-wise "
+                            f"like this tensor/pipeline-parallel one: restart them with --averaging.sharded true")
+    raise TrainingError(f"{len(odd)} island(s) of this run average shard-wise (tensor/pipeline-parallel islands): "
+                        f"restart this island with --averaging.sharded true")
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:
@@ -537,9 +633,14 @@ def _config_from(data: dict[str, Any]) -> Config:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run one island to completion and return its summary."""
-    island = Island(cfg)
+    """Run one island to completion and return its summary (this rank's, under torchrun)."""
+    if needs_parallel_island(cfg):
+        from diloco.parallel_island import ParallelIsland
+
+        island: Island = ParallelIsland(cfg)
+    else:
+        island = Island(cfg)
     return island.run()
 
 
-__all__ = ["Island", "train", "TrainingError", "PeerNetworkError", "config_fingerprint"]
+__all__ = ["Island", "train", "TrainingError", "PeerNetworkError", "config_fingerprint", "needs_parallel_island"]

@@ -28,6 +28,7 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -253,7 +254,10 @@ def run_sweep(cfg: Config, sweep: str, out_dir: Path, *, steps: int | None = Non
                    f"{r['wall_seconds']:.0f}", spec.paper.get(str(r["value"]), "—")] for r in rows]
     md = [f"# Sweep: {spec.key}", "", markdown_table(headers, table_rows, align=["l"] * 4 + ["r"] * 6 + ["l"]), "",
           f"**{line}**", "", f"- {spec.paper_note}", f"- {scale}",
-          f"- perplexity is exp(held-out loss) per byte; the paper's is per word-piece token, hence ~3 vs ~15",
+          "- perplexity here is exp(held-out loss) per byte; the paper's is per word-piece token, so only relative "
+          "changes are comparable",
+          f"- rounds ok/failed is the worst island's count; a failed round (rolled back by the verified averager) "
+          f"leaves every island on its own parameters until the next round",
           f"- whole sweep took {elapsed:.0f} s", "", f"![{sweep} sweep]({sweep}.png)", ""]
     md_path = out / "results.md"
     md_path.write_text("\n".join(md), encoding="utf-8")
@@ -262,7 +266,7 @@ def run_sweep(cfg: Config, sweep: str, out_dir: Path, *, steps: int | None = Non
                                                   "config": config_mod.to_dict(cfg), "runs": rows},
                                                  indent=2, default=str) + "\n")
     plot_sweep(spec, rows, out / f"{sweep}.png")
-    say("\n" + "\n".join(md[:4]) + f"\n{spec.paper_note}\n{scale}\nsweep took {elapsed:.0f} s; report: {md_path}",
+    say("\n" + "\n".join(md[:5]) + f"\n{spec.paper_note}\n{scale}\nsweep took {elapsed:.0f} s; report: {md_path}",
         flush=True)
     return md_path
 
@@ -281,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--values", help="comma-separated values to sweep instead of the defaults")
     parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops every island, even from a background job
     from diloco.data import DataError
     from diloco.simulate import SimulationError
 

@@ -1,0 +1,196 @@
+"""Tensor/pipeline-parallel islands in the trainer: a tp=2 island (a torchrun job of 2 gloo ranks)
+and a single-process island average shard-wise over real hivemind and end with the same θ_global;
+config errors for splits the model does not allow; islands counted once however many ranks they have."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diloco import cli
+from diloco.config import ConfigError, load, to_dict
+from diloco.metrics import read_metrics
+from diloco.simulate import Cluster, SimulationError, _descendants, simulate, theta_spread
+from peers.dht import visible_maddrs
+from peers.membership import Membership
+from tests.conftest import tiny_config
+
+RUN_TIMEOUT_S = 240
+
+
+def test_tp2_island_and_single_process_island_end_with_the_same_theta(tmp_path, no_leaked_daemons):
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.sharded": True,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_time": 3.0, "averaging.matchmaking_timeout": 60.0,
+        "averaging.bucket_numel": 15_000,  # the tiny model is ~37k parameters: 3 buckets, owned by both ranks
+        "parallel.tp": 2, "diloco.outer_steps": 3, "diloco.inner_steps": 6, "checkpoint.every": 3})
+    cluster = Cluster(cfg, 2)
+    cluster.configs[1]["parallel"]["tp"] = 1  # island 1: one process, averaging shard-wise too
+    assert [cluster.island_size(i) for i in range(2)] == [2, 1]
+    t0 = time.time()
+    try:
+        cluster.start_all(startup_timeout=120)
+        cluster.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        cluster.stop_all()
+    elapsed = time.time() - t0
+    summaries = cluster.summaries()
+    for s in summaries:
+        assert s["rounds_ok"] == 3 and s["rounds_failed"] == 0, s["failures"]
+        assert s["eval_loss_end"] < s["eval_loss_start"] - 0.3
+        assert s["bytes_sent"] > 0
+    # θ_global: gathered from island 0's two ranks, whole on island 1; the same up to rounding
+    assert cluster.theta_spread() < 1e-5, cluster.theta_spread()
+    theta = torch.load(cluster.run_dirs[0] / "theta_global.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in theta.values())
+    assert abs(summaries[0]["eval_loss_end"] - summaries[1]["eval_loss_end"]) < 1e-3
+    rounds = [r for r in read_metrics(cluster.run_dirs[0]) if "round_ok" in r]
+    assert [r["averaging_backend"] for r in rounds] == ["hivemind"] * 3
+    assert all(r["num_peers"] == 2 for r in rounds)
+    # each rank of island 0 checkpoints its own shards; rank 0 alone writes the island's files
+    for rank in (0, 1):
+        assert (cluster.run_dirs[0] / "checkpoints" / f"rank{rank}" / "ckpt-000003.pt").is_file()
+    log = cluster.logs[0].read_text()
+    assert log.count("round 3/3 ok") == 1, "only rank 0 prints the island's progress"
+    print(f"two islands (tp=2 + single process), 3 rounds: {elapsed:.0f} s")
+
+
+def test_two_tp2_islands_in_one_torch_world_average_with_torch_all_reduce(tmp_path):
+    import tomli_w
+
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "torch", "averaging.min_group_size": 2, "averaging.bucket_numel": 15_000,
+        "parallel.tp": 2, "diloco.outer_steps": 2, "diloco.inner_steps": 3})
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps(to_dict(cfg)))
+    log = tmp_path / "train.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                                 "--nproc-per-node", "4", "-m", "diloco.cli", "train", "--config", str(path)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            groups = {pgid for _, pgid in _descendants(proc.pid).values()} | {proc.pid}
+            for pgid in groups:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    dirs = [tmp_path / f"island{k}" for k in range(2)]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    assert [s["rounds_ok"] for s in summaries] == [2, 2]
+    assert summaries[0]["theta_checksum"] == summaries[1]["theta_checksum"]
+    assert theta_spread([d / "theta_global.pt" for d in dirs]) < 1e-6
+    rounds = [r for r in read_metrics(dirs[1]) if "round_ok" in r]
+    assert [r["averaging_backend"] for r in rounds] == ["torch", "torch"]
+
+
+def test_late_sharded_joiner_downloads_theta_bucket_by_bucket(tmp_path, no_leaked_daemons):
+    from diloco.parallel_island import ParallelIsland
+
+    common = {"averaging.backend": "hivemind", "averaging.sharded": True, "averaging.bucket_numel": 15_000,
+              "averaging.state_download_timeout": 15.0, "averaging.run_key": "test-run-key"}
+    first = ParallelIsland(tiny_config(tmp_path / "a", **common))
+    first.connect()
+    try:
+        assert len(first.averager.averagers) == 3  # one process owns all three buckets
+        for _ in range(3):  # pretend the run has made progress
+            first.outer.step([torch.randn_like(t) * 0.01 for t in first.outer.master.values()])
+        first.outer_step = 3
+        first._after_commit()  # serve the new state
+        first.membership.announce(3, averaging=False)
+        joiner = ParallelIsland(tiny_config(tmp_path / "b", **common,
+                                            **{"averaging.initial_peers": visible_maddrs(first.dht)}))
+        joiner.connect()
+        try:
+            assert joiner.join_from_peers()
+            assert joiner.outer_step == 3
+            for name, t in first.outer.master.items():
+                assert torch.equal(joiner.outer.master[name], t)
+                assert torch.equal(joiner.params[name].detach(), t.detach())
+            for a, b in zip(first.outer.momentum_buffers(), joiner.outer.momentum_buffers()):
+                assert torch.equal(a, b) and a.abs().sum() > 0
+            # resync downloads only a state matching the majority's fingerprint
+            target = first.state_fingerprint()
+            assert joiner.state_fingerprint() == target
+            assert joiner._download_global_state(target) is not None
+            wrong = list(target)
+            wrong[3 * 4 * 2] += 1.0  # bucket 2's first sum
+            assert joiner._download_global_state(wrong) is None
+        finally:
+            joiner.close()
+    finally:
+        first.close()
+
+
+def test_indivisible_heads_fail_with_one_clear_line(capsys):
+    code = cli.main(["train", "--parallel.tp", "3"])  # the small preset has 4 heads
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error: --model.n_heads (4) must be divisible by --parallel.tp (3)" in err.splitlines()
+    with pytest.raises(ConfigError, match="must not exceed --model.n_layers"):
+        load(None, {"model.preset": "tiny", "parallel.pp": 3})
+    with pytest.raises(ConfigError, match="--inner.batch_size \\(6\\) must be divisible by --parallel.microbatches"):
+        load(None, {"model.preset": "tiny", "parallel.pp": 2, "inner.batch_size": 6})
+    with pytest.raises(ConfigError, match="bucket_numel must be at least 1"):
+        load(None, {"averaging.bucket_numel": 0})
+    assert load(None, {"model.preset": "tiny", "parallel.tp": 2, "parallel.pp": 2}).parallel.tp == 2
+
+
+def test_launch_errors_name_the_command_to_use(tmp_path):
+    from diloco.parallel_island import ParallelIsland
+    from diloco.trainer import TrainingError, needs_parallel_island
+
+    cfg = tiny_config(tmp_path, **{"parallel.tp": 2})
+    assert needs_parallel_island(cfg)
+    assert not needs_parallel_island(tiny_config(tmp_path))
+    with pytest.raises(TrainingError, match="torchrun --nproc-per-node 2"):
+        ParallelIsland(cfg)
+    with pytest.raises(SimulationError, match="one torchrun world"):
+        simulate(tiny_config(tmp_path, **{"averaging.backend": "torch"}), 2)
+
+
+class _FakeDHT:
+    """Just enough of a DHT for Membership's queries: a fixed registry."""
+
+    def __init__(self, peer_id: str, registry: dict[str, dict]):
+        self.peer_id = peer_id
+        self.registry = registry
+
+    def get(self, key, latest=True):
+        return SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.registry.items()})
+
+    def store(self, key, subkey, value, expiration_time):
+        self.registry[subkey] = value
+
+
+def test_membership_counts_islands_not_ranks():
+    registry: dict[str, dict] = {}
+    a0 = Membership(_FakeDHT("A0", registry), "run", sharded=True)
+    a1 = Membership(_FakeDHT("A1", registry), "run", island="A0", rank=1, sharded=True)
+    b = Membership(_FakeDHT("B", registry), "run")
+    a0.announce(4)
+    a1.announce(4, averaging=True)
+    b.announce(2)
+    assert registry["A1"]["island"] == "A0" and registry["A1"]["rank"] == 1
+    assert a0.live_count() == b.live_count() == 2
+    assert [(m.peer_id, m.outer_step, m.averaging, m.sharded) for m in b.others()] == [("A0", 4, True, True)]
+    assert [m.peer_id for m in a1.others()] == ["B"] and a1.furthest_step() == 2
+    assert b.furthest_step() == 4 and b.averaging_round(4)
+    a1.leave()
+    a0.leave()
+    assert b.live_count() == 1 and b.others() == []
+    assert json.dumps(registry)  # plain values only
