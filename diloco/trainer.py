@@ -476,11 +476,13 @@ class Island:
         """Train until ``diloco.outer_steps`` rounds are done (or a stop is requested)."""
         cfg = self.cfg
         self.maybe_resume()
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
         self.connect()
-        # hivemind's averager makes this process ignore SIGINT: install ours after it started
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self.request_stop)
-            signal.signal(signal.SIGTERM, self.request_stop)
+        # hivemind's averager makes this process ignore SIGINT: install ours after it started,
+        # and give the previous handlers back when the island is done
+        for sig in previous:
+            signal.signal(sig, self.request_stop)
         w = cfg.wandb
         self.metrics = MetricsLogger(self.run_dir, wandb_mode=w.mode, project=w.project,
                                      group=w.group or cfg.averaging.run_id, name=self.name, entity=w.entity,
@@ -490,6 +492,8 @@ class Island:
             return self._loop()
         finally:
             self.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _loop(self) -> dict[str, Any]:
         cfg, H = self.cfg, self.cfg.diloco.inner_steps

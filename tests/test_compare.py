@@ -70,3 +70,25 @@ def test_compare_defaults_and_overrides(tmp_path):
                              str(cfg_file), ["--diloco.outer_steps", "3"])
     assert (cfg.diloco.inner_steps, cfg.diloco.outer_steps, cfg.inner.batch_size) == (7, 3, 16)
     assert cfg.model.dim == 32  # preset resolved after the file replaced the default preset
+
+
+def test_sweep_verdicts_and_report(tmp_path):
+    from experiments.sweeps import SWEEPS, verdict, write_sweep_report
+
+    def rows(pairs, **extra):
+        return [dict({"value": v, "perplexity": p, "islands": 2, "H": 50, "outer_optimizer": "nesterov",
+                      "rounds_ok": 1, "rounds_failed": 0, "final_eval_loss": 1.0, "bytes_per_worker": 1e6,
+                      "wall_seconds": 1.0, "curve": [{"tokens": 0, "eval_loss": 5.0}, {"tokens": 10, "eval_loss": 1.0}]},
+                     **extra) for v, p in pairs]
+
+    assert verdict("islands", rows([(1, 16.2), (2, 15.6), (4, 15.2), (8, 15.0)])).startswith("agrees")
+    assert verdict("islands", rows([(1, 15.0), (4, 15.2)])).startswith("differs")
+    assert verdict("H", rows([(10, 9.0), (50, 7.0), (100, 7.1), (500, 8.0)])).startswith("agrees")
+    assert verdict("H", rows([(50, 8.0), (500, 7.0)])).startswith("differs")
+    assert verdict("outer", rows([("nesterov", 7.0), ("avg", 7.5)])).startswith("agrees")
+    assert verdict("outer", rows([("nesterov", 7.5), ("avg", 7.0)])).startswith("differs")
+    md = write_sweep_report(SWEEPS["islands"], rows([(1, 16.2), (4, 15.2)]), tmp_path, scale="scale: test",
+                            elapsed=1.0, config={})
+    text = md.read_text()
+    assert "15.18 (−6.5%)" in text and "**agrees" in text and "-6.17%" in text
+    assert (tmp_path / "islands.png").read_bytes()[:4] == b"\x89PNG"
