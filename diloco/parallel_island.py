@@ -309,11 +309,7 @@ class ParallelIsland(Island):
                 total += self.island.train_step(x, y, loss_scale=1.0 / accum) / accum
         if self.cfg.inner.grad_clip > 0:
             self.island.clip_grad_norm_(self.cfg.inner.grad_clip)
-        self.inner_opt.step()
-        self.inner_sched.step()
-        self.inner_opt.zero_grad(set_to_none=True)
-        self.inner_step += 1
-        self.stats.tokens += self.batches.tokens_per_batch * accum
+        self._optimizer_step(accum)
         return total
 
     @torch.no_grad()

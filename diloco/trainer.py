@@ -313,12 +313,16 @@ class Island:
             total += loss.item()
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        self._optimizer_step(accum)
+        return total
+
+    def _optimizer_step(self, accum: int) -> None:
+        """Apply the accumulated gradients: AdamW step, schedule step, counters."""
         self.inner_opt.step()
         self.inner_sched.step()
         self.inner_opt.zero_grad(set_to_none=True)
         self.inner_step += 1
         self.stats.tokens += self.batches.tokens_per_batch * accum
-        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
