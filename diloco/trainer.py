@@ -347,7 +347,8 @@ class Island:
             return {"round_ok": 0, "num_peers": 0, "pseudo_grad_norm": float("nan"),
                     "averaged_pseudo_grad_norm": float("nan"), "allreduce_seconds": 0.0,
                     "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received,
-                    "outer_lr": self.outer.lr, "round_failure": "behind the run; caught up from a peer"}
+                    "outer_lr": self.outer.lr, "round_failure": "behind the run; caught up from a peer",
+                    "averaging_backend": "none", "used_fallback": 0}
         rnd = self.outer_step
         delta = self.outer.pseudo_gradient(self.params)
         if self.faults.has("scale", "send", rnd):
@@ -541,7 +542,7 @@ class Island:
             record["compute_utilization"] = self.stats.compute_seconds / max(wall, 1e-9)
             self.metrics.log(record)
             status = "ok" if round_metrics["round_ok"] else f"FAILED ({round_metrics['round_failure']})"
-            via = round_metrics["averaging_backend"]
+            via = round_metrics.get("averaging_backend", "")
             if self.is_main:
                 print(f"[{self.name}] round {self.outer_step}/{cfg.diloco.outer_steps} {status} "
                       f"peers={round_metrics['num_peers']} loss={loss:.3f}"
