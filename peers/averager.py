@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -228,6 +229,10 @@ class IslandAverager:
         self._buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in template]
         self._num_bytes = sum(b.numel() * 4 for b in self._buffers)
         self._lock = threading.Lock()
+        # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
+        # process only and give the caller its own handler back
+        main = threading.current_thread() is threading.main_thread()
+        previous_sigint = signal.getsignal(signal.SIGINT) if main else None
         self._averager = _PseudoGradientAverager(
             self._buffers, dht, start=True, prefix=settings.prefix,
             target_group_size=settings.target_group_size or None,
@@ -242,6 +247,8 @@ class IslandAverager:
             members_key=(settings.members_key or f"{settings.prefix}.members") if settings.private else None,
             shutdown_timeout=5,
         )
+        if main and previous_sigint is not None:
+            signal.signal(signal.SIGINT, previous_sigint)
         self.peer_id = str(dht.peer_id)
 
     @property
