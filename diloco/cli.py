@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from diloco import config as config_mod
+from diloco.command import run_command
 from diloco.config import ConfigError
 
 USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.trainer import TrainingError
     from peers.dht import PeerNetworkError
 
-    try:
+    def body() -> int:
         cfg = load_config(ns, rest)
         command = ns.command
         if command == ["train"]:
@@ -143,16 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"error: unknown command {' '.join(command)!r}; run `diloco --help` for the list", file=sys.stderr)
         return 2
-    except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    except (CheckpointError, DataError, PeerNetworkError, TrainingError, SimulationError, BaselineError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+
+    return run_command(body, (CheckpointError, DataError, PeerNetworkError, TrainingError, SimulationError,
+                              BaselineError))
 
 
 if __name__ == "__main__":

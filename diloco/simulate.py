@@ -25,6 +25,7 @@ import torch
 
 from diloco.config import Config, to_dict
 from diloco.metrics import read_metrics
+from diloco.proctable import descendants
 from peers.membership import new_run_key
 
 Wrap = Callable[[list[str], int], list[str]]
@@ -155,14 +156,14 @@ class Cluster:
         if i in self.procs:
             proc = self.procs[i]
             # a torchrun island's ranks run in sessions of their own, with their helpers (p2pd, DHT)
-            workers = _descendants(proc.pid) if self.island_size(i) > 1 and proc.poll() is None else {}
+            workers = descendants(proc.pid) if self.island_size(i) > 1 and proc.poll() is None else {}
             try:
                 if sig == signal.SIGKILL:
                     os.killpg(proc.pid, sig)
                 elif workers:
                     # straight to the ranks: torchrun would signal their whole groups, helpers included
-                    for pid, (ppid, _) in workers.items():
-                        if ppid == proc.pid:
+                    for pid, stat in workers.items():
+                        if stat.parent == proc.pid:
                             _signal(pid, sig)
                 else:
                     proc.send_signal(sig)
@@ -295,29 +296,6 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
     cluster.stop_all()  # reaps anything the islands left in their process groups
     return {"islands": cluster.summaries(), "theta_global_max_abs_diff": cluster.theta_spread(),
             "wall_seconds": time.time() - t0}
-
-
-def _descendants(root: int) -> dict[int, tuple[int, int]]:
-    """``{pid: (parent pid, process group)}`` of the processes started, directly or not, by ``root``."""
-    info: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            info[int(entry)] = (int(fields[1]), int(fields[2]))
-    out = {}
-    for pid in info:
-        p = pid
-        while p > 1 and p in info:
-            p = info[p][0]
-            if p == root:
-                out[pid] = info[pid]
-                break
-    return out
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.proctable import is_running, read_stat
+
 __all__ = [
     "DEFAULT_PREFIX",
     "EmulatedNetwork",
@@ -165,29 +167,6 @@ def _ns_pids(ns: str) -> list[int]:
     return out
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie has exited already
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _kill_namespace_processes(namespaces: list[str], grace: float = 3.0) -> None:
     """SIGTERM every process inside ``namespaces``; SIGKILL whatever survives ``grace`` s."""
     pids = {p for ns in namespaces for p in _ns_pids(ns)}
@@ -200,7 +179,7 @@ def _kill_namespace_processes(namespaces: list[str], grace: float = 3.0) -> None
             pass
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        pids = {p for p in pids if _pid_alive(p)}
+        pids = {p for p in pids if is_running(p)}
         if not pids:
             return
         time.sleep(0.05)
@@ -211,7 +190,7 @@ def _kill_namespace_processes(namespaces: list[str], grace: float = 3.0) -> None
             pass
     deadline = time.monotonic() + 2.0
     while pids and time.monotonic() < deadline:
-        pids = {p for p in pids if _pid_alive(p)}
+        pids = {p for p in pids if is_running(p)}
         time.sleep(0.02)
 
 
@@ -232,7 +211,7 @@ def _owner_alive(base: str) -> bool:
         pid = int(info["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return _pid_alive(pid) and _start_time(pid) == info.get("start")
+    return is_running(pid) and (stat := read_stat(pid)) is not None and stat.start_time == info.get("start")
 
 
 def cleanup_stale(prefix: str = DEFAULT_PREFIX, only_dead_owners: bool = True) -> list[str]:
@@ -495,7 +474,7 @@ class EmulatedNetwork:
     def _register_owner(self) -> None:
         try:
             _REGISTRY.mkdir(parents=True, exist_ok=True)
-            info = {"pid": os.getpid(), "start": _start_time(os.getpid()),
+            info = {"pid": os.getpid(), "start": read_stat(os.getpid()).start_time,
                     "namespaces": [self.hub, *(h.namespace for h in self.hosts)]}
             _owner_file(self.base).write_text(json.dumps(info))
         except OSError:

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from diloco import config as config_mod
+from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.compare import CompareError, curve_from_metrics, launch_islands, load_with_defaults
+from experiments.compare import CompareError, curve_from_metrics, launch_islands
 from experiments.report import format_bytes, markdown_table
 
 # A ~0.9M-parameter model (the `small` preset) on 64-token sequences, batch 8 per island (0.05-0.2 s per step
@@ -327,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.data import DataError
     from diloco.simulate import SimulationError
 
-    try:
-        cfg = load_with_defaults(SWEEP_DEFAULTS, args.config, rest)
+    def body() -> int:
+        cfg = config_mod.load(args.config, rest, defaults=SWEEP_DEFAULTS)
         names = list(SWEEPS) if args.sweep == "all" else [args.sweep]
         if args.report_only:
             for name in names:
@@ -339,16 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             run_sweep(cfg, name, Path(args.out), steps=args.steps, islands=args.islands, values=values)
         return 0
-    except ConfigError as e:
-        for p in e.problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 2
-    except (CompareError, SimulationError, DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: every island was stopped", file=sys.stderr)
-        return 130
+
+    return run_command(body, (CompareError, SimulationError, DataError, ValueError), 'interrupted: every island was stopped')
 
 
 __all__ = ["run_sweep", "write_sweep_report", "rewrite_report", "SWEEPS", "SWEEP_DEFAULTS", "verdict", "main"]

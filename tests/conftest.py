@@ -60,3 +60,15 @@ def no_leaked_daemons():
         time.sleep(0.2)
     leaked = p2pd_pids() - before
     assert not leaked, f"test left p2pd daemons running: {sorted(leaked)}"
+
+
+def assert_joined(joiner, first, outer_step: int) -> None:
+    """``joiner`` joins the run and ends up with ``first``'s outer step, θ_global (in its master copy and
+    its parameters) and non-zero outer momentum, bit for bit."""
+    assert joiner.join_from_peers()
+    assert joiner.outer_step == outer_step
+    for name, t in first.outer.master.items():
+        assert torch.equal(joiner.outer.master[name], t)
+        assert torch.equal(joiner.params[name].detach(), t.detach())
+    for a, b in zip(first.outer.momentum_buffers(), joiner.outer.momentum_buffers()):
+        assert torch.equal(a, b) and a.abs().sum() > 0

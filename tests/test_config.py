@@ -101,3 +101,12 @@ def test_readme_config_reference_is_current():
     current = readme[readme.index(start) + len(start):readme.index(end)]
     assert current == C.reference_markdown(), "README config reference is stale: regenerate it with " \
         "`diloco config reference`"
+def test_command_defaults_under_file_under_overrides(tmp_path):
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[diloco]\ninner_steps = 7\n[model]\npreset = "tiny"\n')
+    cfg = load(str(cfg_file), ["--diloco.outer_steps", "3"],
+                      defaults={"diloco.inner_steps": 50, "diloco.outer_steps": 6, "inner.batch_size": 16})
+    assert (cfg.diloco.inner_steps, cfg.diloco.outer_steps, cfg.inner.batch_size) == (7, 3, 16)
+    assert cfg.model.dim == 32  # preset resolved after the file replaced the default preset
+
+

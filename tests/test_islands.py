@@ -7,7 +7,7 @@ import torch
 from diloco.simulate import simulate
 from diloco.trainer import Island
 from peers.dht import visible_maddrs
-from tests.conftest import tiny_config
+from tests.conftest import assert_joined, tiny_config
 
 
 def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
@@ -45,13 +45,7 @@ def test_late_joiner_downloads_global_state(tmp_path, no_leaked_daemons):
         joiner = Island(joiner_cfg)
         joiner.connect()
         try:
-            assert joiner.join_from_peers()
-            assert joiner.outer_step == 3
-            for name, t in first.outer.master.items():
-                assert torch.equal(joiner.outer.master[name], t)
-                assert torch.equal(joiner.params[name].detach(), t.detach())
-            for a, b in zip(first.outer.momentum_buffers(), joiner.outer.momentum_buffers()):
-                assert torch.equal(a, b) and a.abs().sum() > 0
+            assert_joined(joiner, first, outer_step=3)
         finally:
             joiner.close()
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from diloco.proctable import is_running
 from experiments.netns import (
     EmulatedNetwork,
     available,
@@ -165,15 +166,7 @@ def _start_child(rid: str) -> tuple[subprocess.Popen, dict]:
 def _wait_dead(pid: int, timeout: float = 5) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # our grandchild may linger as a zombie if nobody reaps it
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
+        if not is_running(pid):  # our grandchild may linger as a zombie if nobody reaps it
             return True
         time.sleep(0.05)
     return False

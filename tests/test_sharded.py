@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.proctable import descendants
+
 # full shapes in model order; island A's split of each (rank 0, rank 1); None: the rank lacks it
 PARAMS = [("emb", (10, 6)), ("wq", (6, 6)), ("wo", (6, 8)), ("norm", (6,)), ("w2", (5, 7)), ("tail", (3,)),
           ("head", (4, 6)), ("scale", ())]
@@ -102,13 +104,13 @@ def launch(script: str, cases: list[dict], out_dir: Path, world: int = 3, timeou
                 break
             if tick % 10 == 0:  # remember what the ranks started, to clean up after a crash
                 for p in procs:
-                    children.update(descendants(p.pid))
+                    children.update({pid: stat.name for pid, stat in descendants(p.pid).items()})
             tick += 1
             time.sleep(0.1)
     finally:
         for p in procs:
             if p.poll() is None:
-                children.update(descendants(p.pid))
+                children.update({pid: stat.name for pid, stat in descendants(p.pid).items()})
                 p.terminate()
                 try:
                     p.wait(10)
@@ -123,32 +125,9 @@ def launch(script: str, cases: list[dict], out_dir: Path, world: int = 3, timeou
                              + "\n----\n".join(log.read_text()[-4000:] for log in logs))
 
 
-def descendants(root: int) -> dict[int, str]:
-    """``{pid: command name}`` of the processes started (directly or not) by ``root``, from /proc."""
-    parent, comm = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            comm[int(entry)] = stat[stat.index("(") + 1:stat.rindex(")")]
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 0)
-            if pid == root:
-                return True
-        return False
-
-    return {pid: name for pid, name in comm.items() if descends(pid)}
-
-
 def descendant_p2pd(root: int) -> list[int]:
     """p2pd daemons started (directly or not) by process ``root``."""
-    return [pid for pid, name in descendants(root).items() if name == "p2pd"]
+    return [pid for pid, stat in descendants(root).items() if stat.name == "p2pd"]
 
 
 def _kill(processes: dict[int, str]) -> None:

@@ -1,0 +1,70 @@
+"""Read the Linux process table (``/proc``): who started whom, process groups, zombies.
+
+Launchers use it to find every process an island started (torchrun workers, DHT children, p2pd
+daemons) so that none outlives a run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` that launchers need."""
+
+    pid: int
+    name: str
+    """Command name (``comm``), e.g. ``p2pd``."""
+    state: str
+    """One letter: ``R`` running, ``S`` sleeping, ``Z`` zombie, ..."""
+    parent: int
+    pgid: int
+    start_time: str
+    """Clock ticks after boot when the process started: with the pid, names one process for good."""
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """The process ``pid`` as ``/proc`` describes it, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the name may hold spaces and parentheses: it ends at the last ')'
+    fields = stat[stat.rindex(")") + 2:].split()
+    return ProcStat(pid=pid, name=stat[stat.index("(") + 1:stat.rindex(")")], state=fields[0],
+                    parent=int(fields[1]), pgid=int(fields[2]), start_time=fields[19])
+
+
+def process_table() -> dict[int, ProcStat]:
+    """Every process visible in ``/proc``."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := read_stat(int(entry))) is not None:
+            table[stat.pid] = stat
+    return table
+
+
+def descendants(root: int) -> dict[int, ProcStat]:
+    """The processes started, directly or not, by ``root`` (``root`` itself excluded)."""
+    table = process_table()
+    out = {}
+    for pid, stat in table.items():
+        p = stat.parent
+        while p > 1 and p in table:
+            if p == root:
+                out[pid] = stat
+                break
+            p = table[p].parent
+    return out
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited (a zombie has exited, only its parent has not reaped it)."""
+    stat = read_stat(pid)
+    return stat is not None and stat.state != "Z"
+
+
+__all__ = ["ProcStat", "read_stat", "process_table", "descendants", "is_running"]
