@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from diloco.command import run_command
 from diloco.config import Config, to_dict
 
 log = logging.getLogger("diloco.baseline")
@@ -99,6 +100,7 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
+    from diloco import checkpoint
     from diloco.data import ShardedBatches, heldout_batches, load_corpus
     from diloco.inner import build_inner_optimizer
     from diloco.metrics import MetricsLogger
@@ -121,7 +123,10 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
         eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
                         if rank == 0 else [])
-        model = build_model(m, seed=cfg.seed).to(device)
+        model = build_model(m, seed=cfg.seed)
+        if cfg.checkpoint.init_from:
+            checkpoint.init_parameters(model, cfg.checkpoint.init_from)
+        model = model.to(device)
         model.activation_checkpointing = cfg.parallel.activation_checkpointing
         params = [p for p in model.parameters() if p.requires_grad]
         opt, sched = build_inner_optimizer(model.named_parameters(), cfg.inner, total_steps)
@@ -296,7 +301,7 @@ def baseline_main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [baseline rank {args.rank}] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     logging.getLogger("wandb").setLevel(logging.WARNING)
-    try:
+    def body() -> int:
         cfg = config_mod.load(args.config, rest)
         if args.workers < 1:
             raise ConfigError([f"--workers must be at least 1, got {args.workers}"])
@@ -315,16 +320,10 @@ def baseline_main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             print(json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
         return 0
-    except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    except BaselineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+
+    from diloco.checkpoint import CheckpointError
+
+    return run_command(body, (BaselineError, CheckpointError))
 
 
 # ---------------------------------------------------------------------------------------- launcher

@@ -196,6 +196,11 @@ class CheckpointConfig:
     """Keep at most this many checkpoints; older ones are deleted after a new one is written."""
     resume: str = ""
     """`latest` to continue from the newest valid checkpoint in `dir`, or a checkpoint file path."""
+    init_from: str = ""
+    """Start from these parameters instead of the seeded random initialisation (a warm start, as in the
+    DiLoCo paper): a diloco checkpoint (its θ_global; a directory: its newest checkpoint) or a
+    `torch.save(model.state_dict())` file.  Only the parameters are taken: steps, optimizer states and
+    data positions start afresh.  Every island of a run must start from the same parameters."""
 
 
 @dataclass
@@ -410,13 +415,15 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return items, problems
 
 
-def load(config_file: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Build a validated :class:`Config` from defaults, an optional TOML file and overrides.
+def load(config_file: str | None = None, overrides: list[str] | dict[str, Any] | None = None,
+         defaults: dict[str, Any] | None = None) -> Config:
+    """Build a validated :class:`Config`: field defaults < ``defaults`` (a command's own, dotted keys) <
+    an optional TOML file < overrides (``--section.key VALUE`` list or dotted-key dict).
 
     Raises :class:`ConfigError` listing every problem found.
     """
     cfg = Config()
-    problems: list[str] = []
+    problems: list[str] = apply(cfg, defaults) if defaults else []
     if config_file:
         path = Path(config_file)
         try:

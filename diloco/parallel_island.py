@@ -50,9 +50,9 @@ from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
 from diloco.config import Config
 from diloco.model import build_model
-from diloco.trainer import Island, TrainingError, _config_from, check_same_averaging, config_fingerprint, \
-    pick_device
-from peers.averager import AveragerSettings, fingerprint, fingerprints_agree
+from diloco.trainer import Island, TrainingError, _config_from, announce_join, averager_settings, \
+    check_same_averaging, config_fingerprint, pick_device, resolve_run_key
+from peers.averager import fingerprint, fingerprints_agree
 from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
 from peers.layout import CanonicalLayout, spec_tuple
 from peers.local import LocalAverager
@@ -274,6 +274,8 @@ class ParallelIsland(Island):
     def _build_model(self):
         cfg = self.cfg
         full = build_model(cfg.model, seed=cfg.seed)
+        if cfg.checkpoint.init_from:
+            checkpoint.init_parameters(full, cfg.checkpoint.init_from)
         self.full_shapes = [(n, tuple(p.shape)) for n, p in full.named_parameters()]
         # the layout is built from the whole model on every rank, before the island splits it
         self.layout = CanonicalLayout.build(self.full_shapes, cfg.averaging.bucket_numel)
@@ -329,12 +331,7 @@ class ParallelIsland(Island):
             self.exchange = IslandExchange(self.layout, self.params, self.specs, rt.group)
             self.averager = LocalAverager()
             return
-        run_key = a.run_key
-        if not a.public and not run_key:
-            if a.initial_peers:
-                raise TrainingError("this run is private: pass --averaging.run_key KEY as printed by the island "
-                                    "that started it (or --averaging.public true if the run is public)")
-            run_key = rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True)
+        run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
         if a.backend != "torch":
             self.dht = self._start_dht("" if a.public else run_key)
         group = rt.group
@@ -346,13 +343,7 @@ class ParallelIsland(Island):
             group = self.fallback.island_group
         ids = rt.gather_all(str(self.dht.peer_id) if self.dht is not None else f"{a.run_id}-island{rt.island_index}")
         self._island_id = ids[0]
-        settings = AveragerSettings(
-            prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
-            matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
-            allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
-            request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
-            state_download_timeout=a.state_download_timeout, compression=a.compression,
-            client_mode=a.client_mode, private=not a.public, members_key=f"{a.run_id}.members")
+        settings = averager_settings(a, members_key=f"{a.run_id}.members")
         backend = a.backend if self.fallback is not None or a.backend == "hivemind" else "hivemind"
         self.averager = ShardedAverager(self.layout, self.params, self.specs, group, self.dht, settings,
                                         backend=backend, fallback=self.fallback,
@@ -366,13 +357,7 @@ class ParallelIsland(Island):
         self._refresh_served_state()
         self.averager.set_state_priority(self.outer_step)
         if rt.is_main:
-            maddrs = visible_maddrs(self.dht)
-            key = "" if a.public else f" --averaging.run_key {run_key}"
-            print(f"[{self.name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
-            if a.maddr_file:
-                tmp = Path(a.maddr_file + ".tmp")
-                tmp.write_text("\n".join(maddrs) + "\n")
-                os.replace(tmp, a.maddr_file)
+            announce_join(self.name, self.dht, a, run_key)
 
     def _start_dht(self, run_key: str):
         """One DHT per rank (collective over the world): rank 0 joins the run's initial peers, the other
@@ -438,12 +423,7 @@ class ParallelIsland(Island):
 
     def global_state(self) -> tuple[dict, list[torch.Tensor]]:
         """This rank's θ_global shards, their outer momentum and the outer step."""
-        with self._state_lock:
-            meta = {"outer_step": self.outer_step, "config_fingerprint": self.fingerprint, "names": self.outer.names,
-                    "island_rank": self.rt.rank}
-            tensors = [t.detach().clone() for t in self.outer.master.values()]
-            tensors += [b.clone() for b in self.outer.momentum_buffers()]
-        return meta, tensors
+        return self._outer_snapshot(lambda: {"island_rank": self.rt.rank})
 
     def state_fingerprint(self) -> list[float]:
         """Collective: fingerprint of the whole θ_global in canonical bucket order, the same on every

@@ -20,13 +20,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from diloco import checkpoint
-from diloco.config import Config, flatten, to_dict
+from diloco.config import AveragingConfig, Config, flatten, to_dict
 from diloco.data import ShardedBatches, heldout_batches, load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.metrics import MetricsLogger
@@ -153,7 +153,10 @@ class Island:
 
     def _build_model(self) -> tuple[Any, dict[str, torch.Tensor], list[tuple[str, torch.nn.Parameter]]]:
         """(model, ``{name: tensor}`` the outer optimizer works on, named parameters of the inner optimizer)."""
-        model = build_model(self.cfg.model, seed=self.cfg.seed).to(self.device)
+        model = build_model(self.cfg.model, seed=self.cfg.seed)
+        if self.cfg.checkpoint.init_from:
+            checkpoint.init_parameters(model, self.cfg.checkpoint.init_from)
+        model = model.to(self.device)
         model.activation_checkpointing = self.cfg.parallel.activation_checkpointing
         params = dict(model.named_parameters())
         return model, params, list(params.items())
@@ -165,40 +168,27 @@ class Island:
         if a.backend == "local":
             self.averager = LocalAverager()
             return
-        run_key = a.run_key
-        if not a.public and not run_key:
-            if a.initial_peers:
-                raise TrainingError("this run is private: pass --averaging.run_key KEY as printed by the island "
-                                    "that started it (or --averaging.public true if the run is public)")
-            run_key = new_run_key()
+        run_key = resolve_run_key(a, new_run_key)
         self.dht = start_dht(NetworkSettings(
             initial_peers=a.initial_peers, host_maddrs=a.host_maddrs, announce_maddrs=a.announce_maddrs,
             identity_path=a.identity_path, client_mode=a.client_mode, startup_timeout=a.startup_timeout,
             run_key="" if a.public else run_key))
-        settings = AveragerSettings(
-            prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
-            matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
-            allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
-            request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
-            state_download_timeout=a.state_download_timeout, compression=a.compression,
-            client_mode=a.client_mode, private=not a.public)
-        self.averager = IslandAverager(self.dht, list(self.outer.master.values()), settings,
+        self.averager = IslandAverager(self.dht, list(self.outer.master.values()), averager_settings(a),
                                        state_provider=self.global_state)
         self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl)
         self.membership.start_heartbeat()
-        maddrs = visible_maddrs(self.dht)
-        key = "" if a.public else f" --averaging.run_key {run_key}"
-        print(f"[{self.name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
-        if a.maddr_file:
-            tmp = Path(a.maddr_file + ".tmp")
-            tmp.write_text("\n".join(maddrs) + "\n")
-            os.replace(tmp, a.maddr_file)
+        announce_join(self.name, self.dht, a, run_key)
 
     def global_state(self) -> tuple[dict, list[torch.Tensor]]:
         """θ_global, outer momentum and outer step, served to islands that join (runs in a helper thread)."""
+        return self._outer_snapshot(lambda: {"state_fingerprint": self.state_fingerprint()})
+
+    def _outer_snapshot(self, extra_meta: Callable[[], dict[str, Any]]) -> tuple[dict, list[torch.Tensor]]:
+        """(meta, θ_global tensors + outer momentum buffers), taken under the state lock; ``extra_meta``
+        adds the caller's own fields (evaluated under the lock too)."""
         with self._state_lock:
             meta = {"outer_step": self.outer_step, "config_fingerprint": self.fingerprint,
-                    "names": self.outer.names, "state_fingerprint": self.state_fingerprint()}
+                    "names": self.outer.names, **extra_meta()}
             tensors = [t.detach().clone() for t in self.outer.master.values()]
             tensors += [b.clone() for b in self.outer.momentum_buffers()]
         return meta, tensors
@@ -590,6 +580,41 @@ class Island:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
+    """The run key this island uses: the configured one, or (first island of a private run) ``generate()``.
+
+    An island joining a private run without the key cannot be let in: say how to get it.
+    """
+    if a.public or a.run_key:
+        return a.run_key
+    if a.initial_peers:
+        raise TrainingError("this run is private: pass --averaging.run_key KEY as printed by the island "
+                            "that started it (or --averaging.public true if the run is public)")
+    return generate()
+
+
+def averager_settings(a: AveragingConfig, **extra: Any) -> AveragerSettings:
+    """The averager's narrow settings from the island's averaging config (``extra``: per-island fields)."""
+    return AveragerSettings(
+        prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
+        matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
+        allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
+        request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
+        state_download_timeout=a.state_download_timeout, compression=a.compression,
+        client_mode=a.client_mode, private=not a.public, **extra)
+
+
+def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None:
+    """Print the line other islands join with; write the addresses to ``maddr_file`` (atomically) if set."""
+    maddrs = visible_maddrs(dht)
+    key = "" if a.public else f" --averaging.run_key {run_key}"
+    print(f"[{name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
+    if a.maddr_file:
+        tmp = Path(a.maddr_file + ".tmp")
+        tmp.write_text("\n".join(maddrs) + "\n")
+        os.replace(tmp, a.maddr_file)
 
 
 def check_same_averaging(others: list[Any], sharded: bool) -> None:

@@ -105,3 +105,59 @@ def test_unwritable_directory_keeps_the_previous_checkpoint(tmp_path):
         checkpoint.save({"step": 2}, target)
     assert checkpoint.load(previous) == {"step": 1}
     assert not target.exists()
+
+
+def test_init_from_starts_every_kind_of_run_from_the_same_parameters(tmp_path):
+    """A warm start takes θ_global of a checkpoint (file or directory) or a plain state dict; the
+    baseline worker's model and an island's model and θ_global all start from it."""
+    donor = Island(tiny_config(tmp_path / "donor", **{"checkpoint.every": 1, "diloco.outer_steps": 2,
+                                                     "diloco.outer_optimizer": "nesterov"}))
+    donor.run()
+    donor.close()
+    theta = {n: t.clone() for n, t in donor.outer.master.items()}
+    ckpt_dir = tmp_path / "donor" / "checkpoints"
+    plain = tmp_path / "plain.pt"
+    torch.save(theta, plain)
+    fresh = Island(tiny_config(tmp_path / "fresh"))
+    assert any(not torch.equal(fresh.params[n].detach(), t) for n, t in theta.items())  # seeded init differs
+    fresh.close()
+    for spec in (ckpt_dir, checkpoint.checkpoint_path(ckpt_dir, 2), plain):
+        island = Island(tiny_config(tmp_path / "warm", **{"checkpoint.init_from": str(spec)}))
+        try:
+            for n, t in theta.items():
+                assert torch.equal(island.params[n].detach(), t), (spec, n)
+                assert torch.equal(island.outer.master[n], t)
+            assert island.outer_step == 0 and island.inner_step == 0
+        finally:
+            island.close()
+
+
+@pytest.mark.parametrize("problem", ["corrupted", "other-model", "not-a-state-dict", "empty-dir"])
+def test_init_from_refuses_unusable_files_in_one_line(tmp_path, problem):
+    target = tmp_path / "init.pt"
+    if problem == "corrupted":
+        checkpoint.save({"outer_optimizer": {"master": {}}}, target)
+        data = bytearray(target.read_bytes())
+        data[-5] ^= 0xFF
+        target.write_bytes(bytes(data))
+        expect = "checksum mismatch"
+    elif problem == "other-model":
+        bigger = Island(tiny_config(tmp_path / "big", **{"model.dim": 64}))
+        torch.save({n: p.detach() for n, p in bigger.params.items()}, target)
+        bigger.close()
+        expect = "of shape"
+    elif problem == "not-a-state-dict":
+        target.write_text("hello")
+        expect = "neither a diloco checkpoint nor a torch state dict"
+    else:
+        target = tmp_path / "empty"
+        target.mkdir()
+        expect = "without checkpoints"
+    result = subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--model.preset", "tiny",
+                             "--checkpoint.init_from", str(target), "--averaging.backend", "local",
+                             "--wandb.mode", "disabled", "--logging.run_dir", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expect in errors[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from experiments import netns
-from experiments.compare import curve_from_metrics, load_with_defaults, run_compare
+from experiments.compare import curve_from_metrics, run_compare
 from tests.conftest import tiny_config
 
 COMMON = {
@@ -41,11 +41,17 @@ def _check_report(out, H: int) -> dict:
 
 def test_compare_on_loopback(tmp_path, no_leaked_daemons):
     cfg = tiny_config(tmp_path / "unused", **COMMON)
-    md = run_compare(cfg, 2, None, tmp_path / "out", progress=False)
+    md = run_compare(cfg, 2, None, tmp_path / "out", progress=False, warm_start_steps=6, warm_start_lr=2e-3)
     assert md == tmp_path / "out" / "results.md"
     data = _check_report(tmp_path / "out", H=4)
     assert data["measured_link_bits_per_second"] is None
     assert any("loopback" in n for n in data["notes"])
+    # all three runs start where the warm start ended, not from the seeded initialisation
+    warm = curve_from_metrics(tmp_path / "out" / "runs" / "warm_start" / "island0")
+    assert warm[-1]["eval_loss"] < warm[0]["eval_loss"]
+    for run in data["runs"]:
+        assert run["curve"][0]["eval_loss"] == pytest.approx(warm[-1]["eval_loss"], rel=1e-6), run["name"]
+    assert any(n.startswith("start: every run starts from the same warm start, 6 AdamW steps of one worker (peak lr 0.002)") for n in data["notes"])
     # the metrics of every run are where the report says
     assert curve_from_metrics(tmp_path / "out" / "runs" / "baseline")[-1]["outer_step"] == 2
 
@@ -61,15 +67,6 @@ def test_compare_over_emulated_links(tmp_path, no_leaked_daemons):
     assert any("TCP goodput measured" in n for n in data["notes"])
     assert any("bytes on the wire" in n for n in data["notes"])
     assert set(netns.list_namespaces()) <= before  # every namespace and link is gone
-
-
-def test_compare_defaults_and_overrides(tmp_path):
-    cfg_file = tmp_path / "c.toml"
-    cfg_file.write_text('[diloco]\ninner_steps = 7\n[model]\npreset = "tiny"\n')
-    cfg = load_with_defaults({"diloco.inner_steps": 50, "diloco.outer_steps": 6, "inner.batch_size": 16},
-                             str(cfg_file), ["--diloco.outer_steps", "3"])
-    assert (cfg.diloco.inner_steps, cfg.diloco.outer_steps, cfg.inner.batch_size) == (7, 3, 16)
-    assert cfg.model.dim == 32  # preset resolved after the file replaced the default preset
 
 
 def test_sweep_verdicts_and_report(tmp_path):

@@ -18,10 +18,11 @@ import torch
 from diloco import cli
 from diloco.config import ConfigError, load, to_dict
 from diloco.metrics import read_metrics
-from diloco.simulate import Cluster, SimulationError, _descendants, simulate, theta_spread
+from diloco.proctable import descendants
+from diloco.simulate import Cluster, SimulationError, simulate, theta_spread
 from peers.dht import visible_maddrs
 from peers.membership import Membership
-from tests.conftest import tiny_config
+from tests.conftest import assert_joined, tiny_config
 
 RUN_TIMEOUT_S = 240
 
@@ -81,7 +82,7 @@ def test_two_tp2_islands_in_one_torch_world_average_with_torch_all_reduce(tmp_pa
         proc.wait(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
-            groups = {pgid for _, pgid in _descendants(proc.pid).values()} | {proc.pid}
+            groups = {stat.pgid for stat in descendants(proc.pid).values()} | {proc.pid}
             for pgid in groups:
                 try:
                     os.killpg(pgid, signal.SIGKILL)
@@ -116,13 +117,7 @@ def test_late_sharded_joiner_downloads_theta_bucket_by_bucket(tmp_path, no_leake
                                             **{"averaging.initial_peers": visible_maddrs(first.dht)}))
         joiner.connect()
         try:
-            assert joiner.join_from_peers()
-            assert joiner.outer_step == 3
-            for name, t in first.outer.master.items():
-                assert torch.equal(joiner.outer.master[name], t)
-                assert torch.equal(joiner.params[name].detach(), t.detach())
-            for a, b in zip(first.outer.momentum_buffers(), joiner.outer.momentum_buffers()):
-                assert torch.equal(a, b) and a.abs().sum() > 0
+            assert_joined(joiner, first, outer_step=3)
             # resync downloads only a state matching the majority's fingerprint
             target = first.state_fingerprint()
             assert joiner.state_fingerprint() == target
