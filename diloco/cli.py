@@ -76,7 +76,8 @@ def cmd_train(cfg: config_mod.Config) -> int:
 
     setup_logging(f"[{cfg.averaging.run_id}-island{cfg.data.shard_index}] ")
     summary = train(cfg)
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=None), flush=True)
+    if summary is not None:
+        print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=None), flush=True)
     return 0
 
 

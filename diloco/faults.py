@@ -5,6 +5,8 @@
 - ``kill@inner:2``: SIGKILL this island half-way through the inner steps of round 2;
 - ``kill@matchmaking:1`` / ``kill@allreduce:1`` / ``kill@vote:1``: SIGKILL it in that phase of round 1;
 - ``scale@send:3``: multiply the pseudo-gradient sent in round 3 by 1e6 (a peer gone rogue);
+- ``drift@theta:2``: shift this island's θ_global by 1e-3 before round 2 (state silently diverged: the
+  group's vote puts it in the minority and it resynchronizes from the majority);
 - ``stall@allreduce:1``: freeze this process (SIGSTOP) once round 1's all-reduce starts.
 """
 
@@ -14,8 +16,8 @@ import os
 import signal
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "scale", "stall")
-PHASES = ("inner", "matchmaking", "allreduce", "vote", "send")
+ACTIONS = ("kill", "scale", "stall", "drift")
+PHASES = ("inner", "matchmaking", "allreduce", "vote", "send", "theta")
 
 
 @dataclass(frozen=True)

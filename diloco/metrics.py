@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 # Every metric name the trainer emits (W&B charts and the simulate summary rely on them).
 METRIC_NAMES = ("loss", "perplexity", "lr", "outer_lr", "eval/loss", "eval/perplexity", "num_peers",
                 "tokens_per_second", "pseudo_grad_norm", "allreduce_seconds", "bytes_sent", "bytes_received",
-                "compute_utilization", "outer_step", "tokens", "round_ok")
+                "compute_utilization", "outer_step", "tokens", "round_ok", "round_failure",
+                "averaged_pseudo_grad_norm", "averaging_backend", "used_fallback")
 
 
 def resolve_wandb_mode(mode: str) -> str:

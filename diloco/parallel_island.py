@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -465,41 +464,10 @@ class ParallelIsland(Island):
             return False
         return self.catch_up(force_download=True)
 
-    def catch_up(self, force_download: bool = False) -> bool:
-        """If other islands are ahead of us, adopt the freshest θ_global, outer momentum and outer step
-        (downloaded bucket by bucket by their owners; collective)."""
-        if not self._can_download():
-            return False
-        if not self._main_decides(lambda: force_download or self.membership.furthest_step() > self.outer_step):
-            return False
-        a = self.cfg.averaging
-        deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
-        first = None
-        while True:
-            state = self._download_global_state()
-            step = int(state[0]["outer_step"]) if state is not None else -1
-            retry = self._main_decides(lambda: state is None and self.membership.furthest_step() > self.outer_step
-                                       and time.monotonic() < deadline)
-            if retry:
-                time.sleep(1.0)  # others are ahead but busy or unreachable right now: ask again
-                continue
-            if step <= self.outer_step:
-                if step < 0:
-                    log.info("no peer served its state; keeping ours (outer step %d)", self.outer_step)
-                return False
-            first = step if first is None else first
-            # wait for the round in flight when we first looked (committed or failed), not for later ones
-            wait = self._main_decides(lambda: step == first and self.membership.averaging_round(step)
-                                      and time.monotonic() <= deadline)
-            if not wait:
-                break
-            time.sleep(0.5)  # the round that state belongs to is in flight: take its result instead
-        self.adopt_state(*state)
+    def adopt_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Install this rank's shards of a downloaded state (collective) and serve it from now on."""
+        super().adopt_state(meta, tensors)
         self._refresh_served_state()
-        self.averager.set_state_priority(self.outer_step)
-        self.membership.announce(self.outer_step, averaging=False)
-        log.info("caught up with the run at outer step %d (θ_global downloaded from peers)", self.outer_step)
-        return True
 
     def _download_global_state(self, target: list[float] | None = None) -> tuple[dict, list[torch.Tensor]] | None:
         """Collective: every owner downloads its buckets' θ_global and momentum; when every bucket came
@@ -554,28 +522,6 @@ class ParallelIsland(Island):
             if not fingerprints_agree(mine, want, 1e-5):
                 return -1, ""
         return int(meta.get("outer_step", -1)), ""
-
-    def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
-        """We hold a θ_global the majority does not: download theirs, verified bucket by bucket against
-        the majority's fingerprint (collective)."""
-        if not self._can_download():
-            log.warning("θ_global differs from the majority's and this island cannot download state; "
-                        "continuing with ours")
-            return False
-        target = gathered[majority[0]].get("state_fingerprint")
-        self.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
-        try:
-            for attempt in range(attempts):
-                state = self._download_global_state(target)
-                if state is not None:
-                    self.adopt_state(*state)
-                    self._refresh_served_state()
-                    log.warning("resynchronized θ_global from the majority (outer step %d)", self.outer_step)
-                    return True
-                log.warning("resync attempt %d/%d did not get the majority's state", attempt + 1, attempts)
-            return False
-        finally:
-            self.averager.set_state_priority(self.outer_step)
 
     # -------------------------------------------------------------------------- round hooks
     def _average(self, delta: list[torch.Tensor], weight: float, meta: dict, rnd: int) -> tuple[Any, Any]:

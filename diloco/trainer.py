@@ -219,18 +219,19 @@ class Island:
         commit (bounded), so that we start the next round together with them rather than one behind.
         ``force_download`` checks with the peers even if none announced a later step.
         """
-        if self.membership is None or self.averager is None:
+        if not self._can_download():
             return False
-        if not force_download and self.membership.furthest_step() <= self.outer_step:
+        if not self._main_decides(lambda: force_download or self.membership.furthest_step() > self.outer_step):
             return False
         a = self.cfg.averaging
         deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
         first = None
         while True:
-            state = self.averager.download_state()
+            state = self._download_global_state()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
-            if state is None and self.membership.furthest_step() > self.outer_step \
-                    and time.monotonic() < deadline:
+            retry = self._main_decides(lambda: state is None and self.membership.furthest_step() > self.outer_step
+                                       and time.monotonic() < deadline)
+            if retry:
                 time.sleep(1.0)  # others are ahead but busy or unreachable right now: ask again
                 continue
             if step <= self.outer_step:
@@ -239,14 +240,34 @@ class Island:
                 return False
             first = step if first is None else first
             # wait for the round in flight when we first looked (committed or failed), not for later ones
-            if step > first or not self.membership.averaging_round(step) or time.monotonic() > deadline:
+            wait = self._main_decides(lambda: step == first and self.membership.averaging_round(step)
+                                      and time.monotonic() <= deadline)
+            if not wait:
                 break
             time.sleep(0.5)  # the round that state belongs to is in flight: take its result instead
         self.adopt_state(*state)
         self.averager.set_state_priority(self.outer_step)
         self.membership.announce(self.outer_step, averaging=False)
-        log.info("caught up with the run at outer step %d (θ_global downloaded from a peer)", self.outer_step)
+        log.info("caught up with the run at outer step %d (θ_global downloaded from peers)", self.outer_step)
         return True
+
+    def _main_decides(self, decide: Callable[[], Any]) -> Any:
+        """Evaluate a decision about the run (membership lookups, clocks); a multi-rank island takes its
+        main rank's answer on every rank."""
+        return decide()
+
+    def _can_download(self) -> bool:
+        """Whether this island can download θ_global from peers (it has a DHT and an averager)."""
+        return self.membership is not None and self.averager is not None
+
+    def _download_global_state(self, target: list[float] | None = None) -> tuple[dict, list[torch.Tensor]] | None:
+        """A peer's ``(meta, θ_global + outer momentum)``, or None if no peer served one or, with
+        ``target`` (a state fingerprint), if the downloaded θ_global does not match it."""
+        state = self.averager.download_state()
+        if state is None or target is None:
+            return state
+        downloaded = fingerprint(state[1][:len(self.outer.names)], STATE_FINGERPRINT_CHUNKS)
+        return state if fingerprints_agree(downloaded, target, 1e-5) else None
 
     def adopt_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Install a peer's θ_global, outer momentum and outer step; restart inner training from θ_global."""
@@ -270,19 +291,21 @@ class Island:
         self.outer.copy_to(self.params)
 
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
-        """We hold a θ_global the majority does not: download theirs (verified by its fingerprint)."""
+        """We hold a θ_global the majority does not: download theirs, verified against the majority's
+        state fingerprint."""
+        if not self._can_download():
+            log.warning("θ_global differs from the majority's and this island cannot download state; "
+                        "continuing with ours")
+            return False
         target = gathered[majority[0]].get("state_fingerprint")
         self.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
         try:
             for attempt in range(attempts):
-                state = self.averager.download_state()
+                state = self._download_global_state(target)
                 if state is not None:
-                    meta, tensors = state
-                    downloaded = fingerprint(tensors[:len(self.outer.names)], STATE_FINGERPRINT_CHUNKS)
-                    if target is None or fingerprints_agree(downloaded, target, 1e-5):
-                        self.adopt_state(meta, tensors)
-                        log.warning("resynchronized θ_global from the majority (outer step %d)", self.outer_step)
-                        return True
+                    self.adopt_state(*state)
+                    log.warning("resynchronized θ_global from the majority (outer step %d)", self.outer_step)
+                    return True
                 log.warning("resync attempt %d/%d did not get the majority's state", attempt + 1, attempts)
             return False
         finally:
@@ -340,6 +363,10 @@ class Island:
                     "outer_lr": self.outer.lr, "round_failure": "behind the run; caught up from a peer",
                     "averaging_backend": "none", "used_fallback": 0}
         rnd = self.outer_step
+        if self.faults.has("drift", "theta", rnd):
+            with self._state_lock, torch.no_grad():
+                for m in self.outer.master.values():
+                    m.add_(1e-3)
         delta = self.outer.pseudo_gradient(self.params)
         if self.faults.has("scale", "send", rnd):
             delta = [d * 1e6 for d in delta]
@@ -666,15 +693,17 @@ def _config_from(data: dict[str, Any]) -> Config:
     return from_dict(data)
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run one island to completion and return its summary (this rank's, under torchrun)."""
+def train(cfg: Config) -> dict[str, Any] | None:
+    """Run one island to completion; return its summary on the island's main rank (None on the other
+    ranks of a tp/pp island, which would only repeat it)."""
     if needs_parallel_island(cfg):
         from diloco.parallel_island import ParallelIsland
 
         island: Island = ParallelIsland(cfg)
     else:
         island = Island(cfg)
-    return island.run()
+    summary = island.run()
+    return summary if island.is_main else None
 
 
 __all__ = ["Island", "train", "TrainingError", "PeerNetworkError", "config_fingerprint", "needs_parallel_island"]

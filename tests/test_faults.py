@@ -81,6 +81,20 @@ def test_rogue_island_sending_huge_values_is_rejected_by_all(tmp_path, no_leaked
         assert "norm" in s["failures"][0] and s["failures"][0].startswith("round 3")
 
 
+def test_island_whose_state_diverged_is_outvoted_and_resynchronizes(tmp_path, no_leaked_daemons):
+    cluster = Cluster(_cfg(tmp_path, **{"diloco.outer_steps": 4}), 3, env={1: {"DILOCO_FAULTS": "drift@theta:2"}})
+    try:
+        cluster.start_all()
+        cluster.wait(timeout=180)
+        summaries = _assert_in_sync(cluster, [0, 1, 2])
+    finally:
+        cluster.stop_all()
+    for s in summaries:  # the whole group rejects round 2, then averages again with the resynchronized island
+        assert s["rounds_failed"] == 1 and s["rounds_ok"] == 3, s["failures"]
+        assert s["failures"][0].startswith("round 2: θ_global differs between islands (1 of 3"), s["failures"]
+    assert "resynchronized θ_global from the majority" in (cluster.run_dirs[1] / "train.log").read_text()
+
+
 def test_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path, no_leaked_daemons):
     cfg = _cfg(tmp_path, **{"diloco.outer_steps": 200, "checkpoint.every": 0})
     cluster = Cluster(cfg, 2)
