@@ -223,7 +223,9 @@ def run_sweep(cfg: Config, sweep: str, out_dir: Path, *, steps: int | None = Non
 
     scale = (f"scale: model `{cfg.model.preset}` ({_param_count(cfg):,} parameters, {cfg.model.dim}d × "
              f"{cfg.model.n_layers} layers, byte-level, seq {cfg.model.seq_len}), batch {cfg.inner.batch_size} "
-             f"sequences per island, {spec.steps} inner steps per island, data `{cfg.data.path}`, "
+             f"sequences per island, {spec.steps} inner steps per island, inner lr {cfg.inner.lr:g}, "
+             f"{'warm start from ' + repr(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else 'from scratch'}, "
+             f"data `{cfg.data.path}`, "
              f"{os.cpu_count()} CPU core(s), loopback; paper: 150M parameters, batch 512×1024 tokens, 88k steps — "
              f"compare directions and relative sizes, not absolute perplexities")
     say(f"\n=== sweep {sweep}: {spec.key} ∈ {spec.values} ===\n{scale}", flush=True)
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             run_sweep(cfg, name, Path(args.out), steps=args.steps, islands=args.islands, values=values)
         return 0
 
-    return run_command(body, (CompareError, SimulationError, DataError, ValueError), 'interrupted: every island was stopped')
+    return run_command(body, (CompareError, SimulationError, DataError, ValueError),
+                       "interrupted: every island was stopped")
 
 
 __all__ = ["run_sweep", "write_sweep_report", "rewrite_report", "SWEEPS", "SWEEP_DEFAULTS", "verdict", "main"]
