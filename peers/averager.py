@@ -28,6 +28,8 @@ from hivemind.utils import get_dht_time
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   Uniform8BitQuantization)
 
+from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
+
 log = logging.getLogger(__name__)
 
 # name -> (hivemind codec, bytes on the wire per fp32 byte, relative tolerance of the vote)
@@ -283,7 +285,16 @@ class IslandAverager:
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
                 timeout=self.settings.matchmaking_timeout, allow_retries=False, wait=False)
             seen_allreduce = False
+            # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
+            # process group, OOM killer): then nothing would ever end it
+            deadline = time.monotonic() + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
             while not control.done():
+                if not self._averager.is_alive():
+                    raise AveragerGoneError("hivemind's averaging process exited (killed or crashed)")
+                if time.monotonic() > deadline:
+                    control.cancel()
+                    raise TimeoutError("the averaging step outlived --averaging.matchmaking_timeout + "
+                                       "--averaging.allreduce_timeout")
                 if not seen_allreduce and control.stage == AveragingStage.RUNNING_ALLREDUCE:
                     seen_allreduce = True
                     stage("allreduce")
@@ -339,19 +350,23 @@ class IslandAverager:
         mine = fingerprint(averaged)
         key = f"{self.settings.prefix}.vote.{_group_key(peers, round_id)}"
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
-        self.dht.store(key, subkey=self.peer_id, value=mine, expiration_time=expiration)
         deadline = time.perf_counter() + self.settings.vote_timeout
+        left = lambda: max(1.0, deadline - time.perf_counter())  # noqa: E731
         votes: dict[str, Any] = {}
-        while True:
-            found = self.dht.get(key, latest=True)
-            if found is not None and isinstance(found.value, dict):
-                votes = {str(k): v.value for k, v in found.value.items() if hasattr(v, "value")}
-            missing = [p for p in peers if p not in votes]
-            if not missing or time.perf_counter() > deadline:
-                break
-            if self.peer_id in missing:  # our own store was lost: publish again
-                self.dht.store(key, subkey=self.peer_id, value=mine, expiration_time=expiration)
-            time.sleep(0.1)
+        try:
+            dht_store(self.dht, key, self.peer_id, mine, expiration, timeout=left())
+            while True:
+                found = dht_get(self.dht, key, timeout=left())
+                if found is not None and isinstance(found.value, dict):
+                    votes = {str(k): v.value for k, v in found.value.items() if hasattr(v, "value")}
+                missing = [p for p in peers if p not in votes]
+                if not missing or time.perf_counter() > deadline:
+                    break
+                if self.peer_id in missing:  # our own store was lost: publish again
+                    dht_store(self.dht, key, self.peer_id, mine, expiration, timeout=left())
+                time.sleep(0.1)
+        except DHTUnavailableError as e:
+            return f"the vote on the result could not be held: {e}"
         if missing:
             return f"{len(missing)} of {len(peers)} island(s) did not confirm the result (left or failed mid-round)"
         if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in votes.values()):
@@ -367,6 +382,9 @@ class IslandAverager:
     def download_state(self) -> tuple[dict, list[torch.Tensor]] | None:
         """Download (metadata, tensors) of the freshest island of the run, or None if none answers."""
         timeout = self.settings.state_download_timeout
+        if not self._averager.is_alive():
+            log.warning("could not download state from peers: hivemind's averaging process exited")
+            return None
         try:
             return self._averager.load_state_from_peers(timeout=timeout)
         except Exception as e:  # TimeoutError and hivemind's own errors
@@ -377,6 +395,10 @@ class IslandAverager:
         """Stop the averager process (the DHT is the caller's)."""
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+class AveragerGoneError(RuntimeError):
+    """hivemind's averaging process is no longer running."""
 
 
 def majority_by_state(meta: dict[str, dict], me: str, rtol: float = 1e-5) -> tuple[list[str], bool]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import hivemind
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
+from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,13 @@ class Membership:
             self.outer_step = outer_step
         if averaging is not None:
             self.averaging = averaging
-        self.dht.store(self.key, subkey=self.peer_id, value=self._value(),
-                       expiration_time=get_dht_time() + self.ttl)
+        try:
+            self._store(self._value(), self.ttl)
+        except DHTUnavailableError as e:  # a DHT that no longer answers must not stop training or leaving
+            log.warning("could not refresh this island's registration: %s", e)
+
+    def _store(self, value: dict, ttl: float) -> None:
+        dht_store(self.dht, self.key, self.peer_id, value, get_dht_time() + ttl, timeout=ttl)
 
     def start_heartbeat(self) -> None:
         """Refresh the registration every ttl/3 seconds in a daemon thread."""
@@ -138,15 +144,18 @@ class Membership:
         """Tell the run this island is gone, so nobody waits for it."""
         self._stop.set()
         try:
-            self.dht.store(self.key, subkey=self.peer_id, value=self._value(averaging=False, left=True),
-                           expiration_time=get_dht_time() + self.ttl + 1)
+            self._store(self._value(averaging=False, left=True), self.ttl + 1)
         except Exception as e:
             log.debug("could not announce leaving: %s", e)
 
     def members(self) -> dict[str, Member]:
         """Registered peers (every rank of every island, including those that announced leaving), by peer id."""
-        found = self.dht.get(self.key, latest=True)
         out: dict[str, Member] = {}
+        try:
+            found = dht_get(self.dht, self.key, timeout=self.ttl)
+        except DHTUnavailableError as e:
+            log.warning("could not look up the run's islands: %s", e)
+            return out
         if found is None or not isinstance(found.value, dict):
             return out
         for subkey, item in found.value.items():
@@ -198,7 +207,10 @@ class Membership:
 
 def is_registered(dht: hivemind.DHT, prefix: str, peer_id: str) -> bool:
     """True if ``peer_id`` holds a live (validated) registration in the run's member registry."""
-    found = dht.get(f"{prefix}.members", latest=True)
+    try:
+        found = dht_get(dht, f"{prefix}.members", timeout=30.0)
+    except DHTUnavailableError:
+        return False
     if found is None or not isinstance(found.value, dict):
         return False
     item = found.value.get(peer_id)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 
 import pytest
 
+from diloco.proctable import descendants
 from diloco.simulate import Cluster
 from tests.conftest import tiny_config
 
@@ -104,6 +106,28 @@ def test_island_whose_state_diverged_is_outvoted_and_resynchronizes(tmp_path, no
         assert len(failures) == 1 and s["rounds_ok"] == 4 - len(s["failures"]), s["failures"]
         assert failures[0].startswith("round 2: θ_global differs between islands (1 of 3"), s["failures"]
     assert "resynchronized θ_global from the majority" in (cluster.run_dirs[1] / "train.log").read_text()
+
+
+def test_sigterm_to_every_process_of_the_islands_still_ends_them_cleanly(tmp_path, no_leaked_daemons):
+    """As `docker stop` or systemd do: SIGTERM reaches each island and its hivemind DHT and averager
+    processes at once.  The islands must not wait forever on the dead helpers: they checkpoint and exit."""
+    cluster = Cluster(_cfg(tmp_path, **{"diloco.outer_steps": 200, "checkpoint.every": 0}), 2)
+    try:
+        cluster.start_all()
+        _wait_for(lambda: all((d / "metrics.jsonl").exists() and "round_ok" in (d / "metrics.jsonl").read_text()
+                              for d in cluster.run_dirs), 90)
+        targets = []
+        for proc in (cluster.procs[0], cluster.procs[1]):  # each island and its python helpers (not p2pd)
+            helpers = [pid for pid, st in descendants(proc.pid).items() if st.name.startswith("python")]
+            targets += [proc.pid] + helpers
+        for pid in targets:
+            os.kill(pid, signal.SIGTERM)
+        assert [cluster.procs[i].wait(timeout=120) for i in (0, 1)] == [0, 0]
+        for d in cluster.run_dirs:
+            assert list((d / "checkpoints").glob("ckpt-*.pt")), "no checkpoint written on SIGTERM"
+            assert json.loads((d / "summary.json").read_text())["stopped_early"]
+    finally:
+        cluster.stop_all()
 
 
 def test_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path, no_leaked_daemons):

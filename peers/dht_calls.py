@@ -1,0 +1,40 @@
+"""DHT reads and writes that cannot hang.
+
+hivemind's ``DHT.store`` and ``DHT.get`` wait without a limit for the DHT's own process.  When that
+process or its p2p daemon is gone (SIGTERM sent to a whole process group, as ``docker stop`` and
+systemd do, or the OOM killer) they would block the island forever instead of letting it checkpoint
+and leave.  Every DHT read and write of ours goes through these two functions instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hivemind
+
+
+class DHTUnavailableError(RuntimeError):
+    """The DHT did not answer in time, or its process is gone."""
+
+
+def _result(future: Any, timeout: float, what: str) -> Any:
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        raise DHTUnavailableError(f"the DHT did not {what} within {timeout:.0f} s") from None
+
+
+def dht_store(dht: hivemind.DHT, key: str, subkey: Any, value: Any, expiration_time: float,
+              timeout: float) -> bool:
+    """``dht.store`` waiting at most ``timeout`` seconds; raises :class:`DHTUnavailableError`."""
+    if not dht.is_alive():
+        raise DHTUnavailableError("the DHT process exited")
+    future = dht.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+    return bool(_result(future, timeout, "store a value"))
+
+
+def dht_get(dht: hivemind.DHT, key: str, timeout: float) -> Any:
+    """``dht.get(key, latest=True)`` waiting at most ``timeout`` seconds; raises :class:`DHTUnavailableError`."""
+    if not dht.is_alive():
+        raise DHTUnavailableError("the DHT process exited")
+    return _result(dht.get(key, latest=True, return_future=True), timeout, "answer a lookup")
