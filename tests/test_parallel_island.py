@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -165,11 +166,21 @@ class _FakeDHT:
         self.peer_id = peer_id
         self.registry = registry
 
-    def get(self, key, latest=True):
-        return SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.registry.items()})
+    def is_alive(self) -> bool:
+        return True
 
-    def store(self, key, subkey, value, expiration_time):
+    def get(self, key, latest=True, return_future=False):
+        return _done(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.registry.items()}))
+
+    def store(self, key, subkey, value, expiration_time, return_future=False):
         self.registry[subkey] = value
+        return _done(True)
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def test_membership_counts_islands_not_ranks():
