@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 from diloco.config import ModelConfig, resolve_model  # noqa: E402
 from diloco.model import build_model, count_parameters  # noqa: E402
-from pipeline.island import Island, IslandSettings  # noqa: E402
+from pipeline.model_parts import ModelParts, SplitSettings  # noqa: E402
 from pipeline.mesh import destroy_island, init_island_mesh  # noqa: E402
 
 H100_BF16_PEAK = 989e12
@@ -53,7 +53,7 @@ def theory_idle(schedule: str, p: int, m: int, v: int) -> float:
 
 
 # ---------------------------------------------------------------------------------- one rank's job
-def _time_stage_methods(island: Island, busy: list[float]) -> None:
+def _time_stage_methods(island: ModelParts, busy: list[float]) -> None:
     """Wrap each stage's forward/backward so the time spent computing is added to ``busy[0]``."""
     for stage in island.stages:
         for attr in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -71,12 +71,12 @@ def _time_stage_methods(island: Island, busy: list[float]) -> None:
 
 def run_job(job: dict, args: argparse.Namespace) -> dict:
     """Train an island for a few steps; return tokens/s and (with pp > 1) the measured idle fraction."""
-    settings = IslandSettings(tp=job["tp"], pp=job["pp"], schedule=job.get("schedule", "1f1b"),
+    settings = SplitSettings(tp=job["tp"], pp=job["pp"], schedule=job.get("schedule", "1f1b"),
                               microbatches=job.get("m", 1), virtual_stages=job.get("v", 1))
     cfg = bench_model_config(args)
     world = job["tp"] * job["pp"]
     mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=300) if world > 1 else None
-    island = Island(build_model(cfg), mesh, settings)
+    island = ModelParts(build_model(cfg), mesh, settings)
     opt = torch.optim.AdamW(island.parameters(), lr=1e-3)
     busy = [0.0]
     _time_stage_methods(island, busy)
@@ -209,7 +209,7 @@ def mfu_table(args: argparse.Namespace, device: str = "cuda", preset: str = "150
     model = build_model(cfg)
     n_non_embedding = count_parameters(model, exclude_embeddings=True)
     flops_per_token = 6 * n_non_embedding + 6 * cfg.n_layers * cfg.dim * cfg.seq_len
-    island = Island(model, None, IslandSettings(activation_checkpointing=args.gpu_checkpointing),
+    island = ModelParts(model, None, SplitSettings(activation_checkpointing=args.gpu_checkpointing),
                     device=torch.device(device))
     opt = torch.optim.AdamW(island.parameters(), lr=3e-4, fused=True)
     x = torch.randint(0, cfg.vocab_size, (args.gpu_batch, cfg.seq_len + 1), device=device)

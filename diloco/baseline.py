@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import logging
 import math
@@ -74,14 +73,6 @@ def ring_allreduce_bytes(num_bytes: int, workers: int) -> int:
     return int(2 * num_bytes * (workers - 1) / workers)
 
 
-def param_checksum(params: Sequence[torch.Tensor]) -> str:
-    """A short hash of the parameters rounded to bf16 (same recipe as the outer optimizer's checksum)."""
-    h = hashlib.sha1()
-    for p in params:
-        h.update(p.detach().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def worker_threads(cfg: Config, workers: int) -> int:
     """Threads per worker: ``cfg.threads`` or the cores divided among the workers (as for islands)."""
     return cfg.threads or max(1, (os.cpu_count() or 1) // workers)
@@ -100,11 +91,12 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
-    from diloco import checkpoint
     from diloco.data import ShardedBatches, heldout_batches, load_corpus
-    from diloco.inner import build_inner_optimizer
+    from diloco.inner import build_inner_optimizer, inner_step
     from diloco.metrics import MetricsLogger
-    from diloco.model import build_model, lm_loss
+    from diloco.model import build_initial_model, lm_loss
+    from outer_optim import checksum
+    from pipeline import ModelParts, SplitSettings
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -123,13 +115,11 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
         eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
                         if rank == 0 else [])
-        model = build_model(m, seed=cfg.seed)
-        if cfg.checkpoint.init_from:
-            checkpoint.init_parameters(model, cfg.checkpoint.init_from)
-        model = model.to(device)
-        model.activation_checkpointing = cfg.parallel.activation_checkpointing
+        model = ModelParts(build_initial_model(m, cfg.seed, cfg.checkpoint.init_from), None,
+                           SplitSettings(activation_checkpointing=cfg.parallel.activation_checkpointing),
+                           loss_fn=lm_loss, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt, sched = build_inner_optimizer(model.named_parameters(), cfg.inner, total_steps)
+        opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, total_steps)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         accum = cfg.inner.grad_accum
 
@@ -156,12 +146,43 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
 
         @torch.no_grad()
         def evaluate() -> float:
-            model.eval()
             losses = []
             for x, y in eval_batches:
                 with autocast:
-                    losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
+                    losses.append(model.eval_loss(x, y))
             return float(sum(losses) / len(losses))
+
+        def all_reduce_grads(local_loss: float) -> float:
+            """The synchronous step: average the gradients (and the loss) of every worker."""
+            nonlocal comm, comm_window, bytes_sent
+            offset = 0
+            for p in params:
+                n = p.numel()
+                if p.grad is None:
+                    flat[offset:offset + n].zero_()
+                else:
+                    flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+            flat[-1] = local_loss
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            dist.all_reduce(flat)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            waited = time.perf_counter() - t1
+            comm += waited
+            comm_window += waited
+            flat.div_(workers)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+            bytes_sent += step_bytes
+            return float(flat[-1].item())
 
         compute = comm = 0.0
         comm_window = 0.0
@@ -177,54 +198,10 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         compute += time.perf_counter() - t_start
         window_t, window_tokens = time.perf_counter(), 0
         for step in range(total_steps):
-            t0 = time.perf_counter()
-            model.train()
-            local_loss = 0.0
-            for _ in range(accum):
-                x, y = batches.next_batch()
-                x, y = x.to(device), y.to(device)
-                with autocast:
-                    loss = lm_loss(model(x), y) / accum
-                loss.backward()
-                local_loss += loss.item()
-            if workers > 1:
-                offset = 0
-                for p in params:
-                    n = p.numel()
-                    if p.grad is None:
-                        flat[offset:offset + n].zero_()
-                    else:
-                        flat[offset:offset + n].copy_(p.grad.reshape(-1))
-                    offset += n
-                flat[-1] = local_loss
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
-                dist.all_reduce(flat)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t2 = time.perf_counter()
-                comm += t2 - t1
-                comm_window += t2 - t1
-                flat.div_(workers)
-                offset = 0
-                for p in params:
-                    n = p.numel()
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                    offset += n
-                step_loss = float(flat[-1].item())
-                bytes_sent += step_bytes
-            else:
-                t1 = t2 = time.perf_counter()
-                step_loss = local_loss
-            if cfg.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            compute += (t1 - t0) + (time.perf_counter() - t2)
+            t0, comm_before = time.perf_counter(), comm
+            step_loss = inner_step(model, batches, opt, sched, cfg.inner, autocast,
+                                   sync_grads=all_reduce_grads if workers > 1 else None)
+            compute += time.perf_counter() - t0 - (comm - comm_before)
             tokens += tokens_per_step
             step_losses.append(step_loss)
             done = step + 1
@@ -263,7 +240,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             "bytes_sent": bytes_sent, "bytes_received": bytes_sent, "bytes_per_step": step_bytes,
             "compute_seconds": compute, "comm_seconds": comm, "wall_seconds": wall,
             "compute_seconds_per_rank": per_rank[:, 0].tolist(), "comm_seconds_per_rank": per_rank[:, 1].tolist(),
-            "theta_checksum": param_checksum(params), "losses": step_losses,
+            "theta_checksum": checksum(dict(model.named_parameters())), "losses": step_losses,
             "comm_method": "explicit all_reduce of the flattened fp32 gradients (+loss) after backward, "
                            f"backend {backend}; comm_seconds = time blocked in all_reduce",
             "failures": [], "stopped_early": False,

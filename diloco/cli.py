@@ -6,11 +6,15 @@ Every command takes ``--config FILE`` and any config key as ``--section.key VALU
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Callable
 
 from diloco import config as config_mod
 from diloco.command import run_command
@@ -72,7 +76,7 @@ def setup_logging(prefix: str = "") -> None:
 
 
 def cmd_train(cfg: config_mod.Config) -> int:
-    from diloco.trainer import train
+    from diloco.island import train
 
     setup_logging(f"[{cfg.averaging.run_id}-island{cfg.data.shard_index}] ")
     summary = train(cfg)
@@ -112,11 +116,10 @@ def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console command."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["experiment"]:
-        # experiments build on diloco, not the other way round: hand the rest of the line over
-        from experiments.__main__ import main as experiment_main
-
-        return experiment_main(argv[1:])
+    _stacks_on_sigusr1()
+    plugin = _plugin_command(argv[0]) if argv else None
+    if plugin is not None:
+        return plugin(argv[1:])
     ns, rest = _split_args(argv)
     if ns.help or not ns.command:
         print(USAGE)
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.checkpoint import CheckpointError
     from diloco.data import DataError
     from diloco.simulate import SimulationError
-    from diloco.trainer import TrainingError
+    from diloco.errors import TrainingError
     from peers.dht import PeerNetworkError
 
     def body() -> int:
@@ -150,10 +153,26 @@ def main(argv: list[str] | None = None) -> int:
                               BaselineError))
 
 
-if __name__ == "__main__":
-    import faulthandler
-    import signal
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack, under `diloco` and `python -m diloco.cli` alike."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no real stderr (embedded, captured): nowhere to print
+        pass
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+
+def _plugin_command(name: str) -> Callable[[list[str]], int] | None:
+    """A command another installed package adds under the ``diloco.commands`` entry-point group
+    (``diloco experiment`` comes from the experiments package): experiments build on diloco, so
+    diloco finds them by name instead of importing them."""
+    if name.startswith("-"):
+        return None
+    for ep in entry_points(group="diloco.commands"):
+        if ep.name == name:
+            return ep.load()
+    return None
+
+
+if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import tomllib
 import typing
@@ -159,13 +160,9 @@ class AveragingConfig:
     """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
     member_ttl: float = 60.0
     """Seconds an island's registration lives without a heartbeat (refreshed every third of it)."""
-    sharded: bool = False
-    """Average shard-wise over the canonical layout (each rank of a tp/pp island averages the buckets it owns).
-    Implied by --parallel.tp/pp above 1 and by the torch and auto backends; set it on single-process islands
-    that join a run with tp/pp islands."""
     bucket_numel: int = 4_000_000
-    """Elements per bucket of shard-wise averaging (the unit one island rank averages); must be the same on
-    every island of a run."""
+    """Elements per bucket of the pseudo-gradient (the unit one island rank averages with the other islands,
+    each bucket over its own hivemind averager); must be the same on every island of a run."""
 
 
 @dataclass
@@ -458,8 +455,12 @@ def resolve_model(model: ModelConfig) -> None:
 
 def validate(cfg: Config) -> list[str]:
     """Return one sentence per inconsistent or out-of-range value (empty when all is well)."""
-    p: list[str] = []
     flat = flatten(cfg)
+    # NaN passes every range check below (all comparisons are false) and inf passes most of them
+    p = [f"--{key} must be a finite number, got {value}" for key, value in flat.items()
+         if isinstance(value, float) and not math.isfinite(value)]
+    if p:
+        return p
     for key, choices in CHOICES.items():
         if flat[key] not in choices:
             p.append(f"--{key} is {flat[key]!r} but must be one of {', '.join(choices)}")
@@ -560,13 +561,13 @@ def parallel_problems(cfg: Config) -> list[str]:
         return []
     if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size) < 1:
         return []  # reported above
-    from pipeline.island import IslandSettings, check_island  # torch-heavy: only for parallel islands
+    from pipeline.model_parts import SplitSettings, check_split  # torch-heavy: only for parallel islands
 
     try:
-        settings = IslandSettings.from_config(par)
+        settings = SplitSettings.from_config(par)
     except ValueError:
         return [f"--parallel.layers_per_stage must list integers, got {','.join(par.layers_per_stage)}"]
-    problems = check_island(settings, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
+    problems = check_split(settings, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
     if par.pp > 1 and par.microbatches >= 1 and cfg.inner.batch_size % par.microbatches:
         problems.append(f"--inner.batch_size ({cfg.inner.batch_size}) must be divisible by "
                         f"--parallel.microbatches ({par.microbatches}) when --parallel.pp is above 1")
@@ -625,10 +626,28 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
+REMOVED_KEYS = ("averaging.sharded",)
+"""Keys of earlier versions that checkpoints may still hold; every island now averages shard-wise."""
+
+# Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
+FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
+                        "averaging.compression", "averaging.run_id")
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """Hash of the settings islands must share (model shape, outer optimizer, wire format, run id)."""
+    import hashlib
+    import json
+
+    shared = {k: v for k, v in flatten(cfg).items() if k.startswith(FINGERPRINT_PREFIXES)}
+    return hashlib.sha1(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config from :func:`to_dict` output (e.g. stored in a checkpoint)."""
     cfg = Config()
-    problems = apply(cfg, _flatten_toml(data))
+    items = {k: v for k, v in _flatten_toml(data).items() if k not in REMOVED_KEYS}
+    problems = apply(cfg, items)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -638,5 +657,5 @@ __all__ = [
     "Config", "ConfigError", "ModelConfig", "DataConfig", "InnerOptimConfig", "DilocoConfig",
     "AveragingConfig", "ParallelConfig", "CheckpointConfig", "WandbConfig", "LoggingConfig", "MODEL_PRESETS",
     "load", "validate", "describe", "flatten", "to_dict", "from_dict", "parse_overrides",
-    "reference_markdown", "field_docs", "resolve_model",
+    "reference_markdown", "field_docs", "resolve_model", "config_fingerprint",
 ]

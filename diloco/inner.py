@@ -1,13 +1,15 @@
-"""The inner optimizer: AdamW with linear warm-up and cosine decay."""
+"""The inner optimizer (AdamW with linear warm-up and cosine decay) and the one inner step."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from diloco.config import InnerOptimConfig
+from diloco.data import ShardedBatches
+from pipeline import ModelParts
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -30,3 +32,24 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
     return opt, sched
+
+
+def inner_step(model: ModelParts, batches: ShardedBatches, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: InnerOptimConfig, autocast: Any,
+               sync_grads: Callable[[float], float] | None = None) -> float:
+    """One inner AdamW step of an island or a baseline worker: ``grad_accum`` micro-batches forward
+    and backward, ``sync_grads(loss)`` (the baseline's all-reduce; returns the loss to report),
+    clipping over the whole model, optimizer and schedule step.  Returns the step's mean loss."""
+    total = 0.0
+    for _ in range(cfg.grad_accum):
+        x, y = batches.next_batch()
+        with autocast:
+            total += model.train_step(x, y, loss_scale=1.0 / cfg.grad_accum) / cfg.grad_accum
+    if sync_grads is not None:
+        total = sync_grads(total)
+    if cfg.grad_clip > 0:
+        model.clip_grad_norm_(cfg.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total

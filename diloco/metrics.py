@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -31,13 +32,23 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class MetricsLogger:
-    """Appends records to ``<run_dir>/metrics.jsonl`` and mirrors them to W&B."""
+    """Writes records to ``<run_dir>/metrics.jsonl`` and mirrors them to W&B.
+
+    A resumed run appends to its records; a new run in a directory that holds an earlier run's
+    records moves them aside to ``metrics.<time>.jsonl`` first (so curves never mix two runs).
+    """
 
     def __init__(self, run_dir: str | Path, *, wandb_mode: str = "disabled", project: str = "diloco",
-                 group: str = "", name: str = "", entity: str = "", config: dict | None = None):
+                 group: str = "", name: str = "", entity: str = "", config: dict | None = None,
+                 resume: bool = False):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / "metrics.jsonl"
+        if not resume and path.exists() and path.stat().st_size:
+            earlier = self.run_dir / time.strftime("metrics.%Y%m%d-%H%M%S.jsonl", time.localtime(path.stat().st_mtime))
+            os.replace(path, earlier)
+            log.warning("%s held an earlier run's records: moved them to %s", path, earlier.name)
+        self._file = open(path, "a", buffering=1)
         self._wandb = None
         self.wandb_mode = resolve_wandb_mode(wandb_mode)
         if self.wandb_mode != "disabled":
@@ -52,7 +63,7 @@ class MetricsLogger:
 
     def summary(self, values: dict[str, Any]) -> None:
         """Final figures: written to ``summary.json`` and the W&B run summary."""
-        (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2))
+        (self.run_dir / "summary.json").write_text(json.dumps(_json_safe(values), indent=2, allow_nan=False))
         if self._wandb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float, str)):
@@ -64,6 +75,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as null, so the file is JSON that any reader accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _start_wandb(run_dir: Path, mode: str, project: str, group: str, name: str, entity: str, config: dict):
@@ -92,3 +114,16 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+class NullMetrics:
+    """Stands in for :class:`MetricsLogger` on the ranks of an island that do not write metrics."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

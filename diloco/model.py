@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import ModelConfig, resolve_model
+from pipeline import cross_entropy_loss
 
 
 class RMSNorm(nn.Module):
@@ -169,6 +170,16 @@ def flops_per_token(cfg: ModelConfig) -> float:
     return 6.0 * n + 6.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def build_initial_model(cfg: ModelConfig, seed: int, init_from: str = "") -> Transformer:
+    """The model every island and every baseline worker starts from: the seeded initialisation, or
+    the parameters of ``init_from`` (a warm start, see :func:`diloco.checkpoint.init_parameters`)."""
+    model = build_model(cfg, seed=seed)
+    if init_from:
+        from diloco.checkpoint import init_parameters
+
+        init_parameters(model, init_from)
+    return model
+
+
+lm_loss = cross_entropy_loss
+"""Mean next-token cross-entropy (in fp32): the one loss of islands, baseline and tests."""

@@ -43,16 +43,17 @@ class OuterOptimizer:
         return float(self.optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
-    def pseudo_gradient(self, local: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Δ = θ_global − θ_local for every parameter, as fp32 tensors on the master device."""
-        return [self.master[n].detach() - local[n].detach().to(self.master[n].device, torch.float32)
-                for n in self.names]
+    def pseudo_gradient(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device."""
+        return {n: self.master[n].detach() - local[n].detach().to(self.master[n].device, torch.float32)
+                for n in self.names}
 
     @torch.no_grad()
-    def step(self, averaged_delta: list[torch.Tensor]) -> None:
-        """Apply one outer step with the group's averaged Δ (same order as :attr:`names`)."""
-        for n, d in zip(self.names, averaged_delta):
-            self.master[n].grad = d.to(self.master[n].device, torch.float32).reshape(self.master[n].shape)
+    def step(self, averaged_delta: Mapping[str, torch.Tensor]) -> None:
+        """Apply one outer step with the group's averaged ``{name: Δ}``."""
+        for n in self.names:
+            self.master[n].grad = averaged_delta[n].to(self.master[n].device, torch.float32).reshape(
+                self.master[n].shape)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -95,9 +96,11 @@ class OuterOptimizer:
         self.set_momentum_buffers(list(state["momentum"]))
         self.step_count = int(state["step_count"])
 
-    def checksum(self) -> str:
-        """A short hash of θ_global rounded to bf16, to compare islands cheaply."""
-        h = hashlib.sha1()
-        for n in self.names:
-            h.update(self.master[n].detach().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-        return h.hexdigest()[:16]
+
+def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """A short hash of named tensors rounded to bf16 (in the mapping's order), to compare whole
+    models cheaply: θ_global of islands of any shape, the baseline's parameters."""
+    h = hashlib.sha1()
+    for t in tensors.values():
+        h.update(t.detach().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,7 +1,7 @@
 """Averaging pseudo-gradients between islands over hivemind, one verified round at a time.
 
 hivemind's all-reduce can report success while part of the vector kept local values (a peer that
-failed mid-round) and has no timeouts by default.  :class:`IslandAverager` closes both holes:
+failed mid-round) and has no timeouts by default.  :class:`VerifiedAverager` closes both holes:
 every timeout is explicit, retries are off, and each round ends with a vote through the DHT in
 which every group member publishes a fingerprint of what it received.  A round counts only if the
 group is large enough, every member voted, and all fingerprints agree and are finite; otherwise the
@@ -214,7 +214,7 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
             yield message
 
 
-class IslandAverager:
+class VerifiedAverager:
     """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
 
     ``template`` fixes the shapes of the averaged tensors (fp32, CPU); every island of a run must

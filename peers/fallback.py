@@ -4,7 +4,7 @@ On a cluster with a fast fabric the islands can be launched as one torch.distrib
 rank of every island).  Averaging a round then needs no hivemind at all:
 
 1. inside each island, every bucket's pieces are sent to the bucket's owner (the same
-   point-to-point :class:`~peers.sharded.IslandExchange` the hivemind path uses);
+   point-to-point :class:`~peers.sharded.BucketExchange` the hivemind path uses);
 2. across islands, the owners of each bucket all-reduce ``weight × bucket`` (SUM; ``ReduceOp.AVG``
    is NCCL-only) in a subgroup made of exactly those owners, and divide by the sum of the islands'
    weights (tokens), as hivemind weighs them;
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from peers.averager import allreduce_bytes, majority_by_state
 from peers.layout import CanonicalLayout
-from peers.sharded import IslandExchange, ShardedRoundResult
+from peers.sharded import BucketExchange, ShardedRoundResult
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class HierarchicalAllReduce:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if me in ranks:
                 self.island_group = group
-        self.exchange = IslandExchange(layout, local_tensors, specs, self.island_group, device)
+        self.exchange = BucketExchange(layout, local_tensors, specs, self.island_group, device)
         self.device = self.exchange.device
         self._bucket_group: dict[int, dist.ProcessGroup] = {}
         if self.n_islands > 1:
@@ -118,7 +118,7 @@ class HierarchicalAllReduce:
     def reduce_owned(self, owned: Mapping[int, torch.Tensor], weight: float, metadata: dict, round_id: str,
                      participate: bool = True) -> tuple[ShardedRoundResult, dict[int, torch.Tensor] | None]:
         """The cross-island step (collective over the world): average the buckets this rank owns with
-        the other islands' owners.  ``owned`` is :meth:`IslandExchange.gather`'s output; an island
+        the other islands' owners.  ``owned`` is :meth:`BucketExchange.gather`'s output; an island
         that does not participate passes ``{}`` and weight 0.  Returns the island-wide verdict (same
         on every rank of every island) and, when it succeeded, the averaged owned buckets."""
         t0 = time.perf_counter()

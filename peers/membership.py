@@ -79,24 +79,19 @@ class Member:
     """The island this peer belongs to (its rank 0's peer id); empty is read as ``peer_id``."""
     rank: int = 0
     """The peer's rank inside its island."""
-    sharded: bool = False
-    """The island averages shard-wise over the canonical layout (peers.sharded), not as one tensor list."""
 
 
 class Membership:
     """Registers this island (or one rank of it), keeps the registration alive, and lists the run's
     live islands.  ``island`` is the island's id (its rank 0's peer id; empty: this peer's id) and
-    ``rank`` this process's rank in it; ``sharded`` is published so islands that average differently
-    can tell."""
+    ``rank`` this process's rank in it."""
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, ttl: float = 60.0, *, island: str = "", rank: int = 0,
-                 sharded: bool = False):
+    def __init__(self, dht: hivemind.DHT, prefix: str, ttl: float = 60.0, *, island: str = "", rank: int = 0):
         self.dht = dht
         self.key = f"{prefix}.members"
         self.peer_id = str(dht.peer_id)
         self.island = island or self.peer_id
         self.rank = int(rank)
-        self.sharded = bool(sharded)
         self.ttl = ttl
         self.outer_step = 0
         self.averaging = False
@@ -107,8 +102,6 @@ class Membership:
         value: dict = {"outer_step": self.outer_step, "averaging": self.averaging, "left": False}
         if self.island != self.peer_id or self.rank:
             value.update(island=self.island, rank=self.rank)
-        if self.sharded:
-            value["sharded"] = True
         value.update(extra)
         return value
 
@@ -167,8 +160,7 @@ class Membership:
                 except (TypeError, ValueError):
                     rank = 0
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
-                                  bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
-                                  bool(value.get("sharded", False)))
+                                  bool(value.get("averaging", False)), str(value.get("island") or pid), rank)
         return out
 
     def islands(self) -> dict[str, Member]:
@@ -181,11 +173,10 @@ class Membership:
             island = m.island or m.peer_id
             seen = out.get(island)
             if seen is None:
-                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, m.sharded)
+                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0)
             else:
                 seen.outer_step = max(seen.outer_step, m.outer_step)
                 seen.averaging = seen.averaging or m.averaging
-                seen.sharded = seen.sharded or m.sharded
         return out
 
     def others(self) -> list[Member]:

@@ -3,7 +3,7 @@
 An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see
 :mod:`peers.layout`) and cut into buckets; bucket ``b`` belongs to island rank
 ``layout.owner_of(b, island_size)`` (round-robin), which averages it with the other islands' owners
-of bucket ``b`` over hivemind: one verified :class:`~peers.averager.IslandAverager` per owned
+of bucket ``b`` over hivemind: one verified :class:`~peers.averager.VerifiedAverager` per owned
 bucket, with DHT prefix ``f"{prefix}_b{b}"`` (hivemind forbids dots in prefixes).  Slow-link
 traffic is thus spread over the island's ranks and nothing is gathered onto rank 0.  A round of
 :meth:`ShardedAverager.average`:
@@ -52,7 +52,7 @@ import hivemind
 import torch
 import torch.distributed as dist
 
-from peers.averager import AveragerSettings, IslandAverager, RoundResult, StateProvider, fingerprint
+from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider, fingerprint
 from peers.layout import CanonicalLayout, Segment, spec_tuple
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class ShardedRoundResult:
     """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
 
 
-class IslandExchange:
+class BucketExchange:
     """Moves bucket pieces between the ranks of one island (point-to-point, any backend).
 
     Collective over ``group`` at construction: every rank must build it with its own local shapes
@@ -330,7 +330,8 @@ class ShardedAverager:
     (each owned bucket gets prefix ``f"{settings.prefix}_b{index}"``); ``fallback``: a
     :class:`peers.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
     ``backend="torch"``, optional for ``"auto"``); ``state_provider_for(bucket_index)`` gives the
-    state provider of an owned bucket's averager (for late joiners; wired by the trainer).
+    state provider of an owned bucket's averager (for late joiners; wired by the trainer);
+    ``exchange``: the island's :class:`BucketExchange` if the caller built one already.
     Construction is collective over ``group``.
     """
 
@@ -338,7 +339,8 @@ class ShardedAverager:
                  group: dist.ProcessGroup | None, dht: hivemind.DHT | None, settings: AveragerSettings, *,
                  backend: str = "hivemind", fallback: Any = None,
                  state_provider_for: Callable[[int], StateProvider | None] | None = None,
-                 island_id: str | None = None, device: torch.device | str | None = None):
+                 island_id: str | None = None, device: torch.device | str | None = None,
+                 exchange: BucketExchange | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if backend == "torch" and fallback is None:
@@ -356,8 +358,14 @@ class ShardedAverager:
             elif fallback.layout.fingerprint() != layout.fingerprint():
                 problem = "the fallback uses another canonical layout"
             shared = not problem and group is fallback.island_group and device is None
-        # sharing the fallback's exchange (same island, same shards) skips recomputing the plan
-        self.exchange = fallback.exchange if shared else IslandExchange(layout, local_tensors, specs, group, device)
+        # sharing the fallback's (or the caller's) exchange of the same island skips recomputing the plan
+        if exchange is not None and not shared:
+            shared = exchange.group is group and exchange.layout.fingerprint() == layout.fingerprint()
+            if not shared:
+                raise ValueError("the exchange passed belongs to another island group or layout")
+        else:
+            exchange = fallback.exchange if shared else None
+        self.exchange = exchange if shared else BucketExchange(layout, local_tensors, specs, group, device)
         if fallback is not None and not problem and \
                 (fallback.exchange.size, fallback.exchange.rank) != (self.exchange.size, self.exchange.rank):
             problem = "the fallback's island does not match this averager's group (same ranks in the same order)"
@@ -368,13 +376,13 @@ class ShardedAverager:
             raise ValueError(problems[0])
         self.island_id = str(everyone[0][0])  # rank 0's id names the island
         self.layout_fingerprint = layout.fingerprint()
-        self.averagers: dict[int, IslandAverager] = {}
+        self.averagers: dict[int, VerifiedAverager] = {}
         if backend != "torch":
             try:
                 for b in self.exchange.owned:
                     bucket_settings = dataclasses.replace(settings, prefix=f"{settings.prefix}_b{b}")
                     provider = state_provider_for(b) if state_provider_for is not None else None
-                    self.averagers[b] = IslandAverager(dht, [torch.zeros(layout.buckets[b].numel)], bucket_settings,
+                    self.averagers[b] = VerifiedAverager(dht, [torch.zeros(layout.buckets[b].numel)], bucket_settings,
                                                        provider)
             except BaseException:
                 self.shutdown()
@@ -493,7 +501,8 @@ class ShardedAverager:
         if failed:
             f = failed[0]
             more = f" ({len(failed)} of {len(buckets)} buckets failed)" if len(failed) > 1 else ""
-            result.reason = f"bucket {f.index}: {f.reason}{more}"
+            # a model of one bucket fails as a whole: naming the bucket would only add noise
+            result.reason = f"bucket {f.index}: {f.reason}{more}" if len(self.layout.buckets) > 1 else f.reason
             no_group = all(o.no_group for o in failed)
             return result, no_group, not no_group
         if len({o.islands for o in buckets}) > 1:
@@ -508,7 +517,7 @@ class ShardedAverager:
                           ) -> list[float]:
         """Collective over the island: a fingerprint of ``local_tensors`` (e.g. this rank's θ_global
         shards) that is identical on every rank and on every island holding the same values, whatever
-        its shape; see :meth:`IslandExchange.canonical_fingerprint`."""
+        its shape; see :meth:`BucketExchange.canonical_fingerprint`."""
         return self.exchange.canonical_fingerprint(local_tensors, chunks_per_bucket)
 
     def set_state_priority(self, outer_step: int) -> None:

@@ -9,11 +9,11 @@ Functions here take the Llama-style ``Transformer`` (``tok_embeddings``, ``layer
 - :mod:`pipeline.pipeline_parallel`: layer split, stage modules and schedules.
 - :mod:`pipeline.shards`: where a local shard sits in the full parameter.
 - :mod:`pipeline.grad_clip`: island-wide gradient-norm clipping.
-- :mod:`pipeline.island`: :class:`Island`, which puts it all together for a training loop.
+- :mod:`pipeline.model_parts`: :class:`ModelParts`, which puts it all together for a training loop.
 """
 
 from pipeline.grad_clip import clip_grad_norm_, island_grad_norm
-from pipeline.island import Island, IslandSettings, check_island, cross_entropy_loss
+from pipeline.model_parts import ModelParts, SplitSettings, check_split, cross_entropy_loss
 from pipeline.mesh import destroy_island, init_island_mesh, island_coords, island_ranks
 from pipeline.pipeline_parallel import (
     SCHEDULES,
@@ -28,7 +28,7 @@ from pipeline.shards import ShardSpec, local_grad, shard_spec_of
 from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_plan
 
 __all__ = [
-    "Island", "IslandSettings", "check_island", "cross_entropy_loss",
+    "ModelParts", "SplitSettings", "check_split", "cross_entropy_loss",
     "init_island_mesh", "destroy_island", "island_coords", "island_ranks",
     "apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan",
     "stage_layer_split", "model_layer_costs", "build_stage_modules", "build_pipeline_stages", "build_schedule",

@@ -65,10 +65,21 @@ def no_leaked_daemons():
 def assert_joined(joiner, first, outer_step: int) -> None:
     """``joiner`` joins the run and ends up with ``first``'s outer step, θ_global (in its master copy and
     its parameters) and non-zero outer momentum, bit for bit."""
-    assert joiner.join_from_peers()
+    assert joiner.transfer.join_from_peers()
     assert joiner.outer_step == outer_step
     for name, t in first.outer.master.items():
         assert torch.equal(joiner.outer.master[name], t)
         assert torch.equal(joiner.params[name].detach(), t.detach())
     for a, b in zip(first.outer.momentum_buffers(), joiner.outer.momentum_buffers()):
         assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+# On loopback with several islands on 2 shared cores, hivemind now and then loses one all-reduce part (about
+# 1 round in 40 here); the vote detects it and every island rolls that round back together.  Such a round is
+# no outcome of what a test checks, so tests set it aside and assert on every other round.
+PART_LOST = "islands received different averages (an all-reduce part failed)"
+
+
+def real_failures(summary: dict) -> list[str]:
+    """An island's failed rounds other than hivemind's lost all-reduce parts."""
+    return [f for f in summary["failures"] if PART_LOST not in f]

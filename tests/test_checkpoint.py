@@ -13,7 +13,7 @@ import torch
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
 from diloco.metrics import read_metrics
-from diloco.trainer import Island
+from diloco.island import Island
 from tests.conftest import tiny_config
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from diloco.proctable import descendants
 from diloco.simulate import Cluster
-from tests.conftest import tiny_config
+from tests.conftest import real_failures, tiny_config
 
 ROUNDS = 12
 
@@ -81,20 +81,10 @@ def _run_to_the_end_with_fault(tmp_path, rounds: int, fault: str) -> tuple[Clust
         cluster.stop_all()
 
 
-# On loopback with 3 islands on 2 shared cores, hivemind now and then loses one all-reduce part (about 1 round
-# in 40 here); the vote detects it and every island rolls that round back together.  Such a round is no
-# outcome of the injected fault, so the fault tests set it aside and assert on every other round.
-PART_LOST = "islands received different averages (an all-reduce part failed)"
-
-
-def _fault_failures(summary: dict) -> list[str]:
-    return [f for f in summary["failures"] if PART_LOST not in f]
-
-
 def test_rogue_island_sending_huge_values_is_rejected_by_all(tmp_path, no_leaked_daemons):
     _, summaries = _run_to_the_end_with_fault(tmp_path, 5, "scale@send:3")
     for s in summaries:
-        failures = _fault_failures(s)
+        failures = real_failures(s)
         assert len(failures) == 1 and s["rounds_ok"] == 5 - len(s["failures"]), s["failures"]
         assert "norm" in failures[0] and failures[0].startswith("round 3"), s["failures"]
 
@@ -102,7 +92,7 @@ def test_rogue_island_sending_huge_values_is_rejected_by_all(tmp_path, no_leaked
 def test_island_whose_state_diverged_is_outvoted_and_resynchronizes(tmp_path, no_leaked_daemons):
     cluster, summaries = _run_to_the_end_with_fault(tmp_path, 4, "drift@theta:2")
     for s in summaries:  # the whole group rejects round 2, then averages again with the resynchronized island
-        failures = _fault_failures(s)
+        failures = real_failures(s)
         assert len(failures) == 1 and s["rounds_ok"] == 4 - len(s["failures"]), s["failures"]
         assert failures[0].startswith("round 2: θ_global differs between islands (1 of 3"), s["failures"]
     assert "resynchronized θ_global from the majority" in (cluster.run_dirs[1] / "train.log").read_text()

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from diloco.simulate import simulate
-from diloco.trainer import Island
-from peers.dht import visible_maddrs
-from tests.conftest import assert_joined, tiny_config
+from tests.conftest import tiny_config
 
 
 def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
@@ -26,27 +22,3 @@ def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
     assert result["theta_global_max_abs_diff"] < 1e-5
     # all islands evaluate the same θ_global on the same held-out batches
     assert len({round(s["eval_loss_end"], 6) for s in islands}) == 1  # evaluated on the same θ_global
-
-
-def test_late_joiner_downloads_global_state(tmp_path, no_leaked_daemons):
-    common = {"averaging.backend": "hivemind", "averaging.state_download_timeout": 15.0,
-              "averaging.run_key": "test-run-key"}
-    first = Island(tiny_config(tmp_path / "a", **common))
-    first.connect()
-    try:
-        # pretend the run has made progress: three outer steps with some pseudo-gradient
-        for _ in range(3):
-            first.outer.step([torch.randn_like(t) * 0.01 for t in first.outer.master.values()])
-        first.outer_step = 3
-        first.averager.set_state_priority(3)
-        first.membership.announce(3, averaging=False)
-        joiner_cfg = tiny_config(tmp_path / "b", **common,
-                                 **{"averaging.initial_peers": visible_maddrs(first.dht)})
-        joiner = Island(joiner_cfg)
-        joiner.connect()
-        try:
-            assert_joined(joiner, first, outer_step=3)
-        finally:
-            joiner.close()
-    finally:
-        first.close()

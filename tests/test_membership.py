@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from peers.averager import AveragerSettings, IslandAverager
+from peers.averager import AveragerSettings, VerifiedAverager
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
 from peers.membership import Membership, RunKeyValidator, is_registered
 from hivemind.dht.validation import DHTRecord
@@ -39,9 +39,9 @@ def test_outsider_is_refused_everywhere(no_leaked_daemons):
         d3 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
         made += [d1, d2, d3]
         served = ({"outer_step": 5}, [torch.full((3,), 7.0)])
-        a1 = IslandAverager(d1, TEMPLATE, settings, state_provider=lambda: served)
-        a2 = IslandAverager(d2, TEMPLATE, settings)
-        outsider = IslandAverager(d3, TEMPLATE, AveragerSettings(**FAST, private=False, target_group_size=3))
+        a1 = VerifiedAverager(d1, TEMPLATE, settings, state_provider=lambda: served)
+        a2 = VerifiedAverager(d2, TEMPLATE, settings)
+        outsider = VerifiedAverager(d3, TEMPLATE, AveragerSettings(**FAST, private=False, target_group_size=3))
         made += [a1, a2, outsider]
         m1, m2 = Membership(d1, "run"), Membership(d2, "run")
         m1.announce(5)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from diloco.metrics import METRIC_NAMES, read_metrics, resolve_wandb_mode
-from diloco.trainer import Island
+import json
+
+from diloco.metrics import METRIC_NAMES, MetricsLogger, read_metrics, resolve_wandb_mode
+from diloco.island import Island
 from tests.conftest import tiny_config
 
 
@@ -28,3 +30,26 @@ def test_island_logs_documented_metrics_to_jsonl_and_offline_wandb(tmp_path, mon
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")), "the offline run holds no data file"
+
+
+def test_a_new_run_moves_earlier_records_aside_and_a_summary_is_strict_json(tmp_path):
+    first = MetricsLogger(tmp_path)
+    first.log({"loss": 1.0, "tokens": 1})
+    first.close()
+    resumed = MetricsLogger(tmp_path, resume=True)
+    resumed.log({"loss": 0.5, "tokens": 2})
+    resumed.close()
+    assert [r["loss"] for r in read_metrics(tmp_path)] == [1.0, 0.5], "a resumed run appends"
+    fresh = MetricsLogger(tmp_path)
+    fresh.log({"loss": 3.0, "tokens": 1})
+    fresh.summary({"eval_loss_start": float("nan"), "nested": [float("inf"), 1.0]})
+    fresh.close()
+    assert [r["loss"] for r in read_metrics(tmp_path)] == [3.0], "a new run starts its own records"
+    earlier = list(tmp_path.glob("metrics.*.jsonl"))
+    assert len(earlier) == 1 and len(earlier[0].read_text().splitlines()) == 2, "nothing is lost"
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest_fail(c))
+    assert summary == {"eval_loss_start": None, "nested": [None, 1.0]}
+
+
+def pytest_fail(constant: str):
+    raise AssertionError(f"summary.json holds {constant}, which is not JSON")

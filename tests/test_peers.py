@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from peers.averager import (AveragerSettings, IslandAverager, _round_bits, allreduce_bytes, fingerprint,
+from peers.averager import (AveragerSettings, VerifiedAverager, _round_bits, allreduce_bytes, fingerprint,
                             fingerprints_agree)
 from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
 
@@ -27,7 +27,7 @@ def swarm(no_leaked_daemons):
         first = start_dht(NetworkSettings())
         dhts = [first] + [start_dht(NetworkSettings(initial_peers=visible_maddrs(first))) for _ in range(n - 1)]
         made.extend(dhts)
-        avgs = [IslandAverager(d, template, settings) for d in dhts]
+        avgs = [VerifiedAverager(d, template, settings) for d in dhts]
         made.extend(avgs)
         return avgs
 

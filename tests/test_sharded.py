@@ -296,12 +296,12 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
 
 def test_single_process_island_exchange_and_its_checks():
     from peers.layout import CanonicalLayout
-    from peers.sharded import IslandExchange
+    from peers.sharded import BucketExchange
 
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     full = full_delta("B", "0")
     specs = my_specs("B", 0)
-    ex = IslandExchange(layout, full, specs, None)
+    ex = BucketExchange(layout, full, specs, None)
     assert ex.size == 1 and ex.owned == [0, 1, 2]
     owned = ex.gather(full)
     canonical = torch.cat([full[n].reshape(-1) for n, _ in PARAMS])
@@ -317,9 +317,9 @@ def test_single_process_island_exchange_and_its_checks():
     # an island whose shards leave a hole (island A's rank 0 alone) or do not fit is refused up front
     part = local_delta("A", 0, "0")
     with pytest.raises(ValueError, match="do not cover the model"):
-        IslandExchange(layout, part, my_specs("A", 0), None)
+        BucketExchange(layout, part, my_specs("A", 0), None)
     with pytest.raises(ValueError, match="do not fit"):
-        IslandExchange(layout, {"wo": torch.zeros(6, 5)}, {"wo": (1, 0, 4)}, None)
+        BucketExchange(layout, {"wo": torch.zeros(6, 5)}, {"wo": (1, 0, 4)}, None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""One island: a model split over a ``("pp", "tp")`` mesh, trained as if it were one process.
+"""This rank's parts of an island's model, split over a ``("pp", "tp")`` mesh and trained as if it were one process.
 
-Every rank of the island builds the same full model (same seed), constructs an :class:`Island`
+Every rank of the island builds the same full model (same seed), constructs its :class:`ModelParts`
 and calls the same methods with the same batch; only the first pipeline stage reads the inputs and
 only the last reads the targets.  The inner optimizer is an ordinary torch optimizer over
-:meth:`Island.parameters` (DTensors when ``tp > 1``).
+:meth:`ModelParts.parameters` (DTensors when ``tp > 1``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 @dataclass
-class IslandSettings:
+class SplitSettings:
     """How an island splits its model (mirrors the trainer's ``ParallelConfig``)."""
 
     tp: int = 1
@@ -52,7 +52,7 @@ class IslandSettings:
     activation_checkpointing: bool = False
 
     @classmethod
-    def from_config(cls, parallel: object) -> IslandSettings:
+    def from_config(cls, parallel: object) -> SplitSettings:
         """Settings from any object with the trainer's ``ParallelConfig`` fields (duck-typed, so this
         package need not import the trainer); ``layers_per_stage`` may hold strings."""
         return cls(tp=int(parallel.tp), pp=int(parallel.pp), schedule=str(parallel.schedule),
@@ -66,7 +66,7 @@ class IslandSettings:
         return stages_per_rank(self.schedule, self.virtual_stages)
 
 
-def check_island(settings: IslandSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
+def check_split(settings: SplitSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
                  vocab_size: int) -> list[str]:
     """One sentence per reason the model cannot be split as ``settings`` asks (empty if it can)."""
     problems = check_tensor_parallel(n_heads, dim, ffn_dim, vocab_size, settings.tp)
@@ -96,7 +96,7 @@ def check_island(settings: IslandSettings, n_layers: int, n_heads: int, dim: int
     return problems
 
 
-class Island:
+class ModelParts:
     """This rank's part of an island's model, with a training step, evaluation and shard layout.
 
     ``model`` is the full ``Transformer`` (same weights on every rank).  With ``pp == 1`` it is
@@ -105,7 +105,7 @@ class Island:
     :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: IslandSettings,
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: SplitSettings,
                  loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None):
         tp = mesh["tp"].size() if mesh is not None else 1
         pp = mesh["pp"].size() if mesh is not None else 1
@@ -113,7 +113,7 @@ class Island:
             raise ValueError(f"the mesh is pp={pp} x tp={tp} but the settings ask for pp={settings.pp} x tp={settings.tp}")
         block = next(iter(model.layers.values()))
         head_dim = block.attention.head_dim
-        problems = check_island(settings, len(model.layers), block.attention.wq.weight.shape[0] // head_dim,
+        problems = check_split(settings, len(model.layers), block.attention.wq.weight.shape[0] // head_dim,
                                 block.attention.wq.weight.shape[1], block.feed_forward.w1.weight.shape[0],
                                 model.tok_embeddings.weight.shape[0])
         if problems:

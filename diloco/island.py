@@ -1,0 +1,355 @@
+"""One DiLoCo island: H inner AdamW steps, then a verified outer round with the other islands.
+
+An island is the training process group of one server: ``tp * pp`` processes under ``torchrun``
+(tensor parallelism inside, pipeline stages outside, see :mod:`pipeline`), or one process, which is
+simply the ``tp = pp = 1`` case (:class:`diloco.runtime.Runtime` with no process group).  Every rank
+builds the same :class:`Island` and takes every decision together with the others.
+
+- the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this
+  rank's local shards (they share storage with the parameters, DTensor or not);
+- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.layout`): buckets of
+  ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
+  (:mod:`peers.sharded`), so islands of any shape average together;
+- the outer round is a transaction (:mod:`diloco.outer_round`); catching up with the run, serving
+  θ_global to joiners and resynchronizing live in :mod:`diloco.state_transfer`; checkpoints (one per
+  rank) in :mod:`diloco.island_state`; the peer network in :mod:`diloco.peer_setup`;
+- rank 0 alone writes metrics, ``summary.json``, the multiaddrs and ``theta_global.pt`` and prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diloco import island_state, peer_setup
+from diloco.config import Config, config_fingerprint, to_dict
+from diloco.data import ShardedBatches, heldout_batches, load_corpus
+from diloco.errors import TrainingError
+from diloco.faults import FaultPlan
+from diloco.inner import build_inner_optimizer, inner_step
+from diloco.metrics import MetricsLogger, NullMetrics
+from diloco.model import build_initial_model, lm_loss
+from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, outer_round
+from diloco.runtime import Runtime, pick_device
+from diloco.state_transfer import StateTransfer
+from outer_optim import OuterOptimizer
+from outer_optim.guard import NormGuard
+from peers.layout import CanonicalLayout, spec_tuple
+from peers.sharded import BucketExchange
+from pipeline import ModelParts, SplitSettings
+
+log = logging.getLogger("diloco")
+
+CHUNKS_PER_BUCKET = 4
+"""Fingerprint chunks per bucket of the canonical θ_global fingerprint (12 floats per bucket)."""
+
+
+@dataclass
+class RunStats:
+    """Running totals of one island, reported at the end and kept in checkpoints."""
+
+    rounds_ok: int = 0
+    rounds_failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    tokens: int = 0
+    eval_loss_start: float = float("nan")
+    eval_loss_end: float = float("nan")
+    failures: list[str] = field(default_factory=list)
+
+
+class Island:
+    """Everything one island rank owns: model parts, data shard, inner and outer optimizers, peers, logs."""
+
+    def __init__(self, cfg: Config):
+        self.rt = Runtime.start(cfg, pick_device(cfg.device))
+        try:
+            self._build(self.rt.island_config(cfg))
+        except BaseException:
+            self.rt.close()
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        rt = self.rt
+        if not rt.is_main:
+            logging.getLogger("diloco").setLevel(logging.ERROR)  # rank 0 speaks for the island
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.run_dir)
+        try:  # before any peer hears of us
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrainingError(f"cannot create --logging.run_dir {self.run_dir} ({e.strerror}); "
+                                f"pass a directory you can write to") from None
+        ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self.ckpt_dir = ckpt_dir / f"rank{rt.rank}" if rt.size > 1 else ckpt_dir
+        self.name = f"{cfg.averaging.run_id}-island{cfg.data.shard_index}"
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = rt.device
+        torch.manual_seed(cfg.seed)
+        corpus = load_corpus(cfg.data)
+        log.info("data: %s", corpus.description)
+        m = cfg.model
+        self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
+                                      cfg.data.num_shards, cfg.seed)
+        self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size,
+                                            cfg.logging.eval_batches)
+        full = build_initial_model(cfg.model, cfg.seed, cfg.checkpoint.init_from)
+        self.full_shapes = [(n, tuple(p.shape)) for n, p in full.named_parameters()]
+        # the layout comes from the whole model on every rank, before the island splits it
+        self.layout = CanonicalLayout.build(self.full_shapes, cfg.averaging.bucket_numel)
+        self.model = ModelParts(full, rt.mesh, SplitSettings.from_config(cfg.parallel), loss_fn=lm_loss,
+                                device=self.device)
+        del full
+        self.specs = self.model.shard_specs()
+        self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
+        total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
+        self.inner_opt, self.inner_sched = build_inner_optimizer(list(self.model.named_parameters()), cfg.inner,
+                                                                 total_inner)
+        d = cfg.diloco
+        self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
+                                                device=d.master_device)
+        self.exchange = BucketExchange(self.layout, self.params, self.specs, rt.group)
+        self._contributes = self._contributed_names()
+        self.outer_step = 0
+        self.inner_step = 0
+        self.stats = RunStats()
+        self.fingerprint = config_fingerprint(cfg)
+        self.state_lock = threading.Lock()
+        """Held while θ_global, the outer momentum or the outer step change (joiners read them meanwhile)."""
+        self._stop = threading.Event()
+        self.stopping = False
+        self.dht: Any = None
+        self.averager: Any = None
+        self.membership: Any = None
+        self.fallback: Any = None
+        self.metrics: MetricsLogger | NullMetrics | None = None
+        self.guard = NormGuard(cfg.averaging.max_norm_ratio)
+        self.faults = FaultPlan.from_env()
+        self.hooks = [FaultHook(self.faults)]
+        self.transfer = StateTransfer(self)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else nullcontext())
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the island's metrics, summary and files and prints (rank 0)."""
+        return self.rt.is_main
+
+    def _contributed_names(self) -> set[str]:
+        """Parameters whose local shard this rank counts in island-wide norms: a shard held alike by
+        several ranks (replicated under TP) counts on the lowest of them only."""
+        mine = {n: ("full" if self.layout.is_full(n, s) else spec_tuple(s)) for n, s in self.specs.items()}
+        seen: set[tuple] = set()
+        out: set[str] = set()
+        for r, held in enumerate(self.rt.gather_all(mine)):
+            for name, key in held.items():
+                if (name, key) not in seen:
+                    seen.add((name, key))
+                    if r == self.rt.rank:
+                        out.add(name)
+        return out
+
+    # ------------------------------------------------------------------------------ peers
+    def connect(self) -> None:
+        """Start every rank's DHT and averager (collective); rank 0 prints how others join."""
+        peer_setup.connect(self)
+        if self.membership is not None:
+            self.hooks.append(MembershipHook(self.membership))
+
+    def state_fingerprint(self) -> list[float]:
+        """Collective: fingerprint of the whole θ_global in canonical bucket order, the same on every
+        rank and on every island holding the same θ_global, whatever its shape."""
+        return self.exchange.canonical_fingerprint(self.outer.master, CHUNKS_PER_BUCKET)
+
+    def global_norm(self, tensors: dict[str, torch.Tensor]) -> float:
+        """Collective: L2 norm of the island's whole ``{name: tensor}`` (replicated shards counted once)."""
+        sq = sum(float(t.double().pow(2).sum()) for n, t in tensors.items() if n in self._contributes)
+        return math.sqrt(self.rt.reduce([sq])[0])
+
+    # ---------------------------------------------------------------------------- training
+    def train_step(self) -> float:
+        """One inner AdamW step over the island (with gradient accumulation); returns the mean loss."""
+        loss = inner_step(self.model, self.batches, self.inner_opt, self.inner_sched, self.cfg.inner,
+                          self.autocast)
+        self.inner_step += 1
+        self.stats.tokens += self.batches.tokens_per_batch * self.cfg.inner.grad_accum
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over the fixed evaluation batches (the same on every rank)."""
+        losses = []
+        for x, y in self.eval_batches:
+            with self.autocast:
+                losses.append(self.model.eval_loss(x, y))
+        return float(np.mean(losses))
+
+    def outer_round(self, tokens_in_round: int) -> RoundMetrics:
+        """Catch up if the run moved on without us, else one outer round (see :func:`outer_round`)."""
+        if self.transfer.catch_up():
+            # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
+            self.stats.rounds_failed += 1
+            self.stats.failures.append(f"round {self.outer_step}: behind the run, caught up from a peer")
+            return RoundMetrics.skipped(self, "behind the run; caught up from a peer")
+        return outer_round(self, tokens_in_round)
+
+    # ------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank needs to resume exactly."""
+        return island_state.state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (written by the same rank of an island of the same shape)."""
+        island_state.load_state_dict(self, state)
+
+    def save_checkpoint(self) -> Path:
+        """Write this rank's checkpoint of the current outer step."""
+        return island_state.save_checkpoint(self)
+
+    # -------------------------------------------------------------------------------- loop
+    def request_stop(self, *_: Any) -> None:
+        """Finish the current inner step, checkpoint and leave (SIGINT/SIGTERM)."""
+        if not self._stop.is_set() and self.is_main:
+            print(f"[{self.name}] stopping: finishing the current step and writing a checkpoint", flush=True)
+        self._stop.set()
+
+    def stop_agreed(self) -> bool:
+        """Whether to stop now; every rank of the island (of the world, when islands average in
+        lockstep) gets the same answer."""
+        self.stopping = self.rt.reduce([float(self._stop.is_set())], op="max", world=self.rt.lockstep)[0] > 0
+        return self.stopping
+
+    def run(self) -> dict[str, Any]:
+        """Train until ``diloco.outer_steps`` rounds are done (or a stop is requested)."""
+        cfg = self.cfg
+        island_state.maybe_resume(self)
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+        self.connect()
+        # hivemind's averager makes this process ignore SIGINT: install ours after it started,
+        # and give the previous handlers back when the island is done
+        for sig in previous:
+            signal.signal(sig, self.request_stop)
+        w = cfg.wandb
+        self.metrics = MetricsLogger(self.run_dir, wandb_mode=w.mode, project=w.project,
+                                     group=w.group or cfg.averaging.run_id, name=self.name, entity=w.entity,
+                                     config=to_dict(cfg), resume=bool(cfg.checkpoint.resume)) \
+            if self.is_main else NullMetrics()
+        try:
+            self.transfer.join_from_peers()
+            return self._loop()
+        finally:
+            self.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> dict[str, Any]:
+        cfg, H = self.cfg, self.cfg.diloco.inner_steps
+        t_start = time.perf_counter()
+        if self.outer_step == 0 and math.isnan(self.stats.eval_loss_start):
+            self.stats.eval_loss_start = self.evaluate()
+            self.metrics.log({"eval/loss": self.stats.eval_loss_start,
+                              "eval/perplexity": math.exp(self.stats.eval_loss_start),
+                              "tokens": self.stats.tokens, "outer_step": self.outer_step})
+        tokens_at_commit = self.stats.tokens
+        while self.outer_step < cfg.diloco.outer_steps and not self.stop_agreed():
+            t_round = time.perf_counter()
+            loss = self._inner_steps(H)
+            self.stats.compute_seconds += time.perf_counter() - t_round
+            if self.stopping:
+                break
+            metrics = self.outer_round(self.stats.tokens - tokens_at_commit)
+            if metrics.round_ok:
+                tokens_at_commit = self.stats.tokens
+            record = dict(metrics.record(), tokens=self.stats.tokens, outer_step=self.outer_step, loss=loss)
+            if self.outer_step % cfg.logging.eval_every == 0 or self.outer_step == cfg.diloco.outer_steps:
+                t_eval = time.perf_counter()
+                ev = self.evaluate()
+                self.stats.compute_seconds += time.perf_counter() - t_eval
+                self.stats.eval_loss_end = ev
+                record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
+            record["compute_utilization"] = self.stats.compute_seconds / max(time.perf_counter() - t_start, 1e-9)
+            self.metrics.log(record)
+            if self.is_main:
+                print(f"[{self.name}] {metrics.progress_line(self.outer_step, cfg.diloco.outer_steps, loss)}"
+                      + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
+            if cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+        if self.stop_agreed() or (cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every):
+            self.save_checkpoint()
+        if math.isnan(self.stats.eval_loss_end):
+            self.stats.eval_loss_end = self.evaluate()
+        return self._finish(time.perf_counter() - t_start)
+
+    def _inner_steps(self, steps: int) -> float:
+        """Up to ``steps`` inner steps (fewer when a stop is agreed); logs the training loss; returns the last."""
+        cfg, loss = self.cfg, float("nan")
+        window_t, window_tokens = time.perf_counter(), self.stats.tokens
+        for h in range(steps):
+            if h == steps // 2:
+                self.faults.at("inner", self.outer_step)
+            loss = self.train_step()
+            if (h + 1) % cfg.logging.log_every == 0 or h == steps - 1:
+                now = time.perf_counter()
+                self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
+                                  "lr": self.inner_sched.get_last_lr()[0], "tokens": self.stats.tokens,
+                                  "tokens_per_second": (self.stats.tokens - window_tokens) / (now - window_t),
+                                  "outer_step": self.outer_step, "inner_step": self.inner_step})
+                window_t, window_tokens = now, self.stats.tokens
+            if self.stop_agreed():
+                break
+        return loss
+
+    def theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """Collective: the whole θ_global on rank 0 (None elsewhere) and its checksum on every rank."""
+        return island_state.theta_global(self)
+
+    def _finish(self, wall: float) -> dict[str, Any]:
+        theta, theta_checksum = self.theta_global()
+        if self.is_main:
+            torch.save(theta, self.run_dir / "theta_global.pt")
+        s = self.stats
+        summary = {
+            "island": self.name, "outer_step": self.outer_step, "inner_step": self.inner_step, "tokens": s.tokens,
+            "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
+            "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
+            "bytes_received": s.bytes_received, "compute_seconds": s.compute_seconds,
+            "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": theta_checksum,
+            "failures": s.failures[-20:], "stopped_early": self.stopping,
+        }
+        self.metrics.summary(summary)
+        return summary
+
+    def close(self) -> None:
+        """Announce leaving, stop the averagers, the DHT, the W&B run and the process group (idempotent)."""
+        try:
+            peer_setup.disconnect(self)
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics = None
+        finally:
+            self.rt.close()
+
+
+def train(cfg: Config) -> dict[str, Any] | None:
+    """Run one island to completion; return its summary on the island's main rank (None on the other
+    ranks of a tp/pp island, which would only repeat it)."""
+    island = Island(cfg)
+    summary = island.run()
+    return summary if island.is_main else None
+
+
+__all__ = ["Island", "RunStats", "train", "TrainingError", "CHUNKS_PER_BUCKET"]

@@ -1,0 +1,196 @@
+"""Per-rank state of an island and its checkpoints.
+
+Each rank writes its own shards (model, inner optimizer, θ_global and outer momentum) with the data
+position, RNG states and counters to ``<checkpoint dir>/ckpt-NNNNNN.pt`` (one process) or
+``<checkpoint dir>/rank<r>/ckpt-NNNNNN.pt``; on resume the ranks agree on the newest outer step every
+rank has, and refuse a checkpoint of another island shape or config.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from diloco import checkpoint
+from diloco.checkpoint import CheckpointError
+from diloco.config import config_fingerprint, from_dict, to_dict
+from diloco.errors import TrainingError
+from outer_optim import checksum
+from peers.layout import spec_tuple
+
+if TYPE_CHECKING:
+    from diloco.island import Island
+
+log = logging.getLogger("diloco")
+
+
+def _shape_of(island: Island) -> dict[str, Any]:
+    rt = island.rt
+    return {"tp": rt.tp, "pp": rt.pp, "rank": rt.rank,
+            "specs": {n: list(spec_tuple(s)) for n, s in island.specs.items()}}
+
+
+def state_dict(island: Island) -> dict[str, Any]:
+    """Everything this rank needs to resume exactly, with the island shape it belongs to."""
+    return {
+        "config": to_dict(island.cfg), "outer_step": island.outer_step, "inner_step": island.inner_step,
+        "model": {n: t.detach().cpu().clone() for n, t in island.params.items()},
+        "inner_optimizer": _to_local(island.inner_opt.state_dict()),
+        "inner_scheduler": island.inner_sched.state_dict(),
+        "outer_optimizer": island.outer.state_dict(), "data": island.batches.state_dict(),
+        "rng": rng_state(), "stats": dict(island.stats.__dict__),
+        "norm_history": list(island.guard.history), "island": _shape_of(island),
+    }
+
+
+def load_state_dict(island: Island, state: dict[str, Any]) -> None:
+    """Restore :func:`state_dict` (written by the same rank of an island of the same shape)."""
+    saved = state.get("island") or {"tp": 1, "pp": 1, "rank": 0, "specs": None}
+    mine = _shape_of(island)
+    if (saved["tp"], saved["pp"], saved["rank"]) != (mine["tp"], mine["pp"], mine["rank"]) or \
+            (saved.get("specs") is not None and saved["specs"] != mine["specs"]):
+        raise TrainingError(f"the checkpoint was written by rank {saved['rank']} of a tp={saved['tp']} x "
+                            f"pp={saved['pp']} island; resume with the same --parallel.* settings")
+    with torch.no_grad():
+        for n, t in state["model"].items():
+            island.params[n].copy_(t)
+    island.inner_opt.load_state_dict(state["inner_optimizer"])
+    _to_dtensor_state(island.inner_opt)
+    island.inner_sched.load_state_dict(state["inner_scheduler"])
+    island.outer.load_state_dict(state["outer_optimizer"])
+    island.batches.load_state_dict(state["data"])
+    set_rng_state(state["rng"])
+    island.outer_step, island.inner_step = int(state["outer_step"]), int(state["inner_step"])
+    for k, v in state["stats"].items():
+        setattr(island.stats, k, v)
+    island.guard.history = [float(x) for x in state.get("norm_history", [])]
+
+
+def save_checkpoint(island: Island) -> Path:
+    """Write this rank's checkpoint of the current outer step (keeping ``checkpoint.keep``)."""
+    path = checkpoint.save(state_dict(island), checkpoint.checkpoint_path(island.ckpt_dir, island.outer_step),
+                           keep=island.cfg.checkpoint.keep)
+    log.info("checkpoint written: %s", path)
+    return path
+
+
+def maybe_resume(island: Island) -> None:
+    """With ``--checkpoint.resume``: every rank loads its own checkpoint of the same outer step (the
+    newest all ranks have); any rank's problem stops every rank with the same message."""
+    spec, rt = island.cfg.checkpoint.resume, island.rt
+    if not spec:
+        return
+    world = rt.lockstep
+    path, error = None, ""
+    try:
+        mine = spec if spec == "latest" or rt.rank == 0 else str(island.ckpt_dir / Path(spec).name)
+        path = checkpoint.find_resume(mine, island.ckpt_dir)
+    except CheckpointError as e:
+        error = str(e)
+    rt.raise_if_any(error, CheckpointError, world=world)
+    steps = rt.gather_all(_step_of(path) if path is not None else None, world=world)
+    if all(s is None for s in steps):
+        log.warning("--resume: no checkpoint in %s; starting fresh", island.ckpt_dir)
+        return
+    if any(s is None for s in steps):
+        missing = [r for r, s in enumerate(steps) if s is None]
+        rt.raise_if_any(f"rank(s) {missing} have no checkpoint to resume from while others do; resume every "
+                        f"rank from the same run (checkpoints live in <checkpoint dir>/rank<r>/)",
+                        CheckpointError, world=world)
+    step = min(s for s in steps if s is not None)
+    state, error = None, ""
+    try:
+        if _step_of(path) != step:
+            path = checkpoint.checkpoint_path(island.ckpt_dir, step)
+        state = checkpoint.load(path)
+        saved = state.get("config", {})
+        if saved and config_fingerprint(from_dict(saved)) != island.fingerprint:
+            error = (f"checkpoint {path} was written with a different model or outer-optimizer config; resume "
+                     f"with the same --model.* and --diloco.outer_* settings")
+    except CheckpointError as e:
+        error = str(e)
+    rt.raise_if_any(error, CheckpointError, world=world)
+    try:
+        load_state_dict(island, state)
+    except TrainingError as e:
+        error = str(e)
+    rt.raise_if_any(error, TrainingError, world=world)
+    log.info("resumed from %s at outer step %d", path, island.outer_step)
+
+
+def theta_global(island: Island) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """Collective: the whole θ_global assembled on rank 0 from the ranks' shards (None on the other
+    ranks) and its checksum (on every rank), comparable between islands of any shape."""
+    rt = island.rt
+    mine = {n: (spec_tuple(island.specs[n]), t.detach().cpu()) for n, t in island.outer.master.items()}
+    parts = rt.gather_to_main(mine)
+    if parts is None:
+        return None, rt.bcast(None)
+    full = {n: torch.full(shape, float("nan")) for n, shape in island.full_shapes}
+    for part in parts:
+        for n, ((dim, offset, length), t) in part.items():
+            if full[n].dim() == 0:
+                full[n].copy_(t.reshape(()))
+            else:
+                full[n].narrow(dim, offset, length).copy_(t)
+    return full, rt.bcast(checksum(full))
+
+
+def _step_of(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    m = checkpoint.NAME_RE.match(Path(path).name)
+    return int(m[1]) if m else -1
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states as checkpoint-safe plain types and tensors."""
+    np_state = np.random.get_state()
+    state = {"python": repr(random.getstate()), "torch": torch.get_rng_state(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    random.setstate(_tuplify(ast.literal_eval(state["python"])))
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(i) for i in x) if isinstance(x, (list, tuple)) else x
+
+
+def _to_local(obj: Any) -> Any:
+    """A state dict with every DTensor replaced by its local tensor (checkpoints load weights-only)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_local(v) for v in obj]
+    return obj
+
+
+def _to_dtensor_state(optimizer: torch.optim.Optimizer) -> None:
+    """After loading a :func:`_to_local` optimizer state: give DTensor parameters DTensor states again."""
+    for p, st in optimizer.state.items():
+        if not isinstance(p, DTensor):
+            continue
+        local_shape = tuple(p.to_local().shape)
+        for k, v in list(st.items()):
+            if torch.is_tensor(v) and not isinstance(v, DTensor) and k != "step" and tuple(v.shape) == local_shape:
+                st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)

@@ -1,0 +1,165 @@
+"""The outer round as one transaction (as torchft's DiLoCo sync):
+
+pseudo-gradient → average with the group → validate (the averager's vote and finiteness checks,
+then the norm guard) → commit the outer step, or roll back.  Rolling back means θ_global stays as it
+was and the island keeps training from its own parameters, so the next round carries the
+pseudo-gradient of both rounds.  Catching up with a run that moved on happens before the round
+(:meth:`diloco.island.Island.outer_round`); fault injection and membership announcements hang off
+it as :class:`RoundHook` objects; what the round did is one :class:`RoundMetrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diloco.faults import FaultPlan
+
+if TYPE_CHECKING:
+    from diloco.island import Island
+
+log = logging.getLogger("diloco")
+
+Delta = dict[str, torch.Tensor]
+"""A pseudo-gradient: parameter name → this rank's shard of Δ = θ_global − θ_local."""
+
+
+@dataclass
+class RoundMetrics:
+    """What one outer round did (one record of ``metrics.jsonl``; byte counts are the island's totals)."""
+
+    round_ok: int
+    num_peers: int
+    pseudo_grad_norm: float
+    averaged_pseudo_grad_norm: float
+    allreduce_seconds: float
+    bytes_sent: int
+    bytes_received: int
+    outer_lr: float
+    round_failure: str
+    averaging_backend: str
+    used_fallback: int
+
+    @classmethod
+    def skipped(cls, island: Island, reason: str) -> RoundMetrics:
+        """A round this island did not take part in (it caught up with the run instead)."""
+        s = island.stats
+        return cls(0, 0, float("nan"), float("nan"), 0.0, s.bytes_sent, s.bytes_received, island.outer.lr, reason,
+                   "none", 0)
+
+    def record(self) -> dict[str, Any]:
+        """The metrics as a flat record."""
+        return asdict(self)
+
+    def progress_line(self, outer_step: int, outer_steps: int, loss: float) -> str:
+        """``round 3/10 ok peers=2 loss=1.234`` (and the path, when it is not plain hivemind)."""
+        status = "ok" if self.round_ok else f"FAILED ({self.round_failure})"
+        via = f" via={self.averaging_backend}" if self.averaging_backend in ("torch", "auto") else ""
+        return f"round {outer_step}/{outer_steps} {status} peers={self.num_peers} loss={loss:.3f}{via}"
+
+
+class RoundHook:
+    """Something that happens around a round without being part of the transaction (no-op defaults)."""
+
+    def before(self, island: Island, rnd: int) -> None:
+        """Before the pseudo-gradient is computed."""
+
+    def outgoing(self, rnd: int, delta: Delta) -> Delta:
+        """The pseudo-gradient about to be sent (a hook may replace it)."""
+        return delta
+
+    def stage(self, rnd: int, phase: str) -> None:
+        """The averager entered ``phase`` (matchmaking, allreduce, vote)."""
+
+    def after(self, island: Island) -> None:
+        """After the round was committed or rolled back."""
+
+
+class FaultHook(RoundHook):
+    """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ, kills and stalls in a phase."""
+
+    def __init__(self, plan: FaultPlan):
+        self.plan = plan
+
+    def before(self, island: Island, rnd: int) -> None:
+        if self.plan.has("drift", "theta", rnd):
+            with island.state_lock, torch.no_grad():
+                for m in island.outer.master.values():
+                    m.add_(1e-3)
+
+    def outgoing(self, rnd: int, delta: Delta) -> Delta:
+        if self.plan.has("scale", "send", rnd):
+            return {n: d * 1e6 for n, d in delta.items()}
+        return delta
+
+    def stage(self, rnd: int, phase: str) -> None:
+        self.plan.at(phase, rnd)
+
+
+class MembershipHook(RoundHook):
+    """Tells the run's member registry when this island averages and which outer step it holds."""
+
+    def __init__(self, membership: Any):
+        self.membership = membership
+
+    def before(self, island: Island, rnd: int) -> None:
+        self.membership.announce(rnd, averaging=True)
+
+    def after(self, island: Island) -> None:
+        self.membership.announce(island.outer_step, averaging=False)
+
+
+def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
+    """One outer round of ``island`` (collective over its ranks), committed or rolled back as a whole."""
+    rnd, hooks = island.outer_step, island.hooks
+    for h in hooks:
+        h.before(island, rnd)
+    delta = island.outer.pseudo_gradient(island.params)
+    for h in hooks:
+        delta = h.outgoing(rnd, delta)
+    meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint,
+            "state_fingerprint": island.state_fingerprint()}
+    result, averaged = island.averager.average(delta, float(tokens_in_round), meta, round_id=str(rnd),
+                                               on_stage=lambda phase: [h.stage(rnd, phase) for h in hooks])
+    norm = island.global_norm(delta)
+    avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
+    reason = result.reason or island.guard.check(avg_norm)
+    if reason:
+        _roll_back(island, rnd, reason, result)
+    else:
+        _commit(island, averaged, avg_norm)
+    for h in hooks:
+        h.after(island)
+    # the island's slow-link traffic is the sum over its ranks
+    sent, received = island.rt.reduce([float(result.bytes_sent), float(result.bytes_received)])
+    s = island.stats
+    s.bytes_sent += int(sent)
+    s.bytes_received += int(received)
+    s.comm_seconds += result.seconds
+    backend = getattr(result, "backend", "") or ("local" if island.cfg.averaging.backend == "local" else "none")
+    return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
+                        s.bytes_received, island.outer.lr, reason, backend,
+                        int(bool(getattr(result, "fallback_reason", ""))))
+
+
+def _commit(island: Island, averaged: Delta, avg_norm: float) -> None:
+    with island.state_lock:
+        island.outer.step(averaged)
+        island.outer_step += 1
+    island.outer.copy_to(island.params)
+    island.guard.record(avg_norm)
+    island.transfer.after_commit()
+    island.stats.rounds_ok += 1
+
+
+def _roll_back(island: Island, rnd: int, reason: str, result: Any) -> None:
+    island.outer_step += 1  # stay aligned with the others' round numbering
+    island.transfer.after_rollback()
+    island.stats.rounds_failed += 1
+    island.stats.failures.append(f"round {rnd}: {reason}")
+    log.warning("round %d rolled back (%s); continuing from this island's own parameters", rnd, reason)
+    if result.in_minority:
+        island.transfer.resync(result.gathered, result.majority_peers)

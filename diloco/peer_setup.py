@@ -1,0 +1,154 @@
+"""An island's place in the peer network: every rank's DHT node, the bucket averagers, the member
+registry, the run key, and the line other islands join with.
+
+Every rank of an island runs its own hivemind DHT node (rank 0 joins the run's initial peers, the
+other ranks bootstrap from it) and averages the buckets it owns over it; every rank registers its
+peer id in the run's member registry under the island's id (rank 0's peer id), so private runs
+accept all of them and islands are counted once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from diloco.config import AveragingConfig
+from diloco.errors import TrainingError
+from peers.averager import AveragerSettings
+from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
+from peers.local import LocalAverager
+from peers.membership import Membership, new_run_key
+from peers.sharded import ShardedAverager
+
+if TYPE_CHECKING:
+    from diloco.island import Island
+
+
+def connect(island: Island) -> None:
+    """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
+    other islands join.  Sets ``island.dht``, ``averager``, ``membership`` and ``fallback``."""
+    a, rt = island.cfg.averaging, island.rt
+    if a.backend == "local":
+        island.averager = LocalAverager()
+        return
+    run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
+    if a.backend != "torch":
+        island.dht = _start_dht(island, "" if a.public else run_key)
+    group = rt.group
+    if a.backend in ("torch", "auto") and rt.n_islands > 1:
+        from peers.fallback import HierarchicalAllReduce
+
+        island.fallback = HierarchicalAllReduce(island.layout, island.params, island.specs, rt.island_ranks(),
+                                                min_group_size=a.min_group_size)
+        group = island.fallback.island_group
+    ids = rt.gather_all(str(island.dht.peer_id) if island.dht is not None else f"{a.run_id}-island{rt.island_index}")
+    settings = averager_settings(a, members_key=f"{a.run_id}.members")
+    backend = a.backend if island.fallback is not None or a.backend == "hivemind" else "hivemind"
+    island.averager = ShardedAverager(
+        island.layout, island.params, island.specs, group, island.dht, settings, backend=backend,
+        fallback=island.fallback, state_provider_for=island.transfer.provider, island_id=ids[0],
+        exchange=island.exchange if group is rt.group else None)
+    if island.dht is None:
+        return
+    island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
+    island.membership.start_heartbeat()
+    island.transfer.refresh()
+    island.averager.set_state_priority(island.outer_step)
+    if rt.is_main:
+        announce_join(island.name, island.dht, a, run_key)
+
+
+def disconnect(island: Island) -> None:
+    """Announce leaving, stop the averagers and the DHT (idempotent)."""
+    if island.membership is not None:
+        island.membership.leave()
+        island.membership = None
+    if island.averager is not None:
+        island.averager.shutdown()
+        island.averager = None
+    if island.dht is not None:
+        island.dht.shutdown()
+        island.dht = None
+    island.fallback = None
+
+
+def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
+    """The run key this island uses: the configured one, or (first island of a private run) ``generate()``.
+
+    An island joining a private run without the key cannot be let in: say how to get it.
+    """
+    if a.public or a.run_key:
+        return a.run_key
+    if a.initial_peers:
+        raise TrainingError("this run is private: pass --averaging.run_key KEY as printed by the island "
+                            "that started it (or --averaging.public true if the run is public)")
+    return generate()
+
+
+def averager_settings(a: AveragingConfig, **extra: Any) -> AveragerSettings:
+    """The averager's narrow settings from the island's averaging config (``extra``: per-island fields)."""
+    return AveragerSettings(
+        prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
+        matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
+        allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
+        request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
+        state_download_timeout=a.state_download_timeout, compression=a.compression,
+        client_mode=a.client_mode, private=not a.public, **extra)
+
+
+def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None:
+    """Print the line other islands join with; write the addresses to ``maddr_file`` (atomically) if set."""
+    maddrs = visible_maddrs(dht)
+    key = "" if a.public else f" --averaging.run_key {run_key}"
+    print(f"[{name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
+    if a.maddr_file:
+        tmp = Path(a.maddr_file + ".tmp")
+        tmp.write_text("\n".join(maddrs) + "\n")
+        os.replace(tmp, a.maddr_file)
+
+
+def _start_dht(island: Island, run_key: str) -> Any:
+    """One DHT per rank (collective over the world): rank 0 joins the run's initial peers, the other
+    ranks bootstrap from it (and from the initial peers).  Rank ``r`` of a server listens on the
+    configured port + local rank (port 0 stays 0) and keeps its identity in ``<identity_path>.rank<r>``."""
+    a, rt = island.cfg.averaging, island.rt
+    local_rank = int(os.environ.get("LOCAL_RANK", rt.global_rank))
+    identity = f"{a.identity_path}.rank{local_rank}" if a.identity_path and local_rank else a.identity_path
+
+    def network(initial: list[str]) -> NetworkSettings:
+        return NetworkSettings(
+            initial_peers=initial, host_maddrs=[_shift_port(m, local_rank) for m in a.host_maddrs],
+            announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
+            client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key)
+
+    dht, error, boot = None, "", []
+    if rt.global_rank == 0:
+        try:
+            dht = start_dht(network(list(a.initial_peers)))
+            boot = visible_maddrs(dht)
+        except PeerNetworkError as e:
+            error = str(e)
+    boot, error = rt.bcast((boot, error), world=True)
+    if error:
+        raise PeerNetworkError(error)
+    if rt.global_rank != 0:
+        try:
+            dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]))
+        except PeerNetworkError as e:
+            error = f"rank {rt.global_rank}: {e}"
+    try:
+        rt.raise_if_any(error, PeerNetworkError, world=True)
+    except PeerNetworkError:
+        if dht is not None:
+            dht.shutdown()
+        raise
+    return dht
+
+
+def _shift_port(maddr: str, by: int) -> str:
+    """``maddr`` with its TCP/UDP port moved up by ``by`` (port 0, "any free port", stays 0)."""
+    if not by:
+        return maddr
+    return re.sub(r"/(tcp|udp)/(\d+)", lambda m: f"/{m[1]}/{int(m[2]) + by if int(m[2]) else 0}", maddr)

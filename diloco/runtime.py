@@ -1,0 +1,211 @@
+"""Where this process sits: the island's process group and mesh (torchtitan's ``ParallelDims``).
+
+An island is the training process group of one server: ``tp * pp`` processes under ``torchrun``,
+or one process (``mesh=None``, ``group=None``, every collective below a no-op).  Several islands
+may share one torchrun world (``--averaging.backend torch``/``auto``): island ``k`` is the ``k``-th
+block of ``tp * pp`` consecutive ranks.  Every decision the ranks of an island must take together
+goes through the small control collectives here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import Config, from_dict, to_dict
+from diloco.errors import TrainingError
+from pipeline import init_island_mesh
+
+
+def pick_device(spec: str) -> torch.device:
+    """`auto` → CUDA if available (the local rank's GPU under torchrun), else CPU."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(spec)
+
+
+@dataclass
+class Runtime:
+    """Where this process sits: its island (``tp * pp`` consecutive ranks of the torchrun world), its
+    rank in it, the island's mesh and process groups.  A single process has no process group."""
+
+    tp: int
+    pp: int
+    device: torch.device
+    world: int = 1
+    global_rank: int = 0
+    island_index: int = 0
+    n_islands: int = 1
+    mesh: Any = None
+    """The island's ``("pp", "tp")`` DeviceMesh (None for one process)."""
+    group: Any = None
+    """The island's process group (``dist.group.WORLD`` when the world is the island; None for one process)."""
+    ctrl: Any = None
+    """Process group for the island's small control collectives (gloo, also on GPUs)."""
+    world_ctrl: Any = None
+    """Control group of the whole world, when it holds several islands."""
+    owns_process_group: bool = False
+    timeout_s: float = 600.0
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside its island."""
+        return self.global_rank - self.island_index * self.size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Islands of one torch world average in lockstep: they stop, resume and skip catch-up together."""
+        return self.n_islands > 1
+
+    def island_ranks(self) -> list[list[int]]:
+        """Global ranks of every island of the world."""
+        return [list(range(k * self.size, (k + 1) * self.size)) for k in range(self.n_islands)]
+
+    @classmethod
+    def start(cls, cfg: Config, device: torch.device) -> Runtime:
+        """Join (or, without torchrun, skip) the process group and build the island's mesh.  Collective
+        over the torchrun world; raises TrainingError with the command to use when the launch does not
+        match ``--parallel.tp/pp``."""
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        size = tp * pp
+        a = cfg.averaging
+        rt = cls(tp, pp, device)
+        # ranks wait in collectives while their island's owners run a hivemind round or a download
+        rt.timeout_s = max(600.0, 2 * (a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
+                                       + a.state_download_timeout) + 120.0)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1 and not dist.is_initialized():
+            if size > 1:
+                raise TrainingError(f"an island with --parallel.tp {tp} --parallel.pp {pp} is {size} processes: launch "
+                                    f"it with torchrun --nproc-per-node {size} -m diloco.cli train ...")
+            if a.backend == "torch":
+                raise TrainingError("--averaging.backend torch averages islands launched as one torchrun world: "
+                                    "torchrun --nproc-per-node ISLANDS*TP*PP -m diloco.cli train ...")
+            return rt
+        if world % size:
+            raise TrainingError(f"the torchrun world has {world} processes, not a multiple of --parallel.tp * "
+                                f"--parallel.pp = {size}; launch an island with torchrun --nproc-per-node {size}")
+        n = world // size
+        if n == 1 and a.backend == "torch":
+            raise TrainingError(f"--averaging.backend torch averages the islands of one torchrun world, but this world "
+                                f"of {world} processes is a single island of --parallel.tp * --parallel.pp = {size}; "
+                                f"launch ISLANDS*{size} processes, or use --averaging.backend hivemind or auto")
+        if n > 1 and a.backend not in ("torch", "auto"):
+            raise TrainingError(f"the torchrun world has {world} processes but an island is --parallel.tp * "
+                                f"--parallel.pp = {size}: launch each island as its own torchrun job with "
+                                f"--nproc-per-node {size}, or pass --averaging.backend torch (or auto) to run {n} "
+                                f"islands in one world")
+        if not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=rt.timeout_s))
+            rt.owns_process_group = True
+        rt.world, rt.global_rank = dist.get_world_size(), dist.get_rank()
+        rt.n_islands, rt.island_index = n, rt.global_rank // size
+        if size > 1:
+            if n == 1:
+                rt.mesh = init_island_mesh(tp, pp, device.type, rt.timeout_s)
+            else:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                rt.mesh = init_device_mesh(device.type, (n, pp, tp), mesh_dim_names=("island", "pp", "tp"))["pp", "tp"]
+        gloo_ctrl = device.type == "cuda"
+        if n == 1:
+            rt.group = dist.group.WORLD if size > 1 else None
+            rt.ctrl = (dist.new_group(backend="gloo") if gloo_ctrl else rt.group) if size > 1 else None
+            rt.world_ctrl = rt.ctrl
+        else:
+            for k, ranks in enumerate(rt.island_ranks()):  # every rank creates every group, in the same order
+                group = dist.new_group(ranks) if size > 1 else None
+                ctrl = dist.new_group(ranks, backend="gloo") if size > 1 and gloo_ctrl else group
+                if k == rt.island_index:
+                    rt.group, rt.ctrl = group, ctrl
+            rt.world_ctrl = dist.new_group(backend="gloo") if gloo_ctrl else dist.group.WORLD
+        return rt
+
+    # ---------------------------------------------------------------------- control collectives
+    def gather_all(self, obj: Any, world: bool = False) -> list[Any]:
+        """``obj`` of every rank of the island (or of the world), in rank order."""
+        group = self.world_ctrl if world else self.ctrl
+        n = self.world if world else self.size
+        if n == 1 or group is None:
+            return [obj]
+        out: list[Any] = [None] * n
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def bcast(self, obj: Any, world: bool = False) -> Any:
+        """Rank 0's ``obj`` (of the island, or of the world) on every rank."""
+        group = self.world_ctrl if world else self.ctrl
+        n = self.world if world else self.size
+        if n == 1 or group is None:
+            return obj
+        src = 0 if world else self.island_index * self.size
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def gather_to_main(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on the island's rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.is_main else None
+        dist.gather_object(obj, out, dst=self.island_index * self.size, group=self.ctrl)
+        return out
+
+    def reduce(self, values: list[float], op: str = "sum", world: bool = False) -> list[float]:
+        """Element-wise sum or max of a few floats over the island (or the world)."""
+        group = self.world_ctrl if world else self.ctrl
+        n = self.world if world else self.size
+        t = torch.tensor(values, dtype=torch.float64)
+        if n > 1 and group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+
+    def raise_if_any(self, error: str, exc: type[Exception] = TrainingError, world: bool = False) -> None:
+        """Raise ``exc`` on every rank when any rank reports an error (so none is left waiting)."""
+        errors = [e for e in self.gather_all(error, world=world) if e]
+        if errors:
+            raise exc(errors[0])
+
+    def close(self) -> None:
+        """Destroy the process group if this runtime created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+
+    def island_config(self, cfg: Config) -> Config:
+        """``cfg`` as this island sees it: with several islands in one world, island ``k`` reads data
+        shard ``k`` and writes under ``<run_dir>/island<k>``; otherwise ``cfg`` itself."""
+        if self.n_islands == 1:
+            return cfg
+        k = self.island_index
+        cfg = from_dict(to_dict(cfg))
+        cfg.data.shard_index, cfg.data.num_shards = k, self.n_islands
+        cfg.logging.run_dir = os.path.join(cfg.logging.run_dir, f"island{k}")
+        if cfg.checkpoint.dir:
+            cfg.checkpoint.dir = os.path.join(cfg.checkpoint.dir, f"island{k}")
+        if cfg.averaging.maddr_file:
+            cfg.averaging.maddr_file = f"{cfg.averaging.maddr_file}.island{k}"
+        return cfg

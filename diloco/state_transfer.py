@@ -1,0 +1,253 @@
+"""θ_global between islands: served to joiners, downloaded to catch up, resynchronized when outvoted.
+
+Every rank serves a snapshot of θ_global and the outer momentum of the buckets it owns (refreshed
+after every committed round and adopted state) through its buckets' averagers, and downloads the
+same buckets from a peer; an island adopts a downloaded state only when every bucket came at the
+same outer step (all-or-nothing over its ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from diloco.errors import TrainingError
+from peers.averager import fingerprint, fingerprints_agree
+from peers.membership import wait_until
+from peers.sharded import ShardedAverager
+
+if TYPE_CHECKING:
+    from diloco.island import Island
+
+log = logging.getLogger("diloco")
+
+State = tuple[dict, list[torch.Tensor]]
+"""(metadata, θ_global shards followed by the outer momentum shards, in the outer optimizer's order)."""
+
+
+class StateTransfer:
+    """Serving, downloading and adopting θ_global for one island rank (collective where it says so)."""
+
+    def __init__(self, island: Island):
+        self.island = island
+        self._served: dict[int, State] = {}
+        self._served_step = 0
+
+    # ------------------------------------------------------------------------- serving
+    def provider(self, bucket: int) -> Callable[[], State]:
+        """What bucket ``bucket``'s averager serves to joiners (runs in hivemind's fetcher thread)."""
+        def provide() -> State:
+            with self.island.state_lock:
+                meta, tensors = self._served.get(bucket, ({}, []))
+                if meta:  # failed rounds move the round number on without changing θ_global
+                    meta = dict(meta, outer_step=self._served_step)
+                return meta, tensors
+        return provide
+
+    def refresh(self) -> None:
+        """Collective: snapshot θ_global and the outer momentum of the buckets this rank owns."""
+        isl = self.island
+        names = isl.outer.names
+        theta = isl.exchange.gather(isl.outer.master)
+        momentum = isl.exchange.gather(dict(zip(names, isl.outer.momentum_buffers())))
+        served = {}
+        for b, values in theta.items():
+            meta = {"outer_step": isl.outer_step, "config_fingerprint": isl.fingerprint,
+                    "layout_fingerprint": isl.layout.fingerprint(), "bucket": b}
+            served[b] = (meta, [values, momentum[b]])
+        with isl.state_lock:
+            self._served, self._served_step = served, isl.outer_step
+
+    def after_commit(self) -> None:
+        """Serve the new θ_global and advertise it as the freshest."""
+        if self.island.membership is not None:
+            self.refresh()
+        self.island.averager.set_state_priority(self.island.outer_step)
+
+    def after_rollback(self) -> None:
+        """A failed round moved the round number on (θ_global unchanged): keep advertising our state as
+        current, so joiners prefer live islands to the stale records of departed ones."""
+        with self.island.state_lock:
+            self._served_step = self.island.outer_step
+        self.island.averager.set_state_priority(self.island.outer_step)
+
+    # ------------------------------------------------------------------------ decisions
+    def main_decides(self, decide: Callable[[], Any]) -> Any:
+        """Rank 0 evaluates ``decide`` (membership lookups, clocks); every rank gets its answer."""
+        rt = self.island.rt
+        return rt.bcast(decide() if rt.is_main else None)
+
+    def can_download(self) -> bool:
+        """Whether this island can download θ_global from peers (islands of one torch world cannot:
+        they average in lockstep and never fall behind each other)."""
+        isl = self.island
+        return isl.membership is not None and isinstance(isl.averager, ShardedAverager) and not isl.rt.lockstep
+
+    def join_from_peers(self) -> bool:
+        """Before training: wait for the expected islands, then catch up with the run if it moved on."""
+        isl, a = self.island, self.island.cfg.averaging
+        if isl.membership is None:
+            return False
+
+        def look() -> bool:
+            if a.wait_for_islands > 1:
+                ok = wait_until(lambda: isl.membership.live_count() >= a.wait_for_islands, a.matchmaking_timeout)
+                log.info("%d of %d expected islands registered%s", isl.membership.live_count(), a.wait_for_islands,
+                         "" if ok else " (gave up waiting)")
+            if not a.initial_peers:
+                return False
+            return not all(m.outer_step <= isl.outer_step and not m.averaging for m in isl.membership.others())
+
+        if not self.main_decides(look) or not self.can_download():
+            return False  # the run has not moved past us: θ_0 comes from the shared seed (or init_from)
+        return self.catch_up(force_download=True)
+
+    def catch_up(self, force_download: bool = False) -> bool:
+        """If other islands are ahead of us, adopt the freshest θ_global, outer momentum and outer step.
+
+        When the others are averaging the round that state belongs to, wait for that round to
+        commit (bounded), so that we start the next round together with them rather than one behind.
+        ``force_download`` checks with the peers even if none announced a later step.
+        """
+        isl = self.island
+        if not self.can_download():
+            return False
+        if not self.main_decides(lambda: force_download or isl.membership.furthest_step() > isl.outer_step):
+            return False
+        a = isl.cfg.averaging
+        deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
+        first = None
+        while True:
+            state = self.download()
+            step = int(state[0].get("outer_step", 0)) if state is not None else -1
+            first = step if first is None and step > isl.outer_step else first
+            verdict = self.main_decides(lambda: self._verdict(step, first, deadline))
+            if verdict == "keep":
+                if step < 0:
+                    log.info("no peer served its state; keeping ours (outer step %d)", isl.outer_step)
+                return False
+            if verdict == "adopt":
+                break
+            time.sleep(1.0 if verdict == "unreachable" else 0.5)
+        self.adopt(*state)
+        isl.averager.set_state_priority(isl.outer_step)
+        isl.membership.announce(isl.outer_step, averaging=False)
+        log.info("caught up with the run at outer step %d (θ_global downloaded from peers)", isl.outer_step)
+        return True
+
+    def _verdict(self, step: int, first: int | None, deadline: float) -> str:
+        """What to do with a state of outer step ``step`` (-1: none came), decided on rank 0 only:
+        ``adopt`` it; ``keep`` ours; ask again because the peers are ``unreachable`` or ``moving``
+        (a round committed while we downloaded, or the round that state belongs to is in flight)."""
+        isl = self.island
+        if time.monotonic() > deadline:
+            return "adopt" if step > isl.outer_step else "keep"
+        furthest = isl.membership.furthest_step()
+        if step < 0:
+            return "unreachable" if furthest > isl.outer_step else "keep"
+        if step <= isl.outer_step:
+            return "keep"
+        if furthest > step:
+            return "moving"  # the run committed a round while we downloaded: the state is stale already
+        # wait for the round in flight when we first looked (committed or failed), not for later ones
+        return "moving" if step == first and isl.membership.averaging_round(step) else "adopt"
+
+    def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
+        """We hold a θ_global the majority does not: download theirs, verified against the majority's
+        state fingerprint."""
+        isl = self.island
+        if not self.can_download():
+            log.warning("θ_global differs from the majority's and this island cannot download state; "
+                        "continuing with ours")
+            return False
+        target = gathered[majority[0]].get("state_fingerprint")
+        isl.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
+        try:
+            for attempt in range(attempts):
+                state = self.download(target)
+                if state is not None:
+                    self.adopt(*state)
+                    log.warning("resynchronized θ_global from the majority (outer step %d)", isl.outer_step)
+                    return True
+                log.warning("resync attempt %d/%d did not get the majority's state", attempt + 1, attempts)
+            return False
+        finally:
+            isl.averager.set_state_priority(isl.outer_step)
+
+    # ------------------------------------------------------------------ download, adopt
+    def download(self, target: list[float] | None = None) -> State | None:
+        """Collective: every owner downloads its buckets' θ_global and momentum; when every bucket came
+        at the same outer step (and matches ``target``, a canonical fingerprint, if given) return
+        ``(meta, this rank's θ shards + momentum shards)`` on every rank, else None on every rank."""
+        isl = self.island
+        got: dict[int, list[torch.Tensor]] = {}
+        verdict: dict[int, int] = {}
+        foreign = ""
+        for b, avg in isl.averager.averagers.items():
+            state = avg.download_state()
+            step, why = self._check_bucket(b, state, target)
+            verdict[b] = step
+            foreign = foreign or why
+            if step >= 0:
+                got[b] = state[1]
+        merged: dict[int, int] = {}
+        for part, why in isl.rt.gather_all((verdict, foreign)):
+            merged.update(part)
+            foreign = foreign or why
+        if foreign:
+            raise TrainingError(foreign)
+        steps = set(merged.values())
+        if len(merged) != len(isl.layout.buckets) or len(steps) != 1 or min(steps) < 0:
+            return None
+        theta = isl.exchange.scatter({b: t[0] for b, t in got.items()})
+        momentum = isl.exchange.scatter({b: t[1] for b, t in got.items()})
+        names = isl.outer.names
+        meta = {"outer_step": steps.pop(), "config_fingerprint": isl.fingerprint}
+        return meta, [theta[n] for n in names] + [momentum[n] for n in names]
+
+    def _check_bucket(self, b: int, state: Any, target: list[float] | None) -> tuple[int, str]:
+        """(outer step of a downloaded bucket state, or -1 if unusable; a reason to stop, if any)."""
+        isl = self.island
+        if state is None:
+            return -1, ""
+        meta, tensors = state
+        if not isinstance(meta, dict) or not meta:
+            return -1, ""
+        if meta.get("config_fingerprint") != isl.fingerprint:
+            return -1, (f"the run you joined uses a different model or outer-optimizer config (fingerprint "
+                        f"{meta.get('config_fingerprint')} vs ours {isl.fingerprint}); use the same --model.*, --seed "
+                        f"and --diloco.outer_* settings as the other islands")
+        if meta.get("layout_fingerprint") != isl.layout.fingerprint():
+            return -1, ("the run you joined cuts the model into other buckets; use the same --averaging.bucket_numel "
+                        "as the other islands")
+        numel = isl.layout.buckets[b].numel
+        if len(tensors) != 2 or any(t.numel() != numel or not bool(torch.isfinite(t).all()) for t in tensors):
+            return -1, ""
+        if target is not None:
+            per_bucket = len(target) // len(isl.layout.buckets)
+            mine = fingerprint([tensors[0].reshape(-1)], per_bucket // 3)
+            if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
+                return -1, ""
+        return int(meta.get("outer_step", -1)), ""
+
+    def adopt(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective),
+        restart inner training from θ_global and serve the new state from now on."""
+        isl = self.island
+        n = len(isl.outer.names)
+        shapes_ok = len(tensors) == 2 * n and all(
+            t.shape == p.shape for t, p in zip(tensors[:n], isl.outer.master.values()))
+        if not shapes_ok or not all(torch.isfinite(t).all() for t in tensors):
+            raise TrainingError("the state downloaded from a peer does not match this model's parameter shapes "
+                                "or is not finite; use the same --model.* settings as the other islands")
+        with isl.state_lock, torch.no_grad():
+            for t, m in zip(tensors[:n], isl.outer.master.values()):
+                m.copy_(t)
+            isl.outer.set_momentum_buffers(tensors[n:])
+            isl.outer.step_count = int(meta.get("outer_step", 0))
+            isl.outer_step = int(meta.get("outer_step", 0))
+        isl.outer.copy_to(isl.params)
+        self.refresh()
