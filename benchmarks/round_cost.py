@@ -7,7 +7,8 @@ the two paths round by round so both see the same machine load.  Prints seconds 
 and mean, with the gather/scatter of the bucket path) and the ratio, side by side::
 
     python benchmarks/round_cost.py --preset small --rounds 6
-    python benchmarks/round_cost.py --preset 150m --rounds 3
+    python benchmarks/round_cost.py --preset 150m --rounds 3 --path whole    # 150m: one path per process,
+    python benchmarks/round_cost.py --preset 150m --rounds 3 --path buckets  # both do not fit in 24 GiB
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from peers.sharded import ShardedAverager  # noqa: E402
 from pipeline import shard_spec_of  # noqa: E402
 
 
-def model_shapes(preset: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameter names and shapes of a preset, without building its weights."""
+def model_shapes(preset: str, n_layers: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes of a preset (``n_layers``: other than the preset's), without weights."""
     from diloco.model import build_model
 
-    cfg = ModelConfig(preset=preset)
+    cfg = ModelConfig(preset=preset, n_layers=n_layers)
     resolve_model(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -64,13 +65,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n-layers", type=int, default=0, help="transformer blocks (0: the preset's)")
     parser.add_argument("--bucket-numel", type=int, default=4_000_000)
+    parser.add_argument("--path", choices=("both", "whole", "buckets"), default="both",
+                        help="measure one path only (a large preset may not fit both in memory at once)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    shapes = model_shapes(args.preset)
+    shapes = model_shapes(args.preset, args.n_layers)
     numel = sum(torch.Size(s).numel() for _, s in shapes)
     layout = CanonicalLayout.build(shapes, args.bucket_numel)
-    print(f"preset {args.preset}: {numel:,} parameters, {numel * 4 / 1e6:.1f} MB fp32, "
+    print(f"preset {args.preset}{f' with {args.n_layers} layers' if args.n_layers else ''}: {numel:,} parameters, {numel * 4 / 1e6:.1f} MB fp32, "
           f"{len(layout.buckets)} bucket(s) of at most {args.bucket_numel:,}")
     gen = torch.Generator().manual_seed(0)
     deltas = [{n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes} for _ in range(2)]
@@ -79,33 +83,39 @@ def main() -> None:
                                 next_chunk_timeout=60.0, vote_timeout=30.0)
     first = start_dht(NetworkSettings())
     dhts = [first, start_dht(NetworkSettings(initial_peers=visible_maddrs(first)))]
-    whole = [VerifiedAverager(d, [torch.zeros(s) for _, s in shapes], settings) for d in dhts]
-    bucket_settings = AveragerSettings(**{**settings.__dict__, "prefix": "bench-buckets"})
-    buckets = [ShardedAverager(layout, deltas[i], {n: shard_spec_of(t) for n, t in deltas[i].items()}, None,
-                               dhts[i], bucket_settings) for i in range(2)]
-    times: dict[str, list[float]] = {"whole vector (before)": [], "canonical buckets (now)": []}
+    paths: dict[str, tuple[list, list]] = {}
+    if args.path in ("both", "whole"):
+        paths["whole vector (before)"] = ([VerifiedAverager(d, [torch.zeros(s) for _, s in shapes], settings)
+                                           for d in dhts], [[d[n] for n, _ in shapes] for d in deltas])
+    if args.path in ("both", "buckets"):
+        bucket_settings = AveragerSettings(**{**settings.__dict__, "prefix": "bench-buckets"})
+        paths["canonical buckets (now)"] = ([ShardedAverager(layout, deltas[i], {n: shard_spec_of(t) for n, t in
+                                                                                 deltas[i].items()}, None, dhts[i],
+                                                             bucket_settings) for i in range(2)], deltas)
+    times: dict[str, list[float]] = {name: [] for name in paths}
     try:
-        for r in range(args.rounds + 1):  # round 0 warms both paths up and is not counted
-            lists = [[d[n] for n, _ in shapes] for d in deltas]
-            t_whole = run_round(whole, lists, f"w{r}")
-            t_buckets = run_round(buckets, deltas, f"b{r}")
+        for r in range(args.rounds + 1):  # round 0 warms every path up and is not counted
+            # alternate which path goes first, so neither always meets a just-busy machine
+            order = list(paths) if r % 2 == 0 else list(reversed(paths))
+            took = {name: run_round(paths[name][0], paths[name][1], f"{name[:1]}{r}") for name in order}
             if r:
-                times["whole vector (before)"].append(t_whole)
-                times["canonical buckets (now)"].append(t_buckets)
-            print(f"round {r}{' (warm-up)' if not r else ''}: whole vector {t_whole:.2f} s, "
-                  f"buckets {t_buckets:.2f} s", flush=True)
+                for name, t in took.items():
+                    times[name].append(t)
+            print(f"round {r}{' (warm-up)' if not r else ''}: "
+                  + ", ".join(f"{name} {t:.2f} s" for name, t in took.items()), flush=True)
     finally:
-        for a in whole + buckets:
-            a.shutdown()
+        for averagers, _ in paths.values():
+            for a in averagers:
+                a.shutdown()
         for d in dhts:
             d.shutdown()
-    before = statistics.median(times["whole vector (before)"])
-    now = statistics.median(times["canonical buckets (now)"])
-    print(f"\n| path | median s/round | mean s/round |\n| --- | ---: | ---: |")
+    print("\n| path | median s/round | mean s/round |\n| --- | ---: | ---: |")
     for name, ts in times.items():
         print(f"| {name} | {statistics.median(ts):.2f} | {statistics.mean(ts):.2f} |")
-    print(f"\nbuckets / whole vector: {now / before:.2f}x ({args.preset}, {len(layout.buckets)} bucket(s), "
-          f"{args.rounds} rounds, 2 islands on loopback)")
+    if len(times) == 2:
+        before, now = (statistics.median(ts) for ts in times.values())
+        print(f"\nbuckets / whole vector: {now / before:.2f}x ({args.preset}, {len(layout.buckets)} bucket(s), "
+              f"{args.rounds} rounds, 2 islands on loopback)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Scripted fault injection for tests and soak runs (as torchft does it): faults are data.
 
-``DILOCO_FAULTS`` holds comma-separated faults ``ACTION@PHASE:ROUND``:
+``DILOCO_FAULTS`` holds comma-separated faults ``ACTION@PHASE:ROUND`` (rounds count from 1, as in the
+progress lines and every message):
 
 - ``kill@inner:2``: SIGKILL this island half-way through the inner steps of round 2;
 - ``kill@matchmaking:1`` / ``kill@allreduce:1`` / ``kill@vote:1``: SIGKILL it in that phase of round 1;

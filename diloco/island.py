@@ -202,7 +202,7 @@ class Island:
         if self.transfer.catch_up():
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.stats.rounds_failed += 1
-            self.stats.failures.append(f"round {self.outer_step}: behind the run, caught up from a peer")
+            self.stats.failures.append(f"round {self.outer_step + 1}: behind the run, caught up from a peer")
             return RoundMetrics.skipped(self, "behind the run; caught up from a peer")
         return outer_round(self, tokens_in_round)
 
@@ -300,7 +300,7 @@ class Island:
         window_t, window_tokens = time.perf_counter(), self.stats.tokens
         for h in range(steps):
             if h == steps // 2:
-                self.faults.at("inner", self.outer_step)
+                self.faults.at("inner", self.outer_step + 1)
             loss = self.train_step()
             if (h + 1) % cfg.logging.log_every == 0 or h == steps - 1:
                 now = time.perf_counter()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diloco.faults import FaultPlan
+from diloco.peer_setup import remember_peers
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -65,7 +66,10 @@ class RoundHook:
     """Something that happens around a round without being part of the transaction (no-op defaults)."""
 
     def before(self, island: Island, rnd: int) -> None:
-        """Before the pseudo-gradient is computed."""
+        """Before the round starts (θ_global as it enters the round is not taken yet)."""
+
+    def starting(self, island: Island, rnd: int, state: list[float]) -> None:
+        """The island enters round ``rnd`` from the θ_global whose fingerprint is ``state``."""
 
     def outgoing(self, rnd: int, delta: Delta) -> Delta:
         """The pseudo-gradient about to be sent (a hook may replace it)."""
@@ -79,24 +83,25 @@ class RoundHook:
 
 
 class FaultHook(RoundHook):
-    """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ, kills and stalls in a phase."""
+    """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ, kills and stalls in a phase.
+    Hooks see the 0-based outer step; faults, like every message, count rounds from 1."""
 
     def __init__(self, plan: FaultPlan):
         self.plan = plan
 
     def before(self, island: Island, rnd: int) -> None:
-        if self.plan.has("drift", "theta", rnd):
+        if self.plan.has("drift", "theta", rnd + 1):
             with island.state_lock, torch.no_grad():
                 for m in island.outer.master.values():
                     m.add_(1e-3)
 
     def outgoing(self, rnd: int, delta: Delta) -> Delta:
-        if self.plan.has("scale", "send", rnd):
+        if self.plan.has("scale", "send", rnd + 1):
             return {n: d * 1e6 for n, d in delta.items()}
         return delta
 
     def stage(self, rnd: int, phase: str) -> None:
-        self.plan.at(phase, rnd)
+        self.plan.at(phase, rnd + 1)
 
 
 class MembershipHook(RoundHook):
@@ -105,11 +110,12 @@ class MembershipHook(RoundHook):
     def __init__(self, membership: Any):
         self.membership = membership
 
-    def before(self, island: Island, rnd: int) -> None:
-        self.membership.announce(rnd, averaging=True)
+    def starting(self, island: Island, rnd: int, state: list[float]) -> None:
+        self.membership.announce(rnd, averaging=True, state=state)
 
     def after(self, island: Island) -> None:
         self.membership.announce(island.outer_step, averaging=False)
+        remember_peers(island)
 
 
 def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
@@ -117,16 +123,28 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
     rnd, hooks = island.outer_step, island.hooks
     for h in hooks:
         h.before(island, rnd)
+    state = island.state_fingerprint()
+    for h in hooks:
+        h.starting(island, rnd, state)
+    if island.transfer.outvoted(rnd, state):
+        # a stale member is left out, not the round: the others average without us; we take their result
+        reason = "θ_global differed from the other islands'; left the round out and resynchronized"
+        log.warning("round %d: %s", rnd + 1, reason)
+        resynced = island.transfer.catch_up(force_download=True, wait_for_round=True)
+        island.stats.rounds_failed += 1
+        island.stats.failures.append(f"round {rnd + 1}: {reason if resynced else reason + ' (not yet)'}")
+        for h in hooks:
+            h.after(island)
+        return RoundMetrics.skipped(island, reason)
     delta = island.outer.pseudo_gradient(island.params)
     for h in hooks:
         delta = h.outgoing(rnd, delta)
-    meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint,
-            "state_fingerprint": island.state_fingerprint()}
+    meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state}
     result, averaged = island.averager.average(delta, float(tokens_in_round), meta, round_id=str(rnd),
                                                on_stage=lambda phase: [h.stage(rnd, phase) for h in hooks])
     norm = island.global_norm(delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
-    reason = result.reason or island.guard.check(avg_norm)
+    reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
     if reason:
         _roll_back(island, rnd, reason, result)
     else:
@@ -145,6 +163,14 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
                         int(bool(getattr(result, "fallback_reason", ""))))
 
 
+def _overflow(island: Island, averaged: Delta) -> str:
+    """Collective: why the outer step must not be applied although Δ is fine ('' if it may)."""
+    finite = island.outer.step_is_finite(averaged)
+    if island.rt.reduce([float(not finite)], op="max")[0]:
+        return "the outer step would make θ_global non-finite (lower --diloco.outer_lr)"
+    return ""
+
+
 def _commit(island: Island, averaged: Delta, avg_norm: float) -> None:
     with island.state_lock:
         island.outer.step(averaged)
@@ -159,7 +185,7 @@ def _roll_back(island: Island, rnd: int, reason: str, result: Any) -> None:
     island.outer_step += 1  # stay aligned with the others' round numbering
     island.transfer.after_rollback()
     island.stats.rounds_failed += 1
-    island.stats.failures.append(f"round {rnd}: {reason}")
-    log.warning("round %d rolled back (%s); continuing from this island's own parameters", rnd, reason)
+    island.stats.failures.append(f"round {rnd + 1}: {reason}")
+    log.warning("round %d rolled back (%s); continuing from this island's own parameters", rnd + 1, reason)
     if result.in_minority:
         island.transfer.resync(result.gathered, result.majority_peers)

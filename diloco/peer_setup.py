@@ -9,6 +9,8 @@ accept all of them and islands are counted once.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 from pathlib import Path
@@ -19,11 +21,20 @@ from diloco.errors import TrainingError
 from peers.averager import AveragerSettings
 from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
 from peers.local import LocalAverager
-from peers.membership import Membership, new_run_key
+from peers.membership import Membership, check_run_key, key_check_key, new_run_key
 from peers.sharded import ShardedAverager
 
 if TYPE_CHECKING:
     from diloco.island import Island
+
+log = logging.getLogger("diloco")
+
+KNOWN_PEERS = "known_peers.txt"
+"""In the run dir: multiaddrs of the live islands this island last saw, so that after a restart it finds
+the run again even when the island it first joined through is gone (or is the one restarting)."""
+RUN_KEY = "run.key"
+"""In the run dir (mode 600): the run key, so that the first island of a private run, restarted with
+its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
 
 
 def connect(island: Island) -> None:
@@ -33,9 +44,21 @@ def connect(island: Island) -> None:
     if a.backend == "local":
         island.averager = LocalAverager()
         return
+    resuming = bool(island.cfg.checkpoint.resume)
+    if resuming and not a.run_key and not a.public:
+        a = dataclasses.replace(a, run_key=_remembered(island, RUN_KEY).strip())
     run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
+    if rt.is_main and not a.public:
+        _remember(island, RUN_KEY, run_key + "\n", private=True)
     if a.backend != "torch":
-        island.dht = _start_dht(island, "" if a.public else run_key)
+        remembered = _remembered(island, KNOWN_PEERS).split() if resuming else []
+        island.dht = _start_dht(island, "" if a.public else run_key, remembered)
+        if not a.public:
+            problem = rt.bcast(check_run_key(island.dht, a.run_id, run_key, a.startup_timeout) if rt.is_main else "")
+            if problem:
+                island.dht.shutdown()
+                island.dht = None
+                raise TrainingError(problem)
     group = rt.group
     if a.backend in ("torch", "auto") and rt.n_islands > 1:
         from peers.fallback import HierarchicalAllReduce
@@ -53,6 +76,7 @@ def connect(island: Island) -> None:
     if island.dht is None:
         return
     island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
+    island.membership.maddrs = visible_maddrs(island.dht)
     island.membership.start_heartbeat()
     island.transfer.refresh()
     island.averager.set_state_priority(island.outer_step)
@@ -109,10 +133,33 @@ def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None
         os.replace(tmp, a.maddr_file)
 
 
-def _start_dht(island: Island, run_key: str) -> Any:
-    """One DHT per rank (collective over the world): rank 0 joins the run's initial peers, the other
-    ranks bootstrap from it (and from the initial peers).  Rank ``r`` of a server listens on the
-    configured port + local rank (port 0 stays 0) and keeps its identity in ``<identity_path>.rank<r>``."""
+def remember_peers(island: Island) -> None:
+    """Rank 0 keeps the addresses of the run's other live islands in the run dir (after every round)."""
+    if island.is_main and island.membership is not None:
+        addresses = island.membership.addresses()
+        if addresses:
+            _remember(island, KNOWN_PEERS, "\n".join(addresses) + "\n")
+
+
+def _remember(island: Island, name: str, text: str, private: bool = False) -> None:
+    path = island.run_dir / name
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    if private:
+        os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _remembered(island: Island, name: str) -> str:
+    path = island.run_dir / name
+    return path.read_text() if path.is_file() else ""
+
+
+def _start_dht(island: Island, run_key: str, remembered: list[str]) -> Any:
+    """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
+    islands it ``remembered`` from before a restart, the other ranks bootstrap from it (and from the
+    initial peers).  Rank ``r`` of a server listens on the configured port + local rank (port 0 stays 0)
+    and keeps its identity in ``<identity_path>.rank<r>``."""
     a, rt = island.cfg.averaging, island.rt
     local_rank = int(os.environ.get("LOCAL_RANK", rt.global_rank))
     identity = f"{a.identity_path}.rank{local_rank}" if a.identity_path and local_rank else a.identity_path
@@ -121,12 +168,24 @@ def _start_dht(island: Island, run_key: str) -> Any:
         return NetworkSettings(
             initial_peers=initial, host_maddrs=[_shift_port(m, local_rank) for m in a.host_maddrs],
             announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
-            client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key)
+            client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key,
+            open_keys=(key_check_key(a.run_id),))
 
     dht, error, boot = None, "", []
     if rt.global_rank == 0:
+        initial = list(a.initial_peers) + [p for p in remembered if p not in a.initial_peers]
         try:
-            dht = start_dht(network(list(a.initial_peers)))
+            try:
+                dht = start_dht(network(initial))
+            except PeerNetworkError:
+                if a.initial_peers or not remembered:
+                    raise
+                # the first island of the run restarting: nobody it knew answers, so it starts the run anew
+                log.warning("none of the %d peer address(es) this island knew from before its restart answered; "
+                            "starting a new peer network (other islands must join it)", len(remembered))
+                dht = start_dht(network([]))
+            if remembered:
+                log.info("bootstrapped through --initial-peers and %d remembered peer address(es)", len(remembered))
             boot = visible_maddrs(dht)
         except PeerNetworkError as e:
             error = str(e)

@@ -177,15 +177,19 @@ class Cluster:
                         pass
                 proc.wait()
 
-    def restart(self, i: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start island ``i`` again with ``--resume``, joining through any live island."""
+    def restart(self, i: int, env: dict[str, str] | None = None, as_launched: bool = False) -> subprocess.Popen:
+        """Start island ``i`` again with ``--resume``: with exactly the command it was launched with
+        (``as_launched``, as a user would), or joining through any live island."""
         self.kill(i)
         for j in range(self.n):
+            if as_launched:
+                break
             if j != i and self.alive(j) and self.maddrs(j):
                 self.configs[i]["averaging"]["initial_peers"] = self.maddrs(j)
                 break
         (self.run_dirs[i] / "maddrs.txt").unlink(missing_ok=True)
-        self.configs[i]["averaging"]["wait_for_islands"] = 0
+        if not as_launched:
+            self.configs[i]["averaging"]["wait_for_islands"] = 0
         self.restarts += 1
         return self.start(i, ["--resume"], env=env or {}, append_log=True)
 

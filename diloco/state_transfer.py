@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from diloco.errors import TrainingError
-from peers.averager import fingerprint, fingerprints_agree
+from peers.averager import fingerprint, fingerprints_agree, majority_by_state
 from peers.membership import wait_until
 from peers.sharded import ShardedAverager
 
@@ -97,20 +97,20 @@ class StateTransfer:
                 ok = wait_until(lambda: isl.membership.live_count() >= a.wait_for_islands, a.matchmaking_timeout)
                 log.info("%d of %d expected islands registered%s", isl.membership.live_count(), a.wait_for_islands,
                          "" if ok else " (gave up waiting)")
-            if not a.initial_peers:
-                return False
             return not all(m.outer_step <= isl.outer_step and not m.averaging for m in isl.membership.others())
 
         if not self.main_decides(look) or not self.can_download():
             return False  # the run has not moved past us: θ_0 comes from the shared seed (or init_from)
         return self.catch_up(force_download=True)
 
-    def catch_up(self, force_download: bool = False) -> bool:
+    def catch_up(self, force_download: bool = False, wait_for_round: bool = False) -> bool:
         """If other islands are ahead of us, adopt the freshest θ_global, outer momentum and outer step.
 
         When the others are averaging the round that state belongs to, wait for that round to
         commit (bounded), so that we start the next round together with them rather than one behind.
-        ``force_download`` checks with the peers even if none announced a later step.
+        ``force_download`` checks with the peers even if none announced a later step;
+        ``wait_for_round`` waits for the others to finish the round we are at (we left it out) and
+        takes its result.  Our own state is not served meanwhile.
         """
         isl = self.island
         if not self.can_download():
@@ -120,14 +120,17 @@ class StateTransfer:
         a = isl.cfg.averaging
         deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
         first = None
+        if wait_for_round:
+            isl.averager.set_state_priority(-1)  # nobody should download the state we are replacing
         while True:
             state = self.download()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
             first = step if first is None and step > isl.outer_step else first
-            verdict = self.main_decides(lambda: self._verdict(step, first, deadline))
+            verdict = self.main_decides(lambda: self._verdict(step, first, deadline, wait_for_round))
             if verdict == "keep":
                 if step < 0:
                     log.info("no peer served its state; keeping ours (outer step %d)", isl.outer_step)
+                isl.averager.set_state_priority(isl.outer_step)
                 return False
             if verdict == "adopt":
                 break
@@ -138,7 +141,7 @@ class StateTransfer:
         log.info("caught up with the run at outer step %d (θ_global downloaded from peers)", isl.outer_step)
         return True
 
-    def _verdict(self, step: int, first: int | None, deadline: float) -> str:
+    def _verdict(self, step: int, first: int | None, deadline: float, wait_for_round: bool) -> str:
         """What to do with a state of outer step ``step`` (-1: none came), decided on rank 0 only:
         ``adopt`` it; ``keep`` ours; ask again because the peers are ``unreachable`` or ``moving``
         (a round committed while we downloaded, or the round that state belongs to is in flight)."""
@@ -147,13 +150,40 @@ class StateTransfer:
             return "adopt" if step > isl.outer_step else "keep"
         furthest = isl.membership.furthest_step()
         if step < 0:
-            return "unreachable" if furthest > isl.outer_step else "keep"
+            return "unreachable" if furthest > isl.outer_step or wait_for_round else "keep"
         if step <= isl.outer_step:
-            return "keep"
+            return "moving" if wait_for_round and isl.membership.averaging_round(isl.outer_step) else "keep"
         if furthest > step:
             return "moving"  # the run committed a round while we downloaded: the state is stale already
         # wait for the round in flight when we first looked (committed or failed), not for later ones
         return "moving" if step == first and isl.membership.averaging_round(step) else "adopt"
+
+    def outvoted(self, rnd: int, state: list[float]) -> bool:
+        """Collective: whether the θ_global we enter round ``rnd`` with (fingerprint ``state``) disagrees
+        with the majority of the islands entering it too (registry records; we wait up to
+        ``matchmaking_time`` for islands at our round still training).  Ties go to the side holding the
+        smallest island id, so every island reaches the same verdict."""
+        isl = self.island
+        if isl.membership is None or isl.rt.lockstep:
+            return False
+        a = isl.cfg.averaging
+
+        def look() -> bool:
+            deadline = time.monotonic() + a.matchmaking_time
+            while True:
+                others = isl.membership.others()
+                pending = [m for m in others if m.outer_step == rnd and not m.averaging]
+                if not pending or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            meta = {m.peer_id: {"state_fingerprint": m.state} for m in others
+                    if m.averaging and m.outer_step == rnd and m.state is not None}
+            if not meta:
+                return False
+            meta[isl.membership.island] = {"state_fingerprint": state}
+            return majority_by_state(meta, isl.membership.island)[1]
+
+        return bool(self.main_decides(look))
 
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
         """We hold a θ_global the majority does not: download theirs, verified against the majority's

@@ -59,6 +59,24 @@ class OuterOptimizer:
         self.step_count += 1
 
     @torch.no_grad()
+    def step_is_finite(self, averaged_delta: Mapping[str, torch.Tensor]) -> bool:
+        """Whether :meth:`step` with ``averaged_delta`` leaves θ_global finite (a finite Δ can still
+        overflow with a huge learning rate): computed aside, one tensor at a time, nothing changed."""
+        group = self.optimizer.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        for n in self.names:
+            p = self.master[n]
+            d = averaged_delta[n].to(p.device, torch.float32).reshape(p.shape)
+            update = d
+            if mu:
+                buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+                buf = d if buf is None else buf * mu + d
+                update = d + mu * buf if nesterov else buf
+            if not bool(torch.isfinite(p - lr * update).all()):
+                return False
+        return True
+
+    @torch.no_grad()
     def copy_to(self, local: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the island's parameters with θ_global (cast to their dtype and device)."""
         for n in self.names:

@@ -40,6 +40,8 @@ class NetworkSettings:
     """Seconds allowed to start the daemon and reach the initial peers."""
     run_key: str = ""
     """Shared secret of a private run: every DHT record is signed with it (empty: a public run)."""
+    open_keys: tuple[str, ...] = ()
+    """DHT keys left unsigned in a private run (see :class:`peers.membership.RunKeyValidator`)."""
 
 
 def check_multiaddr(addr: str, what: str, need_peer_id: bool = False) -> None:
@@ -93,7 +95,7 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
         startup_timeout=settings.startup_timeout,
     )
     if settings.run_key:
-        kwargs["record_validators"] = [RunKeyValidator(settings.run_key)]
+        kwargs["record_validators"] = [RunKeyValidator(settings.run_key, settings.open_keys)]
     if settings.announce_maddrs:
         kwargs["announce_maddrs"] = settings.announce_maddrs
     if settings.identity_path:

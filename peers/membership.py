@@ -20,8 +20,10 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
@@ -37,26 +39,79 @@ def new_run_key() -> str:
 
 
 class RunKeyValidator(RecordValidatorBase):
-    """Signs every DHT record with HMAC-SHA256(run key) and rejects records without a valid one."""
+    """Signs every DHT record with HMAC-SHA256(run key) and rejects records without a valid one.
 
-    def __init__(self, run_key: str):
+    Records under ``open_keys`` are neither signed nor checked: islands holding different keys can read
+    them (the key check below uses one, so that a wrong key is told as such instead of in silence).
+    """
+
+    def __init__(self, run_key: str, open_keys: tuple[str, ...] = ()):
         self._key = hashlib.sha256(b"diloco-run-key:" + run_key.encode()).digest()
+        self._open = {DHTID.generate(source=k).to_bytes() for k in open_keys}
 
     def _mac(self, record: DHTRecord, value: bytes) -> bytes:
         msg = b"|".join([record.key, record.subkey, value, repr(float(record.expiration_time)).encode()])
         return hmac.new(self._key, msg, hashlib.sha256).digest()
 
     def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key in self._open:
+            return record.value
         return record.value + self._mac(record, record.value)
 
     def validate(self, record: DHTRecord) -> bool:
+        if record.key in self._open:
+            return True
         if len(record.value) < MAC_BYTES:
             return False
         value, mac = record.value[:-MAC_BYTES], record.value[-MAC_BYTES:]
         return hmac.compare_digest(mac, self._mac(record, value))
 
     def strip_value(self, record: DHTRecord) -> bytes:
+        if record.key in self._open:
+            return record.value
         return record.value[:-MAC_BYTES]
+
+
+def key_check_key(prefix: str) -> str:
+    """The open DHT key under which every island of a private run proves it holds the run key."""
+    return f"{prefix}.keycheck"
+
+
+def key_proof(run_key: str, peer_id: str) -> str:
+    """What ``peer_id`` publishes to show it holds ``run_key`` without revealing it."""
+    return hmac.new(run_key.encode(), f"diloco-key-proof:{peer_id}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) -> str:
+    """Publish this island's proof of the run key, then look (up to ``timeout`` s) for other islands'.
+    Returns '' when another island proves the same key or none is there yet, and a sentence when
+    islands of the run are there and none holds our key."""
+    me = str(dht.peer_id)
+    key = key_check_key(prefix)
+    deadline = time.monotonic() + timeout
+    quiet_until = time.monotonic() + min(timeout, 3.0)
+    foreign: set[str] = set()
+    try:
+        dht_store(dht, key, me, key_proof(run_key, me), get_dht_time() + 3600, timeout=timeout)
+        while True:
+            found = dht_get(dht, key, timeout=max(1.0, deadline - time.monotonic()))
+            items = found.value if found is not None and isinstance(found.value, dict) else {}
+            for subkey, item in items.items():
+                pid = str(subkey)
+                if pid == me:
+                    continue
+                if getattr(item, "value", None) == key_proof(run_key, pid):
+                    return ""
+                foreign.add(pid)
+            if time.monotonic() > deadline or (not foreign and time.monotonic() > quiet_until):
+                break  # nobody else proved anything: a new run, or a network of bootstrap nodes only
+            time.sleep(0.5)
+    except DHTUnavailableError:
+        return ""
+    if not foreign:
+        return ""
+    return (f"the {len(foreign)} island(s) of run {prefix!r} reachable from here hold another run key: pass the "
+            f"--averaging.run_key printed by the island that started the run")
 
     @property
     def priority(self) -> int:
@@ -79,6 +134,10 @@ class Member:
     """The island this peer belongs to (its rank 0's peer id); empty is read as ``peer_id``."""
     rank: int = 0
     """The peer's rank inside its island."""
+    maddrs: tuple[str, ...] = ()
+    """Where this peer can be reached (its visible multiaddrs), so islands can find it again after a restart."""
+    state: Any = None
+    """While averaging: the fingerprint of the θ_global the island averages from (see peers.averager)."""
 
 
 class Membership:
@@ -95,6 +154,9 @@ class Membership:
         self.ttl = ttl
         self.outer_step = 0
         self.averaging = False
+        self.maddrs: list[str] = []
+        """This peer's visible multiaddrs, published with every registration."""
+        self.state: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,15 +164,21 @@ class Membership:
         value: dict = {"outer_step": self.outer_step, "averaging": self.averaging, "left": False}
         if self.island != self.peer_id or self.rank:
             value.update(island=self.island, rank=self.rank)
+        if self.maddrs:
+            value["maddrs"] = list(self.maddrs)
+        if self.averaging and self.state is not None:
+            value["state"] = list(self.state)
         value.update(extra)
         return value
 
-    def announce(self, outer_step: int | None = None, averaging: bool | None = None) -> None:
-        """Publish (or refresh) this island's registration: its outer step and whether it is averaging."""
+    def announce(self, outer_step: int | None = None, averaging: bool | None = None, state: Any = None) -> None:
+        """Publish (or refresh) this island's registration: its outer step, whether it is averaging and,
+        when it starts averaging, the fingerprint ``state`` of the θ_global it averages from."""
         if outer_step is not None:
             self.outer_step = outer_step
         if averaging is not None:
             self.averaging = averaging
+            self.state = state if averaging else None
         try:
             self._store(self._value(), self.ttl)
         except DHTUnavailableError as e:  # a DHT that no longer answers must not stop training or leaving
@@ -159,8 +227,11 @@ class Membership:
                     rank = int(value.get("rank", 0))
                 except (TypeError, ValueError):
                     rank = 0
+                maddrs = value.get("maddrs")
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
-                                  bool(value.get("averaging", False)), str(value.get("island") or pid), rank)
+                                  bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
+                                  tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
+                                  value.get("state"))
         return out
 
     def islands(self) -> dict[str, Member]:
@@ -173,7 +244,7 @@ class Membership:
             island = m.island or m.peer_id
             seen = out.get(island)
             if seen is None:
-                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0)
+                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state)
             else:
                 seen.outer_step = max(seen.outer_step, m.outer_step)
                 seen.averaging = seen.averaging or m.averaging
@@ -190,6 +261,16 @@ class Membership:
     def averaging_round(self, outer_step: int) -> bool:
         """True if another live island announced it is averaging round ``outer_step`` right now."""
         return any(m.averaging and m.outer_step == outer_step for m in self.others())
+
+    def addresses(self) -> list[str]:
+        """Multiaddrs of every live peer of the run but this island's own ranks (to find them again)."""
+        return sorted({a for m in self.members().values() if not m.left and m.island != self.island
+                       for a in m.maddrs})
+
+    def round_states(self, outer_step: int) -> dict[str, Any]:
+        """``{island id: state fingerprint}`` of the other live islands averaging round ``outer_step``."""
+        return {m.peer_id: m.state for m in self.others()
+                if m.averaging and m.outer_step == outer_step and m.state is not None}
 
     def live_count(self) -> int:
         """Distinct islands registered and not departed (at least 1: ourselves)."""

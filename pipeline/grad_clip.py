@@ -20,16 +20,16 @@ def island_grad_norm(params: Iterable[torch.Tensor], mesh: DeviceMesh | None) ->
     params = list(params)
     tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
     device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        g = local_grad(p)
-        if g is None or (shard_spec_of(p).replicated and tp_rank != 0):
-            continue
-        total += g.detach().float().pow(2).sum()
-    if mesh is not None:
-        for dim in ("tp", "pp"):
-            if mesh[dim].size() > 1:
-                dist.all_reduce(total, group=mesh[dim].get_group())
+    grads = [g.detach() for p in params if (g := local_grad(p)) is not None
+             and not (shard_spec_of(p).replicated and tp_rank != 0)]
+    # this rank's part as torch.nn.utils.clip_grad_norm_ computes it, so one process clips exactly like it
+    local = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=device)
+    if mesh is None:
+        return local
+    total = local.pow(2)
+    for dim in ("tp", "pp"):
+        if mesh[dim].size() > 1:
+            dist.all_reduce(total, group=mesh[dim].get_group())
     return total.sqrt()
 
 

@@ -9,7 +9,7 @@ import torch
 
 from peers.averager import AveragerSettings, VerifiedAverager
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
-from peers.membership import Membership, RunKeyValidator, is_registered
+from peers.membership import Membership, RunKeyValidator, check_run_key, is_registered, key_check_key
 from hivemind.dht.validation import DHTRecord
 
 FAST = dict(prefix="run", matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
@@ -75,3 +75,28 @@ def test_outsider_is_refused_everywhere(no_leaked_daemons):
     finally:
         for obj in reversed(made):
             obj.shutdown()
+
+
+def test_a_wrong_run_key_is_told_as_such(no_leaked_daemons):
+    made = []
+    try:
+        open_keys = (key_check_key("run"),)
+        d1 = start_dht(NetworkSettings(run_key="secret", open_keys=open_keys))
+        made.append(d1)
+        assert check_run_key(d1, "run", "secret", timeout=5.0) == ""  # the first island: nobody to compare with
+        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="secret", open_keys=open_keys))
+        made.append(d2)
+        assert check_run_key(d2, "run", "secret", timeout=5.0) == ""
+        d3 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="guess", open_keys=open_keys))
+        made.append(d3)
+        t0 = time.monotonic()
+        problem = check_run_key(d3, "run", "guess", timeout=5.0)
+        assert "hold another run key" in problem and "--averaging.run_key" in problem, problem
+        assert time.monotonic() - t0 < 10.0
+        # the open key check did not open the rest: the outsider's member record is still not believed
+        Membership(d3, "run").announce(1)
+        time.sleep(0.5)
+        assert not is_registered(d1, "run", str(d3.peer_id))
+    finally:
+        for dht in reversed(made):
+            dht.shutdown()

@@ -95,3 +95,17 @@ def test_outer_state_round_trip():
     opt.step(d)
     other.step(d)
     assert torch.equal(opt.master["w"], other.master["w"])
+
+
+def test_a_step_that_would_overflow_theta_is_told_before_it_is_taken():
+    opt = OuterOptimizer({"w": torch.tensor([1.0, -2.0])}, lr=1e38, momentum=0.9)
+    assert opt.step_is_finite({"w": torch.tensor([0.1, 0.1])})
+    assert not opt.step_is_finite({"w": torch.tensor([10.0, 0.1])})  # 1e38 * 19 overflows fp32
+    opt.step({"w": torch.tensor([0.1, 0.1])})
+    assert torch.isfinite(opt.master["w"]).all()
+    # the prediction agrees with taking the step, momentum included
+    for d in (torch.tensor([0.5, 0.1]), torch.tensor([3.0, 0.1])):
+        twin = OuterOptimizer({"w": torch.zeros(2)}, lr=1e38, momentum=0.9)
+        twin.load_state_dict(opt.state_dict())
+        twin.step({"w": d})
+        assert opt.step_is_finite({"w": d}) == bool(torch.isfinite(twin.master["w"]).all())
