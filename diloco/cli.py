@@ -82,6 +82,9 @@ def cmd_train(cfg: config_mod.Config) -> int:
     summary = train(cfg)
     if summary is not None:
         print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=None), flush=True)
+        if summary.get("out_of_sync"):
+            print(f"error: {summary['out_of_sync']}", file=sys.stderr)
+            return 3
     return 0
 
 

@@ -318,6 +318,9 @@ class Island:
         return island_state.theta_global(self)
 
     def _finish(self, wall: float) -> dict[str, Any]:
+        out_of_sync = self.transfer.check_in_sync(self.state_fingerprint())
+        if out_of_sync:
+            log.error("%s", out_of_sync)
         theta, theta_checksum = self.theta_global()
         if self.is_main:
             torch.save(theta, self.run_dir / "theta_global.pt")
@@ -328,7 +331,7 @@ class Island:
             "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received, "compute_seconds": s.compute_seconds,
             "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": theta_checksum,
-            "failures": s.failures[-20:], "stopped_early": self.stopping,
+            "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
         }
         self.metrics.summary(summary)
         return summary

@@ -185,6 +185,36 @@ class StateTransfer:
 
         return bool(self.main_decides(look))
 
+    def check_in_sync(self, state: list[float]) -> str:
+        """Collective, after the last round: publish the fingerprint ``state`` of the θ_global we end
+        with and compare it with every other island that ended at the same outer step (waiting up to
+        ``vote_timeout`` for live islands at our step to finish too).  Returns '' or one sentence."""
+        isl = self.island
+        if isl.membership is None or isl.rt.lockstep:
+            return ""
+        isl.membership.final = {"outer_step": isl.outer_step, "state": list(state)}
+        isl.membership.announce()
+        a = isl.cfg.averaging
+
+        def look() -> str:
+            deadline = time.monotonic() + a.vote_timeout
+            while True:
+                records = [m for m in isl.membership.members().values() if m.island != isl.membership.island]
+                pending = [m for m in records if not m.left and m.final is None and m.outer_step >= isl.outer_step]
+                if not pending or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            differ = sorted({m.island for m in records if isinstance(m.final, dict)
+                             and m.final.get("outer_step") == isl.outer_step
+                             and not fingerprints_agree(m.final.get("state") or [], state, 1e-5)})
+            if not differ:
+                return ""
+            return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
+                    f"outer step {isl.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
+                    f"--resume so the minority resynchronizes, and report the logs")
+
+        return self.main_decides(look)
+
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
         """We hold a θ_global the majority does not: download theirs, verified against the majority's
         state fingerprint."""

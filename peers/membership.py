@@ -138,6 +138,8 @@ class Member:
     """Where this peer can be reached (its visible multiaddrs), so islands can find it again after a restart."""
     state: Any = None
     """While averaging: the fingerprint of the θ_global the island averages from (see peers.averager)."""
+    final: Any = None
+    """After its last round: ``{"outer_step": N, "state": fingerprint}`` of the θ_global it ends with."""
 
 
 class Membership:
@@ -157,6 +159,8 @@ class Membership:
         self.maddrs: list[str] = []
         """This peer's visible multiaddrs, published with every registration."""
         self.state: Any = None
+        self.final: dict | None = None
+        """Set when the island has finished training (kept in its record, also after it leaves)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -168,6 +172,8 @@ class Membership:
             value["maddrs"] = list(self.maddrs)
         if self.averaging and self.state is not None:
             value["state"] = list(self.state)
+        if self.final is not None:
+            value["final"] = self.final
         value.update(extra)
         return value
 
@@ -231,7 +237,7 @@ class Membership:
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
                                   bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
-                                  value.get("state"))
+                                  value.get("state"), value.get("final"))
         return out
 
     def islands(self) -> dict[str, Member]:

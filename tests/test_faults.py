@@ -122,7 +122,7 @@ def test_stale_member_is_left_out_and_the_others_commit(tmp_path, no_leaked_daem
     assert len(failures) == 1 and failures[0].startswith("round 2: θ_global differed from the other islands'; left "
                                                          "the round out and resynchronized"), failures
     log = (cluster.run_dirs[1] / "train.log").read_text()
-    assert "caught up with the run at outer step 2" in log, log[-3000:]
+    assert "caught up with the run at outer step" in log, log[-3000:]
 
 
 def test_sigterm_to_every_process_of_the_islands_still_ends_them_cleanly(tmp_path, no_leaked_daemons):

@@ -201,3 +201,24 @@ def test_membership_counts_islands_not_ranks():
     a0.leave()
     assert b.live_count() == 1 and b.others() == []
     assert json.dumps(registry)  # plain values only
+
+
+def test_a_run_that_ends_out_of_sync_says_so():
+    from diloco.state_transfer import StateTransfer
+
+    registry: dict[str, dict] = {}
+    mine, theirs = Membership(_FakeDHT("A", registry), "run"), Membership(_FakeDHT("B", registry), "run")
+    island = SimpleNamespace(membership=mine, outer_step=7, rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
+                             cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)))
+    state = [1.0, 1.0, 1.0] * 4
+    theirs.final = {"outer_step": 7, "state": state}
+    theirs.leave()  # an island that finished before us: its record keeps what it ended with
+    assert StateTransfer(island).check_in_sync(state) == ""
+    assert registry["A"]["final"] == {"outer_step": 7, "state": state}
+    theirs.final = {"outer_step": 7, "state": [1.5, 1.5, 1.5] * 4}
+    theirs.leave()
+    problem = StateTransfer(island).check_in_sync(state)
+    assert problem.startswith("the run ended out of sync: θ_global of 1 other island(s) differs"), problem
+    theirs.final = {"outer_step": 6, "state": [9.0] * 12}  # ended earlier (stopped): not comparable
+    theirs.leave()
+    assert StateTransfer(island).check_in_sync(state) == ""
