@@ -9,14 +9,17 @@ code.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import logging
 import os
+import random
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -191,3 +194,27 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states as checkpoint-safe plain types and tensors."""
+    np_state = np.random.get_state()
+    state = {"python": repr(random.getstate()), "torch": torch.get_rng_state(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    random.setstate(_tuplify(ast.literal_eval(state["python"])))
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(i) for i in x) if isinstance(x, (list, tuple)) else x

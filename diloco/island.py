@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from diloco.data import ShardedBatches, heldout_batches, load_corpus
 from diloco.errors import TrainingError
 from diloco.faults import FaultPlan
 from diloco.inner import build_inner_optimizer, inner_step
-from diloco.metrics import MetricsLogger, NullMetrics
+from diloco.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.model import build_initial_model, lm_loss
 from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, outer_round
 from diloco.runtime import Runtime, pick_device
@@ -52,22 +51,6 @@ log = logging.getLogger("diloco")
 
 CHUNKS_PER_BUCKET = 4
 """Fingerprint chunks per bucket of the canonical θ_global fingerprint (12 floats per bucket)."""
-
-
-@dataclass
-class RunStats:
-    """Running totals of one island, reported at the end and kept in checkpoints."""
-
-    rounds_ok: int = 0
-    rounds_failed: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    compute_seconds: float = 0.0
-    comm_seconds: float = 0.0
-    tokens: int = 0
-    eval_loss_start: float = float("nan")
-    eval_loss_end: float = float("nan")
-    failures: list[str] = field(default_factory=list)
 
 
 class Island:

@@ -8,15 +8,11 @@ rank has, and refuse a checkpoint of another island shape or config.
 
 from __future__ import annotations
 
-import ast
 import logging
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
@@ -24,6 +20,7 @@ from diloco.config import config_fingerprint, from_dict, to_dict
 from diloco.errors import TrainingError
 from outer_optim import checksum
 from peers.layout import spec_tuple
+from pipeline import local_state, restore_dtensor_state
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -42,10 +39,10 @@ def state_dict(island: Island) -> dict[str, Any]:
     return {
         "config": to_dict(island.cfg), "outer_step": island.outer_step, "inner_step": island.inner_step,
         "model": {n: t.detach().cpu().clone() for n, t in island.params.items()},
-        "inner_optimizer": _to_local(island.inner_opt.state_dict()),
+        "inner_optimizer": local_state(island.inner_opt.state_dict()),
         "inner_scheduler": island.inner_sched.state_dict(),
         "outer_optimizer": island.outer.state_dict(), "data": island.batches.state_dict(),
-        "rng": rng_state(), "stats": dict(island.stats.__dict__),
+        "rng": checkpoint.rng_state(), "stats": dict(island.stats.__dict__),
         "norm_history": list(island.guard.history), "island": _shape_of(island),
     }
 
@@ -62,11 +59,11 @@ def load_state_dict(island: Island, state: dict[str, Any]) -> None:
         for n, t in state["model"].items():
             island.params[n].copy_(t)
     island.inner_opt.load_state_dict(state["inner_optimizer"])
-    _to_dtensor_state(island.inner_opt)
+    restore_dtensor_state(island.inner_opt)
     island.inner_sched.load_state_dict(state["inner_scheduler"])
     island.outer.load_state_dict(state["outer_optimizer"])
     island.batches.load_state_dict(state["data"])
-    set_rng_state(state["rng"])
+    checkpoint.set_rng_state(state["rng"])
     island.outer_step, island.inner_step = int(state["outer_step"]), int(state["inner_step"])
     for k, v in state["stats"].items():
         setattr(island.stats, k, v)
@@ -148,49 +145,3 @@ def _step_of(path: Path | None) -> int | None:
         return None
     m = checkpoint.NAME_RE.match(Path(path).name)
     return int(m[1]) if m else -1
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states as checkpoint-safe plain types and tensors."""
-    np_state = np.random.get_state()
-    state = {"python": repr(random.getstate()), "torch": torch.get_rng_state(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state`."""
-    random.setstate(_tuplify(ast.literal_eval(state["python"])))
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x: Any) -> Any:
-    return tuple(_tuplify(i) for i in x) if isinstance(x, (list, tuple)) else x
-
-
-def _to_local(obj: Any) -> Any:
-    """A state dict with every DTensor replaced by its local tensor (checkpoints load weights-only)."""
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_local(v) for v in obj]
-    return obj
-
-
-def _to_dtensor_state(optimizer: torch.optim.Optimizer) -> None:
-    """After loading a :func:`_to_local` optimizer state: give DTensor parameters DTensor states again."""
-    for p, st in optimizer.state.items():
-        if not isinstance(p, DTensor):
-            continue
-        local_shape = tuple(p.to_local().shape)
-        for k, v in list(st.items()):
-            if torch.is_tensor(v) and not isinstance(v, DTensor) and k != "step" and tuple(v.shape) == local_shape:
-                st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,19 @@ class NullMetrics:
 
     def close(self) -> None:
         pass
+
+
+@dataclass
+class RunStats:
+    """Running totals of one island, reported at the end and kept in checkpoints."""
+
+    rounds_ok: int = 0
+    rounds_failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    tokens: int = 0
+    eval_loss_start: float = float("nan")
+    eval_loss_end: float = float("nan")
+    failures: list[str] = field(default_factory=list)

@@ -1,11 +1,12 @@
 """The outer round as one transaction (as torchft's DiLoCo sync):
 
-pseudo-gradient → average with the group → validate (the averager's vote and finiteness checks,
-then the norm guard) → commit the outer step, or roll back.  Rolling back means θ_global stays as it
-was and the island keeps training from its own parameters, so the next round carries the
-pseudo-gradient of both rounds.  Catching up with a run that moved on happens before the round
-(:meth:`diloco.island.Island.outer_round`); fault injection and membership announcements hang off
-it as :class:`RoundHook` objects; what the round did is one :class:`RoundMetrics`.
+pseudo-gradient → average with the group → validate (the averager's vote and finiteness checks, the
+norm guard, a θ_global that stays finite) → commit the outer step, or roll back.  Rolling back means
+θ_global stays as it was and the island keeps training from its own parameters, so the next round
+carries the pseudo-gradient of both rounds.  Catching up with a run that moved on happens before the
+round (:meth:`diloco.island.Island.outer_round`); an island whose θ_global the others outvote leaves
+the round out and takes their result; fault injection and membership announcements hang off the
+round as :class:`RoundHook` objects; what the round did is one :class:`RoundMetrics`.
 """
 
 from __future__ import annotations
@@ -127,15 +128,7 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
     for h in hooks:
         h.starting(island, rnd, state)
     if island.transfer.outvoted(rnd, state):
-        # a stale member is left out, not the round: the others average without us; we take their result
-        reason = "θ_global differed from the other islands'; left the round out and resynchronized"
-        log.warning("round %d: %s", rnd + 1, reason)
-        resynced = island.transfer.catch_up(force_download=True, wait_for_round=True)
-        island.stats.rounds_failed += 1
-        island.stats.failures.append(f"round {rnd + 1}: {reason if resynced else reason + ' (not yet)'}")
-        for h in hooks:
-            h.after(island)
-        return RoundMetrics.skipped(island, reason)
+        return _leave_out(island, rnd)
     delta = island.outer.pseudo_gradient(island.params)
     for h in hooks:
         delta = h.outgoing(rnd, delta)
@@ -161,6 +154,18 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
     return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
                         s.bytes_received, island.outer.lr, reason, backend,
                         int(bool(getattr(result, "fallback_reason", ""))))
+
+
+def _leave_out(island: Island, rnd: int) -> RoundMetrics:
+    """A stale member is left out, not the round: the others average without us; we take their result."""
+    reason = "θ_global differed from the other islands'; left the round out and resynchronized"
+    log.warning("round %d: %s", rnd + 1, reason)
+    resynced = island.transfer.catch_up(force_download=True, wait_for_round=True)
+    island.stats.rounds_failed += 1
+    island.stats.failures.append(f"round {rnd + 1}: {reason if resynced else reason + ' (not yet)'}")
+    for h in island.hooks:
+        h.after(island)
+    return RoundMetrics.skipped(island, reason)
 
 
 def _overflow(island: Island, averaged: Delta) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from diloco.errors import TrainingError
-from peers.averager import fingerprint, fingerprints_agree, majority_by_state
+from peers.averager import fingerprint, fingerprints_agree
 from peers.membership import wait_until
 from peers.sharded import ShardedAverager
 
@@ -160,60 +160,26 @@ class StateTransfer:
 
     def outvoted(self, rnd: int, state: list[float]) -> bool:
         """Collective: whether the θ_global we enter round ``rnd`` with (fingerprint ``state``) disagrees
-        with the majority of the islands entering it too (registry records; we wait up to
-        ``matchmaking_time`` for islands at our round still training).  Ties go to the side holding the
-        smallest island id, so every island reaches the same verdict."""
+        with the majority of the islands entering it (see :meth:`peers.membership.Membership.outvoted`)."""
         isl = self.island
         if isl.membership is None or isl.rt.lockstep:
             return False
-        a = isl.cfg.averaging
-
-        def look() -> bool:
-            deadline = time.monotonic() + a.matchmaking_time
-            while True:
-                others = isl.membership.others()
-                pending = [m for m in others if m.outer_step == rnd and not m.averaging]
-                if not pending or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            meta = {m.peer_id: {"state_fingerprint": m.state} for m in others
-                    if m.averaging and m.outer_step == rnd and m.state is not None}
-            if not meta:
-                return False
-            meta[isl.membership.island] = {"state_fingerprint": state}
-            return majority_by_state(meta, isl.membership.island)[1]
-
-        return bool(self.main_decides(look))
+        return bool(self.main_decides(lambda: isl.membership.outvoted(rnd, state, isl.cfg.averaging.matchmaking_time)))
 
     def check_in_sync(self, state: list[float]) -> str:
         """Collective, after the last round: publish the fingerprint ``state`` of the θ_global we end
-        with and compare it with every other island that ended at the same outer step (waiting up to
-        ``vote_timeout`` for live islands at our step to finish too).  Returns '' or one sentence."""
+        with and compare it with the other islands that ended at the same outer step (waiting up to
+        ``vote_timeout`` for them).  Returns '' or one sentence."""
         isl = self.island
         if isl.membership is None or isl.rt.lockstep:
             return ""
-        isl.membership.final = {"outer_step": isl.outer_step, "state": list(state)}
-        isl.membership.announce()
-        a = isl.cfg.averaging
-
-        def look() -> str:
-            deadline = time.monotonic() + a.vote_timeout
-            while True:
-                records = [m for m in isl.membership.members().values() if m.island != isl.membership.island]
-                pending = [m for m in records if not m.left and m.final is None and m.outer_step >= isl.outer_step]
-                if not pending or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            differ = sorted({m.island for m in records if isinstance(m.final, dict)
-                             and m.final.get("outer_step") == isl.outer_step
-                             and not fingerprints_agree(m.final.get("state") or [], state, 1e-5)})
-            if not differ:
-                return ""
-            return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
-                    f"outer step {isl.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
-                    f"--resume so the minority resynchronizes, and report the logs")
-
-        return self.main_decides(look)
+        differ = self.main_decides(lambda: isl.membership.final_disagreements(isl.outer_step, state,
+                                                                              isl.cfg.averaging.vote_timeout))
+        if not differ:
+            return ""
+        return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
+                f"outer step {isl.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
+                f"--resume so the minority resynchronizes, and report the logs")
 
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
         """We hold a θ_global the majority does not: download theirs, verified against the majority's

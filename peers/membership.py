@@ -26,6 +26,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
+from peers.averager import fingerprints_agree, majority_by_state
 from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
 
 log = logging.getLogger(__name__)
@@ -277,6 +278,41 @@ class Membership:
         """``{island id: state fingerprint}`` of the other live islands averaging round ``outer_step``."""
         return {m.peer_id: m.state for m in self.others()
                 if m.averaging and m.outer_step == outer_step and m.state is not None}
+
+    def outvoted(self, outer_step: int, state: Any, wait: float) -> bool:
+        """Whether our fingerprint ``state`` of the θ_global we enter round ``outer_step`` with disagrees
+        with the majority of the islands entering it too (their registry records; we wait up to ``wait``
+        seconds for islands at that step still training).  Ties go to the side holding the smallest
+        island id, so every island reaches the same verdict."""
+        deadline = time.monotonic() + wait
+        while True:
+            others = self.others()
+            pending = [m for m in others if m.outer_step == outer_step and not m.averaging]
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        meta = {m.peer_id: {"state_fingerprint": m.state} for m in others
+                if m.averaging and m.outer_step == outer_step and m.state is not None}
+        if not meta:
+            return False
+        meta[self.island] = {"state_fingerprint": state}
+        return majority_by_state(meta, self.island)[1]
+
+    def final_disagreements(self, outer_step: int, state: Any, wait: float) -> list[str]:
+        """Publish that this island ended at ``outer_step`` with θ_global fingerprint ``state``; return the
+        other islands that ended at the same step with another one (waiting up to ``wait`` seconds for
+        live islands at that step to finish too).  Records keep it after an island leaves."""
+        self.final = {"outer_step": outer_step, "state": list(state)}
+        self.announce()
+        deadline = time.monotonic() + wait
+        while True:
+            records = [m for m in self.members().values() if m.island != self.island]
+            pending = [m for m in records if not m.left and m.final is None and m.outer_step >= outer_step]
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        return sorted({m.island for m in records if isinstance(m.final, dict) and m.final.get("outer_step") == outer_step
+                       and not fingerprints_agree(m.final.get("state") or [], state, 1e-5)})
 
     def live_count(self) -> int:
         """Distinct islands registered and not departed (at least 1: ourselves)."""

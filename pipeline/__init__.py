@@ -24,7 +24,7 @@ from pipeline.pipeline_parallel import (
     model_layer_costs,
     stage_layer_split,
 )
-from pipeline.shards import ShardSpec, local_grad, shard_spec_of
+from pipeline.shards import ShardSpec, local_grad, local_state, restore_dtensor_state, shard_spec_of
 from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_plan
 
 __all__ = [
@@ -33,5 +33,5 @@ __all__ = [
     "apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan",
     "stage_layer_split", "model_layer_costs", "build_stage_modules", "build_pipeline_stages", "build_schedule",
     "check_schedule", "SCHEDULES",
-    "ShardSpec", "shard_spec_of", "local_grad", "clip_grad_norm_", "island_grad_norm",
+    "ShardSpec", "shard_spec_of", "local_grad", "local_state", "restore_dtensor_state", "clip_grad_norm_", "island_grad_norm",
 ]

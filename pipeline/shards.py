@@ -8,6 +8,7 @@ parameter of the same name in the unsplit model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -77,3 +78,25 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
             param.grad = grad
         return grad.to_local()
     return grad
+
+
+def local_state(obj: Any) -> Any:
+    """A state dict with every DTensor replaced by its local tensor (checkpoints load weights-only)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().cpu()
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [local_state(v) for v in obj]
+    return obj
+
+
+def restore_dtensor_state(optimizer: torch.optim.Optimizer) -> None:
+    """After loading a :func:`local_state` optimizer state: give DTensor parameters DTensor states again."""
+    for p, st in optimizer.state.items():
+        if not isinstance(p, DTensor):
+            continue
+        local_shape = tuple(p.to_local().shape)
+        for k, v in list(st.items()):
+            if torch.is_tensor(v) and not isinstance(v, DTensor) and k != "step" and tuple(v.shape) == local_shape:
+                st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from diloco.simulate import simulate
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diloco.simulate import Cluster, simulate
 from tests.conftest import tiny_config
 
 
@@ -22,3 +29,35 @@ def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
     assert result["theta_global_max_abs_diff"] < 1e-5
     # all islands evaluate the same θ_global on the same held-out batches
     assert len({round(s["eval_loss_end"], 6) for s in islands}) == 1  # evaluated on the same θ_global
+
+
+def test_islands_meet_through_a_standalone_bootstrap_node(tmp_path, no_leaked_daemons):
+    """The README's multi-server recipe with a `hivemind-dht` bootstrap node: both islands of a private
+    run join through it (neither through the other) and average every round together."""
+    boot = subprocess.Popen([str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs",
+                             "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        address = ""
+        deadline = time.time() + 60
+        while not address:
+            line = boot.stdout.readline()
+            assert line and time.time() < deadline, "the bootstrap node printed no address"
+            address = next((w for w in line.split() if w.startswith("/ip4/127.0.0.1/") and "/p2p/" in w), "")
+        cfg = tiny_config(tmp_path, **{
+            "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.run_key": "our-key",
+            "averaging.initial_peers": [address], "diloco.outer_steps": 2})
+        cluster = Cluster(cfg, 2)
+        try:
+            for i in range(2):
+                assert cluster.configs[i]["averaging"]["initial_peers"] == [address]
+                cluster.start(i)
+            cluster.wait(timeout=180)
+            summaries = cluster.summaries()
+        finally:
+            cluster.stop_all()
+    finally:
+        os.killpg(boot.pid, signal.SIGTERM)
+        boot.wait(30)
+    assert [s["rounds_ok"] for s in summaries] == [2, 2], [s["failures"] for s in summaries]
+    assert cluster.theta_spread() < 1e-6
