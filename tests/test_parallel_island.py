@@ -222,3 +222,27 @@ def test_a_run_that_ends_out_of_sync_says_so():
     theirs.final = {"outer_step": 6, "state": [9.0] * 12}  # ended earlier (stopped): not comparable
     theirs.leave()
     assert StateTransfer(island).check_in_sync(state) == ""
+
+
+def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
+    """The decisions of a catch-up (narrow unit test of the logic; the downloads are tested end to end
+    above): a state that a commit overtook during its download is downloaded again, never adopted."""
+    from diloco.state_transfer import StateTransfer
+
+    run = SimpleNamespace(furthest=4, averaging=set())
+    membership = SimpleNamespace(furthest_step=lambda: run.furthest, averaging_round=lambda s: s in run.averaging)
+    transfer = StateTransfer(SimpleNamespace(membership=membership, outer_step=2))
+    later = time.monotonic() + 60
+    assert transfer._verdict(3, 3, later, False) == "moving"  # round 4 committed while we downloaded step 3
+    assert transfer._verdict(4, 3, later, False) == "adopt"
+    run.averaging = {4}
+    assert transfer._verdict(4, 4, later, False) == "moving"  # the round of that state is in flight: wait for it
+    assert transfer._verdict(4, 3, later, False) == "adopt"  # ...but only for the round in flight when we looked
+    assert transfer._verdict(2, None, later, False) == "keep"  # not ahead of us
+    assert transfer._verdict(-1, None, later, False) == "unreachable"  # others are ahead: ask again
+    # an island that left round 2 out waits for the others to finish it, then takes their result
+    run.furthest, run.averaging = 2, {2}
+    assert transfer._verdict(2, None, later, True) == "moving"
+    run.furthest, run.averaging = 3, set()
+    assert transfer._verdict(3, 3, later, True) == "adopt"
+    assert transfer._verdict(3, 3, time.monotonic() - 1, False) == "adopt"  # past the deadline: the freshest
