@@ -109,6 +109,9 @@ class Island:
         self.outer_step = 0
         self.inner_step = 0
         self.stats = RunStats()
+        self.tokens_at_sync = 0
+        """``stats.tokens`` when the parameters were last set to θ_global (a commit or an adopted state):
+        the weight of the next pseudo-gradient is the tokens trained since."""
         self.fingerprint = config_fingerprint(cfg)
         self.state_lock = threading.Lock()
         """Held while θ_global, the outer momentum or the outer step change (joiners read them meanwhile)."""
@@ -247,16 +250,13 @@ class Island:
             self.metrics.log({"eval/loss": self.stats.eval_loss_start,
                               "eval/perplexity": math.exp(self.stats.eval_loss_start),
                               "tokens": self.stats.tokens, "outer_step": self.outer_step})
-        tokens_at_commit = self.stats.tokens
         while self.outer_step < cfg.diloco.outer_steps and not self.stop_agreed():
             t_round = time.perf_counter()
             loss = self._inner_steps(H)
             self.stats.compute_seconds += time.perf_counter() - t_round
             if self.stopping:
                 break
-            metrics = self.outer_round(self.stats.tokens - tokens_at_commit)
-            if metrics.round_ok:
-                tokens_at_commit = self.stats.tokens
+            metrics = self.outer_round(self.stats.tokens - self.tokens_at_sync)
             record = dict(metrics.record(), tokens=self.stats.tokens, outer_step=self.outer_step, loss=loss)
             if self.outer_step % cfg.logging.eval_every == 0 or self.outer_step == cfg.diloco.outer_steps:
                 t_eval = time.perf_counter()

