@@ -19,11 +19,12 @@ is pessimistic by at most ``backward seconds`` per step.  Identical initial para
 with a checksum all-reduce instead of DDP's broadcast of rank 0's parameters (every worker builds
 the model from the same seed).
 
-``bytes_sent`` is what a ring all-reduce makes each worker send per step: ``2·(k−1)/k`` × the buffer
-size (the same accounting as the hivemind averager's ``allreduce_bytes``).
+``payload_bytes_sent`` is what a ring all-reduce makes each worker send per step: ``2·(k−1)/k`` × the
+buffer size (the same accounting as the hivemind averager's ``allreduce_bytes``); the summary's
+``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire`).
 
 Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
-all workers, ``tokens_per_second``, ``bytes_sent``, ``allreduce_seconds``, ``compute_utilization``,
+all workers, ``tokens_per_second``, ``payload_bytes_sent``, ``allreduce_seconds``, ``compute_utilization``,
 ``eval/loss`` every ``inner_steps`` steps so the curves line up with DiLoCo rounds, ``outer_step`` =
 step // inner_steps) to ``<run_dir>/metrics.jsonl`` and W&B, and ``<run_dir>/summary.json`` with the
 island summary's keys where they apply.
@@ -96,6 +97,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     from diloco.metrics import MetricsLogger
     from diloco.model import build_initial_model, lm_loss
     from outer_optim import checksum
+    from peers.wire import WireCounter
     from pipeline import ModelParts, SplitSettings
 
     if cfg.threads:
@@ -135,6 +137,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         numel = sum(p.numel() for p in params)
         flat = torch.zeros(numel + 1, dtype=torch.float32, device=device)  # gradients, then the loss
         step_bytes = ring_allreduce_bytes(flat.numel() * flat.element_size(), workers)
+        wire = WireCounter(own=True)  # gloo's connections are this process's own
         tokens_per_step = workers * batches.tokens_per_batch * accum
 
         name = f"{cfg.averaging.run_id}-baseline-rank{rank}"
@@ -194,7 +197,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         if rank == 0:
             eval_start = evaluate()
             metrics.log({"eval/loss": eval_start, "eval/perplexity": math.exp(eval_start), "tokens": 0,
-                         "outer_step": 0, "bytes_sent": 0})
+                         "outer_step": 0, "payload_bytes_sent": 0})
         compute += time.perf_counter() - t_start
         window_t, window_tokens = time.perf_counter(), 0
         for step in range(total_steps):
@@ -212,8 +215,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                 metrics.log({"loss": step_loss, "perplexity": math.exp(min(step_loss, 50)),
                              "lr": sched.get_last_lr()[0], "tokens": tokens,
                              "tokens_per_second": (tokens - window_tokens) / max(now - window_t, 1e-9),
-                             "outer_step": done // H, "inner_step": done, "bytes_sent": bytes_sent,
-                             "num_peers": workers})
+                             "outer_step": done // H, "inner_step": done,
+                             "payload_bytes_sent": bytes_sent, "num_peers": workers})
                 window_t, window_tokens = now, tokens
             if done % H == 0 or done == total_steps:
                 t_eval = time.perf_counter()
@@ -222,14 +225,15 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                 wall = time.perf_counter() - t_start
                 metrics.log({"eval/loss": eval_end, "eval/perplexity": math.exp(eval_end), "tokens": tokens,
                              "outer_step": done // H, "inner_step": done, "loss": step_loss,
-                             "bytes_sent": bytes_sent, "bytes_received": bytes_sent,
-                             "allreduce_seconds": comm_window, "num_peers": workers, "round_ok": 1,
+                             "payload_bytes_sent": bytes_sent, "allreduce_seconds": comm_window, "num_peers": workers, "round_ok": 1,
                              "compute_utilization": compute / max(wall, 1e-9)})
                 comm_window = 0.0
                 print(f"[baseline] step {done}/{total_steps} (outer step {done // H}) loss={step_loss:.3f} "
                       f"eval={eval_end:.3f} comm={comm:.1f}s compute={compute:.1f}s", flush=True)
         dist.barrier()
         wall = time.perf_counter() - t_start
+        seen = wire.take()
+        wire_sent, wire_received = (seen.sent, seen.received) if seen is not None else (bytes_sent, bytes_sent)
         per_rank = torch.zeros(workers, 2, dtype=torch.float64, device=device)
         per_rank[rank, 0], per_rank[rank, 1] = compute, comm
         dist.all_reduce(per_rank)
@@ -237,7 +241,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             "island": name, "workers": workers, "outer_step": total_steps // H, "inner_step": total_steps,
             "tokens": tokens, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
             "rounds_ok": total_steps if workers > 1 else 0, "rounds_failed": 0,
-            "bytes_sent": bytes_sent, "bytes_received": bytes_sent, "bytes_per_step": step_bytes,
+            "bytes_sent": wire_sent, "bytes_received": wire_received, "payload_bytes_sent": bytes_sent,
+            "payload_bytes_received": bytes_sent, "bytes_per_step": step_bytes,
             "compute_seconds": compute, "comm_seconds": comm, "wall_seconds": wall,
             "compute_seconds_per_rank": per_rank[:, 0].tolist(), "comm_seconds_per_rank": per_rank[:, 1].tolist(),
             "theta_checksum": checksum(dict(model.named_parameters())), "losses": step_losses,

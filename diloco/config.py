@@ -160,6 +160,10 @@ class AveragingConfig:
     """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
     member_ttl: float = 60.0
     """Seconds an island's registration lives without a heartbeat (refreshed every third of it)."""
+    rejoin_after: float = 30.0
+    """Seconds an island alone in the run, although it knew live islands (it restarted while none of them
+    answered, or the network split), waits before it restarts its peer node through their addresses;
+    the wait doubles after each try, up to ten times this."""
     bucket_numel: int = 4_000_000
     """Elements per bucket of the pseudo-gradient (the unit one island rank averages with the other islands,
     each bucket over its own hivemind averager); must be the same on every island of a run."""
@@ -525,7 +529,7 @@ def validate(cfg: Config) -> list[str]:
     if a.max_norm_ratio < 0:
         p.append(f"--averaging.max_norm_ratio must be 0 (off) or positive, got {a.max_norm_ratio}")
     for name in ("allreduce_timeout", "next_chunk_timeout", "startup_timeout", "state_download_timeout",
-                 "vote_timeout", "member_ttl"):
+                 "vote_timeout", "member_ttl", "rejoin_after"):
         if getattr(a, name) <= 0:
             p.append(f"--averaging.{name} must be positive, got {getattr(a, name)}")
     for addr in a.initial_peers:

@@ -121,6 +121,8 @@ class Island:
         self.averager: Any = None
         self.membership: Any = None
         self.fallback: Any = None
+        self.wire: Any = None  # peers.wire.WireCounter of this rank's DHT daemon
+        self.alone = peer_setup.AloneWatch(cfg.averaging.rejoin_after)
         self.metrics: MetricsLogger | NullMetrics | None = None
         self.guard = NormGuard(cfg.averaging.max_norm_ratio)
         self.faults = FaultPlan.from_env()
@@ -149,11 +151,20 @@ class Island:
         return out
 
     # ------------------------------------------------------------------------------ peers
-    def connect(self) -> None:
-        """Start every rank's DHT and averager (collective); rank 0 prints how others join."""
-        peer_setup.connect(self)
+    def connect(self, rejoin: list[str] | None = None) -> None:
+        """Start every rank's DHT and averager (collective); rank 0 prints how others join.
+        ``rejoin``: peer addresses to reach by restarting the peer node (an island alone in the run)."""
+        peer_setup.reconnect(self, rejoin) if rejoin else peer_setup.connect(self)
+        self.hooks = [h for h in self.hooks if not isinstance(h, MembershipHook)]
         if self.membership is not None:
             self.hooks.append(MembershipHook(self.membership))
+
+    def rejoin_if_alone(self) -> None:
+        """Collective: an island alone in the run although it knew live islands restarts its peer node
+        through their addresses, from time to time (see :class:`diloco.peer_setup.AloneWatch`)."""
+        known = self.transfer.main_decides(lambda: self.alone.due(self))
+        if known:
+            self.connect(rejoin=known)
 
     def state_fingerprint(self) -> list[float]:
         """Collective: fingerprint of the whole θ_global in canonical bucket order, the same on every
@@ -185,6 +196,7 @@ class Island:
 
     def outer_round(self, tokens_in_round: int) -> RoundMetrics:
         """Catch up if the run moved on without us, else one outer round (see :func:`outer_round`)."""
+        self.rejoin_if_alone()
         if self.transfer.catch_up():
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.stats.rounds_failed += 1
@@ -304,6 +316,7 @@ class Island:
         out_of_sync = self.transfer.check_in_sync(self.state_fingerprint())
         if out_of_sync:
             log.error("%s", out_of_sync)
+        peer_setup.count_bytes(self, 0, 0, through_torch=False)  # what moved since the last round
         theta, theta_checksum = self.theta_global()
         if self.is_main:
             torch.save(theta, self.run_dir / "theta_global.pt")
@@ -312,7 +325,8 @@ class Island:
             "island": self.name, "outer_step": self.outer_step, "inner_step": self.inner_step, "tokens": s.tokens,
             "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
             "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
-            "bytes_received": s.bytes_received, "compute_seconds": s.compute_seconds,
+            "bytes_received": s.bytes_received, "payload_bytes_sent": s.payload_bytes_sent,
+            "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
             "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": theta_checksum,
             "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
         }

@@ -64,7 +64,7 @@ class MetricsLogger:
 
     def summary(self, values: dict[str, Any]) -> None:
         """Final figures: written to ``summary.json`` and the W&B run summary."""
-        (self.run_dir / "summary.json").write_text(json.dumps(_json_safe(values), indent=2, allow_nan=False))
+        (self.run_dir / "summary.json").write_text(json.dumps(json_safe(values), indent=2, allow_nan=False))
         if self._wandb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float, str)):
@@ -78,14 +78,14 @@ class MetricsLogger:
             self._wandb = None
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """``value`` with NaN and infinities as null, so the file is JSON that any reader accepts."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -137,7 +137,11 @@ class RunStats:
     rounds_ok: int = 0
     rounds_failed: int = 0
     bytes_sent: int = 0
+    """Bytes on the wire to other islands (the kernel's counts; see :mod:`peers.wire`)."""
     bytes_received: int = 0
+    payload_bytes_sent: int = 0
+    """Bytes of pseudo-gradient the all-reduce sent (what the exchange computed, no headers or DHT)."""
+    payload_bytes_received: int = 0
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     tokens: int = 0

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diloco.faults import FaultPlan
-from diloco.peer_setup import remember_peers
+from diloco.peer_setup import count_bytes, remember_peers
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -40,6 +40,7 @@ class RoundMetrics:
     allreduce_seconds: float
     bytes_sent: int
     bytes_received: int
+    payload_bytes_sent: int
     outer_lr: float
     round_failure: str
     averaging_backend: str
@@ -49,8 +50,8 @@ class RoundMetrics:
     def skipped(cls, island: Island, reason: str) -> RoundMetrics:
         """A round this island did not take part in (it caught up with the run instead)."""
         s = island.stats
-        return cls(0, 0, float("nan"), float("nan"), 0.0, s.bytes_sent, s.bytes_received, island.outer.lr, reason,
-                   "none", 0)
+        return cls(0, 0, float("nan"), float("nan"), 0.0, s.bytes_sent, s.bytes_received, s.payload_bytes_sent,
+                   island.outer.lr, reason, "none", 0)
 
     def record(self) -> dict[str, Any]:
         """The metrics as a flat record."""
@@ -144,15 +145,12 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
         _commit(island, averaged, avg_norm)
     for h in hooks:
         h.after(island)
-    # the island's slow-link traffic is the sum over its ranks
-    sent, received = island.rt.reduce([float(result.bytes_sent), float(result.bytes_received)])
-    s = island.stats
-    s.bytes_sent += int(sent)
-    s.bytes_received += int(received)
-    s.comm_seconds += result.seconds
     backend = getattr(result, "backend", "") or ("local" if island.cfg.averaging.backend == "local" else "none")
+    count_bytes(island, result.bytes_sent, result.bytes_received, through_torch=backend == "torch")
+    s = island.stats
+    s.comm_seconds += result.seconds
     return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
-                        s.bytes_received, island.outer.lr, reason, backend,
+                        s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,
                         int(bool(getattr(result, "fallback_reason", ""))))
 
 

@@ -12,17 +12,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from diloco.config import AveragingConfig
 from diloco.errors import TrainingError
 from peers.averager import AveragerSettings
-from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
+from peers.dht import NetworkSettings, PeerNetworkError, listens, start_dht, tcp_port, visible_maddrs
 from peers.local import LocalAverager
 from peers.membership import Membership, check_run_key, key_check_key, new_run_key
 from peers.sharded import ShardedAverager
+from peers.wire import WireCounter
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -37,22 +40,28 @@ RUN_KEY = "run.key"
 its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
 
 
-def connect(island: Island) -> None:
+def connect(island: Island, rejoin: list[str] | None = None, port: int = 0) -> None:
     """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
-    other islands join.  Sets ``island.dht``, ``averager``, ``membership`` and ``fallback``."""
+    other islands join.  Sets ``island.dht``, ``averager``, ``membership``, ``fallback`` and ``wire``.
+    ``rejoin``: addresses of islands to reach (besides the initial peers) when this island, alone in
+    the run, restarts its peer node (see :class:`AloneWatch`), on this rank's former ``port``."""
     a, rt = island.cfg.averaging, island.rt
     if a.backend == "local":
         island.averager = LocalAverager()
         return
-    resuming = bool(island.cfg.checkpoint.resume)
+    resuming = bool(island.cfg.checkpoint.resume) or rejoin is not None
+    if rt.is_main and not resuming:
+        (island.run_dir / KNOWN_PEERS).unlink(missing_ok=True)  # addresses of an earlier run, not this one
     if resuming and not a.run_key and not a.public:
         a = dataclasses.replace(a, run_key=_remembered(island, RUN_KEY).strip())
     run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
     if rt.is_main and not a.public:
         _remember(island, RUN_KEY, run_key + "\n", private=True)
     if a.backend != "torch":
-        remembered = _remembered(island, KNOWN_PEERS).split() if resuming else []
-        island.dht = _start_dht(island, "" if a.public else run_key, remembered)
+        remembered = rejoin if rejoin is not None else _remembered(island, KNOWN_PEERS).split() if resuming else []
+        island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None,
+                                port=port)
+        island.wire = WireCounter(root=island.dht.pid)
         if not a.public:
             problem = rt.bcast(check_run_key(island.dht, a.run_id, run_key, a.startup_timeout) if rt.is_main else "")
             if problem:
@@ -84,6 +93,68 @@ def connect(island: Island) -> None:
         announce_join(island.name, island.dht, a, run_key)
 
 
+class AloneWatch:
+    """Notices when an island is alone in the run although it knew live islands (it restarted while none
+    of them answered, or the network split: two halves that never meet again) and says when to restart
+    its peer node through their addresses: after ``rejoin_after`` seconds alone, then at doubling
+    intervals (up to ten times that, with jitter so that two lonely islands do not retry in step)."""
+
+    def __init__(self, rejoin_after: float):
+        self.first = rejoin_after
+        self.since: float | None = None
+        self.wait = rejoin_after
+
+    def due(self, island: Island) -> list[str]:
+        """On rank 0: the addresses to reach now ([] if the island is not alone or it is not yet time)."""
+        known = _remembered(island, KNOWN_PEERS).split()
+        if island.membership is None or not known or island.membership.others():
+            self.since, self.wait = None, self.first
+            return []
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning("alone in the run although %d peer address(es) of other islands were live before; "
+                        "trying to reach them again in %.0f s", len(known), self.wait)
+        if now - self.since < self.wait:
+            return []
+        self.since, self.wait = now, min(2 * self.wait, 10 * self.first) * random.uniform(0.8, 1.2)
+        answering = [k for k in known if listens(k)]
+        if not answering:
+            log.warning("still alone in the run: none of the %d known peer address(es) answers; trying again "
+                        "in %.0f s", len(known), self.wait)
+            return []
+        log.warning("still alone in the run: restarting the peer node through %d known peer address(es) that "
+                    "answer", len(answering))
+        return answering
+
+
+def reconnect(island: Island, known: list[str]) -> None:
+    """Collective: restart every rank's peer node (on the ports they listened on) to join ``known``."""
+    port = tcp_port(island.dht) if island.dht is not None else 0
+    count_bytes(island, 0, 0, through_torch=False)  # the daemon's counts go with it
+    disconnect(island)
+    connect(island, rejoin=known, port=port)
+
+
+def count_bytes(island: Island, payload_sent: int, payload_received: int, through_torch: bool) -> None:
+    """Collective: add the slow-link traffic since the last count, summed over the island's ranks, to its totals.
+
+    ``bytes_*``: what the kernel counted on the connections of the ranks' DHT daemons (all of hivemind's
+    traffic: parts, votes, DHT records, state downloads; headers included).  A round that went through
+    torch.distributed (or a machine where the kernel cannot tell) adds the payload the exchange
+    computed instead.  ``payload_bytes_*``: the all-reduce payload alone."""
+    wire = island.wire.take() if island.wire is not None else None
+    sent, received = (wire.sent, wire.received) if wire is not None else (0, 0)
+    if wire is None or through_torch:
+        sent, received = sent + payload_sent, received + payload_received
+    totals = island.rt.reduce([float(sent), float(received), float(payload_sent), float(payload_received)])
+    s = island.stats
+    s.bytes_sent += int(totals[0])
+    s.bytes_received += int(totals[1])
+    s.payload_bytes_sent += int(totals[2])
+    s.payload_bytes_received += int(totals[3])
+
+
 def disconnect(island: Island) -> None:
     """Announce leaving, stop the averagers and the DHT (idempotent)."""
     if island.membership is not None:
@@ -95,7 +166,7 @@ def disconnect(island: Island) -> None:
     if island.dht is not None:
         island.dht.shutdown()
         island.dht = None
-    island.fallback = None
+    island.fallback = island.wire = None
 
 
 def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
@@ -155,18 +226,19 @@ def _remembered(island: Island, name: str) -> str:
     return path.read_text() if path.is_file() else ""
 
 
-def _start_dht(island: Island, run_key: str, remembered: list[str]) -> Any:
+def _start_dht(island: Island, run_key: str, remembered: list[str], alone_ok: bool = False, port: int = 0) -> Any:
     """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
-    islands it ``remembered`` from before a restart, the other ranks bootstrap from it (and from the
-    initial peers).  Rank ``r`` of a server listens on the configured port + local rank (port 0 stays 0)
-    and keeps its identity in ``<identity_path>.rank<r>``."""
+    islands it ``remembered`` from before a restart (if none answers: alone, when it has no initial
+    peers or ``alone_ok``), the other ranks bootstrap from it (and from the initial peers).  Rank ``r``
+    of a server listens on the configured port + local rank (port 0 stays 0, unless ``port`` says which
+    one this rank listened on before) and keeps its identity in ``<identity_path>.rank<r>``."""
     a, rt = island.cfg.averaging, island.rt
     local_rank = int(os.environ.get("LOCAL_RANK", rt.global_rank))
     identity = f"{a.identity_path}.rank{local_rank}" if a.identity_path and local_rank else a.identity_path
 
     def network(initial: list[str]) -> NetworkSettings:
         return NetworkSettings(
-            initial_peers=initial, host_maddrs=[_shift_port(m, local_rank) for m in a.host_maddrs],
+            initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
             announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
             client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key,
             open_keys=(key_check_key(a.run_id),))
@@ -178,11 +250,12 @@ def _start_dht(island: Island, run_key: str, remembered: list[str]) -> Any:
             try:
                 dht = start_dht(network(initial))
             except PeerNetworkError:
-                if a.initial_peers or not remembered:
+                if not remembered or (a.initial_peers and not alone_ok):
                     raise
                 # the first island of the run restarting: nobody it knew answers, so it starts the run anew
-                log.warning("none of the %d peer address(es) this island knew from before its restart answered; "
-                            "starting a new peer network (other islands must join it)", len(remembered))
+                log.warning("none of the %d peer address(es) this island knew answered; starting a new peer "
+                            "network (other islands must join it; this island keeps trying to reach them)",
+                            len(remembered))
                 dht = start_dht(network([]))
             if remembered:
                 log.info("bootstrapped through --initial-peers and %d remembered peer address(es)", len(remembered))
@@ -206,8 +279,10 @@ def _start_dht(island: Island, run_key: str, remembered: list[str]) -> Any:
     return dht
 
 
-def _shift_port(maddr: str, by: int) -> str:
-    """``maddr`` with its TCP/UDP port moved up by ``by`` (port 0, "any free port", stays 0)."""
-    if not by:
-        return maddr
-    return re.sub(r"/(tcp|udp)/(\d+)", lambda m: f"/{m[1]}/{int(m[2]) + by if int(m[2]) else 0}", maddr)
+def _shift_port(maddr: str, by: int, instead_of_0: int = 0) -> str:
+    """``maddr`` with its TCP/UDP port moved up by ``by`` (port 0, "any free port", stays 0, or becomes
+    ``instead_of_0`` for TCP)."""
+    def port(m: re.Match) -> str:
+        p = int(m[2])
+        return f"/{m[1]}/{p + by if p else (instead_of_0 if m[1] == 'tcp' else 0)}"
+    return re.sub(r"/(tcp|udp)/(\d+)", port, maddr)

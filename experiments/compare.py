@@ -137,8 +137,8 @@ def curve_from_metrics(run_dir: Path, token_scale: int = 1) -> list[dict[str, fl
     bytes_so_far = 0.0
     points = []
     for r in records:
-        if "bytes_sent" in r:
-            bytes_so_far = float(r["bytes_sent"])
+        if "payload_bytes_sent" in r:
+            bytes_so_far = float(r["payload_bytes_sent"])
         if "eval/loss" in r:
             points.append({"tokens": float(r.get("tokens", 0)) * token_scale, "bytes": bytes_so_far,
                            "seconds": float(r["time"] - t0), "eval_loss": float(r["eval/loss"]),
@@ -154,9 +154,10 @@ def _diloco_result(name: str, kind: str, out: dict[str, Any]) -> RunResult:
     compute = sum(s["compute_seconds"] for s in summaries) / n
     return RunResult(
         name=name, kind=kind, workers=n, curve=curve_from_metrics(Path(out["run_dirs"][0]), token_scale=n),
-        final_eval_loss=float(first["eval_loss_end"]), bytes_per_worker=float(max(s["bytes_sent"] for s in summaries)),
+        final_eval_loss=float(first["eval_loss_end"]), bytes_per_worker=float(max(s["payload_bytes_sent"] for s in summaries)),
         wall_seconds=float(wall), compute_seconds=float(compute),
         extra={"comm_seconds": sum(s["comm_seconds"] for s in summaries) / n,
+               "counted_bytes_sent": [s["bytes_sent"] for s in summaries],
                "rounds_ok": [s["rounds_ok"] for s in summaries], "rounds_failed": [s["rounds_failed"] for s in summaries],
                "tokens": sum(s["tokens"] for s in summaries), "inner_steps_per_worker": first["inner_step"],
                "theta_global_max_abs_diff": out["theta_global_max_abs_diff"],
@@ -164,12 +165,25 @@ def _diloco_result(name: str, kind: str, out: dict[str, Any]) -> RunResult:
                "failures": [f for s in summaries for f in s.get("failures", [])][:20]})
 
 
+def counted_vs_link(r: RunResult, link_tx: list[int]) -> str:
+    """How far the bytes a run's workers counted on their own connections (``bytes_sent``, from the
+    kernel's per-socket counts) are from their hosts' link counters."""
+    counted = r.extra["counted_bytes_sent"]
+    gaps = [c / t - 1 for c, t in zip(counted, link_tx) if t]
+    r.extra["counted_vs_link_max_gap"] = max(gaps, key=abs) if gaps else None
+    pairs = ", ".join(f"{format_bytes(c)} vs {format_bytes(t)}" for c, t in zip(counted, link_tx))
+    worst = f"{100 * r.extra['counted_vs_link_max_gap']:+.2f}%" if gaps else "n/a"
+    return (f"{r.name}: bytes_sent the workers counted vs their hosts' link counters: {pairs} "
+            f"(largest gap {worst})")
+
+
 def _baseline_result(name: str, summary: dict[str, Any], run_dir: Path) -> RunResult:
     return RunResult(
         name=name, kind="ddp", workers=int(summary["workers"]), curve=curve_from_metrics(run_dir),
-        final_eval_loss=float(summary["eval_loss_end"]), bytes_per_worker=float(summary["bytes_sent"]),
+        final_eval_loss=float(summary["eval_loss_end"]), bytes_per_worker=float(summary["payload_bytes_sent"]),
         wall_seconds=float(summary["wall_seconds"]), compute_seconds=float(summary["compute_seconds"]),
         extra={"comm_seconds": summary["comm_seconds"], "tokens": summary["tokens"],
+               "counted_bytes_sent": [summary["bytes_sent"]],
                "inner_steps_per_worker": summary["inner_step"], "bytes_per_step": summary["bytes_per_step"],
                "comm_seconds_per_rank": summary.get("comm_seconds_per_rank"),
                "compute_seconds_per_rank": summary.get("compute_seconds_per_rank"),
@@ -221,7 +235,7 @@ def acceptance_lines(single: RunResult | None, base: RunResult, dl: RunResult, H
     return lines, checks
 
 
-def _iface_tx_bytes(network: Any) -> list[int]:
+def link_tx_bytes(network: Any) -> list[int]:
     """Bytes each emulated host has sent on its link so far (kernel counters, headers included)."""
     out = []
     for h in network.hosts:
@@ -349,9 +363,9 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         c_base = _variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
                                   "wandb.group": group})
         check_network()
-        tx0 = _iface_tx_bytes(network) if network else None
+        tx0 = link_tx_bytes(network) if network else None
         s_base = run_baseline(c_base, islands, network=network, progress=progress)
-        tx1 = _iface_tx_bytes(network) if network else None
+        tx1 = link_tx_bytes(network) if network else None
         base = _baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
 
         # (c) DiLoCo with k islands
@@ -361,7 +375,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         check_network()
         out_dl = launch_islands(c_dl, islands, network=network, progress=progress)
         check_network()
-        tx2 = _iface_tx_bytes(network) if network else None
+        tx2 = link_tx_bytes(network) if network else None
         dl = _diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
     finally:
         if network is not None:
@@ -377,6 +391,8 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
                      f"busiest host): baseline {format_bytes(wire_base)}, DiLoCo {format_bytes(wire_dl)} "
                      f"(the DiLoCo figure includes the one-time download of θ_global and the outer momentum by "
                      f"each joining island); ratio {wire_base / max(wire_dl, 1):.1f}×")
+        notes.append(counted_vs_link(base, [b - a for a, b in zip(tx0, tx1)]))
+        notes.append(counted_vs_link(dl, [b - a for a, b in zip(tx1, tx2)]))
     acc, checks = acceptance_lines(single, base, dl, H, capped)
     model_lines = [wall_model_line(r, rate_bits) for r in results]
     notes += model_lines + acc

@@ -319,18 +319,19 @@ def plot_curves(results: Sequence[RunResult], key: str, path: Path, *, xlabel: s
 # --------------------------------------------------------------------------- report
 
 
-def _json_safe(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
+    """``x`` with non-finite floats, paths and array scalars made strict JSON (NaN becomes null)."""
     if isinstance(x, float) and not math.isfinite(x):
         return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     if isinstance(x, Path):
         return str(x)
     if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
         try:
-            return _json_safe(x.item())
+            return json_safe(x.item())
         except Exception:
             pass
     if isinstance(x, (str, int, float, bool)) or x is None:
@@ -404,5 +405,5 @@ def write_report(
         "notes": notes,
         "runs": [{**r.to_dict(), "derived": _derived(r, ref)} for r in results],
     }
-    (out_dir / "results.json").write_text(json.dumps(_json_safe(payload), indent=2) + "\n", encoding="utf-8")
+    (out_dir / "results.json").write_text(json.dumps(json_safe(payload), indent=2) + "\n", encoding="utf-8")
     return md_path

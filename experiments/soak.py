@@ -8,12 +8,14 @@ link, see :mod:`experiments.netns`; needs root, else it says so and stops).  Kil
 moments (uniformly between 0.5 and 1.5 times ``--kill-every`` round lengths apart), not at phase
 boundaries.  Prints, per island, rounds committed and rolled back, kills survived and exit codes; then
 the spread of θ_global across islands at the end (0 means bit-identical), the share of rounds committed
-among rounds with no kill in flight, and the longest stretch without a committed round.
+among rounds with no kill in flight, and the longest stretch without a committed round; writes them
+to ``--out`` (``results.md``, ``results.json``) with ``timeline.png`` (every island's rounds over time).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import signal
 import statistics
@@ -26,6 +28,8 @@ import torch
 from diloco.config import load
 from diloco.metrics import read_metrics
 from diloco.simulate import Cluster
+from experiments.compare import link_tx_bytes
+from experiments.report import format_bytes, json_safe, markdown_table
 
 SOAK_DEFAULTS = {
     "model.preset": "tiny", "diloco.outer_steps": 40, "diloco.inner_steps": 40, "inner.batch_size": 4,
@@ -60,15 +64,16 @@ def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
                 clean_ok += int(r["round_ok"])
         commits += [r["time"] for r in rounds if r["round_ok"]]
     commits.sort()
-    gap = max((b - a for a, b in zip(commits, commits[1:])), default=0.0)
+    gap, gap_at = max(((b - a, a) for a, b in zip(commits, commits[1:])), default=(0.0, 0.0))
     round_s = statistics.median(spans) if spans else float("nan")
-    return {"clean_rounds": clean, "clean_committed": clean_ok, "longest_gap_s": gap, "round_s": round_s}
+    return {"clean_rounds": clean, "clean_committed": clean_ok, "longest_gap_s": gap, "longest_gap_from": gap_at,
+            "round_s": round_s}
 
 
-def soak(islands: int, kill_every: float, seed: int, rate: str, overrides: list[str]) -> int:
+def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overrides: list[str]) -> int:
     """Run the soak; return 0 if every island ended in sync with finite parameters and exit code 0."""
     cfg = load(None, [x for k, v in SOAK_DEFAULTS.items() for x in (f"--{k}", str(v))] + overrides)
-    network = None
+    network, link_tx = None, []
     if rate:
         from experiments import netns
 
@@ -77,6 +82,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, overrides: list[
             print(f"error: --rate needs emulated hosts: {why}", file=sys.stderr)
             return 2
         network = netns.EmulatedNetwork(islands, rate=rate)
+        tx0 = link_tx_bytes(network)
     rng = random.Random(seed)
     kills = {i: 0 for i in range(islands)}
     kill_times: list[float] = []
@@ -93,7 +99,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, overrides: list[
         next_kill = None
         while cluster.running():
             leader = max(current_round(d) for d in cluster.run_dirs)
-            if next_kill is None and leader >= 1:
+            if next_kill is None and leader >= 1 and kill_every > 0:
                 round_s = (time.time() - t0) / leader
                 next_kill = time.time() + rng.uniform(0.5, 1.5) * kill_every * round_s
             alive = [i for i in range(islands) if cluster.alive(i)]
@@ -117,37 +123,84 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, overrides: list[
         finite = all(torch.isfinite(t).all() for d in cluster.run_dirs
                      for t in torch.load(d / "theta_global.pt", weights_only=True).values())
         report = round_report(cluster.run_dirs, kill_times)
+        link_tx = [b - a for a, b in zip(tx0, link_tx_bytes(network))] if network else []
     finally:
         if "cluster" in locals():
             cluster.stop_all()
         if network is not None:
             network.close()
-    print()
-    print(f"{'island':8} {'committed':>9} {'rolled back':>11} {'SIGKILLs':>8} {'exit':>5} {'final eval loss':>15}")
-    for i, s in enumerate(summaries):
-        print(f"{i:<8} {s['rounds_ok']:>9} {s['rounds_failed']:>11} {kills[i]:>8} {codes[i]:>5} "
-              f"{s['eval_loss_end']:>15.3f}")
-    total = sum(kills.values())
+    rows = [[i, s["rounds_ok"], s["rounds_failed"], kills[i], codes[i], s["eval_loss_end"], s["bytes_sent"]]
+            for i, s in enumerate(summaries)]
     share = report["clean_committed"] / max(1, report["clean_rounds"])
-    print(f"\nfaults injected: {total} SIGKILLs at random moments; every island finished round "
-          f"{min(s['outer_step'] for s in summaries)}")
-    print(f"rounds committed among rounds with no kill in flight: {report['clean_committed']}/"
-          f"{report['clean_rounds']} = {share:.0%}")
-    print(f"longest stretch without a committed round: {report['longest_gap_s']:.0f} s "
-          f"({report['longest_gap_s'] / report['round_s']:.1f} median round lengths of {report['round_s']:.1f} s)")
-    print(f"θ_global spread across islands at the end: {spread:.3g} (all finite: {finite})")
-    print(f"exit codes: {codes}; wall-clock: {time.time() - t0:.0f} s")
+    lines = [
+        markdown_table(["island", "committed", "rolled back", "SIGKILLs", "exit", "final eval loss", "bytes sent"],
+                       [r[:-1] + [format_bytes(r[-1])] for r in rows], float_fmt="{:.3f}"),
+        "",
+        f"- faults injected: {sum(kills.values())} SIGKILLs at random moments; every island finished round "
+        f"{min(s['outer_step'] for s in summaries)}",
+        f"- rounds committed among rounds with no kill in flight: {report['clean_committed']}/"
+        f"{report['clean_rounds']} = {share:.0%}",
+        f"- longest stretch without a committed round: {report['longest_gap_s']:.0f} s "
+        f"({report['longest_gap_s'] / report['round_s']:.1f} median round lengths of {report['round_s']:.1f} s), "
+        f"from {report['longest_gap_from'] - t0:.0f} s",
+        f"- θ_global spread across islands at the end: {spread:.3g} (all finite: {finite})",
+        f"- exit codes: {codes}; wall-clock: {time.time() - t0:.0f} s",
+    ]
+    if link_tx:
+        gaps = [r[-1] / t - 1 for r, t in zip(rows, link_tx)]
+        lines.append("- bytes_sent the islands counted vs their hosts' link counters: "
+                     + ", ".join(f"{format_bytes(r[-1])} vs {format_bytes(t)} ({100 * g:+.2f}%)"
+                                 for r, t, g in zip(rows, link_tx, gaps, strict=True))
+                     + (" (a SIGKILLed process loses what it sent since its last checkpoint)" if kill_times else ""))
+        report["counted_vs_link"] = gaps
+    print("\n" + "\n".join(lines))
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m experiments.soak " + " ".join(sys.argv[1:])
+    (out / "results.md").write_text(f"# Soak\n\n`{command}`\n\n" + "\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(json_safe(dict(
+        report, islands=rows, kill_times=[k - t0 for k in kill_times], spread=spread, exit_codes=codes,
+        command=command)), indent=1))
+    plot_timeline(cluster.run_dirs, kill_times, t0, out / "timeline.png")
+    print(f"results in {out}/ (results.md, results.json, timeline.png)")
     return 0 if finite and spread < 1e-5 and not any(codes) else 1
+
+
+def plot_timeline(run_dirs: list[Path], kill_times: list[float], t0: float, path: Path) -> None:
+    """Outer step of each island against wall-clock, committed rounds as dots, failed ones as crosses,
+    SIGKILLs as vertical lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for k in kill_times:
+        ax.axvline(k - t0, color="0.85", lw=0.8, zorder=0)
+    for i, d in enumerate(run_dirs):
+        rounds = [r for r in read_metrics(d) if "round_ok" in r]
+        for ok, marker in ((1, "."), (0, "x")):
+            pts = [(r["time"] - t0, r["outer_step"]) for r in rounds if r["round_ok"] == ok]
+            if pts:
+                ax.scatter(*zip(*pts), s=12 if ok else 24, marker=marker, color=f"C{i}",
+                           label=f"island {i}" if ok else None)
+    ax.set_xlabel("wall-clock (s); grey lines: SIGKILLs")
+    ax.set_ylabel("outer step")
+    ax.set_title("Soak: rounds committed (dots) and rolled back or skipped (crosses)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--islands", type=int, default=4)
-    parser.add_argument("--kill-every", type=float, default=3, help="mean rounds between two kills")
+    parser.add_argument("--kill-every", type=float, default=3, help="mean rounds between two kills (0: none)")
     parser.add_argument("--rate", default="", help="cap every island's link (e.g. 20mbit; needs root)")
     parser.add_argument("--soak-seed", type=int, default=0, help="seed of the choice of victims and moments")
+    parser.add_argument("--out", type=Path, default=Path("runs/soak-results"),
+                        help="where results.md, results.json and timeline.png go")
     args, rest = parser.parse_known_args(argv)
-    return soak(args.islands, args.kill_every, args.soak_seed, args.rate, rest)
+    return soak(args.islands, args.kill_every, args.soak_seed, args.rate, args.out, rest)
 
 
 if __name__ == "__main__":

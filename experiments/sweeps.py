@@ -115,7 +115,7 @@ def run_one(cfg: Config, islands: int, run_dir: Path, progress: bool = True) -> 
         "islands": islands, "H": c.diloco.inner_steps, "outer_optimizer": c.diloco.outer_optimizer,
         "steps_per_worker": first["inner_step"], "tokens": sum(x["tokens"] for x in s),
         "final_eval_loss": float(first["eval_loss_end"]), "perplexity": math.exp(float(first["eval_loss_end"])),
-        "bytes_per_worker": max(x["bytes_sent"] for x in s), "wall_seconds": max(x["wall_seconds"] for x in s),
+        "bytes_per_worker": max(x["payload_bytes_sent"] for x in s), "wall_seconds": max(x["wall_seconds"] for x in s),
         "rounds_ok": min(x["rounds_ok"] for x in s), "rounds_failed": max(x["rounds_failed"] for x in s),
         "curve": curve_from_metrics(Path(out["run_dirs"][0]), token_scale=islands),
     }

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -127,3 +129,22 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """The full multiaddrs (with /p2p/PEER_ID) other islands can pass as initial peers."""
     return [str(a) for a in dht.get_visible_maddrs()]
+
+
+def listens(maddr: str, timeout: float = 2.0) -> bool:
+    """Whether something accepts TCP connections at ``maddr`` (/ip4|ip6|dns*/HOST/tcp/PORT/...): a cheap
+    check before restarting a node to join it (a stopped process's port still accepts)."""
+    m = re.match(r"/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)", maddr)
+    if not m:
+        return False
+    try:
+        socket.create_connection((m[1], int(m[2])), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def tcp_port(dht: hivemind.DHT) -> int:
+    """The TCP port ``dht`` listens on (0 if none)."""
+    ports = [int(m[1]) for a in visible_maddrs(dht) if (m := re.search(r"/tcp/(\d+)", a))]
+    return ports[0] if ports else 0

@@ -92,6 +92,37 @@ def test_first_island_restarted_with_its_own_command_rejoins_the_run(tmp_path, n
     assert late and all(r["num_peers"] >= 2 for r in late), "the restarted first island averaged with nobody"
 
 
+def test_islands_split_by_a_partition_find_each_other_again(tmp_path, no_leaked_daemons):
+    """Island 1 is frozen (a network split, as far as the others can tell) while island 0 restarts: island
+    0 finds nobody and starts a peer network of its own.  Once island 1 thaws, the two halves would run
+    on alone for good; the lonely island restarts its peer node through the addresses it knew and the
+    two average together again, ending in sync."""
+    cluster = Cluster(_cfg(tmp_path, **{"averaging.rejoin_after": 3.0}), 2, env={0: {"DILOCO_FAULTS": "kill@inner:3"}})
+    frozen: list[int] = []
+    try:
+        cluster.start_all()
+        _wait_for(lambda: not cluster.alive(0), 120)
+        frozen = [cluster.procs[1].pid, *descendants(cluster.procs[1].pid)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        cluster.restart(0, env={"DILOCO_FAULTS": ""}, as_launched=True)
+        _wait_for(lambda: "starting a new peer network" in cluster.logs[0].read_text(), 120)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        frozen = []
+        cluster.wait(timeout=300)
+        summaries = _assert_in_sync(cluster, [0, 1])
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        cluster.stop_all()
+    assert [s["outer_step"] for s in summaries] == [ROUNDS] * 2
+    assert "restarting the peer node" in cluster.logs[0].read_text() + cluster.logs[1].read_text()
+    for d in cluster.run_dirs:
+        last = [r for r in read_metrics(d) if "round_ok" in r][-3:]
+        assert sum(r["round_ok"] for r in last) >= 2 and all(r["num_peers"] == 2 for r in last if r["round_ok"]), last
+
+
 def _run_to_the_end_with_fault(tmp_path, rounds: int, fault: str) -> tuple[Cluster, list[dict]]:
     """3 islands, island 1 with ``DILOCO_FAULTS=fault``; all must end with the same θ_global."""
     cluster = Cluster(_cfg(tmp_path, **{"diloco.outer_steps": rounds}), 3, env={1: {"DILOCO_FAULTS": fault}})

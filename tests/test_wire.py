@@ -1,0 +1,55 @@
+"""The kernel's byte counts of TCP connections (peers.wire) on real loopback sockets."""
+
+import os
+import socket
+import subprocess
+import sys
+
+from peers.wire import WireCounter, daemons, process_sockets
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    server.close()
+    return client, conn
+
+
+def _recv_all(sock: socket.socket, n: int) -> None:
+    while n:
+        n -= len(sock.recv(min(n, 1 << 16)))
+
+
+def test_counts_what_was_sent_with_headers_and_keeps_closed_connections():
+    wire = WireCounter(own=True)
+    wire.take()  # whatever this process's sockets moved before
+    client, conn = _pair()
+    payload = 3_000_000
+    client.sendall(b"x" * payload)
+    _recv_all(conn, payload)
+    got = wire.take()
+    # both ends are ours: each byte is counted once sent and once received, plus each segment's headers
+    assert payload < got.sent < 1.1 * payload + 10_000, got
+    assert payload < got.received < 1.1 * payload + 10_000, got
+    client.close()
+    conn.close()
+    assert wire.take().sent >= 0  # a closed connection keeps the counts of its last reading
+
+
+def test_finds_daemons_by_name_among_descendants_and_their_sockets():
+    child = subprocess.Popen([sys.executable, "-c", "import socket, subprocess, sys\n"
+                              "s = socket.socket()\n"
+                              "p = subprocess.Popen(['sleep', '30'])\n"
+                              "print(p.pid, flush=True)\n"
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        assert daemons(os.getpid(), "sleep") == [grandchild]
+        assert daemons(os.getpid(), "p2pd") == []
+        assert process_sockets([child.pid]), "the child's socket is seen"
+        assert not process_sockets([grandchild])
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+        subprocess.run(["kill", str(grandchild)], check=False)
