@@ -166,6 +166,8 @@ def disconnect(island: Island) -> None:
     if island.dht is not None:
         island.dht.shutdown()
         island.dht = None
+    if island.wire is not None:
+        island.wire.close()
     island.fallback = island.wire = None
 
 

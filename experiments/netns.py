@@ -299,6 +299,12 @@ def available(delay: bool = False, refresh: bool = False) -> tuple[bool, str]:
 # --------------------------------------------------------------------------- network
 
 
+SENDER_QUEUE_MS = 1000.0
+"""Queue of each host's own egress: deep enough that TCP's packets are not dropped on the sending host
+(on real paths the bottleneck queue is in the network, and a drop there is a retransmission that
+crossed the sender's link twice: the kernel's ``bytes_sent`` then equals the link's count)."""
+
+
 @dataclass(frozen=True)
 class Host:
     index: int
@@ -437,11 +443,12 @@ class EmulatedNetwork:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _shape(self, ns: str, dev: str, queue_ms: float = 0) -> None:
+        """Cap ``dev``'s egress at the link rate with a queue of ``queue_ms`` (default: ``self.queue_ms``)."""
         rate_bytes = self.rate_bits / 8
         # bucket: >= 5 ms of traffic (timer granularity) and >= a couple of frames
         burst = max(int(rate_bytes * 0.005), 4096)
-        tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", f"{self.queue_ms:g}ms"]
+        tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", f"{queue_ms or self.queue_ms:g}ms"]
         if self.latency_ms > 0:
             half = self.latency_ms / 2
             # netem must hold a full bandwidth-delay product in flight
@@ -468,7 +475,13 @@ class EmulatedNetwork:
             _run(["ip", "-n", self.hub, "link", "set", h.bridge_port, "up"])
             _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/{plen}", "dev", h.interface])
             _run(["ip", "-n", h.namespace, "link", "set", h.interface, "up"])
-            self._shape(h.namespace, h.interface)  # host -> bridge
+            # one frame per segment, as on a real link (veth would pass TSO/GSO super-packets, which
+            # tbf shapes and the link counters count with one set of headers for many segments)
+            _run(["ip", "-n", h.namespace, "link", "set", "dev", h.interface, "gso_max_segs", "1"], check=False)
+            _run(["ip", "-n", self.hub, "link", "set", "dev", h.bridge_port, "gso_max_segs", "1"], check=False)
+            # host -> bridge: a deep queue, so that a host drops nothing itself (as a server's NIC in front
+            # of a slow path); congestion drops happen on the way into the receiving host
+            self._shape(h.namespace, h.interface, queue_ms=SENDER_QUEUE_MS)
             self._shape(self.hub, h.bridge_port)  # bridge -> host
 
     def _register_owner(self) -> None:

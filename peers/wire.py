@@ -2,10 +2,11 @@
 
 hivemind's traffic (all-reduce parts, votes, DHT records, state downloads) all goes through the libp2p
 daemons (``p2pd``) that our DHT processes start.  The kernel keeps per-connection counters in
-``tcp_info`` (bytes sent including retransmissions, bytes received, segments each way); we read them
+``tcp_info`` (bytes sent, retransmissions included, bytes received, segments each way); we read them
 over netlink (``sock_diag``, the interface ``ss -ti`` uses) for every TCP socket those daemons hold.
 Each segment's headers are added (IPv4 or IPv6, TCP with its timestamp option, Ethernet), so the sum
-is what a link counter sees for this island's peer traffic.
+is what a counter of the island's link sees of its peer traffic (a packet the sending host's own
+queue drops before the link would be counted too: servers' NIC queues rarely do).
 
 A connection closed between two readings keeps the counts of its last reading: the bytes it moved
 after that are missed (libp2p keeps connections between live peers open, so this is rare).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 
 NETLINK_SOCK_DIAG = 4
@@ -137,10 +139,26 @@ class WireCounter:
     ``take()`` returns ``None`` where the kernel cannot tell (not Linux, no sock_diag): callers then
     fall back to what the exchange computed it sent, and say so."""
 
-    def __init__(self, root: int | None = None, own: bool = False):
+    def __init__(self, root: int | None = None, own: bool = False, sample_every: float = 1.0):
         self.pids = (lambda: [os.getpid()]) if own else (lambda: daemons(root if root is not None else os.getpid()))
         self._last: dict[int, WireBytes] = {}
         self._closed = self._taken = WireBytes()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if sample_every > 0:  # so that a connection closed between two takes loses at most this much
+            threading.Thread(target=self._sample, args=(sample_every,), daemon=True, name="wire-counter").start()
+
+    def _sample(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                with self._lock:
+                    self._total()
+            except OSError:
+                return
+
+    def close(self) -> None:
+        """Stop sampling in the background."""
+        self._stop.set()
 
     def _total(self) -> WireBytes:
         mine = process_sockets(self.pids())
@@ -156,7 +174,8 @@ class WireCounter:
     def take(self) -> WireBytes | None:
         """Frame bytes sent and received since the previous ``take`` (``None``: not available here)."""
         try:
-            total = self._total()
+            with self._lock:
+                total = self._total()
         except OSError:
             return None
         new, self._taken = total - self._taken, total
