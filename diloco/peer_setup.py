@@ -35,6 +35,13 @@ log = logging.getLogger("diloco")
 KNOWN_PEERS = "known_peers.txt"
 """In the run dir: multiaddrs of the live islands this island last saw, so that after a restart it finds
 the run again even when the island it first joined through is gone (or is the one restarting)."""
+IDENTITY = "identity.key"
+"""In the run dir, unless ``--averaging.identity_path`` says where: the island's private key, so that its
+peer id, like its port (``PORT``), stays the same across restarts and the addresses other islands
+remember of it stay valid."""
+PORT = "port"
+"""In the run dir, ``port.rank<r>``: the TCP port rank ``r`` listened on when configured with port 0; an
+island resumed with ``--resume`` listens there again (a free port if it is taken)."""
 RUN_KEY = "run.key"
 """In the run dir (mode 600): the run key, so that the first island of a private run, restarted with
 its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
@@ -59,8 +66,16 @@ def connect(island: Island, rejoin: list[str] | None = None, port: int = 0) -> N
         _remember(island, RUN_KEY, run_key + "\n", private=True)
     if a.backend != "torch":
         remembered = rejoin if rejoin is not None else _remembered(island, KNOWN_PEERS).split() if resuming else []
-        island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None,
-                                port=port)
+        former = port or (int(_remembered(island, f"{PORT}.rank{_local_rank(rt)}") or 0) if resuming else 0)
+        try:
+            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None,
+                                    port=former)
+        except PeerNetworkError:
+            if not former:
+                raise
+            log.warning("could not listen on port %d as before; listening on a free port", former)
+            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None)
+        _remember(island, f"{PORT}.rank{_local_rank(rt)}", f"{tcp_port(island.dht)}\n")
         island.wire = WireCounter(root=island.dht.pid)
         if not a.public:
             problem = rt.bcast(check_run_key(island.dht, a.run_id, run_key, a.startup_timeout) if rt.is_main else "")
@@ -214,9 +229,15 @@ def remember_peers(island: Island) -> None:
             _remember(island, KNOWN_PEERS, "\n".join(addresses) + "\n")
 
 
+def _local_rank(rt: Any) -> int:
+    return int(os.environ.get("LOCAL_RANK", rt.global_rank))
+
+
 def _remember(island: Island, name: str, text: str, private: bool = False) -> None:
+    """Write ``text`` to ``name`` in the run dir atomically."""
     path = island.run_dir / name
-    tmp = path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     if private:
         os.chmod(tmp, 0o600)
@@ -235,8 +256,9 @@ def _start_dht(island: Island, run_key: str, remembered: list[str], alone_ok: bo
     of a server listens on the configured port + local rank (port 0 stays 0, unless ``port`` says which
     one this rank listened on before) and keeps its identity in ``<identity_path>.rank<r>``."""
     a, rt = island.cfg.averaging, island.rt
-    local_rank = int(os.environ.get("LOCAL_RANK", rt.global_rank))
-    identity = f"{a.identity_path}.rank{local_rank}" if a.identity_path and local_rank else a.identity_path
+    local_rank = _local_rank(rt)
+    key = a.identity_path or str(island.run_dir / IDENTITY)
+    identity = f"{key}.rank{local_rank}" if local_rank else key
 
     def network(initial: list[str]) -> NetworkSettings:
         return NetworkSettings(
