@@ -47,11 +47,12 @@ RUN_KEY = "run.key"
 its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
 
 
-def connect(island: Island, rejoin: list[str] | None = None, port: int = 0) -> None:
+def connect(island: Island, rejoin: list[str] | None = None) -> None:
     """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
     other islands join.  Sets ``island.dht``, ``averager``, ``membership``, ``fallback`` and ``wire``.
     ``rejoin``: addresses of islands to reach (besides the initial peers) when this island, alone in
-    the run, restarts its peer node (see :class:`AloneWatch`), on this rank's former ``port``."""
+    the run, restarts its peer node (see :class:`AloneWatch`); each rank listens on its former port
+    (``PORT``) whenever it rejoins or resumes."""
     a, rt = island.cfg.averaging, island.rt
     if a.backend == "local":
         island.averager = LocalAverager()
@@ -66,7 +67,8 @@ def connect(island: Island, rejoin: list[str] | None = None, port: int = 0) -> N
         _remember(island, RUN_KEY, run_key + "\n", private=True)
     if a.backend != "torch":
         remembered = rejoin if rejoin is not None else _remembered(island, KNOWN_PEERS).split() if resuming else []
-        former = port or (int(_remembered(island, f"{PORT}.rank{_local_rank(rt)}") or 0) if resuming else 0)
+        port_file = f"{PORT}.rank{_local_rank(rt)}"
+        former = int(_remembered(island, port_file) or 0) if resuming else 0
         try:
             island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None,
                                     port=former)
@@ -75,7 +77,7 @@ def connect(island: Island, rejoin: list[str] | None = None, port: int = 0) -> N
                 raise
             log.warning("could not listen on port %d as before; listening on a free port", former)
             island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None)
-        _remember(island, f"{PORT}.rank{_local_rank(rt)}", f"{tcp_port(island.dht)}\n")
+        _remember(island, port_file, f"{tcp_port(island.dht)}\n")
         island.wire = WireCounter(root=island.dht.pid)
         if not a.public:
             problem = rt.bcast(check_run_key(island.dht, a.run_id, run_key, a.startup_timeout) if rt.is_main else "")
@@ -145,10 +147,9 @@ class AloneWatch:
 
 def reconnect(island: Island, known: list[str]) -> None:
     """Collective: restart every rank's peer node (on the ports they listened on) to join ``known``."""
-    port = tcp_port(island.dht) if island.dht is not None else 0
     count_bytes(island, 0, 0, through_torch=False)  # the daemon's counts go with it
     disconnect(island)
-    connect(island, rejoin=known, port=port)
+    connect(island, rejoin=known)
 
 
 def count_bytes(island: Island, payload_sent: int, payload_received: int, through_torch: bool) -> None:
