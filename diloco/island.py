@@ -44,7 +44,7 @@ from diloco.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.guard import NormGuard
 from peers.layout import CanonicalLayout, spec_tuple
-from peers.sharded import BucketExchange
+from peers.exchange import BucketExchange
 from pipeline import ModelParts, SplitSettings
 
 log = logging.getLogger("diloco")

@@ -4,7 +4,7 @@ On a cluster with a fast fabric the islands can be launched as one torch.distrib
 rank of every island).  Averaging a round then needs no hivemind at all:
 
 1. inside each island, every bucket's pieces are sent to the bucket's owner (the same
-   point-to-point :class:`~peers.sharded.BucketExchange` the hivemind path uses);
+   point-to-point :class:`~peers.exchange.BucketExchange` the hivemind path uses);
 2. across islands, the owners of each bucket all-reduce ``weight × bucket`` (SUM; ``ReduceOp.AVG``
    is NCCL-only) in a subgroup made of exactly those owners, and divide by the sum of the islands'
    weights (tokens), as hivemind weighs them;
@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from peers.averager import allreduce_bytes, majority_by_state
 from peers.layout import CanonicalLayout
-from peers.sharded import BucketExchange, ShardedRoundResult
+from peers.exchange import BucketExchange
+from peers.sharded import ShardedRoundResult
 
 log = logging.getLogger(__name__)
 

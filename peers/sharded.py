@@ -52,8 +52,9 @@ import hivemind
 import torch
 import torch.distributed as dist
 
-from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider, fingerprint
-from peers.layout import CanonicalLayout, Segment, spec_tuple
+from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider
+from peers.exchange import BucketExchange, shape_of
+from peers.layout import CanonicalLayout, spec_tuple
 
 log = logging.getLogger(__name__)
 
@@ -108,218 +109,6 @@ class ShardedRoundResult:
     """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
 
 
-class BucketExchange:
-    """Moves bucket pieces between the ranks of one island (point-to-point, any backend).
-
-    Collective over ``group`` at construction: every rank must build it with its own local shapes
-    and specs.  ``group=None`` is a single-process island.
-    """
-
-    def __init__(self, layout: CanonicalLayout, local_tensors: Mapping[str, Any], specs: Mapping[str, Any],
-                 group: dist.ProcessGroup | None, device: torch.device | str | None = None):
-        self.layout, self.group = layout, group
-        self.size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self._global = [0] if group is None else [dist.get_global_rank(group, r) for r in range(self.size)]
-        if device is None:
-            nccl = group is not None and dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.device = torch.device(device)
-        self.local_shapes = {n: tuple(_shape(t)) for n, t in local_tensors.items()}
-        missing = sorted(set(self.local_shapes) ^ set(specs))
-        if missing:
-            raise ValueError(f"local tensors and specs name different parameters: {missing[:5]}")
-        mine = {n: (spec_tuple(specs[n]), self.local_shapes[n]) for n in self.local_shapes}
-        everyone = self.all_gather_object(mine)
-        problems = []
-        for r, holdings in enumerate(everyone):
-            for name, (spec, shape) in holdings.items():
-                try:
-                    layout.check_local(name, spec, shape)
-                except (KeyError, ValueError) as e:
-                    problems.append(f"island rank {r}: {e.args[0]}")
-        if problems:
-            raise ValueError("shards do not fit the canonical layout: " + "; ".join(problems[:5]))
-        self.specs: dict[str, tuple[int, int, int]] = {n: s for n, (s, _) in mine.items()}
-        holder_specs = [{n: s for n, (s, _) in h.items()} for h in everyone]
-        # replicated shards: the lowest rank with a given (name, spec) contributes, the others only receive
-        first: dict[tuple, int] = {}
-        contrib_specs: list[dict] = [{} for _ in range(self.size)]
-        for r, held in enumerate(holder_specs):
-            for name, spec in held.items():
-                key = (name, "full" if layout.is_full(name, spec) else spec)
-                if key not in first:
-                    first[key] = r
-                    contrib_specs[r][name] = spec
-        self.owner = [layout.owner_of(b.index, self.size) for b in layout.buckets]
-        self.owned = layout.owned_buckets(self.rank, self.size)
-        self._my_contrib = _by_bucket(layout, contrib_specs[self.rank])
-        self._my_hold = _by_bucket(layout, holder_specs[self.rank])
-        self._in: dict[int, dict[int, list[Segment]]] = {b: {} for b in self.owned}
-        self._out: dict[int, dict[int, list[Segment]]] = {b: {} for b in self.owned}
-        owned = set(self.owned)
-        for r in range(self.size):
-            for b, segs in _by_bucket(layout, contrib_specs[r], owned).items():
-                self._in[b][r] = segs
-            for b, segs in _by_bucket(layout, holder_specs[r], owned).items():
-                self._out[b][r] = segs
-        self._inv: dict[int, torch.Tensor | None] = {}
-        problems = []
-        for b in self.owned:
-            count = torch.zeros(layout.buckets[b].numel, dtype=torch.int32)
-            for segs in self._in[b].values():
-                for s in segs:
-                    s.bucket_view(count).add_(1)
-            holes = int((count == 0).sum())
-            if holes:
-                at = layout.buckets[b].start + int((count == 0).nonzero()[0])
-                problems.append(f"bucket {b}: {holes} element(s) held by no rank of the island "
-                                f"(first at canonical index {at}, in {self.param_at(at)!r})")
-            self._inv[b] = None if holes or bool((count == 1).all()) else 1.0 / count.float()
-        problems = [p for ps in self.all_gather_object(problems) for p in ps]
-        if problems:
-            raise ValueError("the island's shards do not cover the model: " + "; ".join(problems[:5]))
-
-    def param_at(self, index: int) -> str:
-        """Name of the parameter holding canonical element ``index``."""
-        for p in self.layout.params:
-            if p.start <= index < p.end:
-                return p.name
-        return "?"
-
-    # -------------------------------------------------------------------------------- collectives
-    def _p2p(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> None:
-        """Run ``(kind "send"/"recv", tensor, island rank, tag)`` operations and wait for all of them.
-
-        Every operation is posted before any is waited on, so the order across peers cannot
-        deadlock.  NCCL gets one ``batch_isend_irecv`` (grouped, as its point-to-point needs);
-        gloo gets plain ``isend``/``irecv`` with tags.
-        """
-        if not ops:
-            return
-        if self.device.type == "cuda":
-            p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self._global[peer], self.group, tag)
-                   for kind, t, peer, tag in ops]
-            reqs = dist.batch_isend_irecv(p2p)
-        else:
-            reqs = [(dist.isend if kind == "send" else dist.irecv)(t, self._global[peer], group=self.group, tag=tag)
-                    for kind, t, peer, tag in ops]
-        for q in reqs:
-            q.wait()
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """``obj`` of every rank of the island, in rank order."""
-        if self.group is None:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.MIN) -> list[float]:
-        """Element-wise reduction of a few floats over the island."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.group is not None:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=op, group=self.group)
-        return t.cpu().tolist()
-
-    def precheck(self, local_deltas: Mapping[str, torch.Tensor], weight: float) -> str:
-        """Agree (collective) whether this island may take part: every rank's Δ complete and finite
-        and the same positive weight on every rank; returns '' or the reason (same on all ranks)."""
-        complete = set(local_deltas) >= set(self.local_shapes) and all(
-            local_deltas[n].numel() == _numel(s) for n, s in self.local_shapes.items())
-        finite = complete and all(bool(torch.isfinite(local_deltas[n]).all()) for n in self.local_shapes)
-        w = float(weight)
-        if w != w:  # NaN weight: make the MIN see it
-            w = float("-inf")
-        ok, wmin, neg_wmax, whole = self.all_reduce([float(finite), w, -w, float(complete)])
-        if whole < 1:
-            return "a rank of the island passed pseudo-gradients that do not match its shards"
-        if ok < 1:
-            return "this island's pseudo-gradient is not finite; not sending it"
-        if not wmin > 0:
-            return "this island's weight is not positive; not sending it"
-        if wmin != -neg_wmax:
-            return f"the island's ranks passed different weights ({wmin} to {-neg_wmax})"
-        return ""
-
-    def canonical_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
-                              ) -> list[float]:
-        """Collective: :func:`~peers.averager.fingerprint` of the island's tensors in canonical bucket order.
-
-        Every owner fingerprints its assembled buckets, so two islands holding the same values get
-        the same list whatever their shapes (use it as the ``state_fingerprint`` of θ_global).
-        """
-        owned = self.gather(local_tensors)
-        mine = {b: fingerprint([owned[b]], chunks_per_bucket) for b in owned}
-        merged: dict[int, list[float]] = {}
-        for part in self.all_gather_object(mine):
-            merged.update(part)
-        return [x for b in sorted(merged) for x in merged[b]]
-
-    # ----------------------------------------------------------------------------- gather/scatter
-    def gather(self, local_deltas: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Collective: every owner receives its buckets, assembled from the island's pieces
-        (fp32 CPU, one 1-D tensor per owned bucket)."""
-        flat = {n: local_deltas[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.local_shapes}
-        ops, recv = [], {}
-        for b in range(len(self.layout.buckets)):
-            o = self.owner[b]
-            if o == self.rank:
-                for r, segs in self._in[b].items():
-                    if r != self.rank:
-                        buf = torch.empty(sum(s.numel for s in segs), dtype=torch.float32, device=self.device)
-                        ops.append(("recv", buf, r, b))
-                        recv[(b, r)] = buf
-            elif b in self._my_contrib:
-                buf = torch.cat([s.local_view(flat[s.name]).reshape(-1) for s in self._my_contrib[b]]).to(self.device)
-                ops.append(("send", buf, o, b))
-        self._p2p(ops)
-        out = {}
-        for b in self.owned:
-            values = torch.zeros(self.layout.buckets[b].numel, dtype=torch.float32)
-            for r, segs in self._in[b].items():
-                if r == self.rank:
-                    for s in segs:
-                        s.bucket_view(values).add_(s.local_view(flat[s.name]))
-                else:
-                    _add_pieces(values, segs, recv[(b, r)].cpu())
-            if self._inv[b] is not None:
-                values.mul_(self._inv[b])
-            out[b] = values
-        return out
-
-    def scatter(self, averaged: Mapping[int, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Collective: owners send each rank the averaged values of the elements it holds; returns
-        ``{name: tensor}`` shaped like this rank's local shards (fp32 CPU)."""
-        out = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.local_shapes.items()}
-        flat_out = {n: t.view(-1) for n, t in out.items()}
-        nb = len(self.layout.buckets)
-        ops, recv = [], {}
-        for b in range(nb):
-            o = self.owner[b]
-            if o == self.rank:
-                values = averaged[b].reshape(-1).to("cpu", torch.float32)
-                for r, segs in self._out[b].items():
-                    if r == self.rank:
-                        for s in segs:
-                            s.local_view(flat_out[s.name]).copy_(s.bucket_view(values))
-                    else:
-                        buf = torch.cat([s.bucket_view(values).reshape(-1) for s in segs]).to(self.device)
-                        ops.append(("send", buf, r, nb + b))
-            elif b in self._my_hold:
-                buf = torch.empty(sum(s.numel for s in self._my_hold[b]), dtype=torch.float32, device=self.device)
-                ops.append(("recv", buf, o, nb + b))
-                recv[b] = buf
-        self._p2p(ops)
-        for b, buf in recv.items():
-            buf, pos = buf.cpu(), 0
-            for s in self._my_hold[b]:
-                s.local_view(flat_out[s.name]).copy_(buf[pos:pos + s.numel].view(s.rows, s.row_len))
-                pos += s.numel
-        return out
-
-
 class ShardedAverager:
     """Cross-island averaging of one island rank's shards; build and call it on every rank alike.
 
@@ -352,7 +141,7 @@ class ShardedAverager:
         if fallback is not None:
             fx = fallback.exchange
             mine = {n: spec_tuple(specs[n]) for n in specs}
-            shapes = {n: tuple(_shape(t)) for n, t in local_tensors.items()}
+            shapes = {n: tuple(shape_of(t)) for n, t in local_tensors.items()}
             if fx.specs != mine or fx.local_shapes != shapes:
                 problem = "the fallback was built with other shards than this averager"
             elif fallback.layout.fingerprint() != layout.fingerprint():
@@ -532,32 +321,3 @@ class ShardedAverager:
                 avg.shutdown()
             except Exception as e:  # keep stopping the others
                 log.warning("could not stop a bucket averager: %s", e)
-
-
-def _by_bucket(layout: CanonicalLayout, specs: Mapping[str, Any], only: set[int] | None = None
-               ) -> dict[int, list[Segment]]:
-    """``{bucket: segments}`` of some shards, in model order within each bucket."""
-    out: dict[int, list[Segment]] = {}
-    for name in sorted(specs, key=lambda n: layout.entry(n).start):
-        for b, segs in layout.segments(name, specs[name]).items():
-            if only is None or b in only:
-                out.setdefault(b, []).extend(segs)
-    return out
-
-
-def _add_pieces(values: torch.Tensor, segs: list[Segment], buf: torch.Tensor) -> None:
-    pos = 0
-    for s in segs:
-        s.bucket_view(values).add_(buf[pos:pos + s.numel].view(s.rows, s.row_len))
-        pos += s.numel
-
-
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(t.shape) if hasattr(t, "shape") else tuple(t)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -296,7 +296,7 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
 
 def test_single_process_island_exchange_and_its_checks():
     from peers.layout import CanonicalLayout
-    from peers.sharded import BucketExchange
+    from peers.exchange import BucketExchange
 
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     full = full_delta("B", "0")
