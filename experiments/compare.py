@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +38,8 @@ from typing import Any, Callable
 from diloco import config as config_mod
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from diloco.metrics import read_metrics
+from experiments.compare_results import (acceptance_lines, baseline_result, counted_vs_link, curve_from_metrics,
+                                         diloco_result, link_tx_bytes, wall_model_line)
 from experiments.report import RunResult, format_bytes, write_report
 
 # Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
@@ -85,9 +84,6 @@ COMPARE_DEFAULTS: dict[str, Any] = {
 WARM_START_STEPS = 600
 WARM_START_LR = 3e-3
 
-ACCEPT_LOSS_PCT = 2.0
-ACCEPT_BYTES_FACTOR = 0.8  # × H
-ACCEPT_WALL_RATIO = 3.0
 
 
 class CompareError(RuntimeError):
@@ -124,133 +120,6 @@ def launch_islands(cfg: Config, n: int, network: Any = None, *,
 # ------------------------------------------------------------------------------------ results
 
 
-def curve_from_metrics(run_dir: Path, token_scale: int = 1) -> list[dict[str, float]]:
-    """Held-out-loss points {tokens (all workers), bytes (per worker), seconds, eval_loss} of one run.
-
-    ``seconds`` counts from the first record (the evaluation before training).  ``token_scale``
-    multiplies the logged tokens (an island logs its own tokens; the run's total is k times that).
-    """
-    records = read_metrics(run_dir)
-    if not records:
-        return []
-    t0 = records[0]["time"]
-    bytes_so_far = 0.0
-    points = []
-    for r in records:
-        if "payload_bytes_sent" in r:
-            bytes_so_far = float(r["payload_bytes_sent"])
-        if "eval/loss" in r:
-            points.append({"tokens": float(r.get("tokens", 0)) * token_scale, "bytes": bytes_so_far,
-                           "seconds": float(r["time"] - t0), "eval_loss": float(r["eval/loss"]),
-                           "outer_step": r.get("outer_step")})
-    return points
-
-
-def _diloco_result(name: str, kind: str, out: dict[str, Any]) -> RunResult:
-    summaries = out["islands"]
-    n = len(summaries)
-    first = summaries[0]
-    wall = max(s["wall_seconds"] for s in summaries)
-    compute = sum(s["compute_seconds"] for s in summaries) / n
-    return RunResult(
-        name=name, kind=kind, workers=n, curve=curve_from_metrics(Path(out["run_dirs"][0]), token_scale=n),
-        final_eval_loss=float(first["eval_loss_end"]), bytes_per_worker=float(max(s["payload_bytes_sent"] for s in summaries)),
-        wall_seconds=float(wall), compute_seconds=float(compute),
-        extra={"comm_seconds": sum(s["comm_seconds"] for s in summaries) / n,
-               "counted_bytes_sent": [s["bytes_sent"] for s in summaries],
-               "rounds_ok": [s["rounds_ok"] for s in summaries], "rounds_failed": [s["rounds_failed"] for s in summaries],
-               "tokens": sum(s["tokens"] for s in summaries), "inner_steps_per_worker": first["inner_step"],
-               "theta_global_max_abs_diff": out["theta_global_max_abs_diff"],
-               "launcher_wall_seconds": out["launcher_wall_seconds"],
-               "failures": [f for s in summaries for f in s.get("failures", [])][:20]})
-
-
-def counted_vs_link(r: RunResult, link_tx: list[int]) -> str:
-    """How far the bytes a run's workers counted on their own connections (``bytes_sent``, from the
-    kernel's per-socket counts) are from their hosts' link counters."""
-    counted = r.extra["counted_bytes_sent"]
-    gaps = [c / t - 1 for c, t in zip(counted, link_tx) if t]
-    r.extra["counted_vs_link_max_gap"] = max(gaps, key=abs) if gaps else None
-    pairs = ", ".join(f"{format_bytes(c)} vs {format_bytes(t)}" for c, t in zip(counted, link_tx))
-    worst = f"{100 * r.extra['counted_vs_link_max_gap']:+.2f}%" if gaps else "n/a"
-    return (f"{r.name}: bytes_sent the workers counted vs their hosts' link counters: {pairs} "
-            f"(largest gap {worst})")
-
-
-def _baseline_result(name: str, summary: dict[str, Any], run_dir: Path) -> RunResult:
-    return RunResult(
-        name=name, kind="ddp", workers=int(summary["workers"]), curve=curve_from_metrics(run_dir),
-        final_eval_loss=float(summary["eval_loss_end"]), bytes_per_worker=float(summary["payload_bytes_sent"]),
-        wall_seconds=float(summary["wall_seconds"]), compute_seconds=float(summary["compute_seconds"]),
-        extra={"comm_seconds": summary["comm_seconds"], "tokens": summary["tokens"],
-               "counted_bytes_sent": [summary["bytes_sent"]],
-               "inner_steps_per_worker": summary["inner_step"], "bytes_per_step": summary["bytes_per_step"],
-               "comm_seconds_per_rank": summary.get("comm_seconds_per_rank"),
-               "compute_seconds_per_rank": summary.get("compute_seconds_per_rank"),
-               "launcher_wall_seconds": summary.get("launcher_wall_seconds"),
-               "comm_method": summary.get("comm_method")})
-
-
-def wall_model_line(r: RunResult, rate_bits: float | None) -> str:
-    """``wall ≈ compute + bytes / link rate`` for one run, against what was measured."""
-    comm = r.extra.get("comm_seconds", 0.0) or 0.0
-    if rate_bits:
-        link = r.bytes_per_worker * 8 / rate_bits
-        predicted = r.compute_seconds + link
-        return (f"{r.name}: wall ≈ compute {r.compute_seconds:.0f} s + bytes/link {format_bytes(r.bytes_per_worker)}"
-                f" ÷ {rate_bits / 1e6:.1f} Mbit/s = {link:.0f} s → {predicted:.0f} s predicted, "
-                f"{r.wall_seconds:.0f} s measured (time blocked communicating {comm:.0f} s)")
-    return (f"{r.name}: wall ≈ compute {r.compute_seconds:.0f} s + communication {comm:.0f} s "
-            f"= {r.compute_seconds + comm:.0f} s predicted, {r.wall_seconds:.0f} s measured (loopback, no link cap)")
-
-
-def acceptance_lines(single: RunResult | None, base: RunResult, dl: RunResult, H: int,
-                     capped: bool) -> tuple[list[str], dict[str, Any]]:
-    """The three acceptance checks (loss within 2 %, bytes ≥ 0.8·H lower, wall ≥ 3× shorter)."""
-    loss_pct = (dl.final_eval_loss - base.final_eval_loss) / abs(base.final_eval_loss) * 100
-    bytes_factor = base.bytes_per_worker / dl.bytes_per_worker if dl.bytes_per_worker else math.inf
-    wall_factor = base.wall_seconds / dl.wall_seconds if dl.wall_seconds else math.inf
-    checks = {
-        "loss_change_pct": loss_pct, "loss_ok": abs(loss_pct) <= ACCEPT_LOSS_PCT or loss_pct < 0,
-        "bytes_reduction": bytes_factor, "bytes_ok": bytes_factor >= ACCEPT_BYTES_FACTOR * H,
-        "wall_speedup": wall_factor, "wall_ok": wall_factor >= ACCEPT_WALL_RATIO, "link_capped": capped,
-    }
-    ok = lambda b: "PASS" if b else "FAIL"  # noqa: E731
-    lines = [
-        f"acceptance: DiLoCo final held-out loss {dl.final_eval_loss:.4f} vs baseline {base.final_eval_loss:.4f} "
-        f"({loss_pct:+.2f}%, target within {ACCEPT_LOSS_PCT:g}%) {ok(checks['loss_ok'])}",
-        f"acceptance: bytes per worker {bytes_factor:.1f}× lower than the baseline (target ≥ {ACCEPT_BYTES_FACTOR:g}·H "
-        f"= {ACCEPT_BYTES_FACTOR * H:g}×) {ok(checks['bytes_ok'])}",
-        f"acceptance: wall-clock {wall_factor:.2f}× shorter than the baseline (target ≥ {ACCEPT_WALL_RATIO:g}× "
-        f"{'under the capped link' if capped else 'ON LOOPBACK, the target is about a capped link'}) "
-        f"{ok(checks['wall_ok'])}",
-    ]
-    failed = dl.extra.get("rounds_failed") or []
-    checks["diloco_rounds_failed"] = failed
-    if any(failed):
-        lines.append(f"warning: DiLoCo rounds failed (per island {failed}): "
-                     + "; ".join(dl.extra.get("failures", [])[:3]))
-    if single is not None:
-        lines.append(f"single worker (1/{dl.workers} of the tokens): final held-out loss {single.final_eval_loss:.4f}")
-    return lines, checks
-
-
-def link_tx_bytes(network: Any) -> list[int]:
-    """Bytes each emulated host has sent on its link so far (kernel counters, headers included)."""
-    out = []
-    for h in network.hosts:
-        res = subprocess.run(["ip", "-n", h.namespace, "-j", "-s", "link", "show", h.interface],
-                             capture_output=True, text=True, timeout=10)
-        try:
-            out.append(int(json.loads(res.stdout)[0]["stats64"]["tx"]["bytes"]))
-        except (ValueError, IndexError, KeyError):
-            out.append(0)
-    return out
-
-
-# ------------------------------------------------------------------------------------ the experiment
-
-
 def _variant(cfg: Config, **items: Any) -> Config:
     """A deep copy of ``cfg`` with dotted keys set (validated)."""
     c = copy.deepcopy(cfg)
@@ -280,7 +149,7 @@ def warm_start(cfg: Config, steps: int, run_dir: Path, progress: bool = True,
     ckpt_dir = Path(out["run_dirs"][0]) / "checkpoints"
     if not list(ckpt_dir.glob("ckpt-*.pt")):
         raise CompareError(f"the warm-start run wrote no checkpoint in {ckpt_dir}; see its log in {run_dir}")
-    return ckpt_dir, _diloco_result("warm-start", "single", out)
+    return ckpt_dir, diloco_result("warm-start", "single", out)
 
 
 def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
@@ -356,7 +225,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         say("\n== (a) single worker ==", flush=True)
         c_single = _single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
         out_single = launch_islands(c_single, 1, progress=progress)
-        single = _diloco_result("single", "single", out_single)
+        single = diloco_result("single", "single", out_single)
 
         # (b) synchronous data parallelism over k workers
         say(f"\n== (b) synchronous data-parallel baseline, {islands} workers ==", flush=True)
@@ -366,7 +235,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         tx0 = link_tx_bytes(network) if network else None
         s_base = run_baseline(c_base, islands, network=network, progress=progress)
         tx1 = link_tx_bytes(network) if network else None
-        base = _baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
+        base = baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
 
         # (c) DiLoCo with k islands
         say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
@@ -376,7 +245,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         out_dl = launch_islands(c_dl, islands, network=network, progress=progress)
         check_network()
         tx2 = link_tx_bytes(network) if network else None
-        dl = _diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
+        dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
     finally:
         if network is not None:
             network.close()

@@ -28,7 +28,7 @@ import torch
 from diloco.config import load
 from diloco.metrics import read_metrics
 from diloco.simulate import Cluster
-from experiments.compare import link_tx_bytes
+from experiments.compare_results import link_tx_bytes
 from experiments.report import format_bytes, json_safe, markdown_table
 
 SOAK_DEFAULTS = {
