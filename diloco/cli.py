@@ -108,7 +108,7 @@ def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
 
 
 def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
-    from diloco.baseline import run_baseline
+    from diloco.baseline_launch import run_baseline
 
     setup_logging("[baseline] ")
     summary = run_baseline(cfg, workers or 2)

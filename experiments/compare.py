@@ -6,7 +6,7 @@ same number of inner steps per worker, one after the other:
 
 (a) ``single``   one worker: an island with the ``local`` backend and the ``avg`` outer optimizer, which
                  is plain AdamW (θ_global ← θ_global − (θ_global − θ_local) = θ_local);
-(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.baseline.run_baseline`),
+(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.baseline_launch.run_baseline`),
                  gradients all-reduced every step: ``k`` × the tokens of (a);
 (c) ``diloco``   ``k`` DiLoCo islands averaging every ``H`` steps: the same tokens as (b).
 
@@ -162,7 +162,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     lr), as the DiLoCo paper starts every run from a pretrained model; the report names the shared
     starting point.
     """
-    from diloco.baseline import run_baseline
+    from diloco.baseline_launch import run_baseline
     from experiments import netns
 
     if islands < 2:

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from diloco.baseline import BaselineError, ring_allreduce_bytes, run_baseline
+from diloco.baseline import BaselineError, ring_allreduce_bytes
+from diloco.baseline_launch import run_baseline
 from diloco.data import ShardedBatches, load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.metrics import read_metrics
