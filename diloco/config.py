@@ -153,6 +153,10 @@ class AveragingConfig:
     """Run without a run key: anyone who reaches an island may join (not recommended over the internet)."""
     vote_timeout: float = 15.0
     """Seconds to wait for every group member to confirm the averaged result."""
+    retry_lost_member: bool = True
+    """When a group member is lost mid-round (its verdict never comes, or two members received different
+    results), the members left average the same pseudo-gradients once more among themselves instead of
+    rolling the round back."""
     max_norm_ratio: float = 10.0
     """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
     committed rounds (0 disables the check)."""

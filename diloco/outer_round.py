@@ -1,7 +1,9 @@
 """The outer round as one transaction (as torchft's DiLoCo sync):
 
 pseudo-gradient → average with the group → validate (the averager's vote and finiteness checks, the
-norm guard, a θ_global that stays finite) → commit the outer step, or roll back.  Rolling back means
+norm guard, a θ_global that stays finite) → commit the outer step, or roll back.  A group that lost a
+member mid-round averages the same pseudo-gradients once more among the members left (the retry is a
+round of its own in the DHT) before anyone rolls back.  Rolling back means
 θ_global stays as it was and the island keeps training from its own parameters, so the next round
 carries the pseudo-gradient of both rounds.  Catching up with a run that moved on happens before the
 round (:meth:`diloco.island.Island.outer_round`); an island whose θ_global the others outvote leaves
@@ -45,6 +47,8 @@ class RoundMetrics:
     round_failure: str
     averaging_backend: str
     used_fallback: int
+    retried: int = 0
+    """1 when the group lost a member mid-round and the members left averaged again among themselves."""
 
     @classmethod
     def skipped(cls, island: Island, reason: str) -> RoundMetrics:
@@ -134,8 +138,7 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
     for h in hooks:
         delta = h.outgoing(rnd, delta)
     meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state}
-    result, averaged = island.averager.average(delta, float(tokens_in_round), meta, round_id=str(rnd),
-                                               on_stage=lambda phase: [h.stage(rnd, phase) for h in hooks])
+    result, averaged, retried = _average(island, delta, float(tokens_in_round), meta, rnd)
     norm = island.global_norm(delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
     reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
@@ -151,7 +154,31 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
     s.comm_seconds += result.seconds
     return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
                         s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,
-                        int(bool(getattr(result, "fallback_reason", ""))))
+                        int(bool(getattr(result, "fallback_reason", ""))), int(retried))
+
+
+def _average(island: Island, delta: Delta, weight: float, meta: dict, rnd: int) -> tuple[Any, Delta | None, bool]:
+    """Average ``delta`` with the group; when the group lost a member mid-round (killed, cut off), average
+    it once more with the members left, under a round id of its own, so that a death costs the others a
+    few seconds instead of a round.  Returns (result, averaged Δ or None, whether it was retried)."""
+    hooks, a = island.hooks, island.cfg.averaging
+    on_stage = lambda phase: [h.stage(rnd, phase) for h in hooks]  # noqa: E731
+    result, averaged = island.averager.average(delta, weight, meta, round_id=str(rnd), on_stage=on_stage)
+    # islands of one torch world decide every round together: one of them cannot go round again alone
+    if result.ok or not getattr(result, "retryable", False) or not a.retry_lost_member or island.rt.lockstep:
+        return result, averaged, False
+    log.warning("round %d: %s; averaging again with the islands left", rnd + 1, result.reason)
+    first = result
+    # the members left failed within moments of each other: a short wait for them is enough
+    timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
+    result, averaged = island.averager.average(delta, weight, meta, round_id=f"{rnd}.retry", on_stage=on_stage,
+                                               matchmaking_timeout=timeout)
+    result.seconds += first.seconds
+    result.bytes_sent += first.bytes_sent
+    result.bytes_received += first.bytes_received
+    if not result.ok:
+        result.reason = f"{first.reason}; averaging again failed too ({result.reason})"
+    return result, averaged, True
 
 
 def _leave_out(island: Island, rnd: int) -> RoundMetrics:

@@ -155,8 +155,10 @@ class StateTransfer:
             return "moving" if wait_for_round and isl.membership.averaging_round(isl.outer_step) else "keep"
         if furthest > step:
             return "moving"  # the run committed a round while we downloaded: the state is stale already
-        # wait for the round in flight when we first looked (committed or failed), not for later ones
-        return "moving" if step == first and isl.membership.averaging_round(step) else "adopt"
+        # wait for the round in flight when we first looked (committed or failed), not for later ones, and
+        # only if it can commit without us: a lone island averaging waits for partners, and we can be one
+        averaging = sum(m.averaging and m.outer_step == step for m in isl.membership.others())
+        return "moving" if step == first and averaging >= isl.cfg.averaging.min_group_size else "adopt"
 
     def outvoted(self, rnd: int, state: list[float]) -> bool:
         """Collective: whether the θ_global we enter round ``rnd`` with (fingerprint ``state``) disagrees

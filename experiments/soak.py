@@ -52,7 +52,7 @@ def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
 
     A round of an island spans from its previous round record to this one; it had a kill in flight
     when any island was SIGKILLed within that span."""
-    clean = clean_ok = 0
+    clean = clean_ok = retried = retried_ok = 0
     commits: list[float] = []
     spans: list[float] = []
     for d in run_dirs:
@@ -63,11 +63,13 @@ def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
                 clean += 1
                 clean_ok += int(r["round_ok"])
         commits += [r["time"] for r in rounds if r["round_ok"]]
+        retried += sum(r.get("retried", 0) for r in rounds)
+        retried_ok += sum(r.get("retried", 0) * r["round_ok"] for r in rounds)
     commits.sort()
     gap, gap_at = max(((b - a, a) for a, b in zip(commits, commits[1:])), default=(0.0, 0.0))
     round_s = statistics.median(spans) if spans else float("nan")
     return {"clean_rounds": clean, "clean_committed": clean_ok, "longest_gap_s": gap, "longest_gap_from": gap_at,
-            "round_s": round_s}
+            "round_s": round_s, "retried": retried, "retried_ok": retried_ok}
 
 
 def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overrides: list[str]) -> int:
@@ -143,6 +145,8 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
         f"- longest stretch without a committed round: {report['longest_gap_s']:.0f} s "
         f"({report['longest_gap_s'] / report['round_s']:.1f} median round lengths of {report['round_s']:.1f} s), "
         f"from {report['longest_gap_from'] - t0:.0f} s",
+        f"- rounds that lost a member mid-round and were averaged again by the islands left: {report['retried']} "
+        f"({report['retried_ok']} of them committed)",
         f"- θ_global spread across islands at the end: {spread:.3g} (all finite: {finite})",
         f"- exit codes: {codes}; wall-clock: {time.time() - t0:.0f} s",
     ]

@@ -111,6 +111,11 @@ class RoundResult:
     """Members whose θ_global agrees with the largest agreeing subset of the group."""
     in_minority: bool = False
     """True when this island's θ_global disagrees with the majority: it must resynchronize."""
+    voters: int = 0
+    """Group members (this one included) whose verdict on the result arrived."""
+    retryable: bool = False
+    """The group formed but lost a member or a part mid-round (a verdict missing or two differing), and
+    enough members voted to form a group again: they may average the same values once more."""
 
 
 def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
@@ -259,15 +264,17 @@ class VerifiedAverager:
         return self._num_bytes
 
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
-                on_stage: Callable[[str], None] | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
+                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None
+                ) -> tuple[RoundResult, list[torch.Tensor] | None]:
         """Run one verified averaging round.
 
         ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
         ``metadata`` small facts sent to every member (config fingerprint, ``state_fingerprint`` of
         θ_global, ...), and ``round_id`` a label all islands of the round agree on (the outer step).
         ``on_stage`` is called with "matchmaking", "allreduce" and "vote" as the round moves on
-        (used for fault injection and progress).  Returns the result and, only when it succeeded,
-        the weighted average of the group's deltas.
+        (used for fault injection and progress); ``matchmaking_timeout`` overrides the settings' (a
+        retry among the members left waits less).  Returns the result and, only when it succeeded, the
+        weighted average of the group's deltas.
         """
         t0 = time.perf_counter()
         stage = on_stage or (lambda _: None)
@@ -283,7 +290,7 @@ class VerifiedAverager:
             self._averager.set_group_bits(_round_bits(round_id))
             control = self._averager.step(
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
-                timeout=self.settings.matchmaking_timeout, allow_retries=False, wait=False)
+                timeout=matchmaking_timeout or self.settings.matchmaking_timeout, allow_retries=False, wait=False)
             seen_allreduce = False
             # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
             # process group, OOM killer): then nothing would ever end it
@@ -324,7 +331,8 @@ class VerifiedAverager:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
         stage("vote")
         if not result.reason:
-            result.reason = self._vote(averaged, peers, round_id)
+            result.reason, result.voters = self._vote(averaged, peers, round_id)
+            result.retryable = bool(result.reason) and result.voters >= self.settings.min_group_size
         result.vote_seconds = time.perf_counter() - t1
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
@@ -345,8 +353,10 @@ class VerifiedAverager:
             return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
         return ""
 
-    def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> str:
-        """Publish our fingerprint of the result and wait for every member's; '' if all agree."""
+    def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> tuple[str, int]:
+        """Publish our fingerprint of the result and wait for every member's; returns ('' if all agree,
+        else why not; how many members voted).  A verdict that differs from ours ends the wait at once:
+        the round is lost whatever the missing members say."""
         mine = fingerprint(averaged)
         key = f"{self.settings.prefix}.vote.{_group_key(peers, round_id)}"
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
@@ -359,21 +369,25 @@ class VerifiedAverager:
                 found = dht_get(self.dht, key, timeout=left())
                 if found is not None and isinstance(found.value, dict):
                     votes = {str(k): v.value for k, v in found.value.items() if hasattr(v, "value")}
+                votes = {p: v for p, v in votes.items() if p in peers}
                 missing = [p for p in peers if p not in votes]
-                if not missing or time.perf_counter() > deadline:
+                differ = [p for p, v in votes.items() if not fingerprints_agree(mine, v, self._vote_rtol)]
+                if not missing or differ or time.perf_counter() > deadline:
                     break
                 if self.peer_id in missing:  # our own store was lost: publish again
                     dht_store(self.dht, key, self.peer_id, mine, expiration, timeout=left())
                 time.sleep(0.1)
         except DHTUnavailableError as e:
-            return f"the vote on the result could not be held: {e}"
-        if missing:
-            return f"{len(missing)} of {len(peers)} island(s) did not confirm the result (left or failed mid-round)"
+            return f"the vote on the result could not be held: {e}", 0
+        voters = len(votes) + (self.peer_id not in votes)
         if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in votes.values()):
-            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
-        if not all(fingerprints_agree(mine, votes[p], self._vote_rtol) for p in peers):
-            return "islands received different averages (an all-reduce part failed); discarding the round"
-        return ""
+            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0
+        if differ:
+            return "islands received different averages (an all-reduce part failed); discarding the round", voters
+        if missing:
+            return (f"{len(missing)} of {len(peers)} island(s) did not confirm the result (left or failed mid-round)",
+                    voters)
+        return "", voters
 
     def set_state_priority(self, outer_step: int) -> None:
         """Advertise how fresh our state is: joiners download from the island with the highest outer step."""

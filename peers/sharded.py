@@ -77,6 +77,8 @@ class BucketOutcome:
     total_weight: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    retryable: bool = False
+    """The group lost a member or a part mid-round (see :attr:`peers.averager.RoundResult.retryable`)."""
 
 
 @dataclass
@@ -107,6 +109,9 @@ class ShardedRoundResult:
     buckets: list[BucketOutcome] = field(default_factory=list)
     fallback_reason: str = ""
     """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
+    retryable: bool = False
+    """Every failed bucket lost a member or a part mid-round, with enough members left to form a group
+    again: the island may average the same pseudo-gradient once more (identical on all its ranks)."""
 
 
 class ShardedAverager:
@@ -186,14 +191,15 @@ class ShardedAverager:
         return list(self.exchange.owned)
 
     def average(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
-                on_stage: Callable[[str], None] | None = None
+                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None
                 ) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
         """One round on every rank of the island (collective): returns the island's result and, only
         when the whole round succeeded, ``{name: averaged Δ}`` shaped like this rank's shards.
 
         ``metadata`` goes to every bucket's group (``config_fingerprint`` gets the layout fingerprint
         appended so islands with different layouts refuse each other; ``island_id`` and
-        ``layout_fingerprint`` are added).  ``on_stage`` is passed to every owned bucket's averager.
+        ``layout_fingerprint`` are added).  ``on_stage`` and ``matchmaking_timeout`` are passed to every
+        owned bucket's averager.
         """
         t0 = time.perf_counter()
         meta = dict(metadata)
@@ -207,7 +213,8 @@ class ShardedAverager:
         averaged: dict[int, torch.Tensor] | None = None
         needs_fallback = veto = False
         if self.backend != "torch":
-            outcomes = self._hivemind_round(owned, weight, meta, round_id, on_stage) if participate else {}
+            outcomes = (self._hivemind_round(owned, weight, meta, round_id, on_stage, matchmaking_timeout)
+                        if participate else {})
             result, needs_fallback, veto = self._island_verdict(outcomes, refusal)
             if result.ok:
                 averaged = {b: avg for b, (_, avg) in outcomes.items()}
@@ -236,13 +243,15 @@ class ShardedAverager:
         return result, local
 
     def _hivemind_round(self, owned: dict[int, torch.Tensor], weight: float, meta: dict, round_id: str,
-                        on_stage: Callable[[str], None] | None) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
+                        on_stage: Callable[[str], None] | None, matchmaking_timeout: float | None
+                        ) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
         """Run the owned buckets' hivemind rounds concurrently; ``{bucket: (result, averaged)}``."""
         outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = {}
 
         def run(b: int) -> None:
             try:
-                res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage)
+                res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage,
+                                                     matchmaking_timeout)
                 outcomes[b] = (res, avg[0] if avg is not None else None)
             except Exception as e:  # never let one bucket's thread take the island's round down silently
                 log.exception("bucket %d: averaging raised", b)
@@ -270,7 +279,7 @@ class ShardedAverager:
             islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
             mine.append(BucketOutcome(b, self.rank, res.ok, res.reason, res.group_size,
                                       res.group_size < self.settings.min_group_size, islands, res.total_weight,
-                                      res.bytes_sent, res.bytes_received))
+                                      res.bytes_sent, res.bytes_received, res.retryable))
             if lead is None and res.group_size > 0:
                 lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
         shared = self.exchange.all_gather_object((mine, lead))
@@ -293,6 +302,7 @@ class ShardedAverager:
             # a model of one bucket fails as a whole: naming the bucket would only add noise
             result.reason = f"bucket {f.index}: {f.reason}{more}" if len(self.layout.buckets) > 1 else f.reason
             no_group = all(o.no_group for o in failed)
+            result.retryable = all(o.retryable for o in failed)
             return result, no_group, not no_group
         if len({o.islands for o in buckets}) > 1:
             result.reason = ("buckets were averaged with different sets of islands "

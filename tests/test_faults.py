@@ -69,6 +69,10 @@ def test_killed_island_does_not_stop_the_others_and_rejoins_in_sync(tmp_path, ph
         assert s["rounds_ok"] >= ROUNDS // 2, s["failures"]
         assert math.isfinite(s["eval_loss_end"]) and s["eval_loss_end"] < s["eval_loss_start"]
     assert summaries[2]["outer_step"] == ROUNDS
+    if phase == "allreduce":  # the two left average round 2 again among themselves instead of rolling it back
+        for d in cluster.run_dirs[:2]:
+            second = [r for r in read_metrics(d) if "round_ok" in r and r["outer_step"] == 2]
+            assert [(r["round_ok"], r["retried"], r["num_peers"]) for r in second] == [(1, 1, 2)], second
 
 
 def test_first_island_restarted_with_its_own_command_rejoins_the_run(tmp_path, no_leaked_daemons):

@@ -229,20 +229,25 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     above): a state that a commit overtook during its download is downloaded again, never adopted."""
     from diloco.state_transfer import StateTransfer
 
-    run = SimpleNamespace(furthest=4, averaging=set())
-    membership = SimpleNamespace(furthest_step=lambda: run.furthest, averaging_round=lambda s: s in run.averaging)
-    transfer = StateTransfer(SimpleNamespace(membership=membership, outer_step=2))
+    run = SimpleNamespace(furthest=4, averaging={})  # outer step -> how many other islands are averaging it
+    membership = SimpleNamespace(
+        furthest_step=lambda: run.furthest, averaging_round=lambda s: run.averaging.get(s, 0) > 0,
+        others=lambda: [SimpleNamespace(averaging=True, outer_step=s) for s, n in run.averaging.items() for _ in range(n)])
+    settings = SimpleNamespace(averaging=SimpleNamespace(min_group_size=2))
+    transfer = StateTransfer(SimpleNamespace(membership=membership, outer_step=2, cfg=settings))
     later = time.monotonic() + 60
     assert transfer._verdict(3, 3, later, False) == "moving"  # round 4 committed while we downloaded step 3
     assert transfer._verdict(4, 3, later, False) == "adopt"
-    run.averaging = {4}
+    run.averaging = {4: 2}
     assert transfer._verdict(4, 4, later, False) == "moving"  # the round of that state is in flight: wait for it
     assert transfer._verdict(4, 3, later, False) == "adopt"  # ...but only for the round in flight when we looked
+    run.averaging = {4: 1}  # a lone island averaging cannot commit without partners: take its state and join it
+    assert transfer._verdict(4, 4, later, False) == "adopt"
     assert transfer._verdict(2, None, later, False) == "keep"  # not ahead of us
     assert transfer._verdict(-1, None, later, False) == "unreachable"  # others are ahead: ask again
     # an island that left round 2 out waits for the others to finish it, then takes their result
-    run.furthest, run.averaging = 2, {2}
+    run.furthest, run.averaging = 2, {2: 2}
     assert transfer._verdict(2, None, later, True) == "moving"
-    run.furthest, run.averaging = 3, set()
+    run.furthest, run.averaging = 3, {}
     assert transfer._verdict(3, 3, later, True) == "adopt"
     assert transfer._verdict(3, 3, time.monotonic() - 1, False) == "adopt"  # past the deadline: the freshest

@@ -130,6 +130,33 @@ def test_state_download_from_the_freshest_peer(swarm):
     assert meta == {"outer_step": 7} and torch.equal(tensors[0], served[1][0])
 
 
+def test_vote_tells_a_lost_member_from_a_lost_part_and_counts_who_voted(swarm):
+    """A member that never votes (killed mid-round) and two members whose results differ (a part lost) are
+    told apart, with the number of members that did vote: enough of them may average again."""
+    a, b, gone = swarm(3, vote_timeout=2.0)
+    peers = sorted(x.peer_id for x in (a, b, gone))
+
+    def vote_both(round_id: str, values_b: list[torch.Tensor]) -> list[tuple[str, int]]:
+        out: list = [None, None]
+
+        def go(i, avg, values):
+            out[i] = avg._vote(values, peers, round_id)
+
+        threads = [threading.Thread(target=go, args=(0, a, [torch.ones(100)])),
+                   threading.Thread(target=go, args=(1, b, values_b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+    lost = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
+    assert vote_both("r1", [torch.ones(100)]) == [(lost, 2), (lost, 2)]
+    # a verdict that differs settles the round without waiting for the missing member
+    for reason, voters in vote_both("r2", [torch.full((100,), 2.0)]):
+        assert reason.startswith("islands received different averages") and voters == 2, reason
+
+
 def test_fingerprints_catch_a_part_left_unaveraged():
     averaged = [torch.randn(10_000)]
     partial = [averaged[0].clone()]
