@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,20 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     if not d.is_dir():
         return []
     return sorted((p for p in d.iterdir() if NAME_RE.match(p.name)), key=lambda p: int(NAME_RE.match(p.name)[1]))
+
+
+def set_aside(directory: str | Path) -> Path | None:
+    """Move the checkpoints an earlier run left in ``directory`` into ``directory/earlier-<time>/`` (a fresh
+    run must never resume from them later, nor have them count as its newest); returns that folder."""
+    found = list_checkpoints(directory)
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(found[-1].stat().st_mtime))
+    aside = Path(directory) / f"earlier-{stamp}"
+    aside.mkdir(exist_ok=True)
+    for path in found:
+        os.replace(path, aside / path.name)
+    return aside
 
 
 def save(state: dict[str, Any], path: str | Path, keep: int | None = None) -> Path:
@@ -130,9 +145,14 @@ def load_parameters(spec: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The parameters to start a run from, by name, and the file they came from.
 
     ``spec`` is a diloco checkpoint (its θ_global is taken; a directory means its newest valid
-    checkpoint) or a file holding a plain ``{name: tensor}`` state dict (``torch.save(model.state_dict())``).
+    checkpoint), a folder written by ``diloco export --format hf``, or a file holding a plain
+    ``{name: tensor}`` state dict (``torch.save(model.state_dict())``).
     """
     path = Path(spec)
+    from diloco.export import is_hf_folder, read_hf  # export reads checkpoints: import it when needed
+
+    if is_hf_folder(path):
+        return read_hf(path)[0], path
     if path.is_dir():
         found = find_resume("latest", path)
         if found is None:

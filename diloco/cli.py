@@ -26,6 +26,8 @@ commands:
   train                 run one island (prints the multiaddrs other islands join with)
   simulate --islands N  run N islands on this machine over loopback, then print a summary table
   baseline --workers K  synchronous data parallelism (DDP, gradients all-reduced every step) on K workers
+  generate MODEL        continue a prompt with a trained model (checkpoint, run dir or exported folder; --help)
+  export --format hf MODEL OUT   write θ_global as a Hugging Face Llama folder (transformers loads it)
   experiment compare    single worker vs synchronous baseline vs DiLoCo: plots and tables (--help)
   experiment sweeps     H / islands / outer-optimizer sweeps next to the paper's numbers (--help)
   config show           print the effective configuration (TOML, with a comment per key)
@@ -120,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console command."""
     argv = sys.argv[1:] if argv is None else argv
     _stacks_on_sigusr1()
+    if argv and argv[0] in ("generate", "export"):
+        from diloco.model_commands import COMMANDS
+
+        return COMMANDS[argv[0]](argv[1:])
     plugin = _plugin_command(argv[0]) if argv else None
     if plugin is not None:
         return plugin(argv[1:])

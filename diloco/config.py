@@ -230,6 +230,11 @@ class LoggingConfig:
     """Evaluate held-out loss every this many outer rounds."""
     eval_batches: int = 8
     """Held-out batches per evaluation."""
+    samples: int = 2
+    """At each evaluation, continue this many fixed held-out prompts with θ_global (on the main rank's CPU)
+    and log them to `samples.jsonl` and a W&B table (0: none; lower it for large models)."""
+    sample_tokens: int = 48
+    """Tokens generated per sample (capped by the model's context)."""
 
 
 @dataclass
@@ -555,6 +560,9 @@ def validate(cfg: Config) -> list[str]:
     for name in ("log_every", "eval_every", "eval_batches"):
         if getattr(lg, name) < 1:
             p.append(f"--logging.{name} must be at least 1, got {getattr(lg, name)}")
+    if lg.samples < 0 or lg.sample_tokens < 1:
+        p.append(f"--logging.samples must be 0 (none) or positive and --logging.sample_tokens at least 1, got "
+                 f"{lg.samples} and {lg.sample_tokens}")
     if cfg.threads < 0:
         p.append(f"--threads must be 0 (default) or positive, got {cfg.threads}")
     if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):

@@ -40,6 +40,7 @@ from diloco.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.model import build_initial_model, lm_loss
 from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, outer_round
 from diloco.runtime import Runtime, pick_device
+from diloco.samples import Sampler, log_samples
 from diloco.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.guard import NormGuard
@@ -89,6 +90,8 @@ class Island:
                                       cfg.data.num_shards, cfg.seed)
         self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size,
                                             cfg.logging.eval_batches)
+        lg = cfg.logging
+        self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens) if lg.samples and rt.is_main else None
         full = build_initial_model(cfg.model, cfg.seed, cfg.checkpoint.init_from)
         self.full_shapes = [(n, tuple(p.shape)) for n, p in full.named_parameters()]
         # the layout comes from the whole model on every rank, before the island splits it
@@ -273,6 +276,7 @@ class Island:
             if self.outer_step % cfg.logging.eval_every == 0 or self.outer_step == cfg.diloco.outer_steps:
                 t_eval = time.perf_counter()
                 ev = self.evaluate()
+                log_samples(self)
                 self.stats.compute_seconds += time.perf_counter() - t_eval
                 self.stats.eval_loss_end = ev
                 record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})

@@ -85,6 +85,10 @@ def maybe_resume(island: Island) -> None:
     newest all ranks have); any rank's problem stops every rank with the same message."""
     spec, rt = island.cfg.checkpoint.resume, island.rt
     if not spec:
+        aside = checkpoint.set_aside(island.ckpt_dir)
+        if aside is not None:
+            log.warning("%s held an earlier run's checkpoints: moved them to %s (pass --resume to continue that run "
+                        "instead)", island.ckpt_dir, aside)
         return
     world = rt.lockstep
     path, error = None, ""

@@ -62,6 +62,19 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(record)
 
+    def log_samples(self, rows: list[dict[str, Any]], tokens: int) -> None:
+        """Generated samples (``outer_step``, ``prompt``, ``continuation``): appended to ``samples.jsonl``
+        and logged as a W&B table ``samples``."""
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(dict(row, tokens=tokens, time=time.time()), ensure_ascii=False) + "\n")
+        if self._wandb is not None and rows:
+            import wandb
+
+            columns = ["outer_step", "prompt", "continuation"]
+            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            self._wandb.log({"samples": table, "tokens": tokens})
+
     def summary(self, values: dict[str, Any]) -> None:
         """Final figures: written to ``summary.json`` and the W&B run summary."""
         (self.run_dir / "summary.json").write_text(json.dumps(json_safe(values), indent=2, allow_nan=False))
@@ -121,6 +134,9 @@ class NullMetrics:
     """Stands in for :class:`MetricsLogger` on the ranks of an island that do not write metrics."""
 
     def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def log_samples(self, rows: list[dict[str, Any]], tokens: int) -> None:
         pass
 
     def summary(self, values: dict[str, Any]) -> None:

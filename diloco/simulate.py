@@ -299,7 +299,14 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
             signal.signal(s, h)
     cluster.stop_all()  # reaps anything the islands left in their process groups
     return {"islands": cluster.summaries(), "theta_global_max_abs_diff": cluster.theta_spread(),
-            "wall_seconds": time.time() - t0}
+            "wall_seconds": time.time() - t0, "sample": last_sample(cluster.run_dirs[0])}
+
+
+def last_sample(run_dir: Path) -> dict[str, Any] | None:
+    """The newest sample an island wrote to ``samples.jsonl`` (None if it wrote none)."""
+    path = Path(run_dir) / "samples.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else None
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -337,6 +344,10 @@ def format_summary(result: dict[str, Any]) -> str:
     lines.append(f"held-out perplexity at the end: {', '.join(f'{p:.2f}' for p in ppl)}")
     lines.append(f"θ_global max |difference| between islands: {result['theta_global_max_abs_diff']:.3g}")
     lines.append(f"wall-clock: {result['wall_seconds']:.0f} s")
+    sample = result.get("sample")
+    if sample:
+        lines.append(f"sample of θ_global after round {sample['outer_step']} (prompt, then → what the model wrote):")
+        lines.append(f"  {sample['prompt']!r} → {sample['continuation']!r}")
     return "\n".join(lines)
 
 

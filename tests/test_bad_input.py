@@ -43,6 +43,23 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, caplog):
     assert f"--resume: no checkpoint in {tmp_path / 'checkpoints'}; starting fresh" in caplog.text
 
 
+def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tmp_path, caplog):
+    """A new run in a run dir that holds another run's checkpoints must never resume from them later."""
+    args = ["train", *TINY, "--averaging.backend", "local", "--averaging.min_group_size", "1",
+            "--logging.run_dir", str(tmp_path), "--checkpoint.every", "1"]
+    assert cli.main(args + ["--diloco.outer_steps", "3"]) == 0
+    assert cli.main(args + ["--diloco.outer_steps", "2"]) == 0
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("ckpt-*.pt")) == ["ckpt-000001.pt", "ckpt-000002.pt"]
+    assert [sorted(p.name for p in d.glob("ckpt-*.pt")) for d in ckpts.glob("earlier-*")] == \
+        [["ckpt-000001.pt", "ckpt-000002.pt", "ckpt-000003.pt"]]
+    assert "held an earlier run's checkpoints: moved them to" in caplog.text
+    caplog.clear()
+    caplog.set_level("INFO", logger="diloco")
+    assert cli.main(args + ["--diloco.outer_steps", "3", "--resume"]) == 0
+    assert "ckpt-000002.pt at outer step 2" in caplog.text  # the new run's own newest, not the earlier run's round 3
+
+
 def test_a_wrong_run_key_is_one_line_within_the_startup_timeout(tmp_path, capsys, no_leaked_daemons):
     first_cfg = tiny_config(tmp_path / "first")
     maddrs = tmp_path / "maddrs.txt"

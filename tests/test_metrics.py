@@ -30,6 +30,11 @@ def test_island_logs_documented_metrics_to_jsonl_and_offline_wandb(tmp_path, mon
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")), "the offline run holds no data file"
+    # samples of fixed held-out prompts at each evaluation, in samples.jsonl and as a W&B table
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["outer_step"] for s in samples] == [1, 1, 2, 2]
+    assert samples[0]["prompt"] == samples[2]["prompt"] and all(s["continuation"] for s in samples)
+    assert list(runs[0].glob("files/media/table/samples_*.table.json")), "no samples table in the W&B run"
 
 
 def test_a_new_run_moves_earlier_records_aside_and_a_summary_is_strict_json(tmp_path):
