@@ -27,6 +27,7 @@ commands:
   simulate --islands N  run N islands on this machine over loopback, then print a summary table
   baseline --workers K  synchronous data parallelism (DDP, gradients all-reduced every step) on K workers
   generate MODEL        continue a prompt with a trained model (checkpoint, run dir or exported folder; --help)
+  eval MODEL            held-out loss and perplexity of a trained model on any --data.path (--per-document)
   export --format hf MODEL OUT   write θ_global as a Hugging Face Llama folder (transformers loads it)
   experiment compare    single worker vs synchronous baseline vs DiLoCo: plots and tables (--help)
   experiment sweeps     H / islands / outer-optimizer sweeps next to the paper's numbers (--help)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console command."""
     argv = sys.argv[1:] if argv is None else argv
     _stacks_on_sigusr1()
-    if argv and argv[0] in ("generate", "export"):
+    if argv and argv[0] in ("generate", "eval", "export"):
         from diloco.model_commands import COMMANDS
 
         return COMMANDS[argv[0]](argv[1:])

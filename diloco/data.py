@@ -253,26 +253,32 @@ def _to_tokens(parts: list[bytes]) -> np.ndarray:
     return np.frombuffer(SEPARATOR.join(parts), dtype=np.uint8).copy()
 
 
-def build_corpus(docs: Iterable[Document], heldout_fraction: float, description: str) -> Corpus:
-    """Split documents by :func:`is_heldout` and join each side with blank lines.
+def split_documents(docs: Iterable[Document], heldout_fraction: float, description: str
+                    ) -> tuple[list[Document], list[Document]]:
+    """(training, held-out) documents by :func:`is_heldout`.
 
     The held-out side is never empty (without a hashed pick it takes the last document) and the
     training side is never empty either; a lone document is split by bytes.
     """
-    labelled = [(is_heldout(name, heldout_fraction), data) for name, data in docs]
+    labelled = [(is_heldout(name, heldout_fraction), (name, data)) for name, data in docs]
     if not labelled:
         raise DataError(f"{description} contains no text; point --data.path at UTF-8 text")
     if len(labelled) == 1:
-        train_part, heldout_part = _split_single(labelled[0][1], heldout_fraction)
-        train_parts, heldout_parts = [train_part], [heldout_part]
-    else:
-        if not any(h for h, _ in labelled):
-            labelled[-1] = (True, labelled[-1][1])
-        if all(h for h, _ in labelled):
-            labelled[0] = (False, labelled[0][1])
-        train_parts = [d for h, d in labelled if not h]
-        heldout_parts = [d for h, d in labelled if h]
-    corpus = Corpus(_to_tokens(train_parts), _to_tokens(heldout_parts), "", len(labelled))
+        name, data = labelled[0][1]
+        train_part, heldout_part = _split_single(data, heldout_fraction)
+        return [(name, train_part)], [(f"{name} (held-out end)", heldout_part)]
+    if not any(h for h, _ in labelled):
+        labelled[-1] = (True, labelled[-1][1])
+    if all(h for h, _ in labelled):
+        labelled[0] = (False, labelled[0][1])
+    return [d for h, d in labelled if not h], [d for h, d in labelled if h]
+
+
+def build_corpus(docs: Iterable[Document], heldout_fraction: float, description: str) -> Corpus:
+    """Split documents with :func:`split_documents` and join each side with blank lines."""
+    docs = list(docs)
+    train, heldout = split_documents(docs, heldout_fraction, description)
+    corpus = Corpus(_to_tokens([d for _, d in train]), _to_tokens([d for _, d in heldout]), "", len(docs))
     corpus.description = (f"{description}: {corpus.num_documents} document{'s' if corpus.num_documents != 1 else ''}, "
                           f"{_mb(corpus.train.size)} train + {_mb(corpus.heldout.size)} held-out")
     return corpus
@@ -285,28 +291,27 @@ def _mb(n: int) -> str:
 
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Read the corpus named by ``cfg.path`` and split it into training and held-out streams."""
+    docs, what = documents(cfg)
+    return build_corpus(docs, cfg.heldout_fraction, what)
+
+
+def documents(cfg: DataConfig) -> tuple[Iterable[Document], str]:
+    """The documents named by ``cfg.path`` (at most ``cfg.max_bytes`` of text) and a description of them."""
     if cfg.path == "stdlib":
-        docs: Iterable[Document] = stdlib_documents()
         what = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library ({stdlib_root()})"
-        return build_corpus(take_bytes(docs, cfg.max_bytes), cfg.heldout_fraction, what)
+        return take_bytes(stdlib_documents(), cfg.max_bytes), what
     if cfg.path.startswith("hf:"):
         source = HFSource.parse(cfg.path)
         rows = open_hf_dataset(source)
         limit = cfg.max_bytes or HF_DEFAULT_MAX_BYTES
-        docs = take_bytes(hf_documents(rows, cfg.hf_text_field, str(source)), limit)
-        return build_corpus(docs, cfg.heldout_fraction, str(source))
-    return _load_local(cfg)
-
-
-def _load_local(cfg: DataConfig) -> Corpus:
+        return take_bytes(hf_documents(rows, cfg.hf_text_field, str(source)), limit), str(source)
     skipped: list[str] = []
     files = local_files(cfg.path)
     docs = list(take_bytes(local_documents(files, skipped), cfg.max_bytes))
     if not docs:
         raise DataError(f"--data.path {cfg.path} holds no UTF-8 text ({len(files)} files, "
                         f"{len(skipped)} skipped as binary or not UTF-8); point it at text files")
-    what = cfg.path + (f" ({len(skipped)} binary files skipped)" if skipped else "")
-    return build_corpus(docs, cfg.heldout_fraction, what)
+    return docs, cfg.path + (f" ({len(skipped)} binary files skipped)" if skipped else "")
 
 
 
@@ -417,6 +422,6 @@ def heldout_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
 
 __all__ = [
     "DataError", "Corpus", "Document", "ShardedBatches", "HFSource", "load_corpus", "heldout_batches",
-    "build_corpus", "is_heldout", "stdlib_documents", "local_files", "local_documents", "hf_documents",
+    "build_corpus", "split_documents", "documents", "is_heldout", "stdlib_documents", "local_files", "local_documents", "hf_documents",
     "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR",
 ]

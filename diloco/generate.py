@@ -91,16 +91,20 @@ def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 @torch.no_grad()
-def forward_cached(model: Transformer, tokens: torch.Tensor, caches: list[KVCache], start: int) -> torch.Tensor:
-    """Logits of ``tokens`` (batch, seq) at positions ``start..start+seq``, reading and extending ``caches``
-    (one per block, empty before the first call)."""
-    cos = model.rope_cos[start:start + tokens.shape[1]]
-    sin = model.rope_sin[start:start + tokens.shape[1]]
-    h = model.tok_embeddings(tokens)
+def forward_cached(model: Transformer, h: torch.Tensor, caches: list[KVCache], start: int) -> torch.Tensor:
+    """The model's forward for positions ``start..start+seq``, reading and extending ``caches`` (one per
+    block, empty before the first call).  ``h`` is token ids (batch, seq), or hidden states on a pipeline
+    stage without the embedding; a stage without the output returns hidden states (as ``model.forward``)."""
+    cos = model.rope_cos[start:start + h.shape[1]]
+    sin = model.rope_sin[start:start + h.shape[1]]
+    if model.tok_embeddings is not None:
+        h = model.tok_embeddings(h)
     for block, cache in zip(model.layers.values(), caches, strict=True):
         h = h + _attend(block.attention, block.attention_norm(h), cos, sin, cache, start)
         h = h + block.feed_forward(block.ffn_norm(h))
-    return model.output(model.norm(h))
+    if model.norm is not None:
+        h = model.norm(h)
+    return model.output(h) if model.output is not None else h
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
@@ -120,29 +124,50 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+Forward = Callable[[torch.Tensor, int, bool], "torch.Tensor | None"]
+"""``(new tokens (1, seq), their first position, whether to start from empty caches)`` → logits, or None on
+the ranks of a parallel island that do not hold the output."""
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, sampling: Sampling | None = None,
              use_cache: bool = True, on_token: Callable[[int], None] | None = None) -> Generated:
     """Continue ``prompt`` (token ids) by up to ``max_new_tokens`` tokens; ``on_token`` sees each one as it
     comes.  Without the cache every step runs the model over the whole sequence (same tokens, slower)."""
+    model.eval()
+    caches: list[KVCache] = []
+
+    def forward(tokens: torch.Tensor, start: int, fresh: bool) -> torch.Tensor:
+        if not use_cache:
+            return model(tokens)  # the model's own forward over the whole sequence
+        if fresh:
+            caches[:] = [KVCache() for _ in model.layers]
+        return forward_cached(model, tokens, caches, start)
+
+    device = next(model.parameters()).device
+    return decode_loop(forward, lambda token: token, prompt, max_new_tokens, model.cfg.seq_len, device,
+                       sampling, use_cache, on_token)
+
+
+def decode_loop(forward: Forward, share: Callable[[int | None], int], prompt: list[int], max_new_tokens: int,
+                context: int, device: torch.device, sampling: Sampling | None = None, use_cache: bool = True,
+                on_token: Callable[[int], None] | None = None) -> Generated:
+    """The generation loop over any ``forward`` (one process, or the stages of a parallel island, whose
+    ``share`` hands the token chosen where the logits are to every rank)."""
     sampling = sampling or Sampling()
     sampling.check()
-    context = model.cfg.seq_len
     if not prompt:
         raise GenerationError("the prompt is empty; pass at least one character")
     if len(prompt) >= context:
         raise GenerationError(f"the prompt is {len(prompt)} tokens (bytes) long but the model's context is {context}; "
                               f"shorten it to at most {context - 1}")
-    model.eval()
-    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     out = Generated()
     t0 = time.perf_counter()
     seq = torch.tensor([prompt], dtype=torch.long, device=device)
-    caches = [KVCache() for _ in model.layers]
-    logits = forward_cached(model, seq, caches, 0) if use_cache else model(seq)
+    logits = forward(seq, 0, True)
     while len(out.tokens) < max_new_tokens:
-        token = next_token(logits[0, -1], sampling, generator)
+        token = share(next_token(logits[0, -1], sampling, generator) if logits is not None else None)
         out.tokens.append(token)
         if on_token is not None:
             on_token(token)
@@ -151,11 +176,8 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, samplin
             out.stopped_at_context = len(out.tokens) < max_new_tokens
             break
         step = torch.tensor([[token]], dtype=torch.long, device=device)
-        if use_cache:
-            logits = forward_cached(model, step, caches, position - 1)
-        else:
-            seq = torch.cat([seq, step], dim=1)
-            logits = model(seq)
+        seq = torch.cat([seq, step], dim=1)
+        logits = forward(step, position - 1, False) if use_cache else forward(seq, 0, True)
     out.seconds = time.perf_counter() - t0
     return out
 

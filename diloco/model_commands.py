@@ -1,7 +1,8 @@
-"""Commands that use a trained model: ``diloco generate`` and ``diloco export``.
+"""Commands that use a trained model: ``diloco generate``, ``diloco eval`` and ``diloco export``.
 
     diloco generate RUN_DIR_OR_CHECKPOINT --prompt "def main(" [--max-new-tokens 200] [--temperature 0.8]
                     [--top-k 40] [--top-p 0.95] [--seed 0] [--no-cache] [--device cuda]
+    diloco eval RUN_DIR_OR_CHECKPOINT [--data.path TEXT] [--split heldout|all] [--per-document]
     diloco export --format hf RUN_DIR_OR_CHECKPOINT OUT_DIR
 """
 
@@ -15,7 +16,8 @@ import torch
 
 from diloco.checkpoint import CheckpointError
 from diloco.command import run_command
-from diloco.config import ConfigError
+from diloco.config import ConfigError, DataConfig
+from diloco.data import DataError
 from diloco.generate import GenerationError, Sampling, StreamDecoder, encode, generate
 
 
@@ -59,6 +61,11 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every token")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--parallel.tp", dest="tp", type=int, default=1,
+                        help="tensor-parallel degree (launch tp*pp processes with torchrun, as for training)")
+    parser.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--parallel.layers_per_stage", dest="layers_per_stage", default="",
+                        help="layers per stage, e.g. 3,1 (default: balanced by parameters)")
     args = parser.parse_args(argv)
 
     def body() -> int:
@@ -71,26 +78,64 @@ def generate_main(argv: list[str]) -> int:
         sampling.check()
         device = _device(args.device)
         model, cfg, source = load_trained(args.model)
-        model.to(device)
-        print(f"[model {cfg.dim}d x {cfg.n_layers} layers from {source}, {device}, "
-              f"{'KV cache' if not args.no_cache else 'no cache'}]", file=sys.stderr, flush=True)
+        run, speaks, shape = _runner(model, args, device)
+        if speaks:
+            print(f"[model {cfg.dim}d x {cfg.n_layers} layers from {source}, {device}{shape}, "
+                  f"{'KV cache' if not args.no_cache else 'no cache'}]", file=sys.stderr, flush=True)
+        write = sys.stdout.write if speaks else (lambda _: 0)
         tokens = seconds = 0.0
         for prompt in prompts:
             stream = StreamDecoder()
-            sys.stdout.write(prompt)
-            out = generate(model, encode(prompt), args.max_new_tokens, sampling, use_cache=not args.no_cache,
-                           on_token=lambda t: (sys.stdout.write(stream.push(t)), sys.stdout.flush()))
-            sys.stdout.write(stream.flush() + "\n")
+            write(prompt)
+            out = run(encode(prompt), args.max_new_tokens, sampling, use_cache=not args.no_cache,
+                      on_token=lambda t: (write(stream.push(t)), sys.stdout.flush()))
+            write(stream.flush() + "\n")
             sys.stdout.flush()
-            if out.stopped_at_context:
+            if out.stopped_at_context and speaks:
                 print(f"[stopped at the model's context of {cfg.seq_len} tokens]", file=sys.stderr)
             tokens += len(out.tokens)
             seconds += out.seconds
-        print(f"[{int(tokens)} tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s]",
-              file=sys.stderr, flush=True)
+        if speaks:
+            print(f"[{int(tokens)} tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s]",
+                  file=sys.stderr, flush=True)
+        from pipeline.mesh import destroy_island
+
+        destroy_island()
         return 0
 
     return run_command(body, (CheckpointError, GenerationError))
+
+
+def _runner(model, args: argparse.Namespace, device: torch.device):
+    """(generate function, whether this process prints, a note on the island shape): one process, or a
+    tp×pp island of torchrun processes built from the same pipeline functions as training."""
+    import os
+
+    from pipeline import SplitSettings
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp * args.pp == 1 and world == 1:
+        model.to(device)
+        return (lambda *a, **k: generate(model, *a, **k)), True, ""
+    from diloco.generate_parallel import IslandGenerator, check_island, start_island
+
+    try:
+        layers = [int(n) for n in args.layers_per_stage.split(",") if n.strip()]
+    except ValueError:
+        raise ConfigError([f"--parallel.layers_per_stage {args.layers_per_stage!r} must be numbers like 3,1"]) from None
+    # one sequence walks the stages in turn: no schedule, so microbatches only satisfy the split's checks
+    settings = SplitSettings(tp=args.tp, pp=args.pp, microbatches=max(1, args.pp), layers_per_stage=layers)
+    problems = check_island(model, settings)
+    if world != args.tp * args.pp:
+        problems.append(f"--parallel.tp {args.tp} x --parallel.pp {args.pp} is {args.tp * args.pp} processes but "
+                        f"{world} were launched; run torchrun --nproc-per-node {args.tp * args.pp} -m diloco.cli "
+                        f"generate ...")
+    if problems:
+        raise ConfigError(problems)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    island = IslandGenerator(start_island(model, settings, device), model.cfg)
+    return island.generate, int(os.environ.get("RANK", "0")) == 0, f", tp={args.tp} x pp={args.pp}"
 
 
 def export_main(argv: list[str]) -> int:
@@ -115,4 +160,44 @@ def export_main(argv: list[str]) -> int:
     return run_command(body, (CheckpointError,))
 
 
-COMMANDS = {"generate": generate_main, "export": export_main}
+def eval_main(argv: list[str]) -> int:
+    """``diloco eval``: held-out loss, perplexity and bits per byte of a trained model on any text."""
+    parser = argparse.ArgumentParser(prog="diloco eval", description=eval_main.__doc__)
+    parser.add_argument("model", help="a checkpoint (ckpt-*.pt), a run or checkpoint directory, or an exported folder")
+    defaults = DataConfig()
+    parser.add_argument("--data.path", dest="path", default=defaults.path,
+                        help="the text: stdlib, a file, a directory, a glob or hf:NAME[:CONFIG] (as for training)")
+    parser.add_argument("--data.heldout_fraction", dest="heldout_fraction", type=float,
+                        default=defaults.heldout_fraction)
+    parser.add_argument("--data.max_bytes", dest="max_bytes", type=int, default=0)
+    parser.add_argument("--data.hf_text_field", dest="hf_text_field", default=defaults.hf_text_field)
+    parser.add_argument("--split", default="heldout", help="heldout (the documents training left out) or all")
+    parser.add_argument("--per-document", action="store_true", help="also print every document's loss")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        from diloco.evaluate import evaluate, heldout_documents
+        from diloco.export import load_trained
+
+        if args.batch_size < 1:
+            raise ConfigError([f"--batch-size {args.batch_size} must be at least 1"])
+        device = _device(args.device)
+        model, _, source = load_trained(args.model)
+        data = DataConfig(path=args.path, heldout_fraction=args.heldout_fraction, max_bytes=args.max_bytes,
+                          hf_text_field=args.hf_text_field)
+        docs, what = heldout_documents(data, args.split)
+        print(f"[evaluating {source} on {len(docs)} {args.split} document(s) of {what}]", file=sys.stderr, flush=True)
+        result = evaluate(model.to(device), docs, args.batch_size)
+        if args.per_document:
+            for name, loss, count in sorted(result.per_document, key=lambda d: d[1]):
+                print(f"{loss:8.4f}  {count:>9}  {name}")
+        print(f"loss {result.loss:.4f} nats/byte, perplexity {result.perplexity:.3f}, "
+              f"{result.loss / 0.6931471805599453:.4f} bits/byte over {result.tokens} bytes of {len(docs)} document(s)")
+        return 0
+
+    return run_command(body, (CheckpointError, DataError))
+
+
+COMMANDS = {"generate": generate_main, "export": export_main, "eval": eval_main}

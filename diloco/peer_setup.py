@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from diloco.config import AveragingConfig
 from diloco.errors import TrainingError
 from peers.averager import AveragerSettings
-from peers.dht import NetworkSettings, PeerNetworkError, listens, start_dht, tcp_port, visible_maddrs
+from peers.dht import NetworkSettings, PeerNetworkError, PortTakenError, listens, start_dht, tcp_port, visible_maddrs
 from peers.local import LocalAverager
 from peers.membership import Membership, check_run_key, key_check_key, new_run_key
 from peers.sharded import ShardedAverager
@@ -69,14 +69,14 @@ def connect(island: Island, rejoin: list[str] | None = None) -> None:
         remembered = rejoin if rejoin is not None else _remembered(island, KNOWN_PEERS).split() if resuming else []
         port_file = f"{PORT}.rank{_local_rank(rt)}"
         former = int(_remembered(island, port_file) or 0) if resuming else 0
+        # a resuming island whose peers are all down (restarting too) starts alone and keeps trying them
         try:
-            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None,
-                                    port=former)
-        except PeerNetworkError:
+            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=resuming, port=former)
+        except PortTakenError:
             if not former:
                 raise
             log.warning("could not listen on port %d as before; listening on a free port", former)
-            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=rejoin is not None)
+            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=resuming)
         _remember(island, port_file, f"{tcp_port(island.dht)}\n")
         island.wire = WireCounter(root=island.dht.pid)
         if not a.public:
@@ -268,12 +268,14 @@ def _start_dht(island: Island, run_key: str, remembered: list[str], alone_ok: bo
             client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key,
             open_keys=(key_check_key(a.run_id),))
 
-    dht, error, boot = None, "", []
+    dht, error, boot, kind = None, "", [], PeerNetworkError
     if rt.global_rank == 0:
         initial = list(a.initial_peers) + [p for p in remembered if p not in a.initial_peers]
         try:
             try:
                 dht = start_dht(network(initial))
+            except PortTakenError:
+                raise
             except PeerNetworkError:
                 if not remembered or (a.initial_peers and not alone_ok):
                     raise
@@ -286,10 +288,10 @@ def _start_dht(island: Island, run_key: str, remembered: list[str], alone_ok: bo
                 log.info("bootstrapped through --initial-peers and %d remembered peer address(es)", len(remembered))
             boot = visible_maddrs(dht)
         except PeerNetworkError as e:
-            error = str(e)
-    boot, error = rt.bcast((boot, error), world=True)
+            error, kind = str(e), type(e)
+    boot, error, kind = rt.bcast((boot, error, kind), world=True)
     if error:
-        raise PeerNetworkError(error)
+        raise kind(error)
     if rt.global_rank != 0:
         try:
             dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]))

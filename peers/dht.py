@@ -24,6 +24,10 @@ class PeerNetworkError(RuntimeError):
     """The island could not join or start the peer network; the message says what to check."""
 
 
+class PortTakenError(PeerNetworkError):
+    """The port to listen on is in use (by another process, or a daemon of ours not yet gone)."""
+
+
 @dataclass
 class NetworkSettings:
     """Where an island listens, what it announces and whom it joins."""
@@ -116,6 +120,9 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
             break
         time.sleep(1.0)
     detail = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    if "address already in use" in str(error).lower():
+        raise PortTakenError(f"could not listen on {', '.join(settings.host_maddrs)}: the port is in use; free it or "
+                             f"pick another one [{detail}]")
     if settings.initial_peers:
         raise PeerNetworkError(
             f"could not reach any initial peer ({', '.join(settings.initial_peers)}) within "

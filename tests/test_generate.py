@@ -83,6 +83,59 @@ def test_simulate_prints_a_sample_at_the_end(trained):
     assert "after round 3" in text and repr(sample["continuation"]) in text
 
 
+def test_eval_matches_the_island_loss_definition_and_lists_documents(trained, tmp_path, capsys):
+    from diloco.config import DataConfig
+    from diloco.evaluate import document_loss, evaluate, heldout_documents
+    from diloco.model import lm_loss
+
+    model, cfg, _ = load_trained(trained)
+    text = (tmp_path / "a.txt")
+    text.write_text("def f(x):\n    return x + 1\n" * 8)
+    (tmp_path / "b.txt").write_text("import sys\nprint(sys.argv)\n" * 5)
+    data = text.read_bytes()[: 2 * cfg.seq_len + 1]  # exactly two windows: the same as the training loss
+    loss, count = document_loss(model, data, batch_size=1)
+    rows = torch.tensor(list(data), dtype=torch.long).view(1, -1)
+    x = torch.stack([rows[0, :cfg.seq_len], rows[0, cfg.seq_len:2 * cfg.seq_len]])
+    y = torch.stack([rows[0, 1:cfg.seq_len + 1], rows[0, cfg.seq_len + 1:]])
+    with torch.no_grad():
+        assert count == 2 * cfg.seq_len and abs(loss / count - lm_loss(model(x), y).item()) < 1e-5
+    docs, _ = heldout_documents(DataConfig(path=str(tmp_path / "*.txt")), "all")
+    result = evaluate(model, docs, progress=False)
+    assert len(result.per_document) == 2 and result.tokens == sum(len(d) - 1 for _, d in docs)
+    assert main(["eval", str(trained), "--data.path", str(tmp_path / "*.txt"), "--split", "all",
+                 "--per-document"]) == 0
+    out, err = capsys.readouterr()
+    assert "a.txt" in out and "b.txt" in out and f"loss {result.loss:.4f} nats/byte" in out and "2/2 documents" in err
+    assert main(["eval", str(trained), "--data.path", str(tmp_path / "missing.txt")]) == 1
+    assert main(["eval", str(trained), "--split", "train"]) == 1
+    assert capsys.readouterr().err.count("error: ") == 2
+
+
+def test_a_tp2_pp2_gloo_island_generates_the_same_text(trained, tmp_path):
+    """The training layout mirrored for inference: 4 torchrun processes, heads and MLP sharded over tp=2,
+    blocks over pp=2, each stage keeping its part of the cache; greedy text equal to one process's."""
+    import os
+    import subprocess
+    import sys
+
+    model, _, _ = load_trained(trained)
+    want = "def " + decode(generate(model, encode("def "), 20).tokens) + "\n"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "diloco.cli",
+           "generate", str(trained), "--prompt", "def ", "--max-new-tokens", "20", "--device", "cpu",
+           "--parallel.tp", "2", "--parallel.pp", "2"]
+    for extra in ([], ["--no-cache"]):
+        done = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout == want, (done.stdout, want)
+        assert "tp=2 x pp=2" in done.stderr and "tokens/s" in done.stderr
+    # a tp degree that does not divide the heads: one line per rank, exit != 0
+    bad = subprocess.run(cmd[:5] + ["3"] + cmd[6:-4] + ["--parallel.tp", "3"], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert bad.returncode != 0 and "must be divisible by --parallel.tp (3)" in bad.stderr, bad.stderr[-2000:]
+    assert "/diloco/" not in bad.stderr  # torchrun reports the failed ranks, but no frame of ours: no traceback
+
+
 def test_stream_decoder_holds_back_incomplete_characters():
     stream = StreamDecoder()
     pieces = [stream.push(b) for b in "é—x".encode()]

@@ -178,3 +178,14 @@ def test_unreachable_and_malformed_peers_fail_fast_with_one_line(no_leaked_daemo
         start_dht(NetworkSettings(initial_peers=["/ip4/1.2.3/tcp/5/p2p/x"]))
     with pytest.raises(PeerNetworkError, match="lacks its /p2p/PEER_ID"):
         start_dht(NetworkSettings(initial_peers=["/ip4/127.0.0.1/tcp/5"]))
+    # a port in use is told apart from peers that do not answer (a restarted island moves only for the former)
+    import socket
+
+    from peers.dht import PortTakenError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortTakenError, match=f"could not listen on /ip4/127.0.0.1/tcp/{port}: the port is in use"):
+            start_dht(NetworkSettings(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], startup_timeout=5))
