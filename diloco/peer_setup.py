@@ -222,12 +222,24 @@ def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None
         os.replace(tmp, a.maddr_file)
 
 
+MAX_KNOWN_PEERS = 64
+
+
 def remember_peers(island: Island) -> None:
-    """Rank 0 keeps the addresses of the run's other live islands in the run dir (after every round)."""
+    """Rank 0 keeps the addresses of the run's other islands in the run dir (after every round): the live
+    ones first, then those it knew before that are not registered right now (restarting, most likely:
+    an island comes back on the same port with the same peer id), one address per peer id."""
     if island.is_main and island.membership is not None:
-        addresses = island.membership.addresses()
-        if addresses:
-            _remember(island, KNOWN_PEERS, "\n".join(addresses) + "\n")
+        live = island.membership.addresses()
+        if not live:
+            return
+        merged, seen = [], set()
+        for address in live + _remembered(island, KNOWN_PEERS).split():
+            peer = address.rsplit("/p2p/", 1)[-1]
+            if peer not in seen or address in live:
+                seen.add(peer)
+                merged.append(address)
+        _remember(island, KNOWN_PEERS, "\n".join(dict.fromkeys(merged[:MAX_KNOWN_PEERS])) + "\n")
 
 
 def _local_rank(rt: Any) -> int:

@@ -100,3 +100,23 @@ def test_a_wrong_run_key_is_told_as_such(no_leaked_daemons):
     finally:
         for dht in reversed(made):
             dht.shutdown()
+
+
+def test_known_peers_keep_islands_that_are_restarting(tmp_path):
+    """An island restarting is missing from the registry for a while but comes back at the same address:
+    the remembered list keeps it (after the live ones), one address per peer id, a moved peer's newest."""
+    from types import SimpleNamespace
+
+    from diloco.peer_setup import KNOWN_PEERS, remember_peers
+
+    a, b, c = (f"/ip4/10.0.0.{i}/tcp/400{i}/p2p/Qm{i}" for i in (1, 2, 3))
+    moved = "/ip4/10.0.0.2/tcp/5002/p2p/Qm2"
+    live = [a, b, c]
+    island = SimpleNamespace(is_main=True, run_dir=tmp_path, membership=SimpleNamespace(addresses=lambda: live))
+    remember_peers(island)
+    live = [a]  # b and c restarting
+    remember_peers(island)
+    assert (tmp_path / KNOWN_PEERS).read_text().split() == [a, b, c]
+    live = [moved, a]  # b came back on another port: its old address is dropped
+    remember_peers(island)
+    assert (tmp_path / KNOWN_PEERS).read_text().split() == [moved, a, c]
