@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import signal
 import statistics
 import sys
@@ -72,6 +73,38 @@ def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
             "round_s": round_s, "retried": retried, "retried_ok": retried_ok}
 
 
+def joined_intervals(log: Path, t0: float) -> list[tuple[float, float]]:
+    """Wall-clock spans during which an island was in the run: each life of its process (its log from one
+    ``data:`` line to the next) counts from the moment it had joined the peer network and the member
+    registry (or caught up, or committed) to its last log line.  Seconds resolution, like the log."""
+    day = time.localtime(t0)
+    lives: list[list[float | None]] = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r"(\d\d):(\d\d):(\d\d) ", line)
+        if not m:
+            continue
+        t = time.mktime((*day[:3], int(m[1]), int(m[2]), int(m[3]), 0, 0, -1))
+        t += 86400 if t < t0 - 3600 else 0  # the run went past midnight
+        if " data: " in line or not lives:
+            lives.append([None, t])
+        lives[-1][1] = t
+        if lives[-1][0] is None and any(k in line for k in ("islands registered", "caught up", "checkpoint written")):
+            lives[-1][0] = t
+    return [(a, b) for a, b in lives if a is not None]
+
+
+def longest_stall(commits: list[float], joined: list[list[tuple[float, float]]], step: float = 0.1) -> float:
+    """The most seconds, between two consecutive commits, during which at least 2 islands were in the run."""
+    def count(t: float) -> int:
+        return sum(any(a <= t <= b for a, b in spans) for spans in joined)
+
+    worst = 0.0
+    for a, b in zip(commits, commits[1:]):
+        if b - a > 3 * step:
+            worst = max(worst, step * sum(count(a + step * (i + 0.5)) >= 2 for i in range(int((b - a) / step))))
+    return worst
+
+
 def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overrides: list[str]) -> int:
     """Run the soak; return 0 if every island ended in sync with finite parameters and exit code 0."""
     cfg = load(None, [x for k, v in SOAK_DEFAULTS.items() for x in (f"--{k}", str(v))] + overrides)
@@ -125,6 +158,8 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
         finite = all(torch.isfinite(t).all() for d in cluster.run_dirs
                      for t in torch.load(d / "theta_global.pt", weights_only=True).values())
         report = round_report(cluster.run_dirs, kill_times)
+        commits = sorted(r["time"] for d in cluster.run_dirs for r in read_metrics(d) if r.get("round_ok"))
+        report["stall_s"] = longest_stall(commits, [joined_intervals(log, t0) for log in cluster.logs])
         link_tx = [b - a for a, b in zip(tx0, link_tx_bytes(network))] if network else []
     finally:
         if "cluster" in locals():
@@ -144,7 +179,9 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
         f"{report['clean_rounds']} = {share:.0%}",
         f"- longest stretch without a committed round: {report['longest_gap_s']:.0f} s "
         f"({report['longest_gap_s'] / report['round_s']:.1f} median round lengths of {report['round_s']:.1f} s), "
-        f"from {report['longest_gap_from'] - t0:.0f} s",
+        f"from {report['longest_gap_from'] - t0:.0f} s; counting only the time at least 2 islands were in the run "
+        f"(joined the peer network and registry after a (re)start): {report['stall_s']:.0f} s "
+        f"({report['stall_s'] / report['round_s']:.1f} round lengths)",
         f"- rounds that lost a member mid-round and were averaged again by the islands left: {report['retried']} "
         f"({report['retried_ok']} of them committed)",
         f"- θ_global spread across islands at the end: {spread:.3g} (all finite: {finite})",
