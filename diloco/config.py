@@ -104,6 +104,14 @@ class DilocoConfig:
     """Outer momentum (ignored by `avg`, which uses 0)."""
     master_device: str = "cpu"
     """Where the fp32 master copy of the global parameters and the outer state live."""
+    overlap: str = "none"
+    """How the island trains while a round is in flight: `none` (the result is applied exactly `overlap_steps` inner steps after sending, waiting for it if needed; 0 blocks as plain DiLoCo), `delayed` (keep training; apply the average when it arrives, moving the progress made since onto the new θ_global) or `eager` (as `delayed`, but train meanwhile from θ_global stepped with this island's fresh Δ as a proxy for the average, Kale et al. 2025)."""
+    fragments: int = 1
+    """Streaming DiLoCo: split the model into this many groups of whole layers, each averaged every H inner steps at its own offset (one sync every H/fragments steps, ~1/fragments of the bytes); must divide H."""
+    overlap_steps: int = 0
+    """τ: inner steps trained after a round is sent before its result may be applied (at most H/fragments; `none` waits for the result then, `delayed`/`eager` apply it at the first step from then on at which it has arrived)."""
+    merge_alpha: float = 0.0
+    """α: with `overlap none`, a fragment's parameters become α·θ_local + (1−α)·θ_global when its round is applied (0: θ_global, as plain DiLoCo; Streaming DiLoCo uses 0.5 with τ=1)."""
 
 
 @dataclass
@@ -268,6 +276,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.preset": tuple(MODEL_PRESETS),
     "diloco.outer_optimizer": ("nesterov", "avg"),
+    "diloco.overlap": ("none", "delayed", "eager"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
     "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8"),
     "wandb.mode": ("online", "offline", "disabled"),
@@ -519,6 +528,20 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"--diloco.outer_lr must be positive, got {dl.outer_lr}")
     if not 0 <= dl.outer_momentum < 1:
         p.append(f"--diloco.outer_momentum must be in [0, 1), got {dl.outer_momentum}")
+    if dl.fragments < 1 or (dl.inner_steps >= 1 and dl.inner_steps % dl.fragments):
+        p.append(f"--diloco.fragments must be at least 1 and divide --diloco.inner_steps ({dl.inner_steps}), "
+                 f"got {dl.fragments}")
+    elif m.n_layers >= 1 and dl.fragments > m.n_layers:
+        p.append(f"--diloco.fragments ({dl.fragments}) cannot exceed the model's {m.n_layers} layers "
+                 f"(a fragment is a group of whole layers)")
+    elif dl.inner_steps >= 1 and not 0 <= dl.overlap_steps <= dl.inner_steps // dl.fragments:
+        p.append(f"--diloco.overlap_steps must be between 0 and H / fragments = {dl.inner_steps // dl.fragments} "
+                 f"(a round must be applied before the next one is sent), got {dl.overlap_steps}")
+    if not 0 <= dl.merge_alpha < 1:
+        p.append(f"--diloco.merge_alpha must be in [0, 1), got {dl.merge_alpha}")
+    elif dl.merge_alpha and dl.overlap != "none":
+        p.append(f"--diloco.merge_alpha applies to --diloco.overlap none only (delayed and eager keep the "
+                 f"progress made meanwhile); drop it or use overlap none")
     a = cfg.averaging
     if a.min_group_size < 1:
         p.append(f"--averaging.min_group_size must be at least 1, got {a.min_group_size}")
@@ -647,6 +670,7 @@ REMOVED_KEYS = ("averaging.sharded",)
 
 # Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
 FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
+                        "diloco.fragments",
                         "averaging.compression", "averaging.run_id")
 
 

@@ -38,11 +38,13 @@ from diloco.faults import FaultPlan
 from diloco.inner import build_inner_optimizer, inner_step
 from diloco.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.model import build_initial_model, lm_loss
-from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, outer_round
+from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
+from diloco.overlap import Overlap
 from diloco.runtime import Runtime, pick_device
 from diloco.samples import Sampler, log_samples
 from diloco.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
+from outer_optim.fragments import split_into_fragments
 from outer_optim.guard import NormGuard
 from peers.layout import CanonicalLayout, spec_tuple
 from peers.exchange import BucketExchange
@@ -95,7 +97,9 @@ class Island:
         full = build_initial_model(cfg.model, cfg.seed, cfg.checkpoint.init_from)
         self.full_shapes = [(n, tuple(p.shape)) for n, p in full.named_parameters()]
         # the layout comes from the whole model on every rank, before the island splits it
-        self.layout = CanonicalLayout.build(self.full_shapes, cfg.averaging.bucket_numel)
+        self.layout = CanonicalLayout.build(self.full_shapes, cfg.averaging.bucket_numel,
+                                            split_into_fragments([n for n, _ in self.full_shapes], cfg.diloco.fragments)
+                                            if cfg.diloco.fragments > 1 else ())
         self.model = ModelParts(full, rt.mesh, SplitSettings.from_config(cfg.parallel), loss_fn=lm_loss,
                                 device=self.device)
         del full
@@ -112,9 +116,6 @@ class Island:
         self.outer_step = 0
         self.inner_step = 0
         self.stats = RunStats()
-        self.tokens_at_sync = 0
-        """``stats.tokens`` when the parameters were last set to θ_global (a commit or an adopted state):
-        the weight of the next pseudo-gradient is the tokens trained since."""
         self.fingerprint = config_fingerprint(cfg)
         self.state_lock = threading.Lock()
         """Held while θ_global, the outer momentum or the outer step change (joiners read them meanwhile)."""
@@ -131,6 +132,7 @@ class Island:
         self.faults = FaultPlan.from_env()
         self.hooks = [FaultHook(self.faults)]
         self.transfer = StateTransfer(self)
+        self.overlap = Overlap(self)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
 
@@ -190,22 +192,41 @@ class Island:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean held-out loss over the fixed evaluation batches (the same on every rank)."""
+        """Mean held-out loss of θ_global over the fixed evaluation batches (the same on every rank); the
+        island's own parameters are put back afterwards."""
+        own = {n: p.detach().clone() for n, p in self.params.items()}
+        self.outer.copy_to(self.params)
         losses = []
         for x, y in self.eval_batches:
             with self.autocast:
                 losses.append(self.model.eval_loss(x, y))
+        for n, p in self.params.items():
+            p.copy_(own[n])
         return float(np.mean(losses))
 
-    def outer_round(self, tokens_in_round: int) -> RoundMetrics:
-        """Catch up if the run moved on without us, else one outer round (see :func:`outer_round`)."""
+    def send_round(self) -> RoundMetrics | None:
+        """Collective: catch up if the run moved on without us (the round's metrics), else send the
+        round's pseudo-gradient (None: it is in flight, see :mod:`diloco.overlap`)."""
         self.rejoin_if_alone()
         if self.transfer.catch_up():
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.stats.rounds_failed += 1
             self.stats.failures.append(f"round {self.outer_step + 1}: behind the run, caught up from a peer")
             return RoundMetrics.skipped(self, "behind the run; caught up from a peer")
-        return outer_round(self, tokens_in_round)
+        flight = begin_round(self)
+        if isinstance(flight, RoundMetrics):
+            return flight
+        self.overlap.flight = flight
+        return None
+
+    def outer_round(self) -> RoundMetrics:
+        """Collective: one whole round, blocking (catch up, or send and apply)."""
+        return self.send_round() or self.apply_round()
+
+    def apply_round(self) -> RoundMetrics:
+        """Collective: wait for the round in flight and commit it or roll it back."""
+        flight, self.overlap.flight = self.overlap.flight, None
+        return end_round(self, flight)
 
     # ------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -258,59 +279,73 @@ class Island:
                 signal.signal(sig, handler)
 
     def _loop(self) -> dict[str, Any]:
-        cfg, H = self.cfg, self.cfg.diloco.inner_steps
+        cfg, ov = self.cfg, self.overlap
         t_start = time.perf_counter()
+        self._t_start = t_start
         if self.outer_step == 0 and math.isnan(self.stats.eval_loss_start):
             self.stats.eval_loss_start = self.evaluate()
             self.metrics.log({"eval/loss": self.stats.eval_loss_start,
                               "eval/perplexity": math.exp(self.stats.eval_loss_start),
                               "tokens": self.stats.tokens, "outer_step": self.outer_step})
-        while self.outer_step < cfg.diloco.outer_steps and not self.stop_agreed():
-            t_round = time.perf_counter()
-            loss = self._inner_steps(H)
-            self.stats.compute_seconds += time.perf_counter() - t_round
-            if self.stopping:
+        loss, window = float("nan"), (time.perf_counter(), self.stats.tokens)
+        while self.outer_step < ov.total_rounds and not self.stop_agreed():
+            t_step = time.perf_counter()
+            if self.inner_step % ov.interval == ov.interval // 2:
+                self.faults.at("inner", self.outer_step + 1)
+            loss = self.train_step()
+            self.stats.compute_seconds += time.perf_counter() - t_step
+            if self.inner_step % cfg.logging.log_every == 0 or ov.sync_due():
+                window = self._log_loss(loss, window)
+            if ov.apply_due():
+                self._after_round(self.apply_round(), loss)
+            if not ov.sync_due() or self.stop_agreed():
+                continue
+            if ov.flight is not None:  # the next round is due: the one in flight must end first
+                self._after_round(self.apply_round(), loss)
+            if self.outer_step >= ov.total_rounds:
                 break
-            metrics = self.outer_round(self.stats.tokens - self.tokens_at_sync)
-            record = dict(metrics.record(), tokens=self.stats.tokens, outer_step=self.outer_step, loss=loss)
-            if self.outer_step % cfg.logging.eval_every == 0 or self.outer_step == cfg.diloco.outer_steps:
-                t_eval = time.perf_counter()
-                ev = self.evaluate()
-                log_samples(self)
-                self.stats.compute_seconds += time.perf_counter() - t_eval
-                self.stats.eval_loss_end = ev
-                record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
-            record["compute_utilization"] = self.stats.compute_seconds / max(time.perf_counter() - t_start, 1e-9)
-            self.metrics.log(record)
-            if self.is_main:
-                print(f"[{self.name}] {metrics.progress_line(self.outer_step, cfg.diloco.outer_steps, loss)}"
-                      + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
-            if cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every == 0:
-                self.save_checkpoint()
-        if self.stop_agreed() or (cfg.checkpoint.every and self.outer_step % cfg.checkpoint.every):
+            last = self.outer_step == ov.total_rounds - 1
+            done = self.send_round()
+            if done is None and (ov.blocking or last or ov.apply_due()):
+                done = self.apply_round()
+            if done is not None:
+                self._after_round(done, loss)
+        if ov.flight is not None:  # stopping with a round in flight: see it through, then checkpoint
+            self._after_round(self.apply_round(), loss)
+        if self.stop_agreed() or (cfg.checkpoint.every and self.outer_step % (cfg.checkpoint.every * ov.n)):
             self.save_checkpoint()
         if math.isnan(self.stats.eval_loss_end):
             self.stats.eval_loss_end = self.evaluate()
         return self._finish(time.perf_counter() - t_start)
 
-    def _inner_steps(self, steps: int) -> float:
-        """Up to ``steps`` inner steps (fewer when a stop is agreed); logs the training loss; returns the last."""
-        cfg, loss = self.cfg, float("nan")
-        window_t, window_tokens = time.perf_counter(), self.stats.tokens
-        for h in range(steps):
-            if h == steps // 2:
-                self.faults.at("inner", self.outer_step + 1)
-            loss = self.train_step()
-            if (h + 1) % cfg.logging.log_every == 0 or h == steps - 1:
-                now = time.perf_counter()
-                self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
-                                  "lr": self.inner_sched.get_last_lr()[0], "tokens": self.stats.tokens,
-                                  "tokens_per_second": (self.stats.tokens - window_tokens) / (now - window_t),
-                                  "outer_step": self.outer_step, "inner_step": self.inner_step})
-                window_t, window_tokens = now, self.stats.tokens
-            if self.stop_agreed():
-                break
-        return loss
+    def _log_loss(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
+        """Log the training loss and throughput since ``window`` (time, tokens); returns the new window."""
+        now = time.perf_counter()
+        self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
+                          "lr": self.inner_sched.get_last_lr()[0], "tokens": self.stats.tokens,
+                          "tokens_per_second": (self.stats.tokens - window[1]) / max(now - window[0], 1e-9),
+                          "outer_step": self.outer_step, "inner_step": self.inner_step})
+        return now, self.stats.tokens
+
+    def _after_round(self, metrics: RoundMetrics, loss: float) -> None:
+        """Record a round that ended: metrics, evaluation of θ_global when due, progress line, checkpoint."""
+        cfg, n = self.cfg, self.overlap.n
+        total = self.overlap.total_rounds
+        record = dict(metrics.record(), tokens=self.stats.tokens, outer_step=self.outer_step, loss=loss)
+        if self.outer_step % (cfg.logging.eval_every * n) == 0 or self.outer_step == total:
+            t_eval = time.perf_counter()
+            ev = self.evaluate()
+            log_samples(self)
+            self.stats.compute_seconds += time.perf_counter() - t_eval
+            self.stats.eval_loss_end = ev
+            record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
+        record["compute_utilization"] = self.stats.compute_seconds / max(time.perf_counter() - self._t_start, 1e-9)
+        self.metrics.log(record)
+        if self.is_main:
+            print(f"[{self.name}] {metrics.progress_line(self.outer_step, total, loss)}"
+                  + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
+        if cfg.checkpoint.every and self.outer_step % (cfg.checkpoint.every * n) == 0:
+            self.save_checkpoint()
 
     def theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
         """Collective: the whole θ_global on rank 0 (None elsewhere) and its checksum on every rank."""

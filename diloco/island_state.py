@@ -44,7 +44,7 @@ def state_dict(island: Island) -> dict[str, Any]:
         "outer_optimizer": island.outer.state_dict(), "data": island.batches.state_dict(),
         "rng": checkpoint.rng_state(), "stats": dict(island.stats.__dict__),
         "norm_history": list(island.guard.history), "island": _shape_of(island),
-        "tokens_at_sync": island.tokens_at_sync,
+        "overlap": island.overlap.state_dict(),
     }
 
 
@@ -69,7 +69,7 @@ def load_state_dict(island: Island, state: dict[str, Any]) -> None:
     for k, v in state["stats"].items():
         setattr(island.stats, k, v)
     island.guard.history = [float(x) for x in state.get("norm_history", [])]
-    island.tokens_at_sync = int(state.get("tokens_at_sync", island.stats.tokens))
+    island.overlap.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", island.stats.tokens)))
 
 
 def save_checkpoint(island: Island) -> Path:

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 METRIC_NAMES = ("loss", "perplexity", "lr", "outer_lr", "eval/loss", "eval/perplexity", "num_peers",
                 "tokens_per_second", "pseudo_grad_norm", "allreduce_seconds", "bytes_sent", "bytes_received",
                 "compute_utilization", "outer_step", "tokens", "round_ok", "round_failure",
-                "averaged_pseudo_grad_norm", "averaging_backend", "used_fallback")
+                "averaged_pseudo_grad_norm", "averaging_backend", "used_fallback", "overlap_seconds",
+                "stall_seconds", "fragment")
 
 
 def resolve_wandb_mode(mode: str) -> str:
@@ -160,6 +161,8 @@ class RunStats:
     payload_bytes_received: int = 0
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    """Seconds the island did not train because of its rounds (the part of comm_seconds not hidden)."""
     tokens: int = 0
     eval_loss_start: float = float("nan")
     eval_loss_end: float = float("nan")

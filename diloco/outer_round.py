@@ -14,12 +14,15 @@ round as :class:`RoundHook` objects; what the round did is one :class:`RoundMetr
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diloco.faults import FaultPlan
+from diloco.overlap import InFlight
 from diloco.peer_setup import count_bytes, remember_peers
 
 if TYPE_CHECKING:
@@ -49,6 +52,12 @@ class RoundMetrics:
     used_fallback: int
     retried: int = 0
     """1 when the group lost a member mid-round and the members left averaged again among themselves."""
+    overlap_seconds: float = 0.0
+    """Seconds of the round's communication hidden under inner steps (0 for a blocking round)."""
+    stall_seconds: float = 0.0
+    """Seconds the island did not train because of this round (sending, waiting for it, applying it)."""
+    fragment: int = 0
+    """The Streaming DiLoCo fragment the round averaged (0 with one fragment)."""
 
     @classmethod
     def skipped(cls, island: Island, reason: str) -> RoundMetrics:
@@ -124,9 +133,11 @@ class MembershipHook(RoundHook):
         remember_peers(island)
 
 
-def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
-    """One outer round of ``island`` (collective over its ranks), committed or rolled back as a whole."""
-    rnd, hooks = island.outer_step, island.hooks
+def begin_round(island: Island) -> InFlight | RoundMetrics:
+    """Collective: send this island's pseudo-gradient of the round's fragment to the group and return the
+    round in flight (or, when the island leaves the round out, what it did instead)."""
+    t0 = time.perf_counter()
+    rnd, hooks, ov = island.outer_step, island.hooks, island.overlap
     for h in hooks:
         h.before(island, rnd)
     state = island.state_fingerprint()
@@ -134,45 +145,71 @@ def outer_round(island: Island, tokens_in_round: int) -> RoundMetrics:
         h.starting(island, rnd, state)
     if island.transfer.outvoted(rnd, state):
         return _leave_out(island, rnd)
-    delta = island.outer.pseudo_gradient(island.params)
+    fragment = ov.fragment_of(rnd)
+    names = ov.names(fragment)
+    delta = island.outer.pseudo_gradient(island.params, names)
     for h in hooks:
         delta = h.outgoing(rnd, delta)
+    weight = float(island.stats.tokens - ov.tokens_at_sync[fragment])
     meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state}
-    result, averaged, retried = _average(island, delta, float(tokens_in_round), meta, rnd)
-    norm = island.global_norm(delta)
+    pending = island.averager.start(delta, weight, meta, round_id=str(rnd), on_stage=_on_stage(island, rnd),
+                                    buckets=ov.buckets(fragment))
+    flight = InFlight(rnd, fragment, names, delta, weight, meta, pending, island.inner_step, island.stats.tokens,
+                      time.perf_counter())
+    ov.sent(flight)
+    flight.send_seconds = time.perf_counter() - t0
+    return flight
+
+
+def end_round(island: Island, flight: InFlight) -> RoundMetrics:
+    """Collective: wait for the round in flight, validate it, commit it or roll it back."""
+    t0 = time.perf_counter()
+    in_flight = t0 - flight.t_sent
+    result, averaged = island.averager.finish(flight.pending)
+    result, averaged, retried = _retry_lost_member(island, flight, result, averaged)
+    norm = island.global_norm(flight.delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
     reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
     if reason:
-        _roll_back(island, rnd, reason, result)
+        _roll_back(island, flight, reason, result)
     else:
-        _commit(island, averaged, avg_norm)
-    for h in hooks:
+        _commit(island, flight, averaged, avg_norm, result.total_weight)
+    for h in island.hooks:
         h.after(island)
     backend = getattr(result, "backend", "") or ("local" if island.cfg.averaging.backend == "local" else "none")
     count_bytes(island, result.bytes_sent, result.bytes_received, through_torch=backend == "torch")
     s = island.stats
     s.comm_seconds += result.seconds
+    stall = flight.send_seconds + time.perf_counter() - t0
+    s.stall_seconds += stall
     return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
                         s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,
-                        int(bool(getattr(result, "fallback_reason", ""))), int(retried))
+                        int(bool(getattr(result, "fallback_reason", ""))), int(retried),
+                        overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
+                        fragment=flight.fragment)
 
 
-def _average(island: Island, delta: Delta, weight: float, meta: dict, rnd: int) -> tuple[Any, Delta | None, bool]:
-    """Average ``delta`` with the group; when the group lost a member mid-round (killed, cut off), average
-    it once more with the members left, under a round id of its own, so that a death costs the others a
-    few seconds instead of a round.  Returns (result, averaged Δ or None, whether it was retried)."""
-    hooks, a = island.hooks, island.cfg.averaging
-    on_stage = lambda phase: [h.stage(rnd, phase) for h in hooks]  # noqa: E731
-    result, averaged = island.averager.average(delta, weight, meta, round_id=str(rnd), on_stage=on_stage)
+def _on_stage(island: Island, rnd: int) -> Callable[[str], None]:
+    return lambda phase: [h.stage(rnd, phase) for h in island.hooks]  # noqa: E731
+
+
+def _retry_lost_member(island: Island, flight: InFlight, result: Any, averaged: Delta | None
+                       ) -> tuple[Any, Delta | None, bool]:
+    """When the group lost a member mid-round (killed, cut off), average the same Δ once more with the
+    members left, under a round id of its own, so that a death costs the others a few seconds instead of
+    a round.  Returns (result, averaged Δ or None, whether it was retried)."""
+    a = island.cfg.averaging
     # islands of one torch world decide every round together: one of them cannot go round again alone
     if result.ok or not getattr(result, "retryable", False) or not a.retry_lost_member or island.rt.lockstep:
         return result, averaged, False
+    rnd = flight.rnd
     log.warning("round %d: %s; averaging again with the islands left", rnd + 1, result.reason)
     first = result
     # the members left failed within moments of each other: a short wait for them is enough
     timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
-    result, averaged = island.averager.average(delta, weight, meta, round_id=f"{rnd}.retry", on_stage=on_stage,
-                                               matchmaking_timeout=timeout)
+    result, averaged = island.averager.average(flight.delta, flight.weight, flight.meta, round_id=f"{rnd}.retry",
+                                               on_stage=_on_stage(island, rnd), matchmaking_timeout=timeout,
+                                               buckets=island.overlap.buckets(flight.fragment))
     result.seconds += first.seconds
     result.bytes_sent += first.bytes_sent
     result.bytes_received += first.bytes_received
@@ -201,19 +238,20 @@ def _overflow(island: Island, averaged: Delta) -> str:
     return ""
 
 
-def _commit(island: Island, averaged: Delta, avg_norm: float) -> None:
+def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float, total_weight: float) -> None:
     with island.state_lock:
         island.outer.step(averaged)
         island.outer_step += 1
-    island.outer.copy_to(island.params)
-    island.tokens_at_sync = island.stats.tokens
+    island.overlap.committed(flight, averaged, total_weight)
     island.guard.record(avg_norm)
     island.transfer.after_commit()
     island.stats.rounds_ok += 1
 
 
-def _roll_back(island: Island, rnd: int, reason: str, result: Any) -> None:
+def _roll_back(island: Island, flight: InFlight, reason: str, result: Any) -> None:
+    rnd = flight.rnd
     island.outer_step += 1  # stay aligned with the others' round numbering
+    island.overlap.rolled_back(flight)
     island.transfer.after_rollback()
     island.stats.rounds_failed += 1
     island.stats.failures.append(f"round {rnd + 1}: {reason}")

@@ -278,5 +278,5 @@ class StateTransfer:
             isl.outer.step_count = int(meta.get("outer_step", 0))
             isl.outer_step = int(meta.get("outer_step", 0))
         isl.outer.copy_to(isl.params)
-        isl.tokens_at_sync = isl.stats.tokens  # the inner steps since the last sync were dropped with the state
+        isl.overlap.adopted()  # the inner steps since the last sync were dropped with the state
         self.refresh()

@@ -43,15 +43,19 @@ class OuterOptimizer:
         return float(self.optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
-    def pseudo_gradient(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device."""
+    def pseudo_gradient(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device (of ``names``, None: all)."""
         return {n: self.master[n].detach() - local[n].detach().to(self.master[n].device, torch.float32)
-                for n in self.names}
+                for n in (self.names if names is None else names)}
 
     @torch.no_grad()
     def step(self, averaged_delta: Mapping[str, torch.Tensor]) -> None:
-        """Apply one outer step with the group's averaged ``{name: Δ}``."""
+        """Apply one outer step with the group's averaged ``{name: Δ}``; parameters missing from it (other
+        Streaming DiLoCo fragments) keep their values and momentum."""
         for n in self.names:
+            if n not in averaged_delta:
+                continue
             self.master[n].grad = averaged_delta[n].to(self.master[n].device, torch.float32).reshape(
                 self.master[n].shape)
         self.optimizer.step()
@@ -62,24 +66,32 @@ class OuterOptimizer:
     def step_is_finite(self, averaged_delta: Mapping[str, torch.Tensor]) -> bool:
         """Whether :meth:`step` with ``averaged_delta`` leaves θ_global finite (a finite Δ can still
         overflow with a huge learning rate): computed aside, one tensor at a time, nothing changed."""
-        group = self.optimizer.param_groups[0]
-        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        for n in self.names:
-            p = self.master[n]
-            d = averaged_delta[n].to(p.device, torch.float32).reshape(p.shape)
-            update = d
-            if mu:
-                buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-                buf = d if buf is None else buf * mu + d
-                update = d + mu * buf if nesterov else buf
-            if not bool(torch.isfinite(p - lr * update).all()):
-                return False
-        return True
+        return all(bool(torch.isfinite(self._stepped(n, d)).all()) for n, d in averaged_delta.items())
 
     @torch.no_grad()
-    def copy_to(self, local: Mapping[str, torch.Tensor]) -> None:
-        """Overwrite the island's parameters with θ_global (cast to their dtype and device)."""
-        for n in self.names:
+    def peek(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{name: θ}``: where :meth:`step` with ``delta`` would put θ_global, computed aside (neither
+        θ_global nor the momentum change)."""
+        return {n: self._stepped(n, d) for n, d in delta.items()}
+
+    def _stepped(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        """θ_global[name] after an outer step with ``delta`` (torch's SGD update, on copies)."""
+        group = self.optimizer.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        p = self.master[name]
+        d = delta.to(p.device, torch.float32).reshape(p.shape)
+        update = d
+        if mu:
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            buf = d if buf is None else buf * mu + d
+            update = d + mu * buf if nesterov else buf
+        return p.detach() - lr * update
+
+    @torch.no_grad()
+    def copy_to(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None) -> None:
+        """Overwrite the island's parameters with θ_global (cast to their dtype and device; of ``names``,
+        None: all)."""
+        for n in (self.names if names is None else names):
             local[n].copy_(self.master[n])
 
     def momentum_buffers(self) -> list[torch.Tensor]:

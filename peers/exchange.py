@@ -4,7 +4,7 @@ averaged values of the elements it holds (point-to-point, any backend)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -86,6 +86,13 @@ class BucketExchange:
         if problems:
             raise ValueError("the island's shards do not cover the model: " + "; ".join(problems[:5]))
 
+    def names_in(self, buckets: Collection[int] | None) -> list[str]:
+        """This rank's parameters with elements in ``buckets`` (all of them for None)."""
+        if buckets is None:
+            return list(self.local_shapes)
+        wanted = set(buckets)
+        return [n for n in self.local_shapes if wanted.intersection(self.layout.segments(n, self.specs[n]))]
+
     def param_at(self, index: int) -> str:
         """Name of the parameter holding canonical element ``index``."""
         for p in self.layout.params:
@@ -129,12 +136,15 @@ class BucketExchange:
             dist.all_reduce(t, op=op, group=self.group)
         return t.cpu().tolist()
 
-    def precheck(self, local_deltas: Mapping[str, torch.Tensor], weight: float) -> str:
-        """Agree (collective) whether this island may take part: every rank's Δ complete and finite
-        and the same positive weight on every rank; returns '' or the reason (same on all ranks)."""
-        complete = set(local_deltas) >= set(self.local_shapes) and all(
-            local_deltas[n].numel() == numel_of(s) for n, s in self.local_shapes.items())
-        finite = complete and all(bool(torch.isfinite(local_deltas[n]).all()) for n in self.local_shapes)
+    def precheck(self, local_deltas: Mapping[str, torch.Tensor], weight: float,
+                 buckets: Collection[int] | None = None) -> str:
+        """Agree (collective) whether this island may take part in averaging ``buckets`` (None: all):
+        every rank's Δ of them complete and finite and the same positive weight on every rank;
+        returns '' or the reason (same on all ranks)."""
+        names = self.names_in(buckets)
+        complete = set(local_deltas) >= set(names) and all(
+            local_deltas[n].numel() == numel_of(self.local_shapes[n]) for n in names)
+        finite = complete and all(bool(torch.isfinite(local_deltas[n]).all()) for n in names)
         w = float(weight)
         if w != w:  # NaN weight: make the MIN see it
             w = float("-inf")
@@ -164,12 +174,14 @@ class BucketExchange:
         return [x for b in sorted(merged) for x in merged[b]]
 
     # ----------------------------------------------------------------------------- gather/scatter
-    def gather(self, local_deltas: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Collective: every owner receives its buckets, assembled from the island's pieces
-        (fp32 CPU, one 1-D tensor per owned bucket)."""
-        flat = {n: local_deltas[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.local_shapes}
+    def gather(self, local_deltas: Mapping[str, torch.Tensor], buckets: Collection[int] | None = None
+               ) -> dict[int, torch.Tensor]:
+        """Collective: every owner receives its buckets (of ``buckets``, None: all), assembled from the
+        island's pieces (fp32 CPU, one 1-D tensor per owned bucket)."""
+        flat = {n: local_deltas[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.names_in(buckets)}
+        chosen = range(len(self.layout.buckets)) if buckets is None else sorted(buckets)
         ops, recv = [], {}
-        for b in range(len(self.layout.buckets)):
+        for b in chosen:
             o = self.owner[b]
             if o == self.rank:
                 for r, segs in self._in[b].items():
@@ -182,7 +194,7 @@ class BucketExchange:
                 ops.append(("send", buf, o, b))
         self._p2p(ops)
         out = {}
-        for b in self.owned:
+        for b in (self.owned if buckets is None else [b for b in self.owned if b in set(chosen)]):
             values = torch.zeros(self.layout.buckets[b].numel, dtype=torch.float32)
             for r, segs in self._in[b].items():
                 if r == self.rank:
@@ -195,14 +207,16 @@ class BucketExchange:
             out[b] = values
         return out
 
-    def scatter(self, averaged: Mapping[int, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Collective: owners send each rank the averaged values of the elements it holds; returns
-        ``{name: tensor}`` shaped like this rank's local shards (fp32 CPU)."""
-        out = {n: torch.zeros(s, dtype=torch.float32) for n, s in self.local_shapes.items()}
+    def scatter(self, averaged: Mapping[int, torch.Tensor] | None, buckets: Collection[int] | None = None
+                ) -> dict[str, torch.Tensor]:
+        """Collective: owners send each rank the averaged values of the elements it holds (of
+        ``buckets``, None: all); returns ``{name: tensor}`` shaped like this rank's local shards of the
+        parameters in those buckets (fp32 CPU)."""
+        out = {n: torch.zeros(self.local_shapes[n], dtype=torch.float32) for n in self.names_in(buckets)}
         flat_out = {n: t.view(-1) for n, t in out.items()}
         nb = len(self.layout.buckets)
         ops, recv = [], {}
-        for b in range(nb):
+        for b in (range(nb) if buckets is None else sorted(buckets)):
             o = self.owner[b]
             if o == self.rank:
                 values = averaged[b].reshape(-1).to("cpu", torch.float32)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -117,10 +117,12 @@ class HierarchicalAllReduce:
         return result, local
 
     def reduce_owned(self, owned: Mapping[int, torch.Tensor], weight: float, metadata: dict, round_id: str,
-                     participate: bool = True) -> tuple[ShardedRoundResult, dict[int, torch.Tensor] | None]:
+                     participate: bool = True, buckets: Collection[int] | None = None
+                     ) -> tuple[ShardedRoundResult, dict[int, torch.Tensor] | None]:
         """The cross-island step (collective over the world): average the buckets this rank owns with
         the other islands' owners.  ``owned`` is :meth:`BucketExchange.gather`'s output; an island
-        that does not participate passes ``{}`` and weight 0.  Returns the island-wide verdict (same
+        that does not participate passes ``{}`` and weight 0; ``buckets`` limits the round to those
+        buckets (None: all).  Returns the island-wide verdict (same
         on every rank of every island) and, when it succeeded, the averaged owned buckets."""
         t0 = time.perf_counter()
         result = ShardedRoundResult(False, backend="torch")
@@ -145,7 +147,7 @@ class HierarchicalAllReduce:
                 result.seconds = time.perf_counter() - t0
                 return result, None
             pending = []
-            for b in sorted(self.exchange.owned):
+            for b in sorted(b for b in self.exchange.owned if buckets is None or b in buckets):
                 numel = self.layout.buckets[b].numel
                 t = (owned[b] * weight if participate else torch.zeros(numel)).to(self.device, torch.float32)
                 work = None

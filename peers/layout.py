@@ -23,6 +23,7 @@ index tensors.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -129,7 +130,8 @@ class CanonicalLayout:
     island): ``CanonicalLayout.build([(name, shape), ...], bucket_numel)``.
     """
 
-    def __init__(self, params: Sequence[tuple[str, Sequence[int]]], bucket_numel: int):
+    def __init__(self, params: Sequence[tuple[str, Sequence[int]]], bucket_numel: int,
+                 groups: Sequence[Sequence[str]] = ()):
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
         self.bucket_numel = int(bucket_numel)
@@ -144,14 +146,41 @@ class CanonicalLayout:
             self._by_name[entry.name] = entry
             start = entry.end
         self.total_numel = start
+        self.groups = [list(g) for g in groups]
+        """Parameter groups (e.g. Streaming DiLoCo's fragments) no bucket may span: each a run of
+        consecutive parameters in model order, together covering the model (empty: one group)."""
+        breaks = self._group_starts()
         b = self.bucket_numel
-        self.buckets: list[Bucket] = [Bucket(i, s, min(s + b, start)) for i, s in enumerate(range(0, start, b))]
+        self.buckets: list[Bucket] = []
+        for lo, hi in zip(breaks, breaks[1:] + [start]):
+            for s in range(lo, hi, b):
+                self.buckets.append(Bucket(len(self.buckets), s, min(s + b, hi)))
+        self._bucket_starts = [bk.start for bk in self.buckets]
         self._segments: dict[tuple[str, Spec], dict[int, list[Segment]]] = {}
 
     @classmethod
-    def build(cls, params: Iterable[tuple[str, Sequence[int]]], bucket_numel: int) -> CanonicalLayout:
-        """The layout of ``params`` (``(name, full shape)`` in model order) in buckets of ``bucket_numel``."""
-        return cls(list(params), bucket_numel)
+    def build(cls, params: Iterable[tuple[str, Sequence[int]]], bucket_numel: int,
+              groups: Sequence[Sequence[str]] = ()) -> CanonicalLayout:
+        """The layout of ``params`` (``(name, full shape)`` in model order) in buckets of ``bucket_numel``,
+        none of them spanning two of ``groups``."""
+        return cls(list(params), bucket_numel, groups)
+
+    def _group_starts(self) -> list[int]:
+        """Canonical start of every group (``[0]`` without groups); checks the groups tile the model."""
+        if not self.groups:
+            return [0]
+        order = [n for g in self.groups for n in g]
+        if order != self.names:
+            raise ValueError("parameter groups must list every parameter once, as consecutive runs in model order")
+        return [self._by_name[g[0]].start for g in self.groups if g]
+
+    def group_buckets(self, group: int) -> list[int]:
+        """Indices of the buckets holding group ``group``'s parameters (all buckets without groups)."""
+        if not self.groups:
+            return [bk.index for bk in self.buckets]
+        names = self.groups[group]
+        lo, hi = self._by_name[names[0]].start, self._by_name[names[-1]].end
+        return [bk.index for bk in self.buckets if lo <= bk.start < hi]
 
     # -------------------------------------------------------------------------------- describing
     @property
@@ -170,8 +199,10 @@ class CanonicalLayout:
     def fingerprint(self) -> str:
         """Hash of the names, full shapes, order and bucket size: islands whose layouts differ
         (another model, another bucket size) must not average with each other."""
-        doc = {"version": LAYOUT_VERSION, "bucket_numel": self.bucket_numel,
-               "params": [[p.name, list(p.shape)] for p in self.params]}
+        doc: dict[str, Any] = {"version": LAYOUT_VERSION, "bucket_numel": self.bucket_numel,
+                               "params": [[p.name, list(p.shape)] for p in self.params]}
+        if len(self.groups) > 1:
+            doc["groups"] = [len(g) for g in self.groups]
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def local_shape(self, name: str, spec: Any) -> tuple[int, ...]:
@@ -236,14 +267,17 @@ class CanonicalLayout:
         out: dict[int, list[Segment]] = {}
         if r == 0 or outer == 0:
             return out
-        B = self.bucket_numel
         first, last = base, base + (outer - 1) * R + r  # canonical extent [first, last)
-        for b in range(first // B, (last - 1) // B + 1):
+        for b in range(self.bucket_at(first), self.bucket_at(last - 1) + 1):
             bucket = self.buckets[b]
             segs = _segments_in(name, bucket.start, bucket.end, outer, R, r, base)
             if segs:
                 out[b] = segs
         return out
+
+    def bucket_at(self, index: int) -> int:
+        """Index of the bucket holding canonical element ``index``."""
+        return bisect.bisect_right(self._bucket_starts, index) - 1
 
     def bucket_segments(self, bucket: Bucket | int, specs: Mapping[str, Any]) -> list[Segment]:
         """All segments of the shards ``specs`` (``{name: spec}``) inside one bucket, in model order."""

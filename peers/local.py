@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
 from peers.averager import RoundResult
+
+
+@dataclass
+class Finished:
+    """A round that ended when it started."""
+
+    outcome: tuple[RoundResult, dict[str, torch.Tensor] | None]
+
+    def done(self) -> bool:
+        return True
 
 
 class LocalAverager:
@@ -20,8 +31,8 @@ class LocalAverager:
     peer_id = "local"
 
     def average(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
-                on_stage: Callable[[str], None] | None = None
-                ) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
+                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+                buckets: Collection[int] | None = None) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """Return this island's own ``{name: Δ}`` as the group's average."""
         t0 = time.perf_counter()
         if not all(torch.isfinite(d).all() for d in deltas.values()):
@@ -29,6 +40,16 @@ class LocalAverager:
         out = {n: d.detach().clone() for n, d in deltas.items()}
         return RoundResult(True, group_size=1, peers=[self.peer_id], total_weight=float(weight),
                            seconds=time.perf_counter() - t0, gathered={self.peer_id: dict(metadata)}), out
+
+    def start(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
+              on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+              buckets: Collection[int] | None = None) -> Finished:
+        """The round of :meth:`average`, already over (the same interface as :meth:`ShardedAverager.start`)."""
+        return Finished(self.average(deltas, weight, metadata, round_id, on_stage))
+
+    def finish(self, pending: Finished) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
+        """The outcome of a round :meth:`start` ran."""
+        return pending.outcome
 
     def set_state_priority(self, outer_step: int) -> None:
         """Nothing to advertise."""

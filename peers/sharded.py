@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,41 @@ class ShardedRoundResult:
     retryable: bool = False
     """Every failed bucket lost a member or a part mid-round, with enough members left to form a group
     again: the island may average the same pseudo-gradient once more (identical on all its ranks)."""
+
+
+@dataclass
+class PendingRound:
+    """A round :meth:`ShardedAverager.start` began: this rank's gathered buckets and, while their hivemind
+    rounds run in the background, the threads running them."""
+
+    owned: dict[int, torch.Tensor]
+    weight: float
+    meta: dict
+    round_id: str
+    refusal: str
+    """Why the island does not take part ('' when it does); the same on every rank."""
+    t0: float
+    buckets: Collection[int] | None
+    """The buckets averaged (None: all)."""
+    mine: list[int]
+    """Of those, the buckets this rank averages with the other islands."""
+    threads: list[threading.Thread] = field(default_factory=list)
+    outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        """Whether this rank's part of the round has ended (no island collective)."""
+        return not any(t.is_alive() for t in self.threads)
+
+    def wait(self, s: AveragerSettings, slack: float = 30.0) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
+        """Wait for this rank's bucket rounds (bounded by the timeouts of ``s`` plus ``slack``)."""
+        if self.threads:
+            deadline = self.t0 + s.matchmaking_timeout + s.allreduce_timeout + s.vote_timeout + slack
+            for t in self.threads:
+                t.join(max(0.0, deadline - time.perf_counter()))
+        for b in self.mine:
+            if b not in self.outcomes:
+                self.outcomes[b] = (RoundResult(False, "the bucket's round did not finish in time"), None)
+        return dict(self.outcomes)
 
 
 class ShardedAverager:
@@ -191,7 +226,8 @@ class ShardedAverager:
         return list(self.exchange.owned)
 
     def average(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
-                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None
+                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+                buckets: Collection[int] | None = None
                 ) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
         """One round on every rank of the island (collective): returns the island's result and, only
         when the whole round succeeded, ``{name: averaged Δ}`` shaped like this rank's shards.
@@ -199,22 +235,45 @@ class ShardedAverager:
         ``metadata`` goes to every bucket's group (``config_fingerprint`` gets the layout fingerprint
         appended so islands with different layouts refuse each other; ``island_id`` and
         ``layout_fingerprint`` are added).  ``on_stage`` and ``matchmaking_timeout`` are passed to every
-        owned bucket's averager.
+        owned bucket's averager; ``buckets`` limits the round to those buckets (a Streaming DiLoCo fragment:
+        ``local_deltas`` then needs only their parameters).  The same as :meth:`finish` of :meth:`start`.
         """
+        return self.finish(self.start(local_deltas, weight, metadata, round_id, on_stage, matchmaking_timeout,
+                                      buckets))
+
+    def start(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
+              on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+              buckets: Collection[int] | None = None) -> PendingRound:
+        """Collective: check and gather the island's Δ onto the bucket owners, then start the owned
+        buckets' hivemind rounds in the background and return at once.  The island may go on training
+        (its own collectives included: the background part talks to other islands only) until
+        :meth:`finish`.  With ``backend="torch"`` nothing runs in the background: the torch world
+        averages in lockstep, inside :meth:`finish`."""
         t0 = time.perf_counter()
         meta = dict(metadata)
         meta["config_fingerprint"] = f"{metadata.get('config_fingerprint', '')}|layout:{self.layout_fingerprint}"
         meta["layout_fingerprint"] = self.layout_fingerprint
         meta["island_id"] = self.island_id
-        refusal = self.exchange.precheck(local_deltas, weight)
+        refusal = self.exchange.precheck(local_deltas, weight, buckets)
+        owned = self.exchange.gather(local_deltas, buckets) if not refusal else {}
+        mine = [b for b in self.averagers if buckets is None or b in buckets]
+        pending = PendingRound(owned, float(weight), meta, round_id, refusal, t0, buckets, mine)
+        if self.backend != "torch" and not refusal:
+            pending.threads = self._hivemind_round(owned, mine, weight, meta, round_id, on_stage,
+                                                   matchmaking_timeout, pending.outcomes)
+        return pending
+
+    def finish(self, pending: PendingRound) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
+        """Collective: wait for the round :meth:`start` began, agree on the island's verdict (falling back
+        to torch where configured) and scatter the averaged values back to every rank."""
+        owned, weight, meta, round_id, refusal = (pending.owned, pending.weight, pending.meta, pending.round_id,
+                                                  pending.refusal)
         participate = not refusal
-        owned = self.exchange.gather(local_deltas) if participate else {}
         result = ShardedRoundResult(False, refusal)
         averaged: dict[int, torch.Tensor] | None = None
         needs_fallback = veto = False
         if self.backend != "torch":
-            outcomes = (self._hivemind_round(owned, weight, meta, round_id, on_stage, matchmaking_timeout)
-                        if participate else {})
+            outcomes = pending.wait(self.settings) if participate else {}
             result, needs_fallback, veto = self._island_verdict(outcomes, refusal)
             if result.ok:
                 averaged = {b: avg for b, (_, avg) in outcomes.items()}
@@ -225,8 +284,8 @@ class ShardedAverager:
             run_torch = self.fallback.agree(needs_fallback, veto)  # collective over every island
         if run_torch:
             hm = result
-            result, averaged = self.fallback.reduce_owned(owned, float(weight) if participate else 0.0, meta,
-                                                          round_id, participate)
+            result, averaged = self.fallback.reduce_owned(owned, weight if participate else 0.0, meta,
+                                                          round_id, participate, pending.buckets)
             if self.backend == "auto":
                 result.fallback_reason = hm.reason or "another island could not form a hivemind group"
                 result.buckets = hm.buckets
@@ -235,19 +294,18 @@ class ShardedAverager:
             if not participate:
                 result.ok, result.reason = False, refusal
         if result.ok and averaged is not None:
-            local = self.exchange.scatter(averaged)
+            local = self.exchange.scatter(averaged, pending.buckets)
         else:
             local = None
             result.ok = False
-        result.seconds = time.perf_counter() - t0
+        result.seconds = time.perf_counter() - pending.t0
         return result, local
 
-    def _hivemind_round(self, owned: dict[int, torch.Tensor], weight: float, meta: dict, round_id: str,
-                        on_stage: Callable[[str], None] | None, matchmaking_timeout: float | None
-                        ) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
-        """Run the owned buckets' hivemind rounds concurrently; ``{bucket: (result, averaged)}``."""
-        outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = {}
-
+    def _hivemind_round(self, owned: dict[int, torch.Tensor], mine: list[int], weight: float, meta: dict, round_id: str,
+                        on_stage: Callable[[str], None] | None, matchmaking_timeout: float | None,
+                        outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]]) -> list[threading.Thread]:
+        """Start the owned buckets' hivemind rounds, one thread each, filling ``outcomes[bucket]`` with
+        ``(result, averaged)`` as they end."""
         def run(b: int) -> None:
             try:
                 res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage,
@@ -257,17 +315,10 @@ class ShardedAverager:
                 log.exception("bucket %d: averaging raised", b)
                 outcomes[b] = (RoundResult(False, f"averaging raised {type(e).__name__}: {e}"), None)
 
-        s = self.settings
-        deadline = time.monotonic() + s.matchmaking_timeout + s.allreduce_timeout + s.vote_timeout + 30.0
-        threads = [threading.Thread(target=run, args=(b,), name=f"bucket-{b}", daemon=True) for b in self.averagers]
+        threads = [threading.Thread(target=run, args=(b,), name=f"bucket-{b}", daemon=True) for b in mine]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        for b in self.averagers:
-            if b not in outcomes:
-                outcomes[b] = (RoundResult(False, "the bucket's round did not finish in time"), None)
-        return dict(outcomes)
+        return threads
 
     def _island_verdict(self, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str
                         ) -> tuple[ShardedRoundResult, bool, bool]:

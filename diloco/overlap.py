@@ -1,0 +1,176 @@
+"""When an island sends its rounds and applies their results, and what it trains from meanwhile.
+
+A round is sent every H / P inner steps (``--diloco.fragments P``: Streaming DiLoCo; round ``r``
+averages fragment ``r mod P``, P = 1 is the whole model).  At most one round is in flight: it is
+applied (committed or rolled back, :func:`diloco.outer_round.end_round`) at the latest when the next one
+is due, and earlier as ``--diloco.overlap`` says:
+
+- ``none``: exactly τ = ``overlap_steps`` inner steps after sending, waiting for the result if it has
+  not arrived; the fragment's parameters then become α·θ_local + (1−α)·θ_global (τ = 0, α = 0, P = 1:
+  plain blocking DiLoCo);
+- ``delayed``: at the first inner step at least τ steps after sending at which the result has arrived
+  on every rank; the island trained on from its own parameters meanwhile, and that progress is moved
+  onto the new θ_global: θ_local ← θ_global + (θ_local − θ_local at sending);
+- ``eager`` (Kale et al. 2025): as ``delayed``, but at sending the island jumps to θ_global stepped with a
+  proxy of the average, Δ̃ = others' part of the last committed average + (own share)·own fresh Δ, and
+  trains from there; the true average replaces the proxy when it arrives.  A rolled-back round takes
+  the jump back.
+
+θ_global (the fp32 master, what islands vote on, serve and checkpoint) only ever moves by committed
+averages, identically on every island, whichever mode each uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from outer_optim.fragments import split_into_fragments
+
+if TYPE_CHECKING:
+    from diloco.island import Island
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclass
+class InFlight:
+    """A round sent and not yet applied."""
+
+    rnd: int
+    fragment: int
+    names: list[str]
+    """This rank's parameters in the round's fragment."""
+    delta: Params
+    weight: float
+    meta: dict
+    pending: Any
+    """The averager's handle (``start`` → ``finish``)."""
+    sent_at: int
+    """``island.inner_step`` when it was sent."""
+    tokens_at_send: int
+    t_sent: float
+    anchor: Params = field(default_factory=dict)
+    """delayed/eager: this rank's parameters right after sending; the progress made since is kept."""
+    undo: Params = field(default_factory=dict)
+    """eager: the parameters before the proxy jump, where a rolled-back round puts the island back."""
+    send_seconds: float = 0.0
+
+
+class Overlap:
+    """The island's schedule of rounds and the in-flight round (one per island rank, decisions collective)."""
+
+    def __init__(self, island: Island):
+        d = island.cfg.diloco
+        self.island = island
+        self.mode, self.tau, self.alpha, self.n = d.overlap, d.overlap_steps, d.merge_alpha, d.fragments
+        self.interval = d.inner_steps // d.fragments
+        self.total_rounds = d.outer_steps * d.fragments
+        self.groups = split_into_fragments([n for n, _ in island.full_shapes], self.n)
+        self.flight: InFlight | None = None
+        self.tokens_at_sync = [0] * self.n
+        """Per fragment: ``stats.tokens`` when its parameters last took θ_global (the weight of its next Δ)."""
+        self.others: Params = {}
+        """eager: the other islands' part of the last committed average, per parameter."""
+        self.share: dict[int, float] = {}
+        """eager: this island's share of the weight of its fragment's last committed average."""
+
+    # --------------------------------------------------------------------------- schedule
+    @property
+    def blocking(self) -> bool:
+        """Whether every round is applied the moment it is sent (plain DiLoCo's loop)."""
+        return self.mode == "none" and self.tau == 0
+
+    def fragment_of(self, rnd: int) -> int:
+        return rnd % self.n
+
+    def names(self, fragment: int) -> list[str]:
+        """This rank's parameters in ``fragment``."""
+        params = self.island.params
+        return [n for n in self.groups[fragment] if n in params]
+
+    def buckets(self, fragment: int) -> list[int] | None:
+        """The canonical buckets of ``fragment`` (None: the whole model)."""
+        return None if self.n == 1 else self.island.layout.group_buckets(fragment)
+
+    def sync_due(self) -> bool:
+        """Whether the island has trained up to its next round."""
+        return self.island.inner_step % self.interval == 0
+
+    def apply_due(self) -> bool:
+        """Collective: whether the round in flight is to be applied now (before the next inner step)."""
+        f, isl = self.flight, self.island
+        if f is None or isl.inner_step - f.sent_at < self.tau:
+            return False
+        if self.mode == "none":
+            return True
+        return isl.rt.reduce([float(f.pending.done())], op="min")[0] > 0
+
+    # --------------------------------------------------------------------- local parameters
+    @torch.no_grad()
+    def sent(self, f: InFlight) -> None:
+        """Right after ``f`` was sent: remember where the island trains from (and jump, if eager)."""
+        if self.mode == "none":
+            return
+        params = self.island.params
+        if self.mode == "eager":
+            f.undo = {n: params[n].detach().clone() for n in f.names}
+            share = self.share.get(f.fragment, 1.0)
+            proxy = {n: self.others.get(n, 0.0) + share * f.delta[n] for n in f.names}
+            for n, theta in self.island.outer.peek(proxy).items():
+                params[n].copy_(theta)
+        f.anchor = {n: params[n].detach().clone() for n in f.names}
+
+    @torch.no_grad()
+    def committed(self, f: InFlight, averaged: Params, total_weight: float) -> None:
+        """θ_global moved by the round of ``f``: bring the fragment's parameters onto it."""
+        isl, params = self.island, self.island.params
+        if self.mode == "none":
+            for n in f.names:
+                target = isl.outer.master[n].to(params[n].device, params[n].dtype)
+                params[n].copy_(target if not self.alpha else params[n].lerp(target, 1 - self.alpha))
+            self.tokens_at_sync[f.fragment] = isl.stats.tokens
+            return
+        for n in f.names:
+            params[n].add_(isl.outer.master[n].to(params[n].device, params[n].dtype) - f.anchor[n])
+        self.tokens_at_sync[f.fragment] = f.tokens_at_send
+        if self.mode == "eager":
+            share = f.weight / total_weight if total_weight > 0 else 1.0
+            self.share[f.fragment] = share
+            for n in f.names:
+                self.others[n] = averaged[n].to(f.delta[n].device) - share * f.delta[n]
+
+    @torch.no_grad()
+    def rolled_back(self, f: InFlight) -> None:
+        """θ_global stayed: the island keeps its own progress (and, if eager, takes the proxy jump back);
+        the next Δ of the fragment carries both rounds."""
+        if self.mode != "eager":
+            return
+        params = self.island.params
+        for n in f.names:
+            params[n].add_(f.undo[n].to(params[n].device) - f.anchor[n])
+            self.others.pop(n, None)
+        self.share.pop(f.fragment, None)
+
+    def adopted(self) -> None:
+        """θ_global was replaced by a downloaded one and the parameters reset to it."""
+        self.tokens_at_sync = [self.island.stats.tokens] * self.n
+        self.others.clear()
+        self.share.clear()
+
+    # ------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (taken with no round in flight)."""
+        return {"tokens_at_sync": list(self.tokens_at_sync), "others": dict(self.others),
+                "share": dict(self.share)}
+
+    def load_state_dict(self, state: dict[str, Any] | None, legacy_tokens_at_sync: int) -> None:
+        """Restore :meth:`state_dict` (None: a checkpoint from before fragments, with one counter)."""
+        if not state:
+            self.tokens_at_sync = [legacy_tokens_at_sync] * self.n
+            return
+        self.tokens_at_sync = [int(t) for t in state["tokens_at_sync"]]
+        self.others = dict(state.get("others", {}))
+        self.share = {int(k): float(v) for k, v in state.get("share", {}).items()}
