@@ -1,4 +1,6 @@
-"""The outer round as one transaction (as torchft's DiLoCo sync):
+"""The outer round as one transaction (as torchft's DiLoCo sync), begun and ended apart
+(:func:`begin_round` sends, :func:`end_round` applies) so that it can be in flight while the island
+trains on (:mod:`diloco.overlap`):
 
 pseudo-gradient → average with the group → validate (the averager's vote and finiteness checks, the
 norm guard, a θ_global that stays finite) → commit the outer step, or roll back.  A group that lost a

@@ -106,7 +106,8 @@ class Overlap:
             return False
         if self.mode == "none":
             return True
-        return isl.rt.reduce([float(f.pending.done())], op="min")[0] > 0
+        # islands of one torch world finish their rounds together (the fallback's collectives span them)
+        return isl.rt.reduce([float(f.pending.done())], op="min", world=isl.rt.lockstep)[0] > 0
 
     # --------------------------------------------------------------------- local parameters
     @torch.no_grad()

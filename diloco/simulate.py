@@ -249,7 +249,7 @@ class Cluster:
             if recs:
                 r = recs[-1]
                 ev = f" eval {r['eval/loss']:.3f}" if "eval/loss" in r else ""
-                parts.append(f"island{i} {r['outer_step']}/{self.cfg.diloco.outer_steps} loss {r['loss']:.3f}{ev}")
+                parts.append(f"island{i} {r['outer_step']}/{self.cfg.diloco.outer_steps * self.cfg.diloco.fragments} loss {r['loss']:.3f}{ev}")
             else:
                 parts.append(f"island{i} warming up")
         return f"[{time.time() - t0:6.0f}s] " + " | ".join(parts)

@@ -39,7 +39,7 @@ from diloco import config as config_mod
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare_results import (acceptance_lines, baseline_result, counted_vs_link, curve_from_metrics,
-                                         diloco_result, link_tx_bytes, wall_model_line)
+                                         diloco_result, link_tx_bytes, overlap_lines, wall_model_line)
 from experiments.report import RunResult, format_bytes, write_report
 
 # Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
@@ -82,6 +82,14 @@ COMPARE_DEFAULTS: dict[str, Any] = {
 # earliest phase of training, where the k×-batch baseline gains most (measured from scratch: DiLoCo +25%
 # held-out loss).  The warm start is pretraining, at the package's default inner lr.
 WARM_START_STEPS = 600
+
+# DiLoCo arms whose rounds do not stop the inner steps (``--arms``), each against blocking DiLoCo (c)
+ARMS: dict[str, dict[str, Any]] = {
+    "delayed": {"diloco.overlap": "delayed"},
+    "eager": {"diloco.overlap": "eager"},
+    # Streaming DiLoCo's setting: 4 fragments (the `small` model has 4 blocks), τ = 1, α = 0.5
+    "streaming": {"diloco.fragments": 4, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5},
+}
 WARM_START_LR = 3e-3
 
 
@@ -154,8 +162,9 @@ def warm_start(cfg: Config, steps: int, run_dir: Path, progress: bool = True,
 
 def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
                 latency_ms: float = 0.0, warm_start_steps: int = 0,
-                warm_start_lr: float | None = None) -> Path:
-    """Run single worker, synchronous baseline and DiLoCo; write the report; return ``results.md``.
+                warm_start_lr: float | None = None, arms: list[str] = ()) -> Path:
+    """Run single worker, synchronous baseline and DiLoCo (and the overlapped DiLoCo ``arms``, names of
+    :data:`ARMS`); write the report; return ``results.md``.
 
     With ``warm_start_steps`` (and no ``checkpoint.init_from`` of the user's), all three start from the
     parameters one worker reached after that many steps at peak lr ``warm_start_lr`` (default: the inner
@@ -182,6 +191,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     network = None
     rate_bits = None
     capped = False
+    extra: list[RunResult] = []
     try:
         if rate:
             ok, why = netns.available(delay=latency_ms > 0)
@@ -246,11 +256,20 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         check_network()
         tx2 = link_tx_bytes(network) if network else None
         dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
+
+        # (d) the same DiLoCo with rounds in flight
+        for arm in arms:
+            say(f"\n== (d) DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in ARMS[arm].items())} ==", flush=True)
+            c_arm = _variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
+                                      **ARMS[arm]})
+            check_network()
+            extra.append(diloco_result(f"diloco-{arm}", "diloco",
+                                       launch_islands(c_arm, islands, network=network, progress=progress)))
     finally:
         if network is not None:
             network.close()
 
-    results = [single, base, dl]
+    results = [single, base, dl] + extra
     if tx0 is not None:
         wire_base = max(b - a for a, b in zip(tx0, tx1))
         wire_dl = max(b - a for a, b in zip(tx1, tx2))
@@ -264,6 +283,8 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         notes.append(counted_vs_link(dl, [b - a for a, b in zip(tx1, tx2)]))
     acc, checks = acceptance_lines(single, base, dl, H, capped)
     model_lines = [wall_model_line(r, rate_bits) for r in results]
+    if extra:
+        acc += overlap_lines(dl, base, extra)
     notes += model_lines + acc
     notes.append(f"scale: model `{cfg.model.preset}` ({_param_count(cfg):,} parameters, fp32 gradient "
                  f"{format_bytes(4 * _param_count(cfg))}), {T} steps per worker of {cfg.inner.batch_size}×"
@@ -320,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-start-lr", type=float, default=WARM_START_LR,
                         help=f"peak inner lr of the warm start (default {WARM_START_LR:g}, pretraining; the runs "
                              f"after it use --inner.lr)")
+    parser.add_argument("--arms", default="",
+                        help=f"also run DiLoCo with rounds in flight, comma-separated: {', '.join(ARMS)} "
+                             f"(each as long as the DiLoCo run; default: none)")
     args, rest = parser.parse_known_args(argv)
     # Ctrl-C / kill -INT must stop the experiment even when started from a shell that ignores SIGINT in
     # background jobs (the emulated network closes itself on SIGINT and passes it on to this handler)
@@ -343,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError([f"--warm-start-steps must be 0 or more, got {args.warm_start_steps}"])
         if not args.warm_start_lr > 0:
             raise ConfigError([f"--warm-start-lr must be positive, got {args.warm_start_lr}"])
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown:
+            raise ConfigError([f"--arms {','.join(unknown)} is not one of {', '.join(ARMS)}"])
         run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms,
-                    warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr)
+                    warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms)
         return 0
 
     return run_command(body, (CompareError, BaselineError, SimulationError, DataError, NetworkSetupError),

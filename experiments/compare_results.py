@@ -51,12 +51,43 @@ def diloco_result(name: str, kind: str, out: dict[str, Any]) -> RunResult:
         final_eval_loss=float(first["eval_loss_end"]), bytes_per_worker=float(max(s["payload_bytes_sent"] for s in summaries)),
         wall_seconds=float(wall), compute_seconds=float(compute),
         extra={"comm_seconds": sum(s["comm_seconds"] for s in summaries) / n,
+               "stall_seconds": sum(s.get("stall_seconds", s["comm_seconds"]) for s in summaries) / n,
+               "peak_sync_bytes": max(peak_sync_bytes(Path(d)) for d in out["run_dirs"]),
                "counted_bytes_sent": [s["bytes_sent"] for s in summaries],
                "rounds_ok": [s["rounds_ok"] for s in summaries], "rounds_failed": [s["rounds_failed"] for s in summaries],
                "tokens": sum(s["tokens"] for s in summaries), "inner_steps_per_worker": first["inner_step"],
                "theta_global_max_abs_diff": out["theta_global_max_abs_diff"],
                "launcher_wall_seconds": out["launcher_wall_seconds"],
                "failures": [f for s in summaries for f in s.get("failures", [])][:20]})
+
+
+def peak_sync_bytes(run_dir: Path) -> int:
+    """The most all-reduce payload one island sent in a single round (one fragment's sync, with fragments)."""
+    sent = [int(r["payload_bytes_sent"]) for r in read_metrics(run_dir) if "round_ok" in r]
+    return max((b - a for a, b in zip([0] + sent, sent)), default=0)
+
+
+def overlap_lines(blocking: RunResult, base: RunResult, arms: list[RunResult]) -> list[str]:
+    """For each overlapped arm: compute utilization, wall-clock against the baseline, held-out loss against
+    blocking DiLoCo and the baseline at equal tokens, and the bytes of its largest single sync."""
+    def util(r: RunResult) -> float:
+        return 100 * r.compute_seconds / r.wall_seconds if r.wall_seconds else float("nan")
+
+    def pct(a: float, b: float) -> float:
+        return (a - b) / abs(b) * 100
+
+    lines = [f"overlap: blocking DiLoCo {blocking.name}: compute utilization {util(blocking):.1f}%, wall "
+             f"{base.wall_seconds / blocking.wall_seconds:.1f}× shorter than the baseline, stalled "
+             f"{blocking.extra.get('stall_seconds', 0):.0f} s, largest sync {format_bytes(blocking.extra.get('peak_sync_bytes', 0))}"]
+    for r in arms:
+        lines.append(
+            f"overlap: {r.name}: compute utilization {util(r):.1f}% (blocking {util(blocking):.1f}%), wall "
+            f"{base.wall_seconds / r.wall_seconds:.1f}× shorter than the baseline (blocking "
+            f"{base.wall_seconds / blocking.wall_seconds:.1f}×), stalled {r.extra.get('stall_seconds', 0):.0f} s; held-out "
+            f"loss {r.final_eval_loss:.4f}: {pct(r.final_eval_loss, blocking.final_eval_loss):+.2f}% vs blocking DiLoCo, "
+            f"{pct(r.final_eval_loss, base.final_eval_loss):+.2f}% vs the baseline; largest sync "
+            f"{format_bytes(r.extra.get('peak_sync_bytes', 0))}, θ_global spread {r.extra.get('theta_global_max_abs_diff')}")
+    return lines
 
 
 def counted_vs_link(r: RunResult, link_tx: list[int]) -> str:
