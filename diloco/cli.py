@@ -31,6 +31,7 @@ commands:
   export --format hf MODEL OUT   write θ_global as a Hugging Face Llama folder (transformers loads it)
   experiment compare    single worker vs synchronous baseline vs DiLoCo: plots and tables (--help)
   experiment sweeps     H / islands / outer-optimizer sweeps next to the paper's numbers (--help)
+  experiment overlap    compute utilization and wall-clock against link rate, blocking vs rounds in flight
   config show           print the effective configuration (TOML, with a comment per key)
   config reference      print every key with its default and meaning (markdown)
 

@@ -540,8 +540,8 @@ def validate(cfg: Config) -> list[str]:
     if not 0 <= dl.merge_alpha < 1:
         p.append(f"--diloco.merge_alpha must be in [0, 1), got {dl.merge_alpha}")
     elif dl.merge_alpha and dl.overlap != "none":
-        p.append(f"--diloco.merge_alpha applies to --diloco.overlap none only (delayed and eager keep the "
-                 f"progress made meanwhile); drop it or use overlap none")
+        p.append("--diloco.merge_alpha applies to --diloco.overlap none only (delayed and eager keep the "
+                 "progress made meanwhile); drop it or use overlap none")
     a = cfg.averaging
     if a.min_group_size < 1:
         p.append(f"--averaging.min_group_size must be at least 1, got {a.min_group_size}")

@@ -154,8 +154,12 @@ def begin_round(island: Island) -> InFlight | RoundMetrics:
         delta = h.outgoing(rnd, delta)
     weight = float(island.stats.tokens - ov.tokens_at_sync[fragment])
     meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state}
+    # a group forms as soon as every island the registry expects in this round has joined, not after the
+    # whole matchmaking window
+    expected = island.transfer.main_decides(lambda: island.membership.round_size(rnd)) \
+        if island.membership is not None and not island.rt.lockstep else None
     pending = island.averager.start(delta, weight, meta, round_id=str(rnd), on_stage=_on_stage(island, rnd),
-                                    buckets=ov.buckets(fragment))
+                                    buckets=ov.buckets(fragment), expected_group_size=expected)
     flight = InFlight(rnd, fragment, names, delta, weight, meta, pending, island.inner_step, island.stats.tokens,
                       time.perf_counter())
     ov.sent(flight)

@@ -10,6 +10,7 @@ USAGE = """python -m experiments COMMAND [options] [--section.key VALUE ...]
 commands:
   compare   single worker vs synchronous data parallelism vs DiLoCo (python -m experiments compare --help)
   sweeps    H, islands and outer-optimizer sweeps next to the paper's numbers (... sweeps --help)
+  overlap   compute utilization and wall-clock against link rate, blocking vs rounds in flight (... overlap --help)
 """
 
 
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.compare import main as run
     elif command == "sweeps":
         from experiments.sweeps import main as run
+    elif command == "overlap":
+        from experiments.overlap_sweep import main as run
     else:
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

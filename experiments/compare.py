@@ -33,13 +33,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from diloco import config as config_mod
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare_results import (acceptance_lines, baseline_result, counted_vs_link, curve_from_metrics,
                                          diloco_result, link_tx_bytes, overlap_lines, wall_model_line)
+from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import RunResult, format_bytes, write_report
 
 # Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
@@ -94,54 +95,13 @@ WARM_START_LR = 3e-3
 
 
 
-class CompareError(RuntimeError):
-    """A run of the comparison failed; the message points at its log."""
-
-
-# ------------------------------------------------------------------------------------ island launcher
-
-
-def launch_islands(cfg: Config, n: int, network: Any = None, *,
-                   wrap: Callable[[list[str], int], list[str]] | None = None,
-                   startup_timeout: float = 180.0, progress: bool = True) -> dict[str, Any]:
-    """Run ``n`` islands (``diloco train`` processes) to completion; return their summaries.
-
-    :func:`diloco.simulate.simulate` with, when ``network`` is given, island ``i`` listening on emulated
-    host ``i``'s address and its command wrapped with ``network.wrap(cmd, i)`` (or ``wrap``).  Every
-    island is stopped on failure, Ctrl-C/SIGTERM and at the end.
-    """
-    from diloco.simulate import simulate
-
-    hosts = None
-    if network is not None:
-        if len(network.hosts) < n:
-            raise CompareError(f"the emulated network has {len(network.hosts)} hosts but {n} islands need one each")
-        wrap = wrap or network.wrap
-        hosts = [h.address for h in network.hosts[:n]]
-    t0 = time.time()
-    out = simulate(cfg, n, startup_timeout, wrap=wrap, host_addresses=hosts, quiet=not progress)
-    out["launcher_wall_seconds"] = time.time() - t0
-    out["run_dirs"] = [str(Path(cfg.logging.run_dir) / f"island{i}") for i in range(n)]
-    return out
-
-
 # ------------------------------------------------------------------------------------ results
-
-
-def _variant(cfg: Config, **items: Any) -> Config:
-    """A deep copy of ``cfg`` with dotted keys set (validated)."""
-    c = copy.deepcopy(cfg)
-    problems = config_mod.apply(c, items)
-    problems += config_mod.validate(c)
-    if problems:
-        raise ConfigError(problems)
-    return c
 
 
 def _single_worker(cfg: Config, run_dir: Path, run_id: str, **items: Any) -> Config:
     """``cfg`` as one worker training alone: plain AdamW (an island averaging with nobody, whose FedAvg
     outer step is the identity)."""
-    return _variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.backend": "local",
+    return variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.backend": "local",
                             "averaging.min_group_size": 1, "averaging.target_group_size": 0,
                             "diloco.outer_optimizer": "avg", "averaging.run_id": run_id, **items})
 
@@ -219,9 +179,9 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         elif warm_start_steps:
             say(f"\n== (0) warm start: one worker, {warm_start_steps} steps from the seeded initialisation ==",
                 flush=True)
-            init, warm = warm_start(_variant(cfg, **{"wandb.group": group}), warm_start_steps, runs / "warm_start",
+            init, warm = warm_start(variant(cfg, **{"wandb.group": group}), warm_start_steps, runs / "warm_start",
                                     progress=progress, lr=warm_start_lr)
-            cfg = _variant(cfg, **{"checkpoint.init_from": str(init)})
+            cfg = variant(cfg, **{"checkpoint.init_from": str(init)})
             notes.append(f"start: every run starts from the same warm start, {warm_start_steps} AdamW steps of one "
                          f"worker (peak lr {warm_start_lr or cfg.inner.lr:g}) from the seeded initialisation "
                          f"(held-out loss {warm.curve[0]['eval_loss']:.3f} → "
@@ -239,7 +199,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
 
         # (b) synchronous data parallelism over k workers
         say(f"\n== (b) synchronous data-parallel baseline, {islands} workers ==", flush=True)
-        c_base = _variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
+        c_base = variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
                                   "wandb.group": group})
         check_network()
         tx0 = link_tx_bytes(network) if network else None
@@ -249,7 +209,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
 
         # (c) DiLoCo with k islands
         say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
-        c_dl = _variant(cfg, **{"logging.run_dir": str(runs / "diloco"), "averaging.backend": "hivemind",
+        c_dl = variant(cfg, **{"logging.run_dir": str(runs / "diloco"), "averaging.backend": "hivemind",
                                 "averaging.run_id": "diloco", "wandb.group": group})
         check_network()
         out_dl = launch_islands(c_dl, islands, network=network, progress=progress)
@@ -260,7 +220,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         # (d) the same DiLoCo with rounds in flight
         for arm in arms:
             say(f"\n== (d) DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in ARMS[arm].items())} ==", flush=True)
-            c_arm = _variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
+            c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
                                       **ARMS[arm]})
             check_network()
             extra.append(diloco_result(f"diloco-{arm}", "diloco",

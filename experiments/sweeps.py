@@ -38,7 +38,8 @@ from typing import Any
 from diloco import config as config_mod
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.compare import CompareError, curve_from_metrics, launch_islands
+from experiments.compare import curve_from_metrics
+from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import format_bytes, markdown_table
 
 # A ~0.9M-parameter model (the `small` preset) on 64-token sequences, batch 8 per island (0.05-0.2 s per step
@@ -91,14 +92,6 @@ SWEEPS: dict[str, SweepSpec] = {
 }
 
 
-def _variant(cfg: Config, items: dict[str, Any]) -> Config:
-    c = copy.deepcopy(cfg)
-    problems = config_mod.apply(c, items) + config_mod.validate(c)
-    if problems:
-        raise ConfigError(problems)
-    return c
-
-
 def run_one(cfg: Config, islands: int, run_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Train one setting (``islands`` == 1: a single worker, plain AdamW); return its figures."""
     items: dict[str, Any] = {"logging.run_dir": str(run_dir)}
@@ -107,7 +100,7 @@ def run_one(cfg: Config, islands: int, run_dir: Path, progress: bool = True) -> 
                       "diloco.outer_optimizer": "avg"})
     else:
         items.update({"averaging.backend": "hivemind"})
-    c = _variant(cfg, items)
+    c = variant(cfg, **items)
     out = launch_islands(c, islands, progress=progress)
     s = out["islands"]
     first = s[0]
@@ -245,7 +238,7 @@ def run_sweep(cfg: Config, sweep: str, out_dir: Path, *, steps: int | None = Non
             raise ConfigError([f"--steps {spec.steps} must be a multiple of H={H} for the {sweep} sweep"])
         items.update({"diloco.inner_steps": H, "diloco.outer_steps": spec.steps // H,
                       "averaging.run_id": f"{sweep}-{v}"})
-        c = _variant(cfg, items)
+        c = variant(cfg, **items)
         say(f"\n-- {sweep}={v}: {k} island(s), H={H}, {spec.steps // H} round(s), outer "
             f"{'avg (single worker: plain AdamW)' if k == 1 else c.diloco.outer_optimizer} --", flush=True)
         r = run_one(c, k, out / "runs" / f"{sweep}-{v}", progress=progress)

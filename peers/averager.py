@@ -2,10 +2,10 @@
 
 hivemind's all-reduce can report success while part of the vector kept local values (a peer that
 failed mid-round) and has no timeouts by default.  :class:`VerifiedAverager` closes both holes:
-every timeout is explicit, retries are off, and each round ends with a vote through the DHT in
-which every group member publishes a fingerprint of what it received.  A round counts only if the
-group is large enough, every member voted, and all fingerprints agree and are finite; otherwise the
-caller gets a failed :class:`RoundResult` and the averaged values are thrown away.
+every timeout is explicit, retries are off, and each round ends with a vote (:mod:`peers.vote`) in
+which every group member sends a fingerprint of what it received to the others.  A round counts only
+if the group is large enough, every member voted, and all fingerprints agree and are finite;
+otherwise the caller gets a failed :class:`RoundResult` and the averaged values are thrown away.
 """
 
 from __future__ import annotations
@@ -17,18 +17,21 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   Uniform8BitQuantization)
 
-from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
+from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
+from peers.hivemind_averager import StateProvider, _PseudoGradientAverager
+from peers.vote import MemberCheck, VoteChannel
+
+__all__ = ["AveragerGoneError", "AveragerSettings", "COMPRESSIONS", "FINGERPRINT_CHUNKS", "RoundResult", "StateProvider",
+           "VerifiedAverager", "allreduce_bytes", "fingerprint", "fingerprints_agree", "majority_by_state"]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,6 @@ COMPRESSIONS: dict[str, tuple[Callable[[], Any], float, float]] = {
     "uint8": (Uniform8BitQuantization, 0.25, 5e-2),
 }
 
-FINGERPRINT_CHUNKS = 64
-
-StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
-"""Returns (metadata, tensors) describing the island's global state, served to joining islands."""
 
 
 @dataclass
@@ -79,6 +78,9 @@ class AveragerSettings:
     members_key: str = ""
     """DHT key of that member registry (empty: ``f"{prefix}.members"``); set it when the prefix is not
     the run's own, e.g. for the per-bucket averagers of :mod:`peers.sharded` (prefix ``f"{run}_b{i}"``)."""
+    direct_votes: bool = True
+    """Send verdicts straight to the group members (False: only through the DHT, polled: the vote as it
+    was before, kept for benchmarks/round_cost.py and tests)."""
 
 
 @dataclass
@@ -101,6 +103,8 @@ class RoundResult:
     """Wall-clock seconds of the whole round (matchmaking, all-reduce, vote)."""
     matchmaking_seconds: float = 0.0
     """Part of ``seconds`` spent until the group formed and the all-reduce finished."""
+    allreduce_seconds: float = 0.0
+    """Part of ``matchmaking_seconds`` spent in the all-reduce itself (after the group formed)."""
     vote_seconds: float = 0.0
     """Part of ``seconds`` spent agreeing on the result."""
     total_weight: float = 0.0
@@ -129,96 +133,6 @@ def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
     return int(2 * num_bytes * wire_ratio * (group_size - 1) / group_size)
 
 
-def fingerprint(tensors: Sequence[torch.Tensor], chunks: int = FINGERPRINT_CHUNKS) -> list[float]:
-    """Per-chunk sums, absolute sums and square sums of the flattened tensors (float64).
-
-    Two peers holding the same values up to rounding produce fingerprints equal within a small
-    relative tolerance; a vector with a part left unaveraged or NaN does not.
-    """
-    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors else torch.zeros(1)
-    out: list[float] = []
-    for part in flat.tensor_split(chunks):
-        out += [part.sum().item(), part.abs().sum().item(), part.pow(2).sum().item()]
-    return out
-
-
-def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
-    """True when two fingerprints are finite and equal within ``rtol`` of each chunk's magnitude."""
-    if len(a) != len(b):
-        return False
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    if not (torch.isfinite(ta).all() and torch.isfinite(tb).all()):
-        return False
-    # per chunk (sum, abs-sum, square-sum): compare each to the chunk's own scale
-    ta, tb = ta.view(-1, 3), tb.view(-1, 3)
-    scale = torch.stack([ta[:, 1], ta[:, 1], ta[:, 2]], dim=1).abs() + 1e-30
-    return bool(((ta - tb).abs() <= rtol * scale + 1e-12).all())
-
-
-class _PseudoGradientAverager(hivemind.DecentralizedAverager):
-    """hivemind averager whose downloadable state is whatever the island's state provider returns.
-
-    With ``members_key`` set (a private run) it serves only peers registered under that DHT key:
-    an outsider can neither join a group, nor send parts, nor download state.  Every island of a
-    run must use this class (hivemind keys groups by the class name and prefix).
-    """
-
-    def __init__(self, *args: Any, state_provider: StateProvider | None = None, members_key: str | None = None,
-                 **kwargs: Any):
-        self._state_provider = state_provider
-        self._members_key = members_key
-        self._known_members: set[str] = set()
-        self.refused_peers: set[str] = set()
-        super().__init__(*args, **kwargs)
-
-    def get_current_state(self):  # runs in this (host) process, in hivemind's fetcher thread
-        if self._state_provider is None:
-            return {}, []
-        metadata, tensors = self._state_provider()
-        return metadata, tensors, None
-
-    async def _is_member(self, remote_id: PeerID) -> bool:
-        """Runs in the averager process: is the calling peer registered in the run?"""
-        if self._members_key is None:
-            return True
-        pid = str(remote_id)
-        if pid in self._known_members:
-            return True
-        found = await self.dht.get(self._members_key, latest=True, return_future=True)
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                value = getattr(item, "value", None)
-                if isinstance(value, dict) and not value.get("left", False):
-                    self._known_members.add(str(subkey))
-        if pid not in self._known_members:
-            log.warning("refused a request from %s: not a member of this run", pid)
-            return False
-        return True
-
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not await self._is_member(context.remote_id):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_join_group(request, context):
-            yield message
-
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if not await self._is_member(context.remote_id):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
-
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if not await self._is_member(context.remote_id):
-            return
-        async for message in super().rpc_download_state(request, context):
-            yield message
-
-
 class VerifiedAverager:
     """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
 
@@ -240,6 +154,8 @@ class VerifiedAverager:
         # process only and give the caller its own handler back
         main = threading.current_thread() is threading.main_thread()
         previous_sigint = signal.getsignal(signal.SIGINT) if main else None
+        members = (MemberCheck(dht, settings.members_key or f"{settings.prefix}.members")
+                   if settings.private else None)
         self._averager = _PseudoGradientAverager(
             self._buffers, dht, start=True, prefix=settings.prefix,
             target_group_size=settings.target_group_size or None,
@@ -250,13 +166,18 @@ class VerifiedAverager:
             next_chunk_timeout=settings.next_chunk_timeout,
             compression=codec(),
             client_mode=settings.client_mode,
-            state_provider=state_provider,
-            members_key=(settings.members_key or f"{settings.prefix}.members") if settings.private else None,
-            shutdown_timeout=5,
+            state_provider=state_provider, members=members, shutdown_timeout=5,
         )
         if main and previous_sigint is not None:
             signal.signal(signal.SIGINT, previous_sigint)
+        self._target: int | None = settings.target_group_size or None
         self.peer_id = str(dht.peer_id)
+        try:
+            self._votes = VoteChannel(dht, settings.prefix, members, direct=settings.direct_votes,
+                                      ttl=max(60.0, 4 * settings.vote_timeout))
+        except BaseException:
+            self._averager.shutdown()
+            raise
 
     @property
     def num_bytes(self) -> int:
@@ -264,8 +185,8 @@ class VerifiedAverager:
         return self._num_bytes
 
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
-                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None
-                ) -> tuple[RoundResult, list[torch.Tensor] | None]:
+                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+                expected_group_size: int | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
         """Run one verified averaging round.
 
         ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
@@ -273,8 +194,12 @@ class VerifiedAverager:
         θ_global, ...), and ``round_id`` a label all islands of the round agree on (the outer step).
         ``on_stage`` is called with "matchmaking", "allreduce" and "vote" as the round moves on
         (used for fault injection and progress); ``matchmaking_timeout`` overrides the settings' (a
-        retry among the members left waits less).  Returns the result and, only when it succeeded, the
-        weighted average of the group's deltas.
+        retry among the members left waits less).  ``expected_group_size``: how many islands (this one
+        included) are expected in the group, e.g. the live registered islands entering this round; with
+        ``target_group_size`` 0 the group then forms as soon as that many joined instead of after
+        ``matchmaking_time`` (fewer: it forms after ``matchmaking_time`` as before; more: the group is
+        capped at that size).  Returns the result and, only when it succeeded, the weighted average of
+        the group's deltas.
         """
         t0 = time.perf_counter()
         stage = on_stage or (lambda _: None)
@@ -288,10 +213,11 @@ class VerifiedAverager:
             stage("matchmaking")
             # islands at different rounds must never meet: each round matches in its own DHT bucket
             self._averager.set_group_bits(_round_bits(round_id))
+            self._set_target(expected_group_size)
             control = self._averager.step(
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
                 timeout=matchmaking_timeout or self.settings.matchmaking_timeout, allow_retries=False, wait=False)
-            seen_allreduce = False
+            t_allreduce = None
             # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
             # process group, OOM killer): then nothing would ever end it
             deadline = time.monotonic() + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
@@ -302,8 +228,8 @@ class VerifiedAverager:
                     control.cancel()
                     raise TimeoutError("the averaging step outlived --averaging.matchmaking_timeout + "
                                        "--averaging.allreduce_timeout")
-                if not seen_allreduce and control.stage == AveragingStage.RUNNING_ALLREDUCE:
-                    seen_allreduce = True
+                if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                    t_allreduce = time.perf_counter()
                     stage("allreduce")
                 time.sleep(0.005)
             gathered = control.result()
@@ -318,7 +244,7 @@ class VerifiedAverager:
         n = len(peers)
         nbytes = allreduce_bytes(self._num_bytes, n, self._wire_ratio)
         result = RoundResult(False, group_size=n, peers=peers, bytes_sent=nbytes, bytes_received=nbytes,
-                             matchmaking_seconds=t1 - t0, gathered=meta,
+                             matchmaking_seconds=t1 - t0, allreduce_seconds=t1 - (t_allreduce or t1), gathered=meta,
                              total_weight=float(sum(_as_float(m.get("weight")) for m in meta.values())))
         with self._averager.get_tensors() as bufs:
             averaged = [b.clone() for b in bufs]
@@ -353,40 +279,35 @@ class VerifiedAverager:
             return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
         return ""
 
+    def _set_target(self, expected: int | None) -> None:
+        """The group size this step assembles at: the configured target, else the expected one."""
+        target = self.settings.target_group_size or (max(expected, self.settings.min_group_size)
+                                                      if expected else None)
+        if target != self._target:
+            self._averager.set_target_group_size(target)
+            self._target = target
+
     def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> tuple[str, int]:
-        """Publish our fingerprint of the result and wait for every member's; returns ('' if all agree,
-        else why not; how many members voted).  A verdict that differs from ours ends the wait at once:
-        the round is lost whatever the missing members say."""
-        mine = fingerprint(averaged)
+        """Send our fingerprint of the result to the group and wait for every member's; returns ('' if all
+        agree, else why not; how many members voted).  A verdict that differs from ours ends the wait at
+        once: the round is lost whatever the missing members say."""
+        if not self.dht.is_alive():
+            return "the vote on the result could not be held: the DHT process exited", 0
         key = f"{self.settings.prefix}.vote.{_group_key(peers, round_id)}"
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
-        deadline = time.perf_counter() + self.settings.vote_timeout
-        left = lambda: max(1.0, deadline - time.perf_counter())  # noqa: E731
-        votes: dict[str, Any] = {}
-        try:
-            dht_store(self.dht, key, self.peer_id, mine, expiration, timeout=left())
-            while True:
-                found = dht_get(self.dht, key, timeout=left())
-                if found is not None and isinstance(found.value, dict):
-                    votes = {str(k): v.value for k, v in found.value.items() if hasattr(v, "value")}
-                votes = {p: v for p, v in votes.items() if p in peers}
-                missing = [p for p in peers if p not in votes]
-                differ = [p for p, v in votes.items() if not fingerprints_agree(mine, v, self._vote_rtol)]
-                if not missing or differ or time.perf_counter() > deadline:
-                    break
-                if self.peer_id in missing:  # our own store was lost: publish again
-                    dht_store(self.dht, key, self.peer_id, mine, expiration, timeout=left())
-                time.sleep(0.1)
-        except DHTUnavailableError as e:
-            return f"the vote on the result could not be held: {e}", 0
-        voters = len(votes) + (self.peer_id not in votes)
-        if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in votes.values()):
+        tally = self._votes.hold(key, self.peer_id, peers, fingerprint(averaged),
+                                 lambda a, b: fingerprints_agree(a, b, self._vote_rtol), self.settings.vote_timeout,
+                                 expiration)
+        if tally.missing and not self.dht.is_alive():
+            return "the vote on the result could not be held: the DHT process exited", 0
+        if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in tally.votes.values()):
             return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0
-        if differ:
+        voters = len(tally.votes)
+        if tally.differ:
             return "islands received different averages (an all-reduce part failed); discarding the round", voters
-        if missing:
-            return (f"{len(missing)} of {len(peers)} island(s) did not confirm the result (left or failed mid-round)",
-                    voters)
+        if tally.missing:
+            return (f"{len(tally.missing)} of {len(peers)} island(s) did not confirm the result (left or failed "
+                    f"mid-round)", voters)
         return "", voters
 
     def set_state_priority(self, outer_step: int) -> None:
@@ -406,39 +327,14 @@ class VerifiedAverager:
             return None
 
     def shutdown(self) -> None:
-        """Stop the averager process (the DHT is the caller's)."""
+        """Stop the vote channel and the averager process (the DHT is the caller's)."""
+        self._votes.close()
         if self._averager.is_alive():
             self._averager.shutdown()
 
 
 class AveragerGoneError(RuntimeError):
     """hivemind's averaging process is no longer running."""
-
-
-def majority_by_state(meta: dict[str, dict], me: str, rtol: float = 1e-5) -> tuple[list[str], bool]:
-    """Split the group by agreeing ``state_fingerprint``; return (majority peers, am I outside it).
-
-    The majority is the largest subset whose fingerprints agree; ties go to the subset holding the
-    smallest peer id, so every member computes the same answer.  Members that sent no fingerprint
-    agree with everybody.
-    """
-    peers = sorted(meta)
-    prints = {p: meta[p].get("state_fingerprint") for p in peers}
-    clusters: list[list[str]] = []
-    for p in peers:
-        if prints[p] is None:
-            continue
-        for cluster in clusters:
-            if fingerprints_agree(prints[cluster[0]], prints[p], rtol):
-                cluster.append(p)
-                break
-        else:
-            clusters.append([p])
-    if len(clusters) <= 1:
-        return peers, False
-    best = sorted(clusters, key=lambda c: (-len(c), min(c)))[0]
-    best = best + [p for p in peers if prints[p] is None]
-    return sorted(best), me not in best
 
 
 def _as_float(x: Any) -> float:

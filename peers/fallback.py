@@ -33,7 +33,7 @@ import torch.distributed as dist
 from peers.averager import allreduce_bytes, majority_by_state
 from peers.layout import CanonicalLayout
 from peers.exchange import BucketExchange
-from peers.sharded import ShardedRoundResult
+from peers.bucket_round import ShardedRoundResult
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ class LocalAverager:
 
     def average(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
-                buckets: Collection[int] | None = None) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
+                buckets: Collection[int] | None = None, expected_group_size: int | None = None
+                ) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """Return this island's own ``{name: Δ}`` as the group's average."""
         t0 = time.perf_counter()
         if not all(torch.isfinite(d).all() for d in deltas.values()):
@@ -43,7 +44,7 @@ class LocalAverager:
 
     def start(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
               on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
-              buckets: Collection[int] | None = None) -> Finished:
+              buckets: Collection[int] | None = None, expected_group_size: int | None = None) -> Finished:
         """The round of :meth:`average`, already over (the same interface as :meth:`ShardedAverager.start`)."""
         return Finished(self.average(deltas, weight, metadata, round_id, on_stage))
 

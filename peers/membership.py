@@ -26,7 +26,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from peers.averager import fingerprints_agree, majority_by_state
+from peers.fingerprints import fingerprints_agree, majority_by_state
 from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,12 @@ class Membership:
         """Multiaddrs of every live peer of the run but this island's own ranks (to find them again)."""
         return sorted({a for m in self.members().values() if not m.left and m.island != self.island
                        for a in m.maddrs})
+
+    def round_size(self, outer_step: int) -> int:
+        """Islands (this one included) that will average round ``outer_step``: the live ones at that outer
+        step, averaging it already or still training towards it; what
+        :meth:`peers.averager.VerifiedAverager.average` takes as ``expected_group_size``."""
+        return 1 + sum(m.outer_step == outer_step for m in self.others())
 
     def round_states(self, outer_step: int) -> dict[str, Any]:
         """``{island id: state fingerprint}`` of the other live islands averaging round ``outer_step``."""

@@ -45,7 +45,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
@@ -53,100 +52,13 @@ import torch
 import torch.distributed as dist
 
 from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider
+from peers.bucket_round import BucketOutcome, PendingRound, ShardedRoundResult
 from peers.exchange import BucketExchange, shape_of
 from peers.layout import CanonicalLayout, spec_tuple
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("hivemind", "torch", "auto")
-
-
-@dataclass
-class BucketOutcome:
-    """What happened to one bucket in a round (as seen by its owner, shared with the island)."""
-
-    index: int
-    owner: int
-    ok: bool
-    reason: str = ""
-    group_size: int = 0
-    no_group: bool = False
-    """The round failed because no (large enough) group formed: a torch fallback may retry it."""
-    islands: tuple[str, ...] = ()
-    """Island ids in the bucket's group."""
-    total_weight: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    retryable: bool = False
-    """The group lost a member or a part mid-round (see :attr:`peers.averager.RoundResult.retryable`)."""
-
-
-@dataclass
-class ShardedRoundResult:
-    """One island's outcome of a sharded round; identical on all its ranks except the byte counts."""
-
-    ok: bool
-    """True when every bucket was averaged and the results may be applied (on every rank alike)."""
-    reason: str = ""
-    backend: str = ""
-    """"hivemind" or "torch": the path whose result this is ("" when neither produced one)."""
-    group_size: int = 0
-    """Islands averaged (the smallest bucket group)."""
-    bytes_sent: int = 0
-    """This rank's slow-link bytes sent (hivemind: :func:`~peers.averager.allreduce_bytes` per owned
-    bucket; torch: the ring all-reduce equivalent)."""
-    bytes_received: int = 0
-    island_bytes_sent: int = 0
-    """The whole island's slow-link bytes sent in the hivemind attempt (sum over its ranks)."""
-    seconds: float = 0.0
-    total_weight: float = 0.0
-    peers: list[str] = field(default_factory=list)
-    """Peer ids (hivemind) or island ids (torch) of the lead bucket's group."""
-    gathered: dict[str, dict] = field(default_factory=dict)
-    """Metadata each member sent with the lead bucket (the lowest bucket that formed a group)."""
-    majority_peers: list[str] = field(default_factory=list)
-    in_minority: bool = False
-    buckets: list[BucketOutcome] = field(default_factory=list)
-    fallback_reason: str = ""
-    """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
-    retryable: bool = False
-    """Every failed bucket lost a member or a part mid-round, with enough members left to form a group
-    again: the island may average the same pseudo-gradient once more (identical on all its ranks)."""
-
-
-@dataclass
-class PendingRound:
-    """A round :meth:`ShardedAverager.start` began: this rank's gathered buckets and, while their hivemind
-    rounds run in the background, the threads running them."""
-
-    owned: dict[int, torch.Tensor]
-    weight: float
-    meta: dict
-    round_id: str
-    refusal: str
-    """Why the island does not take part ('' when it does); the same on every rank."""
-    t0: float
-    buckets: Collection[int] | None
-    """The buckets averaged (None: all)."""
-    mine: list[int]
-    """Of those, the buckets this rank averages with the other islands."""
-    threads: list[threading.Thread] = field(default_factory=list)
-    outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = field(default_factory=dict)
-
-    def done(self) -> bool:
-        """Whether this rank's part of the round has ended (no island collective)."""
-        return not any(t.is_alive() for t in self.threads)
-
-    def wait(self, s: AveragerSettings, slack: float = 30.0) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
-        """Wait for this rank's bucket rounds (bounded by the timeouts of ``s`` plus ``slack``)."""
-        if self.threads:
-            deadline = self.t0 + s.matchmaking_timeout + s.allreduce_timeout + s.vote_timeout + slack
-            for t in self.threads:
-                t.join(max(0.0, deadline - time.perf_counter()))
-        for b in self.mine:
-            if b not in self.outcomes:
-                self.outcomes[b] = (RoundResult(False, "the bucket's round did not finish in time"), None)
-        return dict(self.outcomes)
 
 
 class ShardedAverager:
@@ -227,23 +139,24 @@ class ShardedAverager:
 
     def average(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
-                buckets: Collection[int] | None = None
+                buckets: Collection[int] | None = None, expected_group_size: int | None = None
                 ) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
         """One round on every rank of the island (collective): returns the island's result and, only
         when the whole round succeeded, ``{name: averaged Δ}`` shaped like this rank's shards.
 
         ``metadata`` goes to every bucket's group (``config_fingerprint`` gets the layout fingerprint
         appended so islands with different layouts refuse each other; ``island_id`` and
-        ``layout_fingerprint`` are added).  ``on_stage`` and ``matchmaking_timeout`` are passed to every
-        owned bucket's averager; ``buckets`` limits the round to those buckets (a Streaming DiLoCo fragment:
-        ``local_deltas`` then needs only their parameters).  The same as :meth:`finish` of :meth:`start`.
+        ``layout_fingerprint`` are added).  ``on_stage``, ``matchmaking_timeout`` and ``expected_group_size``
+        are passed to every owned bucket's averager; ``buckets`` limits the round to those buckets (a
+        Streaming DiLoCo fragment: ``local_deltas`` then needs only their parameters).  The same as
+        :meth:`finish` of :meth:`start`.
         """
         return self.finish(self.start(local_deltas, weight, metadata, round_id, on_stage, matchmaking_timeout,
-                                      buckets))
+                                      buckets, expected_group_size))
 
     def start(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
               on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
-              buckets: Collection[int] | None = None) -> PendingRound:
+              buckets: Collection[int] | None = None, expected_group_size: int | None = None) -> PendingRound:
         """Collective: check and gather the island's Δ onto the bucket owners, then start the owned
         buckets' hivemind rounds in the background and return at once.  The island may go on training
         (its own collectives included: the background part talks to other islands only) until
@@ -260,7 +173,7 @@ class ShardedAverager:
         pending = PendingRound(owned, float(weight), meta, round_id, refusal, t0, buckets, mine)
         if self.backend != "torch" and not refusal:
             pending.threads = self._hivemind_round(owned, mine, weight, meta, round_id, on_stage,
-                                                   matchmaking_timeout, pending.outcomes)
+                                                   matchmaking_timeout, expected_group_size, pending.outcomes)
         return pending
 
     def finish(self, pending: PendingRound) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
@@ -303,13 +216,14 @@ class ShardedAverager:
 
     def _hivemind_round(self, owned: dict[int, torch.Tensor], mine: list[int], weight: float, meta: dict, round_id: str,
                         on_stage: Callable[[str], None] | None, matchmaking_timeout: float | None,
+                        expected_group_size: int | None,
                         outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]]) -> list[threading.Thread]:
         """Start the owned buckets' hivemind rounds, one thread each, filling ``outcomes[bucket]`` with
         ``(result, averaged)`` as they end."""
         def run(b: int) -> None:
             try:
                 res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage,
-                                                     matchmaking_timeout)
+                                                     matchmaking_timeout, expected_group_size)
                 outcomes[b] = (res, avg[0] if avg is not None else None)
             except Exception as e:  # never let one bucket's thread take the island's round down silently
                 log.exception("bucket %d: averaging raised", b)

@@ -1,0 +1,51 @@
+"""Launching the islands of an experiment's run, and the config variants each run uses."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from diloco import config as config_mod
+from diloco.config import Config, ConfigError
+
+
+class CompareError(RuntimeError):
+    """A run of the comparison failed; the message points at its log."""
+
+
+# ------------------------------------------------------------------------------------ island launcher
+
+
+def launch_islands(cfg: Config, n: int, network: Any = None, *,
+                   wrap: Callable[[list[str], int], list[str]] | None = None,
+                   startup_timeout: float = 180.0, progress: bool = True) -> dict[str, Any]:
+    """Run ``n`` islands (``diloco train`` processes) to completion; return their summaries.
+
+    :func:`diloco.simulate.simulate` with, when ``network`` is given, island ``i`` listening on emulated
+    host ``i``'s address and its command wrapped with ``network.wrap(cmd, i)`` (or ``wrap``).  Every
+    island is stopped on failure, Ctrl-C/SIGTERM and at the end.
+    """
+    from diloco.simulate import simulate
+
+    hosts = None
+    if network is not None:
+        if len(network.hosts) < n:
+            raise CompareError(f"the emulated network has {len(network.hosts)} hosts but {n} islands need one each")
+        wrap = wrap or network.wrap
+        hosts = [h.address for h in network.hosts[:n]]
+    t0 = time.time()
+    out = simulate(cfg, n, startup_timeout, wrap=wrap, host_addresses=hosts, quiet=not progress)
+    out["launcher_wall_seconds"] = time.time() - t0
+    out["run_dirs"] = [str(Path(cfg.logging.run_dir) / f"island{i}") for i in range(n)]
+    return out
+
+
+def variant(cfg: Config, **items: Any) -> Config:
+    """A deep copy of ``cfg`` with dotted keys set (validated)."""
+    c = copy.deepcopy(cfg)
+    problems = config_mod.apply(c, items) + config_mod.validate(c)
+    if problems:
+        raise ConfigError(problems)
+    return c

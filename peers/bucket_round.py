@@ -1,0 +1,100 @@
+"""What a sharded round is made of: each bucket's outcome, the island's result, and a round in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from peers.averager import AveragerSettings, RoundResult
+
+
+@dataclass
+class BucketOutcome:
+    """What happened to one bucket in a round (as seen by its owner, shared with the island)."""
+
+    index: int
+    owner: int
+    ok: bool
+    reason: str = ""
+    group_size: int = 0
+    no_group: bool = False
+    """The round failed because no (large enough) group formed: a torch fallback may retry it."""
+    islands: tuple[str, ...] = ()
+    """Island ids in the bucket's group."""
+    total_weight: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    retryable: bool = False
+    """The group lost a member or a part mid-round (see :attr:`peers.averager.RoundResult.retryable`)."""
+
+
+@dataclass
+class ShardedRoundResult:
+    """One island's outcome of a sharded round; identical on all its ranks except the byte counts."""
+
+    ok: bool
+    """True when every bucket was averaged and the results may be applied (on every rank alike)."""
+    reason: str = ""
+    backend: str = ""
+    """"hivemind" or "torch": the path whose result this is ("" when neither produced one)."""
+    group_size: int = 0
+    """Islands averaged (the smallest bucket group)."""
+    bytes_sent: int = 0
+    """This rank's slow-link bytes sent (hivemind: :func:`~peers.averager.allreduce_bytes` per owned
+    bucket; torch: the ring all-reduce equivalent)."""
+    bytes_received: int = 0
+    island_bytes_sent: int = 0
+    """The whole island's slow-link bytes sent in the hivemind attempt (sum over its ranks)."""
+    seconds: float = 0.0
+    total_weight: float = 0.0
+    peers: list[str] = field(default_factory=list)
+    """Peer ids (hivemind) or island ids (torch) of the lead bucket's group."""
+    gathered: dict[str, dict] = field(default_factory=dict)
+    """Metadata each member sent with the lead bucket (the lowest bucket that formed a group)."""
+    majority_peers: list[str] = field(default_factory=list)
+    in_minority: bool = False
+    buckets: list[BucketOutcome] = field(default_factory=list)
+    fallback_reason: str = ""
+    """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
+    retryable: bool = False
+    """Every failed bucket lost a member or a part mid-round, with enough members left to form a group
+    again: the island may average the same pseudo-gradient once more (identical on all its ranks)."""
+
+
+@dataclass
+class PendingRound:
+    """A round :meth:`ShardedAverager.start` began: this rank's gathered buckets and, while their hivemind
+    rounds run in the background, the threads running them."""
+
+    owned: dict[int, torch.Tensor]
+    weight: float
+    meta: dict
+    round_id: str
+    refusal: str
+    """Why the island does not take part ('' when it does); the same on every rank."""
+    t0: float
+    buckets: Collection[int] | None
+    """The buckets averaged (None: all)."""
+    mine: list[int]
+    """Of those, the buckets this rank averages with the other islands."""
+    threads: list[threading.Thread] = field(default_factory=list)
+    outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        """Whether this rank's part of the round has ended (no island collective)."""
+        return not any(t.is_alive() for t in self.threads)
+
+    def wait(self, s: AveragerSettings, slack: float = 30.0) -> dict[int, tuple[RoundResult, torch.Tensor | None]]:
+        """Wait for this rank's bucket rounds (bounded by the timeouts of ``s`` plus ``slack``)."""
+        if self.threads:
+            deadline = self.t0 + s.matchmaking_timeout + s.allreduce_timeout + s.vote_timeout + slack
+            for t in self.threads:
+                t.join(max(0.0, deadline - time.perf_counter()))
+        for b in self.mine:
+            if b not in self.outcomes:
+                self.outcomes[b] = (RoundResult(False, "the bucket's round did not finish in time"), None)
+        return dict(self.outcomes)

@@ -1,0 +1,87 @@
+"""The hivemind averager subclass behind :class:`peers.averager.VerifiedAverager`.
+
+Its class name stays ``_PseudoGradientAverager``: hivemind names a group's protocol handlers after the
+averager class, so islands running another name could not meet.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import hivemind
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
+
+from peers.vote import MemberCheck
+
+log = logging.getLogger(__name__)
+
+StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+"""Returns (metadata, tensors) describing the island's global state, served to joining islands."""
+
+
+class _PseudoGradientAverager(hivemind.DecentralizedAverager):
+    """hivemind averager whose downloadable state is whatever the island's state provider returns.
+
+    With ``members`` set (a private run) it serves only peers registered in the run's member registry:
+    an outsider can neither join a group, nor send parts, nor download state.  Every island of a
+    run must use this class (hivemind keys groups by the class name and prefix).
+    """
+
+    def __init__(self, *args: Any, state_provider: StateProvider | None = None, members: MemberCheck | None = None,
+                 **kwargs: Any):
+        self._state_provider = state_provider
+        self._members = members
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):  # runs in this (host) process, in hivemind's fetcher thread
+        if self._state_provider is None:
+            return {}, []
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    async def _is_member(self, remote_id: PeerID) -> bool:
+        """Runs in the averager process: is the calling peer registered in the run?"""
+        return self._members is None or await self._members.allows(str(remote_id))
+
+    def set_target_group_size(self, size: int | None, timeout: float = 30.0) -> None:
+        """Assemble the next groups as soon as ``size`` peers joined (None: whoever joins within
+        min_matchmaking_time).  hivemind reads its matchmaker's ``target_group_size`` each time a peer
+        joins; this sets it in the averager's process through the same command pipe hivemind's own
+        ``set_group_bits`` uses."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result(timeout)
+
+    async def _set_target_group_size(self, size: int | None, future: MPFuture) -> None:
+        try:
+            self._matchmaking.target_group_size = size
+            future.set_result(None)
+        except Exception as e:
+            future.set_exception(e)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._is_member(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._is_member(context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._is_member(context.remote_id):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message

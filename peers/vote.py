@@ -1,0 +1,320 @@
+"""The vote that ends every averaging round, with verdicts sent straight to the other group members.
+
+Each member's verdict (the fingerprint of the result it received) goes to every other member as one
+request over hivemind's p2p daemon, and a member waiting for verdicts wakes the moment one arrives:
+no polling on the happy path.  The DHT record of the polled vote stays as the fallback: a member
+publishes its verdict under the round's vote key when a direct send fails (a peer it cannot reach,
+or one running without this channel) or when the vote is still undecided after ``GRACE`` seconds,
+and from then on polls that key, feeding what it finds into the same inbox.
+
+A verdict counts only when its sender (authenticated by libp2p, or the DHT subkey, signed with the
+run key in a private run) is a member of the group; in a private run the direct channel refuses
+senders that are not registered in the run's member registry at all.
+
+The host process talks to the daemon through one asyncio loop in a background thread, shared by all
+channels of the process (hivemind's ``DHT.replicate_p2p`` caches one replica per DHT, bound to the
+loop that created it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from hivemind.p2p import P2P, P2PContext, PeerID
+
+log = logging.getLogger(__name__)
+
+GRACE = 0.5
+"""Seconds a vote waits for direct verdicts before it also publishes and polls the DHT record."""
+POLL = 0.2
+"""Seconds between two reads of the DHT record once polling started (the polled-only vote: ``POLL_ONLY``)."""
+POLL_ONLY = 0.1
+SEND_TIMEOUT = 5.0
+"""Longest wait for one member to acknowledge our verdict before we publish it in the DHT instead."""
+MAX_FINGERPRINT = 4096
+MAX_KEYS = 1024
+"""Vote keys buffered for votes not yet held here (verdicts can arrive before our all-reduce ends)."""
+
+
+def _verdict_type() -> type:
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="diloco_vote.proto", package="diloco", syntax="proto3")
+    msg = proto.message_type.add(name="Verdict")
+    msg.field.add(name="key", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
+    msg.field.add(name="fingerprint", number=2, type=field.TYPE_DOUBLE, label=field.LABEL_REPEATED)
+    msg.field.add(name="accepted", number=3, type=field.TYPE_BOOL, label=field.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()  # a private pool: nothing to clash with in the default one
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("diloco.Verdict"))
+
+
+Verdict = _verdict_type()
+"""Protobuf message of one verdict: the vote key, the fingerprint, and in the reply whether it was taken."""
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _submit(coro: Coroutine) -> concurrent.futures.Future:
+    """Run ``coro`` on this process's p2p loop thread (started on first use)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="diloco-vote-p2p", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coro, _loop)
+
+
+_replicas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""DHT -> [its daemon's P2P replica in this process, channels using it]; touched on the loop thread only."""
+
+
+async def _acquire_p2p(dht: hivemind.DHT) -> P2P:
+    entry = _replicas.get(dht)
+    if entry is None:
+        p2p = await dht.replicate_p2p()
+        if not p2p.is_alive:  # hivemind keeps handing out the replica we shut down earlier
+            p2p = await P2P.replicate(p2p.daemon_listen_maddr)
+        entry = _replicas[dht] = [p2p, 0]
+    entry[1] += 1
+    return entry[0]
+
+
+async def _release_p2p(dht: hivemind.DHT) -> None:
+    """The last channel on ``dht`` stops its replica: its tasks would otherwise outlive the loop at exit."""
+    entry = _replicas.get(dht)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _replicas[dht]
+            await entry[0].shutdown()
+
+
+def registered(found: Any) -> set[str]:
+    """Peer ids holding a live registration in a member-registry DHT lookup result."""
+    out: set[str] = set()
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            if isinstance(value, dict) and not value.get("left", False):
+                out.add(str(subkey))
+    return out
+
+
+class MemberCheck:
+    """Is a peer registered in the run's member registry (DHT key ``key``)?  Members once seen are
+    cached; an unknown peer costs one DHT lookup.  Async, holding no loop-bound state, so the
+    averager's process and the vote channel's loop can both use it."""
+
+    def __init__(self, dht: hivemind.DHT, key: str):
+        self.dht, self.key = dht, key
+        self._known: set[str] = set()
+
+    async def allows(self, peer_id: str) -> bool:
+        """True when ``peer_id`` is (or was, earlier in this process) a registered member."""
+        if peer_id in self._known:
+            return True
+        self._known |= registered(await self.dht.get(self.key, latest=True, return_future=True))
+        if peer_id not in self._known:
+            log.warning("refused a request from %s: not a member of this run", peer_id)
+            return False
+        return True
+
+
+class VerdictBox:
+    """Verdicts received, by vote key and sender; a waiter wakes as soon as one arrives."""
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self._changed = threading.Condition()
+        self._votes: dict[str, dict[str, list[float]]] = {}
+        self._born: dict[str, float] = {}
+        self._held: set[str] = set()
+
+    def put(self, key: str, sender: str, fp: Sequence[float]) -> None:
+        """Keep ``sender``'s verdict on ``key`` (its first one) and wake the waiters."""
+        with self._changed:
+            if key not in self._votes:
+                self._prune()
+                if len(self._votes) >= MAX_KEYS:
+                    return
+                self._votes[key], self._born[key] = {}, time.monotonic()
+            self._votes[key].setdefault(sender, list(fp))
+            self._changed.notify_all()
+
+    def _prune(self) -> None:
+        """Forget keys no vote holds that are older than ``ttl``, then the oldest ones beyond ``MAX_KEYS``."""
+        now, excess = time.monotonic(), len(self._votes) + 1 - MAX_KEYS  # room for one more key
+        for i, (born, k) in enumerate(sorted((t, k) for k, t in self._born.items() if k not in self._held)):
+            if i >= excess and now - born <= self.ttl:
+                break  # oldest first: the rest is younger
+            del self._votes[k], self._born[k]
+
+    def wait_for(self, key: str, done: Callable[[dict[str, list[float]]], bool], deadline: float
+                 ) -> dict[str, list[float]]:
+        """Block until ``done(verdicts on key)`` or ``deadline`` (``time.monotonic``); the verdicts then."""
+        with self._changed:
+            while True:
+                votes = dict(self._votes.get(key, {}))
+                left = deadline - time.monotonic()
+                if done(votes) or left <= 0:
+                    return votes
+                self._changed.wait(left)
+
+    def hold(self, key: str) -> None:
+        """Keep ``key``'s verdicts until :meth:`release` (a vote on it is under way)."""
+        with self._changed:
+            self._held.add(key)
+
+    def release(self, key: str) -> None:
+        """The vote on ``key`` is over: its verdicts may age out."""
+        with self._changed:
+            self._held.discard(key)
+
+
+@dataclass
+class Tally:
+    """What a vote gathered: ``votes`` holds the group members' verdicts (ours included)."""
+
+    votes: dict[str, list[float]]
+    missing: list[str]
+    """Members whose verdict never came."""
+    differ: list[str]
+    """Members whose verdict disagrees with ours (or is not finite)."""
+
+
+def _decided(t: Tally) -> bool:
+    return not t.missing or bool(t.differ)
+
+
+class VoteChannel:
+    """Holds this peer's votes for one averager ``prefix``: sends verdicts to the group members, takes
+    theirs, and falls back to the DHT record.  ``members``: in a private run, who may send a verdict
+    directly; ``direct=False`` gives the polled DHT vote only (kept for benchmarks and tests)."""
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, members: MemberCheck | None = None, direct: bool = True,
+                 ttl: float = 120.0):
+        self.dht, self.members, self.direct = dht, members, direct
+        self.name = f"{prefix}::diloco.verdict"
+        self.box = VerdictBox(ttl)
+        self._p2p: Any = None
+        self._sends: set[asyncio.Future] = set()
+        if direct:
+            _submit(self._register()).result(30.0)
+
+    async def _register(self) -> None:
+        self._p2p = await _acquire_p2p(self.dht)
+        await self._p2p.add_protobuf_handler(self.name, self._on_verdict, Verdict)
+
+    async def _on_verdict(self, request: Any, context: P2PContext) -> Any:
+        sender = str(context.remote_id)
+        if len(request.fingerprint) > MAX_FINGERPRINT or (self.members and not await self.members.allows(sender)):
+            return Verdict(accepted=False)
+        self.box.put(request.key, sender, request.fingerprint)
+        return Verdict(accepted=True)
+
+    def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
+             agree: Callable[[list[float], list[float]], bool], timeout: float, expiration: float) -> Tally:
+        """Vote ``mine`` on ``key`` among ``peers`` (``me`` included) for at most ``timeout`` seconds: ends as
+        soon as every member's verdict is in or one disagrees with ours.  ``expiration``: DHT time the
+        fallback record expires at."""
+        deadline = time.monotonic() + timeout
+        group = set(peers)
+        self.box.hold(key)
+        fallback = _submit(self._fallback(key, me, mine, [p for p in peers if p != me], expiration, deadline))
+
+        def tally(received: dict[str, list[float]]) -> Tally:
+            votes = {p: v for p, v in received.items() if p in group and p != me}
+            votes[me] = mine
+            differ = sorted(p for p, v in votes.items() if not agree(mine, v))
+            return Tally(votes, [p for p in peers if p not in votes], differ)
+
+        try:
+            return tally(self.box.wait_for(key, lambda received: _decided(tally(received)), deadline))
+        finally:
+            fallback.cancel()  # stops the polling; sends in flight finish on their own
+            self.box.release(key)
+
+    async def _fallback(self, key: str, me: str, mine: list[float], others: list[str], expiration: float,
+                        deadline: float) -> None:
+        period = POLL_ONLY
+        if self.direct:
+            period, failed = POLL, asyncio.Event()
+            for p in others:  # not awaited: a member that decided early must still reach the slow ones
+                task = asyncio.ensure_future(self._send(p, key, me, mine, failed, expiration,
+                                                        min(SEND_TIMEOUT, deadline - time.monotonic())))
+                self._sends.add(task)
+                task.add_done_callback(self._sends.discard)
+            try:  # a failed send hints that the way back fails too: look in the DHT at once then
+                await asyncio.wait_for(failed.wait(), GRACE)
+            except asyncio.TimeoutError:
+                pass
+        else:
+            await self._store(key, me, mine, expiration)
+        while await self._poll(key, me, mine, expiration):  # until the vote is decided (cancelled) or the DHT gone
+            await asyncio.sleep(period)
+
+    async def _send(self, peer: str, key: str, me: str, mine: list[float], failed: asyncio.Event, expiration: float,
+                    timeout: float) -> None:
+        try:
+            reply = await asyncio.wait_for(self._p2p.call_protobuf_handler(
+                PeerID.from_base58(peer), self.name, Verdict(key=key, fingerprint=mine), Verdict), max(0.1, timeout))
+            if reply.accepted:
+                return
+            log.debug("%s refused our verdict; publishing it in the DHT", peer)
+        except Exception as e:  # unreachable, no such handler, daemon gone: the DHT record is the way
+            log.debug("could not send our verdict to %s (%s); publishing it in the DHT", peer, e)
+        failed.set()
+        await self._store(key, me, mine, expiration)
+
+    async def _store(self, key: str, me: str, mine: list[float], expiration: float) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.dht.store(key, subkey=me, value=mine, expiration_time=expiration,
+                                                              return_future=True), SEND_TIMEOUT))
+        except Exception as e:  # the DHT may be gone; the vote then ends by its timeout
+            log.debug("could not publish our verdict in the DHT: %s", e)
+            return False
+
+    async def _poll(self, key: str, me: str, mine: list[float], expiration: float) -> bool:
+        """Read the DHT record into the box and publish ours if it is not there; False when the DHT is gone."""
+        if not self.dht.is_alive():
+            return False
+        try:
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), SEND_TIMEOUT)
+        except Exception as e:
+            log.debug("could not read the vote record: %s", e)
+            found = None
+        items = found.value if found is not None and isinstance(found.value, dict) else {}
+        for subkey, item in items.items():
+            value = getattr(item, "value", None)
+            if isinstance(value, (list, tuple)) and len(value) <= MAX_FINGERPRINT:
+                self.box.put(key, str(subkey), value)
+        if me not in {str(s) for s in items}:
+            await self._store(key, me, mine, expiration)
+        return True
+
+    def close(self) -> None:
+        """Stop taking verdicts (the DHT and its daemon are the caller's)."""
+        if self._p2p is None:
+            return
+        try:
+            _submit(self._unregister()).result(10.0)
+        except Exception as e:  # the daemon may be gone already
+            log.debug("could not remove the verdict handler: %s", e)
+        self._p2p = None
+
+    async def _unregister(self) -> None:
+        try:
+            await asyncio.wait_for(self._p2p.remove_protobuf_handler(self.name), 5.0)
+        finally:
+            await _release_p2p(self.dht)

@@ -1,0 +1,180 @@
+"""The vote that ends a round: verdicts sent member to member, the DHT record as fallback, strangers
+ignored; and groups that form as soon as the expected islands joined.  Real DHTs on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from peers.averager import AveragerSettings, VerifiedAverager, _group_key, fingerprint
+from peers.dht import NetworkSettings, start_dht, visible_maddrs
+from peers.dht_calls import dht_get
+from peers.membership import Membership
+from peers.vote import Verdict, VoteChannel, _submit
+
+FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=3.0,
+            allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)
+TEMPLATE = [torch.zeros(100)]
+LOST = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
+
+
+@pytest.fixture
+def swarm(no_leaked_daemons):
+    """A factory of averagers on connected DHTs: ``make(settings, ...)`` one per settings (``run_key`` per
+    DHT optional); everything is shut down afterwards."""
+    made: list = []
+
+    def make(*settings: AveragerSettings, run_keys: tuple[str, ...] = ()):
+        keys = run_keys or ("",) * len(settings)
+        first = start_dht(NetworkSettings(run_key=keys[0]))
+        dhts = [first] + [start_dht(NetworkSettings(initial_peers=visible_maddrs(first), run_key=k)) for k in keys[1:]]
+        made.extend(dhts)
+        avgs = [VerifiedAverager(d, TEMPLATE, s) for d, s in zip(dhts, settings)]
+        made.extend(avgs)
+        return avgs
+
+    yield make
+    for obj in reversed(made):
+        obj.shutdown()
+
+
+def _settings(**overrides) -> AveragerSettings:
+    return AveragerSettings(prefix="v", **{**FAST, **overrides})
+
+
+def _vote_all(voters: list, peers: list[str], values: list[torch.Tensor], round_id: str = "r") -> list[tuple[str, int]]:
+    """Every averager in ``voters`` votes its value at once; (reason, voters) of each."""
+    out: list = [None] * len(voters)
+
+    def go(i: int) -> None:
+        out[i] = voters[i]._vote([values[i]], peers, round_id)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(voters))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _no_dht_fallback(monkeypatch) -> None:
+    """Votes can neither read nor write the DHT record: only verdicts sent member to member arrive."""
+    async def no_poll(self, *args) -> bool:
+        return True
+
+    async def no_store(self, *args) -> bool:
+        return False
+
+    monkeypatch.setattr(VoteChannel, "_poll", no_poll)
+    monkeypatch.setattr(VoteChannel, "_store", no_store)
+
+
+def test_verdicts_travel_member_to_member_without_the_dht(swarm, monkeypatch):
+    _no_dht_fallback(monkeypatch)
+    avgs = swarm(*[_settings()] * 3)
+    peers = sorted(a.peer_id for a in avgs)
+    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3)] * 3
+    # a differing verdict settles the vote at once, and a missing one still ends it by the timeout
+    a, b, gone = avgs
+    for reason, voters in _vote_all([a, b], peers, [torch.ones(100), torch.full((100,), 2.0)], "differ"):
+        assert reason.startswith("islands received different averages") and voters == 2, reason
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "lost") == [(LOST, 2)] * 2
+
+
+def test_dht_record_stands_in_for_a_member_without_the_direct_channel(swarm):
+    """A member that takes no direct verdicts (another version, or one that cannot be reached) votes through
+    the DHT record: the others publish theirs there when sending to it fails, and find its verdict there."""
+    avgs = swarm(_settings(), _settings(), _settings(direct_votes=False))
+    peers = sorted(a.peer_id for a in avgs)
+    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3)] * 3
+    key = f"v.vote.{_group_key(peers, 'r')}"
+    found = dht_get(avgs[0].dht, key, timeout=10)
+    assert found is not None and avgs[2].peer_id in {str(k) for k in found.value}
+
+
+def _send(channel: VoteChannel, to: str, key: str, fp: list[float]) -> bool:
+    """What a peer outside the vote can do: send a verdict straight to a member; whether it was taken."""
+    from hivemind.p2p import PeerID
+
+    async def go():
+        return await channel._p2p.call_protobuf_handler(PeerID.from_base58(to), channel.name,
+                                                        Verdict(key=key, fingerprint=fp), Verdict)
+
+    return _submit(go()).result(10).accepted
+
+
+def test_a_verdict_from_outside_the_group_is_ignored(swarm, monkeypatch):
+    _no_dht_fallback(monkeypatch)
+    a, b, stranger = swarm(*[_settings()] * 3)
+    peers = sorted([a.peer_id, b.peer_id])
+    key = f"v.vote.{_group_key(peers, 'r')}"
+    bad = fingerprint([torch.full((100,), 9.0)])
+    # sent before the vote (kept for it, as early verdicts of members are) and it reaches both members
+    assert _send(stranger._votes, a.peer_id, key, bad) and _send(stranger._votes, b.peer_id, key, bad)
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2) == [("", 2)] * 2
+
+
+def test_private_run_refuses_verdicts_of_unregistered_peers(swarm):
+    """In a private run an unregistered peer's verdict counts neither sent directly nor through the DHT (its
+    records are not signed with the run key), even when the group lists it."""
+    private = _settings(private=True, members_key="v.members")
+    a, b, outsider = swarm(private, private, _settings(), run_keys=("secret", "secret", "guess"))
+    for avg in (a, b):
+        Membership(avg.dht, "v").announce(0)
+    peers = sorted(x.peer_id for x in (a, b, outsider))
+    key = f"v.vote.{_group_key(peers, 'r')}"
+    same = fingerprint([torch.ones(100)])
+    assert not _send(outsider._votes, a.peer_id, key, same)
+    assert _send(b._votes, a.peer_id, f"{key}-other", same)  # registered members are heard
+    results = _vote_all([a, b, outsider], peers, [torch.ones(100)] * 3)
+    assert results[:2] == [(LOST, 2)] * 2
+
+
+def _average_all(avgs: list, expected: int | None, round_id: str) -> list:
+    out: list = [None] * len(avgs)
+
+    def go(i: int) -> None:
+        out[i] = avgs[i].average([torch.full((100,), float(i))], 1.0, {"config_fingerprint": "same"}, round_id,
+                                 expected_group_size=expected)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(avgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [r for r, _ in out]
+
+
+def test_group_forms_once_the_expected_islands_joined(swarm):
+    long_wait = _settings(target_group_size=0, matchmaking_time=20.0, matchmaking_timeout=40.0)
+    avgs = swarm(long_wait, long_wait)
+    t0 = time.monotonic()
+    results = _average_all(avgs, 2, "0")
+    assert all(r.ok and r.group_size == 2 for r in results), [r.reason for r in results]
+    # both joined within moments: nobody waited out the 20 s matchmaking window
+    assert time.monotonic() - t0 < long_wait.matchmaking_time / 2
+
+
+def test_expecting_an_island_that_never_comes_costs_the_matchmaking_window_only(swarm):
+    avgs = swarm(_settings(target_group_size=0), _settings(target_group_size=0))
+    results = _average_all(avgs, 3, "0")
+    assert all(r.ok and r.group_size == 2 for r in results), [r.reason for r in results]
+
+
+def test_round_size_counts_the_live_islands_at_that_step(no_leaked_daemons):
+    first = start_dht(NetworkSettings())
+    dhts = [first] + [start_dht(NetworkSettings(initial_peers=visible_maddrs(first))) for _ in range(3)]
+    try:
+        me, training, averaging, behind = (Membership(d, "v") for d in dhts)
+        training.announce(4)
+        averaging.announce(4, averaging=True, state=[1.0])
+        behind.announce(3)
+        assert me.round_size(4) == 3 and me.round_size(3) == 2
+        averaging.leave()
+        assert me.round_size(4) == 2
+    finally:
+        for d in dhts:
+            d.shutdown()
