@@ -164,7 +164,8 @@ class AveragingConfig:
     retry_lost_member: bool = True
     """When a group member is lost mid-round (its verdict never comes, or two members received different
     results), the members left average the same pseudo-gradients once more among themselves instead of
-    rolling the round back."""
+    rolling the round back; and when no group formed although the registry lists a live island still
+    training towards this round (restarted or caught up), the island waits for it once more."""
     max_norm_ratio: float = 10.0
     """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
     committed rounds (0 disables the check)."""

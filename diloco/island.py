@@ -366,7 +366,8 @@ class Island:
             "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received, "payload_bytes_sent": s.payload_bytes_sent,
             "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
-            "comm_seconds": s.comm_seconds, "wall_seconds": wall, "theta_checksum": theta_checksum,
+            "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
+            "theta_checksum": theta_checksum,
             "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
         }
         self.metrics.summary(summary)

@@ -172,7 +172,7 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     t0 = time.perf_counter()
     in_flight = t0 - flight.t_sent
     result, averaged = island.averager.finish(flight.pending)
-    result, averaged, retried = _retry_lost_member(island, flight, result, averaged)
+    result, averaged, retried = _average_again(island, flight, result, averaged)
     norm = island.global_norm(flight.delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
     reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
@@ -199,21 +199,34 @@ def _on_stage(island: Island, rnd: int) -> Callable[[str], None]:
     return lambda phase: [h.stage(rnd, phase) for h in island.hooks]  # noqa: E731
 
 
-def _retry_lost_member(island: Island, flight: InFlight, result: Any, averaged: Delta | None
-                       ) -> tuple[Any, Delta | None, bool]:
-    """When the group lost a member mid-round (killed, cut off), average the same Δ once more with the
-    members left, under a round id of its own, so that a death costs the others a few seconds instead of
-    a round.  Returns (result, averaged Δ or None, whether it was retried)."""
+def _average_again(island: Island, flight: InFlight, result: Any, averaged: Delta | None
+                   ) -> tuple[Any, Delta | None, bool]:
+    """Average the same Δ once more instead of rolling the round back, in two cases:
+
+    - the group lost a member mid-round (killed, cut off): the members left go round again under a
+      round id of their own, so that a death costs the others a few seconds instead of a round;
+    - no group formed although the registry lists a live island at this round that has not joined yet
+      (it restarted or caught up and is still training towards it): wait for it once more under the
+      same round id, instead of moving on to the next round just as it arrives, one round apart.
+
+    Returns (result, averaged Δ or None, whether it averaged again)."""
     a = island.cfg.averaging
     # islands of one torch world decide every round together: one of them cannot go round again alone
-    if result.ok or not getattr(result, "retryable", False) or not a.retry_lost_member or island.rt.lockstep:
+    if result.ok or not a.retry_lost_member or island.rt.lockstep or island.membership is None:
         return result, averaged, False
     rnd = flight.rnd
-    log.warning("round %d: %s; averaging again with the islands left", rnd + 1, result.reason)
+    if getattr(result, "retryable", False):
+        round_id, why = f"{rnd}.retry", "averaging again with the islands left"
+        # the members left failed within moments of each other: a short wait for them is enough
+        timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
+    elif result.group_size < a.min_group_size and island.transfer.main_decides(
+            lambda: island.membership.round_size(rnd) >= a.min_group_size):
+        round_id, why, timeout = str(rnd), "waiting once more for the islands still training towards it", None
+    else:
+        return result, averaged, False
+    log.warning("round %d: %s; %s", rnd + 1, result.reason, why)
     first = result
-    # the members left failed within moments of each other: a short wait for them is enough
-    timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
-    result, averaged = island.averager.average(flight.delta, flight.weight, flight.meta, round_id=f"{rnd}.retry",
+    result, averaged = island.averager.average(flight.delta, flight.weight, flight.meta, round_id=round_id,
                                                on_stage=_on_stage(island, rnd), matchmaking_timeout=timeout,
                                                buckets=island.overlap.buckets(flight.fragment))
     result.seconds += first.seconds

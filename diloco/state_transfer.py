@@ -166,7 +166,11 @@ class StateTransfer:
         isl = self.island
         if isl.membership is None or isl.rt.lockstep:
             return False
-        return bool(self.main_decides(lambda: isl.membership.outvoted(rnd, state, isl.cfg.averaging.matchmaking_time)))
+        # a blocking round waits for the islands still training (it would wait for them in matchmaking
+        # anyway); a round sent in flight must not stall the inner steps: it looks at those already
+        # averaging, and a stale first-comer is caught by the group's own majority check instead
+        wait = isl.cfg.averaging.matchmaking_time if isl.overlap.blocking else 0.0
+        return bool(self.main_decides(lambda: isl.membership.outvoted(rnd, state, wait)))
 
     def check_in_sync(self, state: list[float]) -> str:
         """Collective, after the last round: publish the fingerprint ``state`` of the θ_global we end

@@ -82,6 +82,8 @@ class PendingRound:
     mine: list[int]
     """Of those, the buckets this rank averages with the other islands."""
     threads: list[threading.Thread] = field(default_factory=list)
+    ended: float = 0.0
+    """``time.perf_counter()`` when the last of this rank's bucket rounds ended (0 while none has)."""
     outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = field(default_factory=dict)
 
     def done(self) -> bool:

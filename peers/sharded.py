@@ -173,7 +173,7 @@ class ShardedAverager:
         pending = PendingRound(owned, float(weight), meta, round_id, refusal, t0, buckets, mine)
         if self.backend != "torch" and not refusal:
             pending.threads = self._hivemind_round(owned, mine, weight, meta, round_id, on_stage,
-                                                   matchmaking_timeout, expected_group_size, pending.outcomes)
+                                                   matchmaking_timeout, expected_group_size, pending)
         return pending
 
     def finish(self, pending: PendingRound) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
@@ -182,6 +182,7 @@ class ShardedAverager:
         owned, weight, meta, round_id, refusal = (pending.owned, pending.weight, pending.meta, pending.round_id,
                                                   pending.refusal)
         participate = not refusal
+        t_finish = time.perf_counter()
         result = ShardedRoundResult(False, refusal)
         averaged: dict[int, torch.Tensor] | None = None
         needs_fallback = veto = False
@@ -211,23 +212,25 @@ class ShardedAverager:
         else:
             local = None
             result.ok = False
-        result.seconds = time.perf_counter() - pending.t0
+        # a round in flight counts from its start to its last bucket's end, not the inner steps after that
+        busy = min(pending.ended or t_finish, t_finish)
+        result.seconds = (busy - pending.t0) + (time.perf_counter() - t_finish)
         return result, local
 
     def _hivemind_round(self, owned: dict[int, torch.Tensor], mine: list[int], weight: float, meta: dict, round_id: str,
                         on_stage: Callable[[str], None] | None, matchmaking_timeout: float | None,
-                        expected_group_size: int | None,
-                        outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]]) -> list[threading.Thread]:
-        """Start the owned buckets' hivemind rounds, one thread each, filling ``outcomes[bucket]`` with
-        ``(result, averaged)`` as they end."""
+                        expected_group_size: int | None, pending: PendingRound) -> list[threading.Thread]:
+        """Start the owned buckets' hivemind rounds, one thread each, filling ``pending.outcomes[bucket]``
+        with ``(result, averaged)`` as they end."""
         def run(b: int) -> None:
             try:
                 res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage,
                                                      matchmaking_timeout, expected_group_size)
-                outcomes[b] = (res, avg[0] if avg is not None else None)
+                pending.outcomes[b] = (res, avg[0] if avg is not None else None)
             except Exception as e:  # never let one bucket's thread take the island's round down silently
                 log.exception("bucket %d: averaging raised", b)
-                outcomes[b] = (RoundResult(False, f"averaging raised {type(e).__name__}: {e}"), None)
+                pending.outcomes[b] = (RoundResult(False, f"averaging raised {type(e).__name__}: {e}"), None)
+            pending.ended = max(pending.ended, time.perf_counter())
 
         threads = [threading.Thread(target=run, args=(b,), name=f"bucket-{b}", daemon=True) for b in mine]
         for t in threads:
