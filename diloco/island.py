@@ -100,8 +100,9 @@ class Island:
         self.layout = CanonicalLayout.build(self.full_shapes, cfg.averaging.bucket_numel,
                                             split_into_fragments([n for n, _ in self.full_shapes], cfg.diloco.fragments)
                                             if cfg.diloco.fragments > 1 else ())
+        micro = max(1, cfg.inner.batch_size // (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
         self.model = ModelParts(full, rt.mesh, SplitSettings.from_config(cfg.parallel), loss_fn=lm_loss,
-                                device=self.device)
+                                device=self.device, profile_shape=(micro, m.seq_len))
         del full
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters

@@ -8,6 +8,7 @@ only the last reads the targets.  The inner optimizer is an ordinary torch optim
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from pipeline.balance import BALANCES, StagePlan, plan_stages
 from pipeline.grad_clip import clip_grad_norm_
 from pipeline.pipeline_parallel import (
     SCHEDULES,
@@ -28,7 +30,10 @@ from pipeline.pipeline_parallel import (
     stages_per_rank,
 )
 from pipeline.shards import ShardSpec, local_grad, shard_spec_of
+from pipeline.stage_clock import StageClock, measured_line
 from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,6 +55,9 @@ class SplitSettings:
     """Model chunks per rank; used only by ``interleaved-1f1b``."""
     layers_per_stage: list[int] = field(default_factory=list)
     activation_checkpointing: bool = False
+    balance: str = "params"
+    """How stages are cut when ``layers_per_stage`` is empty: ``params``, ``layers`` or ``profile``
+    (see :mod:`pipeline.balance`)."""
 
     @classmethod
     def from_config(cls, parallel: object) -> SplitSettings:
@@ -58,7 +66,8 @@ class SplitSettings:
         return cls(tp=int(parallel.tp), pp=int(parallel.pp), schedule=str(parallel.schedule),
                    microbatches=int(parallel.microbatches), virtual_stages=int(parallel.virtual_stages),
                    layers_per_stage=[int(n) for n in getattr(parallel, "layers_per_stage", []) or []],
-                   activation_checkpointing=bool(getattr(parallel, "activation_checkpointing", False)))
+                   activation_checkpointing=bool(getattr(parallel, "activation_checkpointing", False)),
+                   balance=str(getattr(parallel, "balance", "params")))
 
     @property
     def local_stages(self) -> int:
@@ -82,6 +91,8 @@ def check_split(settings: SplitSettings, n_layers: int, n_heads: int, dim: int, 
     elif n_stages > n_layers:
         problems.append(f"--parallel.pp * --parallel.virtual_stages ({n_stages}) must not exceed "
                         f"--model.n_layers ({n_layers}) for interleaved-1f1b")
+    if settings.balance not in BALANCES:
+        problems.append(f"--parallel.balance is {settings.balance!r} but must be one of {', '.join(BALANCES)}")
     if settings.layers_per_stage:
         if len(settings.layers_per_stage) != n_stages:
             problems.append(f"--parallel.layers_per_stage lists {len(settings.layers_per_stage)} stages but the "
@@ -102,11 +113,15 @@ class ModelParts:
     ``model`` is the full ``Transformer`` (same weights on every rank).  With ``pp == 1`` it is
     sharded in place and used directly; with ``pp > 1`` this rank's stages are copied out of it and
     ``model`` is left untouched (and can be freed).  ``mesh`` is the ``("pp", "tp")`` mesh from
-    :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.
+    :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.  ``profile_shape``
+    is one micro-batch ``(rows, seq)`` for ``balance="profile"`` (default: one sequence of the model's
+    context).  With ``pp > 1`` the island's rank 0 logs the chosen split (:attr:`plan`) and, after a
+    few training steps, the measured idle fraction (:attr:`clock`).
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: SplitSettings,
-                 loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None):
+                 loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None,
+                 profile_shape: tuple[int, int] | None = None):
         tp = mesh["tp"].size() if mesh is not None else 1
         pp = mesh["pp"].size() if mesh is not None else 1
         if (tp, pp) != (settings.tp, settings.pp):
@@ -126,9 +141,13 @@ class ModelParts:
         self.pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
         self.tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
         self.n_stages = pp * settings.local_stages if pp > 1 else 1
+        self.plan: StagePlan | None = None
+        self.clock: StageClock | None = None
         if pp > 1:
-            owned = build_stage_modules(model, self.pp_rank, pp, settings.local_stages,
-                                        settings.layers_per_stage or None)
+            self.plan = plan_stages(model, settings, mesh, self.device, loss_fn,
+                                    profile_shape or (1, model.rope_cos.shape[0]))
+            self._say(self.plan.describe())
+            owned = build_stage_modules(model, self.pp_rank, pp, settings.local_stages, self.plan.sizes)
         else:
             owned = [(0, model)]
         for _, module in owned:
@@ -145,8 +164,17 @@ class ModelParts:
         self.schedule = None
         if pp > 1:
             self.stages = build_pipeline_stages(owned, self.n_stages, self.device, mesh["pp"].get_group())
+            self.clock = StageClock(self.device, mesh["pp"].get_group(), self.pp_rank, pp, self._report_measured)
+            self.clock.wrap_stages(self.stages)
             self.schedule = build_schedule(settings.schedule, self.stages, settings.microbatches,
-                                           self._scaled_loss, scale_grads=False)
+                                           self.clock.timed(self._scaled_loss), scale_grads=False)
+
+    def _say(self, line: str) -> None:
+        if self.pp_rank == 0 and self.tp_rank == 0:  # the island's rank 0 speaks for it
+            log.info("%s", line)
+
+    def _report_measured(self, busy: list[float], wall: float) -> None:
+        self._say(measured_line(busy, wall, self.plan.predicted_idle))
 
     # ----------------------------------------------------------------------------------- parameters
     @property
@@ -247,7 +275,8 @@ class ModelParts:
             self._align_grads()
             return float(loss.detach())
         self._loss_scale = loss_scale / self.settings.microbatches
-        losses = self._run_schedule(inputs, targets, train=True)
+        with self.clock.step():
+            losses = self._run_schedule(inputs, targets, train=True)
         self._align_grads()
         return self._broadcast_loss(losses, scale=1.0 / loss_scale)
 

@@ -34,12 +34,13 @@ def model_layer_costs(model: nn.Module) -> tuple[list[int], int, int]:
     return costs, first, last
 
 
-def stage_layer_split(layer_costs: list[int], n_stages: int, layers_per_stage: list[int] | None = None,
-                      first_cost: int = 0, last_cost: int = 0) -> list[list[int]]:
+def stage_layer_split(layer_costs: list[float], n_stages: int, layers_per_stage: list[int] | None = None,
+                      first_cost: float = 0, last_cost: float = 0) -> list[list[int]]:
     """Split layers ``0..L-1`` into ``n_stages`` contiguous, non-empty runs; return their indices.
 
     With ``layers_per_stage`` the runs have exactly those lengths.  Otherwise the split minimises the
-    largest stage cost, where a stage costs the sum of its ``layer_costs`` plus ``first_cost`` (the
+    largest stage cost (exactly, by dynamic programming over the contiguous splits; costs in any unit:
+    parameters, seconds), where a stage costs the sum of its ``layer_costs`` plus ``first_cost`` (the
     embedding) on the first stage and ``last_cost`` (norm and output) on the last; among such splits
     it takes the most even one (least sum of squared stage costs).  Raises ValueError when no split
     exists.
@@ -69,7 +70,7 @@ def stage_layer_split(layer_costs: list[int], n_stages: int, layers_per_stage: l
     return out
 
 
-def _balanced_sizes(costs: list[int], n_stages: int, first_cost: int, last_cost: int) -> list[int]:
+def _balanced_sizes(costs: list[float], n_stages: int, first_cost: float, last_cost: float) -> list[int]:
     """Stage sizes minimising the most expensive stage and, among those, the sum of squared stage
     costs (so equal layers spread evenly).  Two dynamic programmes over the split points."""
     n = len(costs)
@@ -77,7 +78,7 @@ def _balanced_sizes(costs: list[int], n_stages: int, first_cost: int, last_cost:
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    def cost(s: int, i: int, j: int) -> int:  # stage s holds layers i..j-1
+    def cost(s: int, i: int, j: int) -> float:  # stage s holds layers i..j-1
         extra = (first_cost if s == 0 else 0) + (last_cost if s == n_stages - 1 else 0)
         return prefix[j] - prefix[i] + extra
 
@@ -111,35 +112,37 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, n_local: int) -> list[int]:
     return [pp_rank + k * pp_size for k in range(n_local)]
 
 
+def model_part(model: nn.Module, layer_keys: set[str], first: bool, last: bool) -> nn.Module:
+    """A deep copy of ``model`` holding only the blocks named in ``layer_keys``, the embedding if
+    ``first`` and ``norm``/``output`` if ``last`` (the rest is ``None``), with the whole model's
+    parameter names.  The parts it drops are never copied (they are pre-seeded as ``None`` in the
+    deep-copy memo), so a part costs only its own memory; ``model`` itself is left untouched."""
+    dropped: list[nn.Module | None] = [block for key, block in model.layers.items() if key not in layer_keys]
+    if not first:
+        dropped.append(model.tok_embeddings)
+    if not last:
+        dropped += [model.norm, model.output]
+    module = copy.deepcopy(model, {id(m): None for m in dropped if m is not None})
+    for key in list(module.layers.keys()):
+        if key not in layer_keys:
+            del module.layers[key]
+    return module
+
+
 def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1,
                         layers_per_stage: list[int] | None = None) -> list[tuple[int, nn.Module]]:
     """Return ``(stage_index, module)`` for each stage this rank owns (loop placement).
 
-    Each module is a deep copy of ``model`` without the parts the stage does not own (blocks
-    removed from ``layers``; ``tok_embeddings`` kept on stage 0 only, ``norm``/``output`` on the last
-    stage only), so its parameter names are those of the whole model.  The parts a stage drops are
-    never copied (they are pre-seeded as ``None`` in the deep-copy memo), so each stage costs only
-    its own memory.  ``model`` itself is left untouched.
+    Each module is a :func:`model_part` of ``model``: its own blocks, ``tok_embeddings`` on stage 0
+    only and ``norm``/``output`` on the last stage only.  Without ``layers_per_stage`` the split
+    balances parameter counts (:func:`stage_layer_split`).
     """
     n_stages = pp_size * virtual_stages
     costs, first, last = model_layer_costs(model)
     split = stage_layer_split(costs, n_stages, layers_per_stage, first, last)
     keys = list(model.layers.keys())
-    out = []
-    for stage in stage_ids_of_rank(pp_rank, pp_size, virtual_stages):
-        owned = {keys[i] for i in split[stage]}
-        dropped: list[nn.Module | None] = [model.layers[k] for k in keys if k not in owned]
-        if stage != 0:
-            dropped.append(model.tok_embeddings)
-        if stage != n_stages - 1:
-            dropped += [model.norm, model.output]
-        memo = {id(m): None for m in dropped if m is not None}
-        module = copy.deepcopy(model, memo)
-        for k in keys:
-            if k not in owned:
-                del module.layers[k]
-        out.append((stage, module))
-    return out
+    return [(stage, model_part(model, {keys[i] for i in split[stage]}, stage == 0, stage == n_stages - 1))
+            for stage in stage_ids_of_rank(pp_rank, pp_size, virtual_stages)]
 
 
 def build_pipeline_stages(modules: list[tuple[int, nn.Module]], n_stages: int, device: torch.device,
