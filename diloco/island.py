@@ -22,7 +22,6 @@ import logging
 import math
 import signal
 import threading
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco import island_state, peer_setup
+from diloco import island_state, peer_setup, training_loop
 from diloco.config import Config, config_fingerprint, to_dict
 from diloco.data import ShardedBatches, heldout_batches, load_corpus
 from diloco.errors import TrainingError
@@ -41,7 +40,7 @@ from diloco.model import build_initial_model, lm_loss
 from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
 from diloco.overlap import Overlap
 from diloco.runtime import Runtime, pick_device
-from diloco.samples import Sampler, log_samples
+from diloco.samples import Sampler
 from diloco.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments
@@ -134,6 +133,8 @@ class Island:
         self.hooks = [FaultHook(self.faults)]
         self.transfer = StateTransfer(self)
         self.overlap = Overlap(self)
+        self.t_start = 0.0
+        """``time.perf_counter()`` when the training loop started (for compute utilization)."""
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
 
@@ -273,106 +274,15 @@ class Island:
             if self.is_main else NullMetrics()
         try:
             self.transfer.join_from_peers()
-            return self._loop()
+            return training_loop.run(self)
         finally:
             self.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _loop(self) -> dict[str, Any]:
-        cfg, ov = self.cfg, self.overlap
-        t_start = time.perf_counter()
-        self._t_start = t_start
-        if self.outer_step == 0 and math.isnan(self.stats.eval_loss_start):
-            self.stats.eval_loss_start = self.evaluate()
-            self.metrics.log({"eval/loss": self.stats.eval_loss_start,
-                              "eval/perplexity": math.exp(self.stats.eval_loss_start),
-                              "tokens": self.stats.tokens, "outer_step": self.outer_step})
-        loss, window = float("nan"), (time.perf_counter(), self.stats.tokens)
-        while self.outer_step < ov.total_rounds and not self.stop_agreed():
-            t_step = time.perf_counter()
-            if self.inner_step % ov.interval == ov.interval // 2:
-                self.faults.at("inner", self.outer_step + 1)
-            loss = self.train_step()
-            self.stats.compute_seconds += time.perf_counter() - t_step
-            if self.inner_step % cfg.logging.log_every == 0 or ov.sync_due():
-                window = self._log_loss(loss, window)
-            if ov.apply_due():
-                self._after_round(self.apply_round(), loss)
-            if not ov.sync_due() or self.stop_agreed():
-                continue
-            if ov.flight is not None:  # the next round is due: the one in flight must end first
-                self._after_round(self.apply_round(), loss)
-            if self.outer_step >= ov.total_rounds:
-                break
-            last = self.outer_step == ov.total_rounds - 1
-            done = self.send_round()
-            if done is None and (ov.blocking or last or ov.apply_due()):
-                done = self.apply_round()
-            if done is not None:
-                self._after_round(done, loss)
-        if ov.flight is not None:  # stopping with a round in flight: see it through, then checkpoint
-            self._after_round(self.apply_round(), loss)
-        if self.stop_agreed() or (cfg.checkpoint.every and self.outer_step % (cfg.checkpoint.every * ov.n)):
-            self.save_checkpoint()
-        if math.isnan(self.stats.eval_loss_end):
-            self.stats.eval_loss_end = self.evaluate()
-        return self._finish(time.perf_counter() - t_start)
-
-    def _log_loss(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
-        """Log the training loss and throughput since ``window`` (time, tokens); returns the new window."""
-        now = time.perf_counter()
-        self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
-                          "lr": self.inner_sched.get_last_lr()[0], "tokens": self.stats.tokens,
-                          "tokens_per_second": (self.stats.tokens - window[1]) / max(now - window[0], 1e-9),
-                          "outer_step": self.outer_step, "inner_step": self.inner_step})
-        return now, self.stats.tokens
-
-    def _after_round(self, metrics: RoundMetrics, loss: float) -> None:
-        """Record a round that ended: metrics, evaluation of θ_global when due, progress line, checkpoint."""
-        cfg, n = self.cfg, self.overlap.n
-        total = self.overlap.total_rounds
-        record = dict(metrics.record(), tokens=self.stats.tokens, outer_step=self.outer_step, loss=loss)
-        if self.outer_step % (cfg.logging.eval_every * n) == 0 or self.outer_step == total:
-            t_eval = time.perf_counter()
-            ev = self.evaluate()
-            log_samples(self)
-            self.stats.compute_seconds += time.perf_counter() - t_eval
-            self.stats.eval_loss_end = ev
-            record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
-        record["compute_utilization"] = self.stats.compute_seconds / max(time.perf_counter() - self._t_start, 1e-9)
-        self.metrics.log(record)
-        if self.is_main:
-            print(f"[{self.name}] {metrics.progress_line(self.outer_step, total, loss)}"
-                  + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
-        if cfg.checkpoint.every and self.outer_step % (cfg.checkpoint.every * n) == 0:
-            self.save_checkpoint()
-
     def theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
         """Collective: the whole θ_global on rank 0 (None elsewhere) and its checksum on every rank."""
         return island_state.theta_global(self)
-
-    def _finish(self, wall: float) -> dict[str, Any]:
-        out_of_sync = self.transfer.check_in_sync(self.state_fingerprint())
-        if out_of_sync:
-            log.error("%s", out_of_sync)
-        peer_setup.count_bytes(self, 0, 0, through_torch=False)  # what moved since the last round
-        theta, theta_checksum = self.theta_global()
-        if self.is_main:
-            torch.save(theta, self.run_dir / "theta_global.pt")
-        s = self.stats
-        summary = {
-            "island": self.name, "outer_step": self.outer_step, "inner_step": self.inner_step, "tokens": s.tokens,
-            "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
-            "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
-            "bytes_received": s.bytes_received, "payload_bytes_sent": s.payload_bytes_sent,
-            "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
-            "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
-            "theta_checksum": theta_checksum,
-            "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
-        }
-        self.metrics.summary(summary)
-        return summary
 
     def close(self) -> None:
         """Announce leaving, stop the averagers, the DHT, the W&B run and the process group (idempotent)."""
