@@ -107,7 +107,7 @@ class DilocoConfig:
     overlap: str = "none"
     """How the island trains while a round is in flight: `none` (the result is applied exactly `overlap_steps` inner steps after sending, waiting for it if needed; 0 blocks as plain DiLoCo), `delayed` (keep training; apply the average when it arrives, moving the progress made since onto the new θ_global) or `eager` (as `delayed`, but train meanwhile from θ_global stepped with this island's fresh Δ as a proxy for the average, Kale et al. 2025)."""
     fragments: int = 1
-    """Streaming DiLoCo: split the model into this many groups of whole layers, each averaged every H inner steps at its own offset (one sync every H/fragments steps, ~1/fragments of the bytes); must divide H."""
+    """Streaming DiLoCo: split the model into this many groups of whole layers, each averaged every H inner steps at its own offset (one sync every H/fragments steps, rounded to whole steps; ~1/fragments of the bytes)."""
     overlap_steps: int = 0
     """τ: inner steps trained after a round is sent before its result may be applied (at most H/fragments; `none` waits for the result then, `delayed`/`eager` apply it at the first step from then on at which it has arrived)."""
     merge_alpha: float = 0.0
@@ -539,8 +539,8 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"--diloco.outer_lr must be positive, got {dl.outer_lr}")
     if not 0 <= dl.outer_momentum < 1:
         p.append(f"--diloco.outer_momentum must be in [0, 1), got {dl.outer_momentum}")
-    if dl.fragments < 1 or (dl.inner_steps >= 1 and dl.inner_steps % dl.fragments):
-        p.append(f"--diloco.fragments must be at least 1 and divide --diloco.inner_steps ({dl.inner_steps}), "
+    if not 1 <= dl.fragments <= max(dl.inner_steps, 1):
+        p.append(f"--diloco.fragments must be between 1 and --diloco.inner_steps ({dl.inner_steps}), "
                  f"got {dl.fragments}")
     elif m.n_layers >= 1 and dl.fragments > m.n_layers:
         p.append(f"--diloco.fragments ({dl.fragments}) cannot exceed the model's {m.n_layers} layers "

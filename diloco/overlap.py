@@ -1,6 +1,6 @@
 """When an island sends its rounds and applies their results, and what it trains from meanwhile.
 
-A round is sent every H / P inner steps (``--diloco.fragments P``: Streaming DiLoCo; round ``r``
+A round is sent every H / P inner steps (rounded to whole steps) (``--diloco.fragments P``: Streaming DiLoCo; round ``r``
 averages fragment ``r mod P``, P = 1 is the whole model).  At most one round is in flight: it is
 applied (committed or rolled back, :func:`diloco.outer_round.end_round`) at the latest when the next one
 is due, and earlier as ``--diloco.overlap`` says:
@@ -96,8 +96,10 @@ class Overlap:
         return None if self.n == 1 else self.island.layout.group_buckets(fragment)
 
     def sync_due(self) -> bool:
-        """Whether the island has trained up to its next round."""
-        return self.island.inner_step % self.interval == 0
+        """Whether the island has trained up to its next round: the inner step just taken crossed a
+        multiple of H / P (rounds every ⌈H/P⌉ or ⌊H/P⌋ steps when P does not divide H; every H with P = 1)."""
+        k, d = self.island.inner_step, self.island.cfg.diloco
+        return k > 0 and (k * self.n) // d.inner_steps != ((k - 1) * self.n) // d.inner_steps
 
     def apply_due(self) -> bool:
         """Collective: whether the round in flight is to be applied now (before the next inner step)."""

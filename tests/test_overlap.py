@@ -158,7 +158,7 @@ def test_fragments_are_whole_blocks_with_embeddings_first_and_output_last():
 
 @pytest.mark.parametrize("override, words", [
     ({"diloco.overlap": "soon"}, "--diloco.overlap"),
-    ({"diloco.fragments": 3}, "divide --diloco.inner_steps"),
+    ({"diloco.fragments": 0}, "between 1 and --diloco.inner_steps"),
     ({"diloco.fragments": 5, "diloco.inner_steps": 5}, "layers"),
     ({"diloco.overlap_steps": 6}, "between 0 and H / fragments"),
     ({"diloco.merge_alpha": 1.0}, "[0, 1)"),
@@ -167,3 +167,14 @@ def test_fragments_are_whole_blocks_with_embeddings_first_and_output_last():
 def test_bad_overlap_settings_say_what_to_change(tmp_path, override, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         tiny_config(tmp_path, **override)
+
+
+def test_fragments_that_do_not_divide_h_sync_at_rounded_steps(tmp_path):
+    """P=3 fragments over H=5 steps: rounds after steps 2, 4 and 5 of every H (the multiples of H/P
+    rounded up), each fragment once per H, and the run trains exactly outer_steps × H steps."""
+    cfg = tiny_config(tmp_path, **{"model.n_layers": 3, "diloco.fragments": 3, "diloco.outer_steps": 2})
+    island, _ = _run(cfg)
+    from diloco.metrics import read_metrics
+    rounds = [r for r in read_metrics(cfg.logging.run_dir) if "round_ok" in r]
+    assert [r["fragment"] for r in rounds] == [0, 1, 2, 0, 1, 2]
+    assert island.inner_step == 10 and island.stats.rounds_ok == 6
