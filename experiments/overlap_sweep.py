@@ -115,8 +115,11 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, islands: int) -> P
         line, = ax_w.plot(xs, [r["wall_s"] for _, r in pts], marker="o", label=f"{mode} measured")
         ax_w.plot(xs, [r["model_wall_s"] for _, r in pts], linestyle="--", color=line.get_color(),
                   label=f"{mode} model")
+    rates = sorted({r["measured_mbit"] for r in rows})
     for ax, label in ((ax_u, "compute utilization (%)"), (ax_w, "wall-clock (s)")):
         ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{x:.3g}" for x in rates])
+        ax.minorticks_off()
         ax.set_xlabel("link rate (Mbit/s, measured goodput)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
