@@ -1,7 +1,7 @@
 """When an island sends its rounds and applies their results, and what it trains from meanwhile.
 
-A round is sent every H / P inner steps (rounded to whole steps) (``--diloco.fragments P``: Streaming DiLoCo; round ``r``
-averages fragment ``r mod P``, P = 1 is the whole model).  At most one round is in flight: it is
+A round is sent every H / P inner steps, rounded to whole steps (``--diloco.fragments P``: Streaming
+DiLoCo; round ``r`` averages fragment ``r mod P``, P = 1 is the whole model).  At most one round is in flight: it is
 applied (committed or rolled back, :func:`diloco.outer_round.end_round`) at the latest when the next one
 is due, and earlier as ``--diloco.overlap`` says:
 
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from outer_optim.fragments import split_into_fragments
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -68,7 +67,8 @@ class Overlap:
         self.mode, self.tau, self.alpha, self.n = d.overlap, d.overlap_steps, d.merge_alpha, d.fragments
         self.interval = d.inner_steps // d.fragments
         self.total_rounds = d.outer_steps * d.fragments
-        self.groups = split_into_fragments([n for n, _ in island.full_shapes], self.n)
+        # the layout was cut along the same fragments; without fragments it has one group, the model
+        self.groups = island.layout.groups or [island.layout.names]
         self.flight: InFlight | None = None
         self.tokens_at_sync = [0] * self.n
         """Per fragment: ``stats.tokens`` when its parameters last took θ_global (the weight of its next Δ)."""
