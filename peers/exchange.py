@@ -194,7 +194,7 @@ class BucketExchange:
                 ops.append(("send", buf, o, b))
         self._p2p(ops)
         out = {}
-        for b in (self.owned if buckets is None else [b for b in self.owned if b in set(chosen)]):
+        for b in (self.owned if buckets is None else [b for b in self.owned if b in buckets]):
             values = torch.zeros(self.layout.buckets[b].numel, dtype=torch.float32)
             for r, segs in self._in[b].items():
                 if r == self.rank:

@@ -172,8 +172,7 @@ class ShardedAverager:
         mine = [b for b in self.averagers if buckets is None or b in buckets]
         pending = PendingRound(owned, float(weight), meta, round_id, refusal, t0, buckets, mine)
         if self.backend != "torch" and not refusal:
-            pending.threads = self._hivemind_round(owned, mine, weight, meta, round_id, on_stage,
-                                                   matchmaking_timeout, expected_group_size, pending)
+            pending.threads = self._hivemind_round(pending, on_stage, matchmaking_timeout, expected_group_size)
         return pending
 
     def finish(self, pending: PendingRound) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
@@ -217,22 +216,23 @@ class ShardedAverager:
         result.seconds = (busy - pending.t0) + (time.perf_counter() - t_finish)
         return result, local
 
-    def _hivemind_round(self, owned: dict[int, torch.Tensor], mine: list[int], weight: float, meta: dict, round_id: str,
-                        on_stage: Callable[[str], None] | None, matchmaking_timeout: float | None,
-                        expected_group_size: int | None, pending: PendingRound) -> list[threading.Thread]:
-        """Start the owned buckets' hivemind rounds, one thread each, filling ``pending.outcomes[bucket]``
-        with ``(result, averaged)`` as they end."""
+    def _hivemind_round(self, pending: PendingRound, on_stage: Callable[[str], None] | None,
+                        matchmaking_timeout: float | None, expected_group_size: int | None
+                        ) -> list[threading.Thread]:
+        """Start the hivemind rounds of ``pending``'s buckets of this rank, one thread each, filling
+        ``pending.outcomes[bucket]`` with ``(result, averaged)`` as they end."""
         def run(b: int) -> None:
             try:
-                res, avg = self.averagers[b].average([owned[b]], float(weight), meta, round_id, on_stage,
-                                                     matchmaking_timeout, expected_group_size)
+                res, avg = self.averagers[b].average([pending.owned[b]], pending.weight, pending.meta,
+                                                     pending.round_id, on_stage, matchmaking_timeout,
+                                                     expected_group_size)
                 pending.outcomes[b] = (res, avg[0] if avg is not None else None)
             except Exception as e:  # never let one bucket's thread take the island's round down silently
                 log.exception("bucket %d: averaging raised", b)
                 pending.outcomes[b] = (RoundResult(False, f"averaging raised {type(e).__name__}: {e}"), None)
             pending.ended = max(pending.ended, time.perf_counter())
 
-        threads = [threading.Thread(target=run, args=(b,), name=f"bucket-{b}", daemon=True) for b in mine]
+        threads = [threading.Thread(target=run, args=(b,), name=f"bucket-{b}", daemon=True) for b in pending.mine]
         for t in threads:
             t.start()
         return threads
