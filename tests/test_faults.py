@@ -121,9 +121,10 @@ def test_first_island_restarted_with_its_own_command_rejoins_the_run(tmp_path, n
 
 def test_islands_split_by_a_partition_find_each_other_again(tmp_path, no_leaked_daemons):
     """Island 1 is frozen (a network split, as far as the others can tell) while island 0 restarts: island
-    0 finds nobody and starts a peer network of its own.  Once island 1 thaws, the two halves would run
-    on alone for good; the lonely island restarts its peer node through the addresses it knew and the
-    two average together again, ending in sync."""
+    0 finds nobody and starts a peer network of its own.  Once island 1 thaws, the two halves must meet
+    again (the lonely island restarts its peer node through the addresses it knew, unless the thawed
+    island's routing table reaches island 0 at its old port and peer id first: which one wins is a race,
+    so AloneWatch's own schedule is tested in test_membership) and average together, ending in sync."""
     cluster = Cluster(_cfg(tmp_path, **{"averaging.rejoin_after": 3.0}), 2, env={0: {"DILOCO_FAULTS": "kill@inner:3"}})
     frozen: list[int] = []
     try:
@@ -144,7 +145,6 @@ def test_islands_split_by_a_partition_find_each_other_again(tmp_path, no_leaked_
             os.kill(pid, signal.SIGCONT)
         cluster.stop_all()
     assert [s["outer_step"] for s in summaries] == [ROUNDS] * 2
-    assert "restarting the peer node" in cluster.logs[0].read_text() + cluster.logs[1].read_text()
     for d in cluster.run_dirs:
         last = [r for r in read_metrics(d) if "round_ok" in r][-3:]
         assert sum(r["round_ok"] for r in last) >= 2 and all(r["num_peers"] == 2 for r in last if r["round_ok"]), last

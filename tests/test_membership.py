@@ -120,3 +120,43 @@ def test_known_peers_keep_islands_that_are_restarting(tmp_path):
     live = [moved, a]  # b came back on another port: its old address is dropped
     remember_peers(island)
     assert (tmp_path / KNOWN_PEERS).read_text().split() == [moved, a, c]
+
+
+def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answer(tmp_path, monkeypatch):
+    """AloneWatch: nothing while other islands are live; once alone, wait ``rejoin_after``, then offer only
+    the remembered addresses that accept connections, and back off (doubling) when none does."""
+    import socket
+    from types import SimpleNamespace
+
+    from diloco import peer_setup
+    from diloco.peer_setup import KNOWN_PEERS, AloneWatch
+
+    server = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    live = f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/QmA"
+    dead = f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/QmB"
+    (tmp_path / KNOWN_PEERS).write_text(f"{dead}\n{live}\n")
+    now = [100.0]
+    monkeypatch.setattr(peer_setup.time, "monotonic", lambda: now[0])
+    others: list = ["someone"]
+    island = SimpleNamespace(run_dir=tmp_path, membership=SimpleNamespace(others=lambda: others))
+    watch = AloneWatch(rejoin_after=3.0)
+    try:
+        assert watch.due(island) == []  # not alone
+        others.clear()
+        assert watch.due(island) == []  # alone: the clock starts
+        now[0] += 2.9
+        assert watch.due(island) == []
+        now[0] += 0.2
+        assert watch.due(island) == [live]  # the dead address is left out
+        assert 2 * 3.0 * 0.8 <= watch.wait <= 2 * 3.0 * 1.2
+        server.close()
+        now[0] += watch.wait + 0.1
+        assert watch.due(island) == []  # nothing answers: try again later, for longer
+        assert watch.wait <= 10 * 3.0 * 1.2 and watch.wait >= 2 * 2 * 3.0 * 0.8 * 0.8
+        others.append("back")
+        assert watch.due(island) == [] and watch.since is None and watch.wait == 3.0
+    finally:
+        server.close()
