@@ -97,7 +97,7 @@ class DilocoConfig:
     outer_steps: int = 10
     """Number of outer rounds to run."""
     outer_optimizer: str = "nesterov"
-    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default) or `avg` (FedAvg: lr 1, no momentum)."""
+    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default), `avg` (FedAvg: lr 1, no momentum) or `sparseloco` (SparseLoCo, Sarfi et al. 2025: plain averaged descent with `outer_lr`, no momentum: the error-feedback buffer of a lossy `averaging.compression` stands in for it)."""
     outer_lr: float = 0.7
     """Outer learning rate (ignored by `avg`, which uses 1)."""
     outer_momentum: float = 0.9
@@ -151,7 +151,15 @@ class AveragingConfig:
     state_download_timeout: float = 60.0
     """Seconds a joining island spends downloading the global state from a peer."""
     compression: str = "none"
-    """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (uniform 8-bit)."""
+    """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (hivemind's codecs, in its butterfly all-reduce), or `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), all-gathered over hivemind's p2p daemon with error feedback."""
+    topk_density: float = 0.02
+    """Fraction of each chunk of 4096 values the `topk` codec sends, in (0, 1]."""
+    topk_bits: int = 2
+    """Bits per value sent by the `topk` codec: 2 or 4."""
+    error_feedback: bool = True
+    """With `int8`, `int4` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state). hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
+    error_feedback_decay: float = 1.0
+    """β of the error feedback e ← β·e + Δ, in (0, 1] (SparseLoCo uses 0.95)."""
     maddr_file: str = ""
     """If set, write this island's visible multiaddrs to this file once it is reachable."""
     run_key: str = ""
@@ -285,10 +293,10 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.preset": tuple(MODEL_PRESETS),
-    "diloco.outer_optimizer": ("nesterov", "avg"),
+    "diloco.outer_optimizer": ("nesterov", "avg", "sparseloco"),
     "diloco.overlap": ("none", "delayed", "eager"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
-    "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8"),
+    "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8", "int8", "int4", "topk"),
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "parallel.balance": ("params", "layers", "profile"),
@@ -584,6 +592,7 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"multiaddr {addr!r} must look like /ip4/ADDRESS/tcp/PORT")
     if a.bucket_numel < 1:
         p.append(f"--averaging.bucket_numel must be at least 1, got {a.bucket_numel}")
+    p += codec_problems(cfg)
     p += parallel_problems(cfg)
     c = cfg.checkpoint
     if c.every < 0:
@@ -678,13 +687,35 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
+def codec_problems(cfg: Config) -> list[str]:
+    """What is wrong with the wire format settings (the low-bit codecs and SparseLoCo)."""
+    a, p = cfg.averaging, []
+    encoded = a.compression in ENCODED_CODECS
+    if not 0 < a.topk_density <= 1:
+        p.append(f"--averaging.topk_density must be in (0, 1], got {a.topk_density}")
+    if a.topk_bits not in (2, 4):
+        p.append(f"--averaging.topk_bits must be 2 or 4, got {a.topk_bits}")
+    if not 0 < a.error_feedback_decay <= 1:
+        p.append(f"--averaging.error_feedback_decay must be in (0, 1], got {a.error_feedback_decay}")
+    if encoded and a.backend not in ("hivemind", "auto"):
+        p.append(f"--averaging.compression {a.compression} travels over hivemind: use --averaging.backend "
+                 f"hivemind or auto (got {a.backend})")
+    if cfg.diloco.outer_optimizer == "sparseloco" and not (encoded and a.error_feedback):
+        p.append("--diloco.outer_optimizer sparseloco needs error feedback on a lossy codec: add "
+                 "--averaging.compression topk (or int8, int4) with --averaging.error_feedback true")
+    return p
+
+
+ENCODED_CODECS = ("int8", "int4", "topk")
+"""The codecs of outer_optim.codecs (with error feedback), all-gathered by peers.encoded."""
+
 REMOVED_KEYS = ("averaging.sharded",)
 """Keys of earlier versions that checkpoints may still hold; every island now averages shard-wise."""
 
 # Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
 FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
                         "diloco.fragments",
-                        "averaging.compression", "averaging.run_id")
+                        "averaging.compression", "averaging.topk_density", "averaging.topk_bits", "averaging.run_id")
 
 
 def config_fingerprint(cfg: Config) -> str:

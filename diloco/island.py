@@ -123,6 +123,9 @@ class Island:
         self.stopping = False
         self.dht: Any = None
         self.averager: Any = None
+        self.feedback: dict[int, torch.Tensor] = {}
+        """Error feedback of the buckets this rank averages (a lossy codec's dropped part, see
+        :class:`peers.sharded.ShardedAverager`); checkpointed, kept across reconnects."""
         self.membership: Any = None
         self.fallback: Any = None
         self.wire: Any = None  # peers.wire.WireCounter of this rank's DHT daemon

@@ -45,6 +45,7 @@ def state_dict(island: Island) -> dict[str, Any]:
         "rng": checkpoint.rng_state(), "stats": dict(island.stats.__dict__),
         "norm_history": list(island.guard.history), "island": _shape_of(island),
         "overlap": island.overlap.state_dict(),
+        "error_feedback": {b: t.clone() for b, t in island.feedback.items()},
     }
 
 
@@ -70,6 +71,8 @@ def load_state_dict(island: Island, state: dict[str, Any]) -> None:
         setattr(island.stats, k, v)
     island.guard.history = [float(x) for x in state.get("norm_history", [])]
     island.overlap.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", island.stats.tokens)))
+    island.feedback.clear()
+    island.feedback.update({int(b): t.clone() for b, t in state.get("error_feedback", {}).items()})
 
 
 def save_checkpoint(island: Island) -> Path:

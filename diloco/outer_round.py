@@ -261,6 +261,7 @@ def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float, 
     with island.state_lock:
         island.outer.step(averaged)
         island.outer_step += 1
+    island.averager.commit(flight.pending)
     island.overlap.committed(flight, averaged, total_weight)
     island.guard.record(avg_norm)
     island.transfer.after_commit()

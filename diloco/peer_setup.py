@@ -98,7 +98,7 @@ def connect(island: Island, rejoin: list[str] | None = None) -> None:
     island.averager = ShardedAverager(
         island.layout, island.params, island.specs, group, island.dht, settings, backend=backend,
         fallback=island.fallback, state_provider_for=island.transfer.provider, island_id=ids[0],
-        exchange=island.exchange if group is rt.group else None)
+        exchange=island.exchange if group is rt.group else None, feedback=island.feedback)
     if island.dht is None:
         return
     island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
@@ -208,7 +208,8 @@ def averager_settings(a: AveragingConfig, **extra: Any) -> AveragerSettings:
         allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
         request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
         state_download_timeout=a.state_download_timeout, compression=a.compression,
-        client_mode=a.client_mode, private=not a.public, **extra)
+        topk_density=a.topk_density, topk_bits=a.topk_bits, error_feedback=a.error_feedback,
+        error_feedback_decay=a.error_feedback_decay, client_mode=a.client_mode, private=not a.public, **extra)
 
 
 def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None:

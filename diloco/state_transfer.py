@@ -283,4 +283,7 @@ class StateTransfer:
             isl.outer_step = int(meta.get("outer_step", 0))
         isl.outer.copy_to(isl.params)
         isl.overlap.adopted()  # the inner steps since the last sync were dropped with the state
+        if isl.feedback:  # what our codec dropped belongs to our own past, not to the adopted state
+            log.info("error feedback reset: adopted another island's θ_global")
+            isl.feedback.clear()
         self.refresh()

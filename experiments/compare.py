@@ -38,8 +38,9 @@ from typing import Any
 from diloco import config as config_mod
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.compare_results import (acceptance_lines, baseline_result, counted_vs_link, curve_from_metrics,
-                                         diloco_result, link_tx_bytes, overlap_lines, wall_model_line)
+from experiments.compare_results import (acceptance_lines, baseline_result, codec_lines, counted_vs_link,
+                                         curve_from_metrics, diloco_result, link_tx_bytes, overlap_lines,
+                                         wall_model_line)
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import RunResult, format_bytes, write_report
 
@@ -93,6 +94,17 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 WARM_START_LR = 3e-3
 
+# DiLoCo arms with low-bit pseudo-gradients (``--compression``), each against fp32 DiLoCo (c)
+CODECS: dict[str, dict[str, Any]] = {
+    "fp16": {"averaging.compression": "fp16"},
+    "int8": {"averaging.compression": "int8"},
+    "int4": {"averaging.compression": "int4"},
+    "topk": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2},
+    # SparseLoCo: the same top-k, its error feedback (β = 0.95) in place of the outer Nesterov momentum
+    "sparseloco": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                   "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95},
+}
+
 
 
 # ------------------------------------------------------------------------------------ results
@@ -122,9 +134,9 @@ def warm_start(cfg: Config, steps: int, run_dir: Path, progress: bool = True,
 
 def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
                 latency_ms: float = 0.0, warm_start_steps: int = 0,
-                warm_start_lr: float | None = None, arms: list[str] = ()) -> Path:
+                warm_start_lr: float | None = None, arms: list[str] = (), codecs: list[str] = ()) -> Path:
     """Run single worker, synchronous baseline and DiLoCo (and the overlapped DiLoCo ``arms``, names of
-    :data:`ARMS`); write the report; return ``results.md``.
+    :data:`ARMS`, and the low-bit ``codecs``, names of :data:`CODECS`); write the report; return ``results.md``.
 
     With ``warm_start_steps`` (and no ``checkpoint.init_from`` of the user's), all three start from the
     parameters one worker reached after that many steps at peak lr ``warm_start_lr`` (default: the inner
@@ -217,14 +229,20 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         tx2 = link_tx_bytes(network) if network else None
         dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
 
-        # (d) the same DiLoCo with rounds in flight
-        for arm in arms:
-            say(f"\n== (d) DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in ARMS[arm].items())} ==", flush=True)
+        # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
+        for arm, items in [(a, ARMS[a]) for a in arms] + [(f"codec-{c}", CODECS[c]) for c in codecs]:
+            say(f"\n== DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in items.items())} ==", flush=True)
             c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
-                                      **ARMS[arm]})
+                                      **items})
             check_network()
-            extra.append(diloco_result(f"diloco-{arm}", "diloco",
-                                       launch_islands(c_arm, islands, network=network, progress=progress)))
+            before = link_tx_bytes(network) if network else None
+            r = diloco_result(f"diloco-{arm}", "diloco", launch_islands(c_arm, islands, network=network,
+                                                                          progress=progress))
+            if before is not None:
+                sent = [b - a for a, b in zip(before, link_tx_bytes(network))]
+                r.extra["wire_bytes_sent_max_host"] = max(sent)
+                notes.append(counted_vs_link(r, sent))
+            extra.append(r)
     finally:
         if network is not None:
             network.close()
@@ -243,8 +261,11 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         notes.append(counted_vs_link(dl, [b - a for a, b in zip(tx1, tx2)]))
     acc, checks = acceptance_lines(single, base, dl, H, capped)
     model_lines = [wall_model_line(r, rate_bits) for r in results]
-    if extra:
-        acc += overlap_lines(dl, base, extra)
+    overlapped = [r for r in extra if not r.name.startswith("diloco-codec-")]
+    if overlapped:
+        acc += overlap_lines(dl, base, overlapped)
+    if codecs:
+        acc += codec_lines(dl, base, [r for r in extra if r.name.startswith("diloco-codec-")])
     notes += model_lines + acc
     notes.append(f"scale: model `{cfg.model.preset}` ({_param_count(cfg):,} parameters, fp32 gradient "
                  f"{format_bytes(4 * _param_count(cfg))}), {T} steps per worker of {cfg.inner.batch_size}×"
@@ -304,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default="",
                         help=f"also run DiLoCo with rounds in flight, comma-separated: {', '.join(ARMS)} "
                              f"(each as long as the DiLoCo run; default: none)")
+    parser.add_argument("--compression", default="",
+                        help=f"also run DiLoCo with low-bit pseudo-gradients, comma-separated: {', '.join(CODECS)} "
+                             f"(each as long as the DiLoCo run; default: none)")
     args, rest = parser.parse_known_args(argv)
     # Ctrl-C / kill -INT must stop the experiment even when started from a shell that ignores SIGINT in
     # background jobs (the emulated network closes itself on SIGINT and passes it on to this handler)
@@ -331,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [a for a in arms if a not in ARMS]
         if unknown:
             raise ConfigError([f"--arms {','.join(unknown)} is not one of {', '.join(ARMS)}"])
+        codecs = [c.strip() for c in args.compression.split(",") if c.strip()]
+        unknown = [c for c in codecs if c not in CODECS]
+        if unknown:
+            raise ConfigError([f"--compression {','.join(unknown)} is not one of {', '.join(CODECS)}"])
         run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms,
-                    warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms)
+                    warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms,
+                    codecs=codecs)
         return 0
 
     return run_command(body, (CompareError, BaselineError, SimulationError, DataError, NetworkSetupError),

@@ -90,6 +90,28 @@ def overlap_lines(blocking: RunResult, base: RunResult, arms: list[RunResult]) -
     return lines
 
 
+def codec_lines(fp32: RunResult, base: RunResult, arms: list[RunResult]) -> list[str]:
+    """For each low-bit arm: held-out loss against fp32 DiLoCo and the baseline at equal tokens, bytes per
+    worker (the codec's own count and, over emulated links, the busiest host's link counter) against the
+    baseline's, and the θ_global spread across islands at the end."""
+    def pct(a: float, b: float) -> float:
+        return (a - b) / abs(b) * 100
+
+    def ratio(key: str, r: RunResult) -> str:
+        a, b = base.extra.get(key), r.extra.get(key)
+        return f"{a / b:,.0f}×" if a and b else "n/a"
+
+    lines = []
+    for r in [fp32, *arms]:
+        lines.append(
+            f"codec: {r.name}: held-out loss {r.final_eval_loss:.4f} ({pct(r.final_eval_loss, fp32.final_eval_loss):+.2f}% "
+            f"vs fp32 DiLoCo, {pct(r.final_eval_loss, base.final_eval_loss):+.2f}% vs the baseline); bytes per worker "
+            f"{format_bytes(r.bytes_per_worker)}, {base.bytes_per_worker / max(r.bytes_per_worker, 1):,.0f}× fewer than "
+            f"the baseline (link counters: {ratio('wire_bytes_sent_max_host', r)}); θ_global spread "
+            f"{r.extra.get('theta_global_max_abs_diff')}")
+    return lines
+
+
 def counted_vs_link(r: RunResult, link_tx: list[int]) -> str:
     """How far the bytes a run's workers counted on their own connections (``bytes_sent``, from the
     kernel's per-socket counts) are from their hosts' link counters."""

@@ -31,12 +31,15 @@ class OuterOptimizer:
     @classmethod
     def from_config(cls, params: Mapping[str, torch.Tensor], kind: str, lr: float, momentum: float,
                     device: str = "cpu") -> "OuterOptimizer":
-        """`nesterov` uses (lr, momentum); `avg` is FedAvg: lr 1, no momentum."""
+        """`nesterov` uses (lr, momentum); `avg` is FedAvg: lr 1, no momentum; `sparseloco` is plain descent
+        with lr (the error feedback of its codec stands in for momentum)."""
         if kind == "avg":
             return cls(params, lr=1.0, momentum=0.0, nesterov=False, device=device)
+        if kind == "sparseloco":
+            return cls(params, lr=lr, momentum=0.0, nesterov=False, device=device)
         if kind == "nesterov":
             return cls(params, lr=lr, momentum=momentum, nesterov=True, device=device)
-        raise ValueError(f"unknown outer optimizer {kind!r}; use nesterov or avg")
+        raise ValueError(f"unknown outer optimizer {kind!r}; use nesterov, avg or sparseloco")
 
     @property
     def lr(self) -> float:

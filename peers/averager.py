@@ -16,7 +16,6 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import hivemind
@@ -26,6 +25,9 @@ from hivemind.utils import get_dht_time
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   Uniform8BitQuantization)
 
+from outer_optim.codecs import LOSSY_CODECS, make_codec
+from peers.averager_types import AveragerSettings, RoundResult, allreduce_bytes
+from peers.encoded import EncodedChannel, allgather_bytes, weighted_mean
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager
 from peers.vote import MemberCheck, VoteChannel
@@ -35,102 +37,18 @@ __all__ = ["AveragerGoneError", "AveragerSettings", "COMPRESSIONS", "FINGERPRINT
 
 log = logging.getLogger(__name__)
 
-# name -> (hivemind codec, bytes on the wire per fp32 byte, relative tolerance of the vote)
-COMPRESSIONS: dict[str, tuple[Callable[[], Any], float, float]] = {
+# hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
+# vote: the owner of a part re-encodes the average, and members add it to their own values in place)
+BUTTERFLY: dict[str, tuple[Callable[[], Any], float, float]] = {
     "none": (NoCompression, 1.0, 1e-5),
     "fp16": (Float16Compression, 0.5, 1e-2),
     "scaled-fp16": (ScaledFloat16Compression, 0.5, 1e-2),
     "uint8": (Uniform8BitQuantization, 0.25, 5e-2),
 }
-
-
-
-@dataclass
-class AveragerSettings:
-    """Group formation, timeouts and wire format of the pseudo-gradient averager."""
-
-    prefix: str = "diloco"
-    """DHT prefix shared by all islands of a run."""
-    min_group_size: int = 2
-    """Rounds with fewer islands are rejected."""
-    target_group_size: int = 0
-    """Start as soon as this many islands are ready (0: whoever arrives within matchmaking_time)."""
-    matchmaking_time: float = 5.0
-    """Seconds to gather peers before averaging."""
-    matchmaking_timeout: float = 60.0
-    """Give up forming a group after this long."""
-    allreduce_timeout: float = 120.0
-    """Give up an all-reduce after this long."""
-    next_chunk_timeout: float = 30.0
-    """Give up on a silent peer after this long."""
-    request_timeout: float = 3.0
-    """Timeout of one matchmaking request (below matchmaking_time)."""
-    vote_timeout: float = 15.0
-    """Seconds to wait for every group member's verdict after the all-reduce."""
-    state_download_timeout: float = 60.0
-    """Seconds allowed to download the global state from a peer."""
-    compression: str = "none"
-    """Wire format: none, fp16, scaled-fp16 or uint8."""
-    client_mode: bool = False
-    """No incoming connections: this island neither reduces parts nor serves state."""
-    private: bool = False
-    """Serve only islands registered in the run's member registry (see peers.membership)."""
-    members_key: str = ""
-    """DHT key of that member registry (empty: ``f"{prefix}.members"``); set it when the prefix is not
-    the run's own, e.g. for the per-bucket averagers of :mod:`peers.sharded` (prefix ``f"{run}_b{i}"``)."""
-    direct_votes: bool = True
-    """Send verdicts straight to the group members (False: only through the DHT, polled: the vote as it
-    was before, kept for benchmarks/round_cost.py and tests)."""
-
-
-@dataclass
-class RoundResult:
-    """What one averaging round did; failures are data, not exceptions."""
-
-    ok: bool
-    """True when the averaged values may be applied."""
-    reason: str = ""
-    """Why the round failed (empty on success)."""
-    group_size: int = 0
-    """Islands in the group (including this one)."""
-    peers: list[str] = field(default_factory=list)
-    """Peer ids of the group members."""
-    bytes_sent: int = 0
-    """Bytes this island sent in the all-reduce (from the butterfly protocol, see :func:`allreduce_bytes`)."""
-    bytes_received: int = 0
-    """Bytes this island received in the all-reduce."""
-    seconds: float = 0.0
-    """Wall-clock seconds of the whole round (matchmaking, all-reduce, vote)."""
-    matchmaking_seconds: float = 0.0
-    """Part of ``seconds`` spent until the group formed and the all-reduce finished."""
-    allreduce_seconds: float = 0.0
-    """Part of ``matchmaking_seconds`` spent in the all-reduce itself (after the group formed)."""
-    vote_seconds: float = 0.0
-    """Part of ``seconds`` spent agreeing on the result."""
-    total_weight: float = 0.0
-    """Sum of the group's weights (tokens processed by all members)."""
-    gathered: dict[str, dict] = field(default_factory=dict)
-    """Metadata each member sent with its pseudo-gradient, by peer id."""
-    majority_peers: list[str] = field(default_factory=list)
-    """Members whose θ_global agrees with the largest agreeing subset of the group."""
-    in_minority: bool = False
-    """True when this island's θ_global disagrees with the majority: it must resynchronize."""
-    voters: int = 0
-    """Group members (this one included) whose verdict on the result arrived."""
-    retryable: bool = False
-    """The group formed but lost a member or a part mid-round (a verdict missing or two differing), and
-    enough members voted to form a group again: they may average the same values once more."""
-
-
-def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
-    """Bytes one peer sends (and receives) in hivemind's butterfly all-reduce with equal shares.
-
-    Each peer sends the (n-1)/n of its vector that others reduce, then returns its reduced 1/n to
-    the n-1 others: 2·(n-1)/n of the vector, times the codec's size ratio.
-    """
-    if group_size <= 1:
-        return 0
-    return int(2 * num_bytes * wire_ratio * (group_size - 1) / group_size)
+COMPRESSIONS = (*BUTTERFLY, *LOSSY_CODECS)
+"""Every wire format; the low-bit codecs of :mod:`outer_optim.codecs` travel by :mod:`peers.encoded`."""
+ENCODED_VOTE_RTOL = 1e-6
+"""Members decode the same bytes in the same order: their averages are bit-identical."""
 
 
 class VerifiedAverager:
@@ -144,11 +62,19 @@ class VerifiedAverager:
                  state_provider: StateProvider | None = None):
         if settings.compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {settings.compression!r}; use one of {', '.join(COMPRESSIONS)}")
-        codec, self._wire_ratio, self._vote_rtol = COMPRESSIONS[settings.compression]
+        self.codec = None
+        if settings.compression in BUTTERFLY:
+            codec, self._wire_ratio, self._vote_rtol = BUTTERFLY[settings.compression]
+        else:  # hivemind only forms the group: its all-reduce carries one number
+            self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
+                                    topk_bits=settings.topk_bits)
+            codec, self._wire_ratio, self._vote_rtol = NoCompression, 0.0, ENCODED_VOTE_RTOL
         self.settings = settings
         self.dht = dht
-        self._buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in template]
-        self._num_bytes = sum(b.numel() * 4 for b in self._buffers)
+        self._numel = sum(t.numel() for t in template)
+        self._num_bytes = self._numel * 4
+        self._buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in template] if self.codec is None \
+            else [torch.zeros(1)]
         self._lock = threading.Lock()
         # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
         # process only and give the caller its own handler back
@@ -172,11 +98,15 @@ class VerifiedAverager:
             signal.signal(signal.SIGINT, previous_sigint)
         self._target: int | None = settings.target_group_size or None
         self.peer_id = str(dht.peer_id)
+        self._votes = self._parts = None
         try:
             self._votes = VoteChannel(dht, settings.prefix, members, direct=settings.direct_votes,
                                       ttl=max(60.0, 4 * settings.vote_timeout))
+            if self.codec is not None:
+                self._parts = EncodedChannel(dht, settings.prefix, self.codec.nbytes(self._numel), members,
+                                             ttl=max(60.0, 4 * settings.allreduce_timeout))
         except BaseException:
-            self._averager.shutdown()
+            self.shutdown()
             raise
 
     @property
@@ -186,7 +116,8 @@ class VerifiedAverager:
 
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
-                expected_group_size: int | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
+                expected_group_size: int | None = None, encoded: bytes | None = None
+                ) -> tuple[RoundResult, list[torch.Tensor] | None]:
         """Run one verified averaging round.
 
         ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
@@ -198,17 +129,21 @@ class VerifiedAverager:
         included) are expected in the group, e.g. the live registered islands entering this round; with
         ``target_group_size`` 0 the group then forms as soon as that many joined instead of after
         ``matchmaking_time`` (fewer: it forms after ``matchmaking_time`` as before; more: the group is
-        capped at that size).  Returns the result and, only when it succeeded, the weighted average of
-        the group's deltas.
+        capped at that size).  ``encoded``: with a codec of :mod:`outer_optim.codecs`, the payload to
+        send (``deltas`` then only serve the finiteness check).  Returns the result and, only when it
+        succeeded, the weighted average of the group's deltas.
         """
         t0 = time.perf_counter()
         stage = on_stage or (lambda _: None)
+        if (encoded is None) != (self.codec is None):
+            raise ValueError("pass encoded= exactly when the averager has a codec of outer_optim.codecs")
         if weight <= 0 or not all(torch.isfinite(d).all() for d in deltas):
             return RoundResult(False, "this island's pseudo-gradient is not finite or its weight is not positive; "
                                "not sending it"), None
-        with self._averager.get_tensors() as bufs:
-            for buf, d in zip(bufs, deltas):
-                buf.copy_(d.detach().reshape(buf.shape))
+        if self.codec is None:
+            with self._averager.get_tensors() as bufs:
+                for buf, d in zip(bufs, deltas):
+                    buf.copy_(d.detach().reshape(buf.shape))
         try:
             stage("matchmaking")
             # islands at different rounds must never meet: each round matches in its own DHT bucket
@@ -246,9 +181,12 @@ class VerifiedAverager:
         result = RoundResult(False, group_size=n, peers=peers, bytes_sent=nbytes, bytes_received=nbytes,
                              matchmaking_seconds=t1 - t0, allreduce_seconds=t1 - (t_allreduce or t1), gathered=meta,
                              total_weight=float(sum(_as_float(m.get("weight")) for m in meta.values())))
-        with self._averager.get_tensors() as bufs:
-            averaged = [b.clone() for b in bufs]
         result.reason = self._check_group(meta, n, round_id)
+        if encoded is not None:
+            averaged = self._gather_encoded(encoded, meta, peers, round_id, result) if not result.reason else []
+        else:
+            with self._averager.get_tensors() as bufs:
+                averaged = [b.clone() for b in bufs]
         result.majority_peers, result.in_minority = majority_by_state(meta, self.peer_id)
         if not result.reason and len(result.majority_peers) < n:
             result.reason = (f"θ_global differs between islands ({n - len(result.majority_peers)} of {n} hold "
@@ -263,6 +201,24 @@ class VerifiedAverager:
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
         return result, (averaged if result.ok else None)
+
+    def _gather_encoded(self, payload: bytes, meta: dict[str, dict], peers: list[str], round_id: str,
+                        result: RoundResult) -> list[torch.Tensor]:
+        """All-gather the members' encoded buckets and average them (fills ``result``'s bytes and, when a
+        payload is missing, its reason); the average, shaped like the template, or [] on failure."""
+        t = time.perf_counter()
+        got, missing = self._parts.all_gather(_group_key(peers, round_id), self.peer_id, peers, payload,
+                                              self.settings.allreduce_timeout)
+        result.allreduce_seconds += time.perf_counter() - t
+        result.bytes_sent = allgather_bytes(len(payload), len(peers))
+        result.bytes_received = len(payload) * (len(got) - 1)
+        if missing:
+            result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient"
+            result.retryable = len(got) >= self.settings.min_group_size
+            return []
+        mean = weighted_mean({p: self.codec.decode(got[p], self._numel) for p in peers},
+                             {p: _as_float(meta[p].get("weight")) for p in peers})
+        return [mean]
 
     def _check_group(self, meta: dict[str, dict], n: int, round_id: str) -> str:
         """Reasons to reject the group itself, identical on every member (they all see the same data)."""
@@ -327,8 +283,10 @@ class VerifiedAverager:
             return None
 
     def shutdown(self) -> None:
-        """Stop the vote channel and the averager process (the DHT is the caller's)."""
-        self._votes.close()
+        """Stop the channels and the averager process (the DHT is the caller's)."""
+        for channel in (self._votes, self._parts):
+            if channel is not None:
+                channel.close()
         if self._averager.is_alive():
             self._averager.shutdown()
 

@@ -85,6 +85,9 @@ class PendingRound:
     ended: float = 0.0
     """``time.perf_counter()`` when the last of this rank's bucket rounds ended (0 while none has)."""
     outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]] = field(default_factory=dict)
+    feedback: dict[int, torch.Tensor] = field(default_factory=dict)
+    """With a lossy codec and error feedback: each owned bucket's buffer after this round (kept only if the
+    round commits)."""
 
     def done(self) -> bool:
         """Whether this rank's part of the round has ended (no island collective)."""

@@ -57,3 +57,9 @@ class LocalAverager:
 
     def shutdown(self) -> None:
         """Nothing to stop."""
+
+    def commit(self, pending: Finished) -> None:
+        """No codec, no error feedback to keep."""
+
+    def reset_feedback(self) -> None:
+        """No error feedback to forget."""

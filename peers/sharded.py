@@ -51,6 +51,7 @@ import hivemind
 import torch
 import torch.distributed as dist
 
+from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider
 from peers.bucket_round import BucketOutcome, PendingRound, ShardedRoundResult
 from peers.exchange import BucketExchange, shape_of
@@ -72,7 +73,8 @@ class ShardedAverager:
     :class:`peers.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
     ``backend="torch"``, optional for ``"auto"``); ``state_provider_for(bucket_index)`` gives the
     state provider of an owned bucket's averager (for late joiners; wired by the trainer);
-    ``exchange``: the island's :class:`BucketExchange` if the caller built one already.
+    ``exchange``: the island's :class:`BucketExchange` if the caller built one already; ``feedback``: the
+    error-feedback buffers by owned bucket (see :attr:`buffers`).
     Construction is collective over ``group``.
     """
 
@@ -81,11 +83,23 @@ class ShardedAverager:
                  backend: str = "hivemind", fallback: Any = None,
                  state_provider_for: Callable[[int], StateProvider | None] | None = None,
                  island_id: str | None = None, device: torch.device | str | None = None,
-                 exchange: BucketExchange | None = None):
+                 exchange: BucketExchange | None = None, feedback: dict[int, torch.Tensor] | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if backend == "torch" and fallback is None:
             raise ValueError("backend 'torch' needs a HierarchicalAllReduce (fallback=...)")
+        self.codec = None
+        if settings.compression in LOSSY_CODECS:
+            if backend == "torch":
+                raise ValueError(f"compression {settings.compression!r} travels over hivemind; use backend hivemind "
+                                 f"or auto")
+            self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
+                                    topk_bits=settings.topk_bits)
+        self.feedback = ErrorFeedback(self.codec, settings.error_feedback_decay) \
+            if self.codec is not None and settings.error_feedback else None
+        self.buffers: dict[int, torch.Tensor] = feedback if feedback is not None else {}
+        """Error feedback of this rank's owned buckets (what the codec dropped, carried into the next round):
+        the caller's dict, updated in place, so that it outlives this averager (checkpoints, reconnects)."""
         if backend != "torch" and dht is None:
             raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")
         self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
@@ -223,9 +237,10 @@ class ShardedAverager:
         ``pending.outcomes[bucket]`` with ``(result, averaged)`` as they end."""
         def run(b: int) -> None:
             try:
+                encoded = self._encode(pending, b) if self.codec is not None else None
                 res, avg = self.averagers[b].average([pending.owned[b]], pending.weight, pending.meta,
                                                      pending.round_id, on_stage, matchmaking_timeout,
-                                                     expected_group_size)
+                                                     expected_group_size, encoded)
                 pending.outcomes[b] = (res, avg[0] if avg is not None else None)
             except Exception as e:  # never let one bucket's thread take the island's round down silently
                 log.exception("bucket %d: averaging raised", b)
@@ -236,6 +251,28 @@ class ShardedAverager:
         for t in threads:
             t.start()
         return threads
+
+    def _encode(self, pending: PendingRound, b: int) -> bytes:
+        """Encode bucket ``b`` of ``pending`` (with the error feedback carried so far), leave what the codec
+        keeps of it in ``pending.owned[b]`` (what a torch fallback averages) and the new feedback buffer in
+        ``pending.feedback[b]`` (installed by :meth:`commit`).  Deterministic: a round averaged again
+        encodes the same bytes."""
+        delta = pending.owned[b]
+        if self.feedback is None:
+            payload = self.codec.encode(delta)
+            pending.owned[b] = self.codec.decode(payload, delta.numel())
+            return payload
+        payload, pending.owned[b], pending.feedback[b] = self.feedback.prepare(delta, self.buffers.get(b))
+        return payload
+
+    def commit(self, pending: PendingRound) -> None:
+        """The island committed ``pending``'s round: what the codec dropped from it goes into the next one."""
+        self.buffers.update(pending.feedback)
+
+    def reset_feedback(self) -> None:
+        """Forget the error feedback (the island adopted another island's state: its own past Δ no longer
+        relates to its θ_global)."""
+        self.buffers.clear()
 
     def _island_verdict(self, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str
                         ) -> tuple[ShardedRoundResult, bool, bool]:

@@ -11,26 +11,23 @@ A verdict counts only when its sender (authenticated by libp2p, or the DHT subke
 run key in a private run) is a member of the group; in a private run the direct channel refuses
 senders that are not registered in the run's member registry at all.
 
-The host process talks to the daemon through one asyncio loop in a background thread, shared by all
-channels of the process (hivemind's ``DHT.replicate_p2p`` caches one replica per DHT, bound to the
-loop that created it).
+The host process talks to the daemon through :mod:`peers.p2p_loop`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
-import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import hivemind
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
+
+from peers.p2p_loop import _submit, acquire_p2p, message_class, release_p2p
 
 log = logging.getLogger(__name__)
 
@@ -46,58 +43,9 @@ MAX_KEYS = 1024
 """Vote keys buffered for votes not yet held here (verdicts can arrive before our all-reduce ends)."""
 
 
-def _verdict_type() -> type:
-    field = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="diloco_vote.proto", package="diloco", syntax="proto3")
-    msg = proto.message_type.add(name="Verdict")
-    msg.field.add(name="key", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    msg.field.add(name="fingerprint", number=2, type=field.TYPE_DOUBLE, label=field.LABEL_REPEATED)
-    msg.field.add(name="accepted", number=3, type=field.TYPE_BOOL, label=field.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()  # a private pool: nothing to clash with in the default one
-    pool.Add(proto)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("diloco.Verdict"))
-
-
-Verdict = _verdict_type()
+Verdict = message_class("Verdict", [("key", "string"), ("fingerprint", "double", "repeated"),
+                                     ("accepted", "bool")])
 """Protobuf message of one verdict: the vote key, the fingerprint, and in the reply whether it was taken."""
-
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _submit(coro: Coroutine) -> concurrent.futures.Future:
-    """Run ``coro`` on this process's p2p loop thread (started on first use)."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="diloco-vote-p2p", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coro, _loop)
-
-
-_replicas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""DHT -> [its daemon's P2P replica in this process, channels using it]; touched on the loop thread only."""
-
-
-async def _acquire_p2p(dht: hivemind.DHT) -> P2P:
-    entry = _replicas.get(dht)
-    if entry is None:
-        p2p = await dht.replicate_p2p()
-        if not p2p.is_alive:  # hivemind keeps handing out the replica we shut down earlier
-            p2p = await P2P.replicate(p2p.daemon_listen_maddr)
-        entry = _replicas[dht] = [p2p, 0]
-    entry[1] += 1
-    return entry[0]
-
-
-async def _release_p2p(dht: hivemind.DHT) -> None:
-    """The last channel on ``dht`` stops its replica: its tasks would otherwise outlive the loop at exit."""
-    entry = _replicas.get(dht)
-    if entry is not None:
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _replicas[dht]
-            await entry[0].shutdown()
 
 
 def registered(found: Any) -> set[str]:
@@ -131,38 +79,38 @@ class MemberCheck:
         return True
 
 
-class VerdictBox:
-    """Verdicts received, by vote key and sender; a waiter wakes as soon as one arrives."""
+class Inbox:
+    """Messages received (verdicts, encoded pseudo-gradients), by key and sender; a waiter wakes as soon
+    as one arrives."""
 
-    def __init__(self, ttl: float):
-        self.ttl = ttl
+    def __init__(self, ttl: float, max_keys: int = MAX_KEYS):
+        self.ttl, self.max_keys = ttl, max_keys
         self._changed = threading.Condition()
-        self._votes: dict[str, dict[str, list[float]]] = {}
+        self._votes: dict[str, dict[str, Any]] = {}
         self._born: dict[str, float] = {}
         self._held: set[str] = set()
 
-    def put(self, key: str, sender: str, fp: Sequence[float]) -> None:
-        """Keep ``sender``'s verdict on ``key`` (its first one) and wake the waiters."""
+    def put(self, key: str, sender: str, value: Any) -> None:
+        """Keep ``sender``'s message on ``key`` (its first one) and wake the waiters."""
         with self._changed:
             if key not in self._votes:
                 self._prune()
-                if len(self._votes) >= MAX_KEYS:
+                if len(self._votes) >= self.max_keys:
                     return
                 self._votes[key], self._born[key] = {}, time.monotonic()
-            self._votes[key].setdefault(sender, list(fp))
+            self._votes[key].setdefault(sender, value)
             self._changed.notify_all()
 
     def _prune(self) -> None:
-        """Forget keys no vote holds that are older than ``ttl``, then the oldest ones beyond ``MAX_KEYS``."""
-        now, excess = time.monotonic(), len(self._votes) + 1 - MAX_KEYS  # room for one more key
+        """Forget keys no wait holds that are older than ``ttl``, then the oldest ones beyond ``max_keys``."""
+        now, excess = time.monotonic(), len(self._votes) + 1 - self.max_keys  # room for one more key
         for i, (born, k) in enumerate(sorted((t, k) for k, t in self._born.items() if k not in self._held)):
             if i >= excess and now - born <= self.ttl:
                 break  # oldest first: the rest is younger
             del self._votes[k], self._born[k]
 
-    def wait_for(self, key: str, done: Callable[[dict[str, list[float]]], bool], deadline: float
-                 ) -> dict[str, list[float]]:
-        """Block until ``done(verdicts on key)`` or ``deadline`` (``time.monotonic``); the verdicts then."""
+    def wait_for(self, key: str, done: Callable[[dict[str, Any]], bool], deadline: float) -> dict[str, Any]:
+        """Block until ``done(messages on key)`` or ``deadline`` (``time.monotonic``); the messages then."""
         with self._changed:
             while True:
                 votes = dict(self._votes.get(key, {}))
@@ -172,14 +120,16 @@ class VerdictBox:
                 self._changed.wait(left)
 
     def hold(self, key: str) -> None:
-        """Keep ``key``'s verdicts until :meth:`release` (a vote on it is under way)."""
+        """Keep ``key``'s messages until :meth:`release` (a wait on it is under way)."""
         with self._changed:
             self._held.add(key)
 
-    def release(self, key: str) -> None:
-        """The vote on ``key`` is over: its verdicts may age out."""
+    def release(self, key: str, drop: bool = False) -> None:
+        """The wait on ``key`` is over: its messages may age out (``drop``: forget them now)."""
         with self._changed:
             self._held.discard(key)
+            if drop and key in self._votes:
+                del self._votes[key], self._born[key]
 
 
 @dataclass
@@ -206,21 +156,21 @@ class VoteChannel:
                  ttl: float = 120.0):
         self.dht, self.members, self.direct = dht, members, direct
         self.name = f"{prefix}::diloco.verdict"
-        self.box = VerdictBox(ttl)
+        self.box = Inbox(ttl)
         self._p2p: Any = None
         self._sends: set[asyncio.Future] = set()
         if direct:
             _submit(self._register()).result(30.0)
 
     async def _register(self) -> None:
-        self._p2p = await _acquire_p2p(self.dht)
+        self._p2p = await acquire_p2p(self.dht)
         await self._p2p.add_protobuf_handler(self.name, self._on_verdict, Verdict)
 
     async def _on_verdict(self, request: Any, context: P2PContext) -> Any:
         sender = str(context.remote_id)
         if len(request.fingerprint) > MAX_FINGERPRINT or (self.members and not await self.members.allows(sender)):
             return Verdict(accepted=False)
-        self.box.put(request.key, sender, request.fingerprint)
+        self.box.put(request.key, sender, list(request.fingerprint))
         return Verdict(accepted=True)
 
     def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
@@ -298,7 +248,7 @@ class VoteChannel:
         for subkey, item in items.items():
             value = getattr(item, "value", None)
             if isinstance(value, (list, tuple)) and len(value) <= MAX_FINGERPRINT:
-                self.box.put(key, str(subkey), value)
+                self.box.put(key, str(subkey), list(value))
         if me not in {str(s) for s in items}:
             await self._store(key, me, mine, expiration)
         return True
@@ -317,4 +267,4 @@ class VoteChannel:
         try:
             await asyncio.wait_for(self._p2p.remove_protobuf_handler(self.name), 5.0)
         finally:
-            await _release_p2p(self.dht)
+            await release_p2p(self.dht)

@@ -1,0 +1,329 @@
+"""Low-bit pseudo-gradient codecs with error feedback (pure math: no networking, CPU float32 only).
+
+Every codec maps a 1-D float32 tensor of N values to a payload whose size depends only on N.  All
+multi-byte numbers are little-endian; bit streams are LSB-first (bit j of the stream is bit j % 8 of
+byte j // 8) and each stream is padded with zero bits to a whole byte.
+
+int8: blocks of B=256 values; per block a float32 scale s = absmax/127 (0 for an all-zero block) and
+    codes q = round(x/s) clamped to [-127, 127], stored as two's-complement int8.
+    Layout: all ceil(N/256) scales, then all N codes.  nbytes = 4*ceil(N/256) + N.
+
+int4: blocks of B=128 values; scale s = absmax/7, codes q in [-7, 7] stored as the nibble q+8, two per
+    byte, low nibble first (odd N is padded with one zero nibble).
+    Layout: all ceil(N/128) scales, then the nibbles.  nbytes = 4*ceil(N/128) + ceil(N/2).
+
+topk (density d, bits b in {2, 4}): chunks of C=4096 values (the last one may be shorter, length L).
+    Each chunk keeps k = max(1, min(L, floor(d*L + 0.5))) entries of largest |x|; ties at the
+    threshold go to the lowest indices, so the choice never depends on torch.topk's tie order.
+    Kept values are quantized to V=2**b levels without a zero level: level i decodes to
+    s*(2i+1-V)/(V-1), s = max |x| over the chunk's kept entries, and each value takes its nearest
+    level (so the error is at most s/(V-1)).  A chunk whose kept values are all zero has s = 0.
+    Per chunk: the float32 scale, then a stream of k records (12-bit index inside the chunk, b-bit
+    level), indices ascending.  nbytes = sum over chunks of (4 + ceil(k_c*(12+b)/8)).
+
+Decoding is elementwise (no reductions), so the same payload gives bit-identical tensors everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+LOSSY_CODECS = ("int8", "int4", "topk")
+TOPK_CHUNK = 4096
+TOPK_INDEX_BITS = math.ceil(math.log2(TOPK_CHUNK))
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """Encodes a 1-D float32 tensor into a payload of a size fixed by its length, and back."""
+
+    name: str
+    lossy: bool
+
+    def encode(self, values: torch.Tensor) -> bytes: ...
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor: ...
+
+    def nbytes(self, numel: int) -> int: ...
+
+
+# ---- bytes and bit streams -------------------------------------------------------------------------
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+def _from_bytes(payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def _f32_to_le(t: torch.Tensor) -> torch.Tensor:
+    """float32 values -> (n, 4) uint8 little-endian bytes."""
+    raw = t.contiguous().view(torch.uint8).view(-1, 4)
+    return raw if _LITTLE_ENDIAN else raw.flip(1)
+
+
+def _f32_from_le(raw: torch.Tensor) -> torch.Tensor:
+    """(n, 4) uint8 little-endian bytes -> float32 values."""
+    raw = raw if _LITTLE_ENDIAN else raw.flip(1)
+    return raw.reshape(-1).clone().view(torch.float32)  # a fresh, aligned copy that a dtype view accepts
+
+
+def _pack_rows(fields: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Packs fields of shape (rows, n) into (rows, ceil(n*W/8)) uint8, each row its own stream."""
+    width = sum(w for _, w in fields)
+    if not 0 < width <= 31:  # records live in int32, which halves the memory traffic of int64
+        raise ValueError(f"a packed record must be 1 to 31 bits wide, not {width}")
+    rows, n = fields[0][0].shape
+    record, shift = torch.empty(0, dtype=torch.int32), 0
+    for values, w in fields:
+        values = values.to(torch.int32)
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << w):
+            raise ValueError(f"a value does not fit its {w}-bit field")
+        record = values if shift == 0 else record | (values << shift)
+        shift += w
+    if width % 8 == 0:  # whole bytes per record: skip the per-bit expansion
+        out = torch.empty(rows, n, width // 8, dtype=torch.uint8)
+        for j in range(width // 8):
+            out[..., j] = record >> (8 * j)  # the uint8 copy keeps the low byte
+        return out.view(rows, -1)
+    bits = torch.empty(rows, n, width, dtype=torch.uint8)
+    for j in range(width):
+        bits[..., j] = (record >> j) & 1
+    nbytes = (n * width + 7) // 8
+    bits = F.pad(bits.view(rows, -1), (0, nbytes * 8 - n * width)).view(rows, nbytes, 8)
+    out = bits[..., 0].clone()
+    for j in range(1, 8):
+        out |= bits[..., j] << j
+    return out
+
+
+def _unpack_rows(data: torch.Tensor, n: int, widths: Sequence[int]) -> list[torch.Tensor]:
+    """Inverse of `_pack_rows`: (rows, nbytes) uint8 -> one (rows, n) int32 tensor per field."""
+    width = sum(widths)
+    rows = data.shape[0]
+    if width % 8 == 0:
+        parts = data[:, :n * width // 8].reshape(rows, n, width // 8).to(torch.int32)
+    else:
+        bits = torch.empty(rows, data.shape[1], 8, dtype=torch.uint8)
+        for j in range(8):
+            bits[..., j] = (data >> j) & 1
+        parts = bits.view(rows, -1)[:, :n * width].reshape(rows, n, width).to(torch.int32)
+    step = 8 if width % 8 == 0 else 1
+    record = parts[..., 0]
+    for j in range(1, parts.shape[-1]):
+        record = record | (parts[..., j] << (step * j))
+    out, shift = [], 0
+    for w in widths:
+        out.append((record >> shift) & ((1 << w) - 1))
+        shift += w
+    return out
+
+
+def pack_bits(fields: Sequence[tuple[torch.Tensor, int]]) -> bytes:
+    """Packs equally long 1-D integer tensors as records (field 0 in the lowest bits), LSB-first."""
+    return _to_bytes(_pack_rows([(v.reshape(1, -1), w) for v, w in fields]))
+
+
+def unpack_bits(payload: bytes, n: int, widths: Sequence[int]) -> list[torch.Tensor]:
+    """Inverse of `pack_bits`: ``n`` records of the given field widths -> one int32 tensor per field."""
+    if len(payload) != (n * sum(widths) + 7) // 8:
+        raise ValueError(f"{n} records of {sum(widths)} bits need {(n * sum(widths) + 7) // 8} bytes, "
+                         f"not {len(payload)}")
+    return [f.view(-1) for f in _unpack_rows(_from_bytes(payload).view(1, -1), n, widths)]
+
+
+# ---- codecs ----------------------------------------------------------------------------------------
+
+def _check_values(values: torch.Tensor) -> None:
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float32 or values.device.type != "cpu":
+        raise ValueError("codecs encode CPU float32 tensors only")
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"codecs encode non-empty 1-D tensors, not shape {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("cannot encode a tensor holding NaN or infinite values")
+
+
+def _check_payload(codec: Codec, payload: bytes, numel: int) -> None:
+    if numel < 1:
+        raise ValueError(f"cannot decode {numel} values; codecs carry at least one")
+    if len(payload) != codec.nbytes(numel):
+        raise ValueError(f"a {codec.name} payload of {numel} values has {codec.nbytes(numel)} bytes, "
+                         f"not {len(payload)}")
+
+
+def _safe_divisor(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+class BlockAbsmaxCodec:
+    """Symmetric blockwise absmax quantization to ``bits``-bit codes in [-qmax, qmax] (int8, int4)."""
+
+    lossy = True
+
+    def __init__(self, name: str, bits: int, block: int):
+        self.name, self.bits, self.block = name, bits, block
+        self.qmax = (1 << (bits - 1)) - 1
+        # int8 stores q in two's complement, int4 as q+8; both decode as ((u - offset + half) & mask) - half
+        self.offset = 0 if bits == 8 else 1 << (bits - 1)
+        self.per_byte = 8 // bits
+
+    def nbytes(self, numel: int) -> int:
+        """Exact payload size for ``numel`` values."""
+        return 4 * -(-numel // self.block) + -(-numel * self.bits // 8)
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Scales then codes; see the module docstring."""
+        _check_values(values)
+        n = values.numel()
+        blocks = F.pad(values, (0, -n % self.block)).view(-1, self.block)
+        scales = blocks.abs().amax(dim=1) / self.qmax
+        q = torch.round(blocks / _safe_divisor(scales)[:, None]).clamp_(-self.qmax, self.qmax)
+        codes = (q.view(-1)[:n].to(torch.int32) + self.offset) & ((1 << self.bits) - 1)
+        codes = F.pad(codes, (0, -n % self.per_byte)).view(-1, self.per_byte)
+        packed = _pack_rows([(codes[:, j].view(1, -1), self.bits) for j in range(self.per_byte)])
+        return _to_bytes(_f32_to_le(scales)) + _to_bytes(packed)
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        """A new float32 tensor of ``numel`` values."""
+        _check_payload(self, payload, numel)
+        data = _from_bytes(payload)
+        nblocks = -(-numel // self.block)
+        scales = _f32_from_le(data[:4 * nblocks].view(-1, 4))
+        codes = torch.stack(_unpack_rows(data[4 * nblocks:].view(1, -1), -(-numel // self.per_byte),
+                                         [self.bits] * self.per_byte), dim=-1).view(-1)
+        half, mask = 1 << (self.bits - 1), (1 << self.bits) - 1
+        q = ((codes - self.offset + half) & mask) - half
+        q = F.pad(q[:numel], (0, nblocks * self.block - numel)).view(nblocks, self.block)
+        return (q.to(torch.float32) * scales[:, None]).view(-1)[:numel].clone()
+
+
+class TopKCodec:
+    """Per-chunk top-k by magnitude with low-bit values (no zero level); see the module docstring."""
+
+    name = "topk"
+    lossy = True
+
+    def __init__(self, density: float, bits: int):
+        self.density, self.bits = density, bits
+        self.levels = 1 << bits
+        i = torch.arange(self.levels, dtype=torch.float64)
+        self.level_values = ((2 * i + 1 - self.levels) / (self.levels - 1)).to(torch.float32)
+
+    def _k(self, length: int) -> int:
+        return max(1, min(length, math.floor(self.density * length + 0.5)))
+
+    def _chunk_bytes(self, length: int) -> int:
+        return 4 + (self._k(length) * (TOPK_INDEX_BITS + self.bits) + 7) // 8
+
+    def _chunk_lengths(self, numel: int) -> list[tuple[int, int]]:
+        """(number of chunks, chunk length) groups: the full chunks, then the shorter tail if any."""
+        groups = [(numel // TOPK_CHUNK, TOPK_CHUNK), (1, numel % TOPK_CHUNK)]
+        return [(rows, length) for rows, length in groups if rows and length]
+
+    def nbytes(self, numel: int) -> int:
+        """Exact payload size for ``numel`` values."""
+        return sum(rows * self._chunk_bytes(length) for rows, length in self._chunk_lengths(numel))
+
+    def _encode_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
+        rows, length = chunks.shape
+        k = self._k(length)
+        mag = chunks.abs()
+        # keep everything above the k-th magnitude, then the lowest-indexed ties up to k in all
+        threshold = torch.topk(mag, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+        above, tied = mag > threshold, mag == threshold
+        need = k - above.sum(dim=1, keepdim=True)
+        keep = above | (tied & (tied.cumsum(dim=1) <= need))
+        index = keep.nonzero()[:, 1].view(rows, k)  # row-major, so ascending inside each chunk
+        kept = chunks.gather(1, index)
+        scale = kept.abs().amax(dim=1)
+        position = (kept / _safe_divisor(scale)[:, None] + 1) * ((self.levels - 1) / 2)
+        code = torch.round(position).clamp_(0, self.levels - 1)
+        stream = _pack_rows([(index, TOPK_INDEX_BITS), (code, self.bits)])
+        return torch.cat([_f32_to_le(scale), stream], dim=1)
+
+    def _decode_chunks(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        k = self._k(length)
+        scale = _f32_from_le(data[:, :4])
+        index, code = _unpack_rows(data[:, 4:], k, (TOPK_INDEX_BITS, self.bits))
+        if int(index.max()) >= length or not bool((index[:, 1:] > index[:, :-1]).all()):
+            raise ValueError("corrupt topk payload: chunk indices must ascend and stay inside the chunk")
+        out = torch.zeros(data.shape[0], length, dtype=torch.float32)
+        return out.scatter_(1, index, scale[:, None] * self.level_values[code])
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Chunk by chunk: scale, then (index, level) records; see the module docstring."""
+        _check_values(values)
+        parts, start = [], 0
+        for rows, length in self._chunk_lengths(values.numel()):
+            parts.append(_to_bytes(self._encode_chunks(values[start:start + rows * length].view(rows, length))))
+            start += rows * length
+        return b"".join(parts)
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        """A new float32 tensor of ``numel`` values, zero where nothing was kept."""
+        _check_payload(self, payload, numel)
+        data = _from_bytes(payload)
+        parts, start = [], 0
+        for rows, length in self._chunk_lengths(numel):
+            size = rows * self._chunk_bytes(length)
+            parts.append(self._decode_chunks(data[start:start + size].view(rows, -1), length).view(-1))
+            start += size
+        return torch.cat(parts)
+
+
+def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> Codec:
+    """The codec called ``name`` (one of LOSSY_CODECS); the topk settings are validated for every name."""
+    if name not in LOSSY_CODECS:
+        raise ValueError(f"unknown codec {name!r}; use one of {', '.join(LOSSY_CODECS)}")
+    if (isinstance(topk_density, bool) or not isinstance(topk_density, (int, float))
+            or not math.isfinite(topk_density) or not 0 < topk_density <= 1):
+        raise ValueError(f"--averaging.topk_density must be a finite number in (0, 1], not {topk_density!r}")
+    if isinstance(topk_bits, bool) or not isinstance(topk_bits, int) or topk_bits not in (2, 4):
+        raise ValueError(f"--averaging.topk_bits must be 2 or 4, not {topk_bits!r}")
+    if name == "int8":
+        return BlockAbsmaxCodec("int8", bits=8, block=256)
+    if name == "int4":
+        return BlockAbsmaxCodec("int4", bits=4, block=128)
+    return TopKCodec(float(topk_density), topk_bits)
+
+
+def wire_ratio(codec: Codec, numel: int) -> float:
+    """Payload size relative to sending the ``numel`` values as raw float32."""
+    return codec.nbytes(numel) / (4 * numel)
+
+
+class ErrorFeedback:
+    """Per-bucket error-feedback buffer e (SparseLoCo / EF21-style).
+
+    Each round: e <- decay*e + delta; send q = codec(e); e <- e - decode(q).  What the codec drops is
+    kept in e and sent in later rounds instead of being lost.
+    """
+
+    def __init__(self, codec: Codec, decay: float = 1.0):
+        if not (isinstance(decay, (int, float)) and math.isfinite(decay) and 0 < decay <= 1):
+            raise ValueError(f"the error-feedback decay must be in (0, 1], not {decay!r}")
+        self.codec, self.decay = codec, float(decay)
+
+    def prepare(self, delta: torch.Tensor, buffer: torch.Tensor | None
+                ) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+        """(payload, sent, new_buffer) for one round; leaves ``delta`` and ``buffer`` untouched.
+
+        The caller commits ``new_buffer`` only if the round commits, so a failed round loses nothing.
+        """
+        if buffer is None:
+            residual = delta.clone()
+        elif buffer.shape != delta.shape:
+            raise ValueError(f"error-feedback buffer of shape {tuple(buffer.shape)} does not match "
+                             f"the delta's {tuple(delta.shape)}")
+        else:
+            residual = buffer * self.decay + delta
+        payload = self.codec.encode(residual)
+        sent = self.codec.decode(payload, residual.numel())
+        return payload, sent, residual - sent

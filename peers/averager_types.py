@@ -1,0 +1,104 @@
+"""The averager's settings and the outcome of one round: plain data shared by :mod:`peers.averager`,
+:mod:`peers.sharded` and the torch fallback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AveragerSettings:
+    """Group formation, timeouts and wire format of the pseudo-gradient averager."""
+
+    prefix: str = "diloco"
+    """DHT prefix shared by all islands of a run."""
+    min_group_size: int = 2
+    """Rounds with fewer islands are rejected."""
+    target_group_size: int = 0
+    """Start as soon as this many islands are ready (0: whoever arrives within matchmaking_time)."""
+    matchmaking_time: float = 5.0
+    """Seconds to gather peers before averaging."""
+    matchmaking_timeout: float = 60.0
+    """Give up forming a group after this long."""
+    allreduce_timeout: float = 120.0
+    """Give up an all-reduce after this long."""
+    next_chunk_timeout: float = 30.0
+    """Give up on a silent peer after this long."""
+    request_timeout: float = 3.0
+    """Timeout of one matchmaking request (below matchmaking_time)."""
+    vote_timeout: float = 15.0
+    """Seconds to wait for every group member's verdict after the all-reduce."""
+    state_download_timeout: float = 60.0
+    """Seconds allowed to download the global state from a peer."""
+    compression: str = "none"
+    """Wire format: none, fp16, scaled-fp16, uint8 (hivemind's butterfly) or int8, int4, topk (encoded by
+    the caller, all-gathered: see :mod:`peers.encoded`)."""
+    topk_density: float = 0.02
+    """Fraction of each chunk the ``topk`` codec keeps."""
+    topk_bits: int = 2
+    """Bits per value the ``topk`` codec sends (2 or 4)."""
+    error_feedback: bool = True
+    """With a codec of :mod:`outer_optim.codecs`: the bucket owners carry what it dropped into the next round
+    (see :class:`peers.sharded.ShardedAverager`)."""
+    error_feedback_decay: float = 1.0
+    """β of the error feedback e ← β·e + Δ."""
+    client_mode: bool = False
+    """No incoming connections: this island neither reduces parts nor serves state."""
+    private: bool = False
+    """Serve only islands registered in the run's member registry (see peers.membership)."""
+    members_key: str = ""
+    """DHT key of that member registry (empty: ``f"{prefix}.members"``); set it when the prefix is not
+    the run's own, e.g. for the per-bucket averagers of :mod:`peers.sharded` (prefix ``f"{run}_b{i}"``)."""
+    direct_votes: bool = True
+    """Send verdicts straight to the group members (False: only through the DHT, polled: the vote as it
+    was before, kept for benchmarks/round_cost.py and tests)."""
+
+
+@dataclass
+class RoundResult:
+    """What one averaging round did; failures are data, not exceptions."""
+
+    ok: bool
+    """True when the averaged values may be applied."""
+    reason: str = ""
+    """Why the round failed (empty on success)."""
+    group_size: int = 0
+    """Islands in the group (including this one)."""
+    peers: list[str] = field(default_factory=list)
+    """Peer ids of the group members."""
+    bytes_sent: int = 0
+    """Bytes this island sent in the all-reduce (from the butterfly protocol, see :func:`allreduce_bytes`)."""
+    bytes_received: int = 0
+    """Bytes this island received in the all-reduce."""
+    seconds: float = 0.0
+    """Wall-clock seconds of the whole round (matchmaking, all-reduce, vote)."""
+    matchmaking_seconds: float = 0.0
+    """Part of ``seconds`` spent until the group formed and the all-reduce finished."""
+    allreduce_seconds: float = 0.0
+    """Part of ``matchmaking_seconds`` spent in the all-reduce itself (after the group formed)."""
+    vote_seconds: float = 0.0
+    """Part of ``seconds`` spent agreeing on the result."""
+    total_weight: float = 0.0
+    """Sum of the group's weights (tokens processed by all members)."""
+    gathered: dict[str, dict] = field(default_factory=dict)
+    """Metadata each member sent with its pseudo-gradient, by peer id."""
+    majority_peers: list[str] = field(default_factory=list)
+    """Members whose θ_global agrees with the largest agreeing subset of the group."""
+    in_minority: bool = False
+    """True when this island's θ_global disagrees with the majority: it must resynchronize."""
+    voters: int = 0
+    """Group members (this one included) whose verdict on the result arrived."""
+    retryable: bool = False
+    """The group formed but lost a member or a part mid-round (a verdict missing or two differing), and
+    enough members voted to form a group again: they may average the same values once more."""
+
+
+def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
+    """Bytes one peer sends (and receives) in hivemind's butterfly all-reduce with equal shares.
+
+    Each peer sends the (n-1)/n of its vector that others reduce, then returns its reduced 1/n to
+    the n-1 others: 2·(n-1)/n of the vector, times the codec's size ratio.
+    """
+    if group_size <= 1:
+        return 0
+    return int(2 * num_bytes * wire_ratio * (group_size - 1) / group_size)

@@ -1,0 +1,171 @@
+"""Low-bit codecs over real hivemind on loopback: encoded buckets all-gathered over the p2p daemon,
+identical averages on every member, error feedback kept only by committed rounds, and islands end
+to end per codec."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco.simulate import simulate
+from outer_optim.codecs import ErrorFeedback, make_codec
+from peers.averager import AveragerSettings, VerifiedAverager
+from peers.dht import NetworkSettings, start_dht, visible_maddrs
+from peers.encoded import weighted_mean
+from peers.layout import CanonicalLayout
+from peers.sharded import ShardedAverager
+from tests.conftest import tiny_config
+
+FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
+            allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)
+NUMEL = 10_000
+
+
+@pytest.fixture
+def dhts(no_leaked_daemons):
+    """A factory of n connected DHTs (and whatever the test registers for shutdown)."""
+    made: list = []
+
+    def make(n: int) -> list:
+        first = start_dht(NetworkSettings())
+        out = [first] + [start_dht(NetworkSettings(initial_peers=visible_maddrs(first))) for _ in range(n - 1)]
+        made.extend(out)
+        return out
+
+    yield make, made
+    for obj in reversed(made):
+        obj.shutdown()
+
+
+def _together(calls) -> list:
+    """Run the callables at once (one thread each) and return their results in order."""
+    out = [None] * len(calls)
+
+    def go(i):
+        out[i] = calls[i]()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4", "topk"])
+def test_members_decode_the_same_average_of_what_each_sent(dhts, compression):
+    make, made = dhts
+    settings = AveragerSettings(prefix="c", compression=compression, target_group_size=3, **FAST)
+    avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings) for d in make(3)]
+    made.extend(avgs)
+    codec = make_codec(compression)
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    payloads = [codec.encode(d) for d in deltas]
+    weights = [1.0, 2.0, 5.0]
+    results = _together([lambda i=i: avgs[i].average([deltas[i]], weights[i], {"config_fingerprint": "x"}, "0",
+                                                     encoded=payloads[i]) for i in range(3)])
+    by_peer = {a.peer_id: (codec.decode(p, NUMEL), w) for a, p, w in zip(avgs, payloads, weights)}
+    expected = weighted_mean({p: v for p, (v, _) in by_peer.items()}, {p: w for p, (_, w) in by_peer.items()})
+    for result, averaged in results:
+        assert result.ok, result.reason
+        assert result.bytes_sent == 2 * codec.nbytes(NUMEL) == result.bytes_received
+        assert torch.equal(averaged[0], expected)  # bit-identical on every member
+    exact = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
+    assert (expected - exact).norm() < exact.norm()  # the codec kept the bulk of it
+
+
+def test_a_wrong_payload_size_is_refused_and_the_round_fails_for_everyone(dhts):
+    """An island whose bucket encodes to another size (another codec setting slipped through) is never
+    averaged: its payload is refused and every member rolls the round back."""
+    make, made = dhts
+    settings = AveragerSettings(prefix="w", compression="topk", target_group_size=2, **FAST)
+    pair = make(2)
+    avgs = [VerifiedAverager(pair[0], [torch.zeros(NUMEL)], settings),
+            VerifiedAverager(pair[1], [torch.zeros(NUMEL)], AveragerSettings(**{**settings.__dict__,
+                                                                                 "topk_density": 0.5}))]
+    made.extend(avgs)
+    delta = torch.randn(NUMEL)
+    results = _together([lambda i=i: avgs[i].average([delta], 1.0, {"config_fingerprint": "x"}, "0",
+                                                     encoded=avgs[i].codec.encode(delta)) for i in range(2)])
+    for result, averaged in results:
+        assert not result.ok and averaged is None
+        assert "did not send their encoded pseudo-gradient" in result.reason
+
+
+def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
+    """Two single-process islands averaging through ShardedAverager with int4: what the codec dropped
+    enters the buffers only on commit, one buffer per bucket, and a reset forgets them."""
+    make, made = dhts
+    layout = CanonicalLayout.build([("w", (NUMEL,))], bucket_numel=4096)
+    settings = AveragerSettings(prefix="ef", compression="int4", target_group_size=2, **FAST)
+    feedback = [{}, {}]
+    avgs = [ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, d, settings,
+                            feedback=f) for d, f in zip(make(2), feedback)]
+    made.extend(avgs)
+    deltas = [{"w": torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+
+    def start(i):
+        return avgs[i].start(deltas[i], 1.0, {"config_fingerprint": "x"}, "0")
+
+    pendings = _together([lambda i=i: start(i) for i in range(2)])
+    outcomes = _together([lambda i=i: avgs[i].finish(pendings[i]) for i in range(2)])
+    assert all(r.ok for r, _ in outcomes), [r.reason for r, _ in outcomes]
+    assert feedback == [{}, {}]  # nothing is carried before the island commits
+    avgs[0].commit(pendings[0])
+    ef = ErrorFeedback(make_codec("int4"))
+    assert sorted(feedback[0]) == [b.index for b in layout.buckets] and feedback[1] == {}
+    for bucket in layout.buckets:
+        part = deltas[0]["w"][bucket.start:bucket.end]
+        _, sent, rest = ef.prepare(part, None)
+        assert torch.equal(feedback[0][bucket.index], rest) and rest.abs().max() > 0
+        torch.testing.assert_close(sent + rest, part)
+    avgs[0].reset_feedback()
+    assert feedback[0] == {}
+
+
+@pytest.mark.parametrize("compression", ["int8", "topk"])
+def test_three_islands_with_a_low_bit_codec_commit_every_round_in_sync(tmp_path, no_leaked_daemons, compression):
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 3,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "averaging.matchmaking_time": 5.0,
+        "averaging.compression": compression, "diloco.outer_steps": 3, "diloco.inner_steps": 8,
+        "checkpoint.every": 0})
+    result = simulate(cfg, 3)
+    islands = result["islands"]
+    codec = make_codec(compression)
+    for s in islands:
+        assert s["rounds_ok"] == 3 and s["rounds_failed"] == 0, s["failures"]
+        assert s["eval_loss_end"] < s["eval_loss_start"] - 0.5
+    assert result["theta_global_max_abs_diff"] == 0.0  # every island decoded the same bits
+    assert codec.nbytes(1000) < 1000 * 4
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--averaging.compression", "zip"], "--averaging.compression is 'zip' but must be one of"),
+    (["--averaging.compression", "topk", "--averaging.topk_density", "0"], "--averaging.topk_density must be in (0, 1]"),
+    (["--averaging.compression", "topk", "--averaging.topk_density", "1.5"], "--averaging.topk_density must be in (0, 1]"),
+    (["--averaging.compression", "topk", "--averaging.topk_bits", "3"], "--averaging.topk_bits must be 2 or 4"),
+    (["--averaging.compression", "int8", "--averaging.error_feedback_decay", "0"], "error_feedback_decay"),
+    (["--averaging.compression", "int4", "--averaging.backend", "torch"], "travels over hivemind"),
+    (["--diloco.outer_optimizer", "sparseloco"], "sparseloco needs error feedback on a lossy codec"),
+])
+def test_bad_codec_settings_are_one_line_and_a_non_zero_exit(capsys, args, words):
+    from diloco import cli
+    from tests.test_bad_input import TINY, _one_error_line
+
+    assert cli.main(["train", *TINY, *args]) == 2
+    assert words in _one_error_line(capsys)
+
+
+def test_islands_with_different_codecs_refuse_each_other(tmp_path):
+    """A mixed run is refused at join: the codec and its top-k settings are part of the config fingerprint."""
+    from diloco.config import config_fingerprint
+
+    base = {"averaging.backend": "hivemind", "averaging.compression": "topk"}
+    prints = {config_fingerprint(tiny_config(tmp_path, **{**base, **extra})) for extra in
+              ({}, {"averaging.compression": "int8"}, {"averaging.topk_density": 0.05}, {"averaging.topk_bits": 4})}
+    assert len(prints) == 4
+    assert config_fingerprint(tiny_config(tmp_path, **base)) == \
+        config_fingerprint(tiny_config(tmp_path, **base, **{"averaging.error_feedback_decay": 0.9}))

@@ -1,0 +1,320 @@
+"""Low-bit pseudo-gradient codecs: wire formats, error bounds, sizes, determinism and error feedback."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+from outer_optim.codecs import (LOSSY_CODECS, ErrorFeedback, make_codec, pack_bits, unpack_bits,
+                                wire_ratio)
+
+SIZES = (1, 7, 255, 256, 257, 4095, 4096, 4097, 10000)
+CODEC_SETTINGS = [("int8", {}), ("int4", {})] + [
+    ("topk", {"topk_density": d, "topk_bits": b}) for d in (0.01, 1.0) for b in (2, 4)]
+
+
+def randn(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- reference decoders written straight from the format description, one value at a time -------
+
+def parse_block(payload: bytes, n: int, bits: int, block: int) -> tuple[list[float], list[int]]:
+    """(scales, integer codes q) of an int8 / int4 payload."""
+    nblocks = -(-n // block)
+    scales = list(struct.unpack_from(f"<{nblocks}f", payload, 0))
+    body = payload[4 * nblocks:]
+    if bits == 8:
+        codes = list(struct.unpack(f"<{n}b", body))
+    else:
+        codes = [((byte >> shift) & 15) - 8 for byte in body for shift in (0, 4)][:n]
+    return scales, codes
+
+
+def parse_topk(payload: bytes, n: int, density: float,
+               bits: int) -> list[tuple[int, int, float, list[tuple[int, int]]]]:
+    """Per chunk: (start, length, scale, [(index, level), ...])."""
+    chunks, offset = [], 0
+    for start in range(0, n, 4096):
+        length = min(4096, n - start)
+        k = max(1, min(length, math.floor(density * length + 0.5)))
+        (scale,) = struct.unpack_from("<f", payload, offset)
+        size = (k * (12 + bits) + 7) // 8
+        stream = int.from_bytes(payload[offset + 4:offset + 4 + size], "little")
+        records = [(stream >> (j * (12 + bits))) & ((1 << (12 + bits)) - 1) for j in range(k)]
+        chunks.append((start, length, scale, [(r & 4095, r >> 12) for r in records]))
+        offset += 4 + size
+    assert offset == len(payload)
+    return chunks
+
+
+# ---- hand-computed payloads pin the wire formats ---------------------------------------------------
+
+def test_int8_payload_by_hand():
+    x = torch.tensor([0.0, 127.0, -254.0])  # s = 2; 63.5 rounds half to even
+    payload = make_codec("int8").encode(x)
+    assert payload == struct.pack("<f", 2.0) + bytes([0, 64, 256 - 127])
+    assert make_codec("int8").decode(payload, 3).tolist() == [0.0, 128.0, -254.0]
+
+
+def test_int4_payload_by_hand():
+    x = torch.tensor([7.0, -7.0, 3.5])  # s = 1; q = 7, -7, 4 -> nibbles 15, 1, 12 and one pad nibble
+    payload = make_codec("int4").encode(x)
+    assert payload == struct.pack("<f", 1.0) + bytes([0x1F, 0x0C])
+    assert make_codec("int4").decode(payload, 3).tolist() == [7.0, -7.0, 4.0]
+
+
+def test_topk_payload_by_hand():
+    codec = make_codec("topk", topk_density=0.5, topk_bits=2)  # k = 2 of 4; levels -2, -2/3, 2/3, 2
+    payload = codec.encode(torch.tensor([0.5, -2.0, 1.0, 0.0]))
+    records = (1 | 0 << 12) | (2 | 2 << 12) << 14  # (index 1, level 0), (index 2, level 2)
+    assert payload == struct.pack("<f", 2.0) + records.to_bytes(4, "little")
+    expected = torch.tensor([0.0, -2.0, 2.0 * (1 / 3), 0.0])
+    assert torch.equal(codec.decode(payload, 4), expected)
+
+
+@pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
+def test_decode_matches_reference_decoder(name, kwargs):
+    n = 4096 + 1001  # a full chunk, a short tail, partial blocks and an odd count of nibbles
+    x = randn(n) * 3
+    codec = make_codec(name, **kwargs)
+    payload = codec.encode(x)
+    decoded = codec.decode(payload, n)
+    expected = torch.zeros(n)
+    if name == "topk":
+        bits = kwargs["topk_bits"]
+        for start, _, scale, records in parse_topk(payload, n, kwargs["topk_density"], bits):
+            for index, level in records:
+                step = torch.tensor((2 * level + 1 - 2 ** bits) / (2 ** bits - 1), dtype=torch.float32)
+                expected[start + index] = torch.tensor(scale, dtype=torch.float32) * step
+    else:
+        block = 256 if name == "int8" else 128
+        scales, codes = parse_block(payload, n, 8 if name == "int8" else 4, block)
+        expected = torch.tensor(codes, dtype=torch.float32) * torch.tensor(scales).repeat_interleave(block)[:n]
+    assert torch.equal(decoded, expected)
+
+
+# ---- error bounds --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,block,qmax", [("int8", 256, 127), ("int4", 128, 7)])
+def test_block_error_within_half_step(name, block, qmax):
+    n = 5 * block + 17
+    x = randn(n, seed=1) * torch.linspace(0.01, 50.0, n)
+    codec = make_codec(name)
+    payload = codec.encode(x)
+    scales, codes = parse_block(payload, n, 8 if name == "int8" else 4, block)
+    error = (x - codec.decode(payload, n)).abs()
+    for b, scale in enumerate(scales):
+        part = slice(b * block, (b + 1) * block)
+        assert scale == torch.tensor(float(x[part].abs().max()) / qmax, dtype=torch.float32).item()
+        assert float(error[part].max()) <= scale / 2 * (1 + 1e-6) + 1e-7
+    assert max(abs(q) for q in codes) == qmax
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_each_block_has_its_own_scale(name):
+    block = 256 if name == "int8" else 128
+    x = torch.cat([randn(block, seed=2) * 1e4, randn(block, seed=3) * 1e-3])
+    error = (x - make_codec(name).decode(make_codec(name).encode(x), x.numel())).abs()
+    small_absmax = float(x[block:].abs().max())
+    assert float(error[block:].max()) <= small_absmax / (127 if name == "int8" else 7) / 2 * (1 + 1e-6)
+    assert float(error[block:].max()) < 1e-3  # a shared scale would flush the small block to zero
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("density", [0.01, 0.1])
+def test_topk_keeps_the_largest_and_bounds_their_error(bits, density):
+    n = 2 * 4096 + 1500
+    x = randn(n, seed=4) * torch.linspace(0.1, 10.0, n)
+    codec = make_codec("topk", topk_density=density, topk_bits=bits)
+    payload = codec.encode(x)
+    decoded = codec.decode(payload, n)
+    for start, length, scale, records in parse_topk(payload, n, density, bits):
+        chunk, out = x[start:start + length], decoded[start:start + length]
+        index = torch.tensor([i for i, _ in records])
+        assert len(records) == max(1, round(density * length))
+        assert bool((index[1:] > index[:-1]).all()) and int(index.max()) < length
+        dropped = torch.ones(length, dtype=torch.bool)
+        dropped[index] = False
+        assert scale == float(chunk[index].abs().max())
+        assert float((chunk[index] - out[index]).abs().max()) <= scale / (2 ** bits - 1) * (1 + 1e-6)
+        assert bool((out[dropped] == 0).all())
+        assert float(chunk[dropped].abs().max()) <= float(chunk[index].abs().min())
+
+
+def test_topk_keeps_a_spike_in_every_chunk():
+    n = 3 * 4096 + 100
+    x = randn(n, seed=5) * 0.01
+    spikes = [123, 4096 + 4095, 2 * 4096, 3 * 4096 + 99]
+    x[spikes] = torch.tensor([5.0, -7.0, 3.0, 9.0])
+    codec = make_codec("topk", topk_density=1e-4, topk_bits=2)  # k = 1 per chunk
+    decoded = codec.decode(codec.encode(x), n)
+    assert decoded.nonzero().view(-1).tolist() == spikes
+    assert decoded[spikes].tolist() == [5.0, -7.0, 3.0, 9.0]  # a lone kept value sits on the ±s level
+
+
+def test_topk_ties_go_to_the_lowest_indices():
+    x = torch.ones(4096 + 10)
+    x[4096 + 3] = -1.0
+    codec = make_codec("topk", topk_density=0.01, topk_bits=2)
+    chunks = parse_topk(codec.encode(x), x.numel(), 0.01, 2)
+    assert [i for i, _ in chunks[0][3]] == list(range(41))
+    assert [i for i, _ in chunks[1][3]] == [0]
+
+
+@pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
+def test_all_zero_chunks_and_blocks_decode_to_zeros(name, kwargs):
+    x = torch.zeros(4096 + 300)
+    x[4296] = 2.0  # the first chunk and its blocks stay all-zero, with scale 0
+    codec = make_codec(name, **kwargs)
+    decoded = codec.decode(codec.encode(x), x.numel())
+    assert bool((decoded[:4096] == 0).all()) and float(decoded[4296]) == 2.0
+    if name != "topk":  # topk has no zero level: a kept zero next to the spike decodes to ±s/(V-1)
+        assert torch.equal(decoded, x)
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
+def test_nbytes_is_exact(name, kwargs):
+    codec = make_codec(name, **kwargs)
+    for n in SIZES:
+        payload = codec.encode(randn(n, seed=n))
+        assert len(payload) == codec.nbytes(n), n
+        if name == "int8":
+            assert len(payload) == 4 * math.ceil(n / 256) + n
+        elif name == "int4":
+            assert len(payload) == 4 * math.ceil(n / 128) + math.ceil(n / 2)
+
+
+def test_wire_ratios():
+    assert wire_ratio(make_codec("topk", topk_density=0.02, topk_bits=2), 1_000_000) < 0.01
+    assert wire_ratio(make_codec("int8"), 1_000_000) == pytest.approx(0.254, abs=1e-3)
+    assert wire_ratio(make_codec("int4"), 1_000_000) == pytest.approx(0.133, abs=1e-3)
+
+
+# ---- determinism ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
+def test_encode_and_decode_are_deterministic(name, kwargs):
+    x = randn(10000, seed=6)
+    codec = make_codec(name, **kwargs)
+    payload = codec.encode(x)
+    assert codec.encode(x.clone()) == payload
+    first, second = codec.decode(payload, 10000), codec.decode(bytes(payload), 10000)
+    assert torch.equal(first.view(torch.int32), second.view(torch.int32))
+    assert first.data_ptr() != second.data_ptr()
+
+
+# ---- error feedback ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
+def test_error_feedback_conserves_mass(name, kwargs):
+    ef = ErrorFeedback(make_codec(name, **kwargs))
+    n, buffer = 5000, None
+    total_delta, total_sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for round_ in range(20):
+        delta = randn(n, seed=100 + round_)
+        payload, sent, buffer = ef.prepare(delta, buffer)
+        assert len(payload) == ef.codec.nbytes(n)
+        total_delta += delta
+        total_sent += sent
+    gap = (total_sent + buffer - total_delta).norm() / total_delta.norm()
+    assert float(gap) < 1e-4
+
+
+def test_error_feedback_buffer_stays_bounded():
+    ef = ErrorFeedback(make_codec("topk", topk_density=0.01, topk_bits=2))
+    buffer, ratios = None, []
+    for round_ in range(100):
+        delta = randn(8192, seed=200 + round_)
+        _, _, buffer = ef.prepare(delta, buffer)
+        ratios.append(float(buffer.norm() / delta.norm()))
+    # without sending, the buffer is a random walk: ~sqrt(100) = 10 delta norms; EF saturates near 4
+    assert ratios[-1] < 6
+    assert ratios[-1] < 1.2 * ratios[49]
+
+
+def test_error_feedback_decay_bounds_the_buffer():
+    ef = ErrorFeedback(make_codec("topk", topk_density=0.01, topk_bits=2), decay=0.5)
+    buffer = None
+    for round_ in range(30):
+        delta = randn(4096, seed=300 + round_)
+        _, _, buffer = ef.prepare(delta, buffer)
+        assert float(buffer.norm()) <= float(delta.norm()) / (1 - 0.5) * 1.01  # geometric series bound
+
+
+def test_prepare_leaves_its_inputs_alone():
+    ef = ErrorFeedback(make_codec("int4"), decay=0.9)
+    delta, buffer = randn(300, seed=7), randn(300, seed=8)
+    delta_copy, buffer_copy = delta.clone(), buffer.clone()
+    payload, sent, new_buffer = ef.prepare(delta, buffer)
+    assert torch.equal(delta, delta_copy) and torch.equal(buffer, buffer_copy)
+    assert torch.equal(new_buffer, buffer * 0.9 + delta - sent)
+    assert torch.equal(sent, ef.codec.decode(payload, 300))
+    with pytest.raises(ValueError, match="shape"):
+        ef.prepare(delta, randn(299))
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(make_codec("int8"), decay=0.0)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", LOSSY_CODECS)
+@pytest.mark.parametrize("bad", [torch.empty(0), torch.tensor([1.0, float("nan")]),
+                                 torch.tensor([float("inf")]), torch.ones(2, 3),
+                                 torch.ones(4, dtype=torch.float64)], ids=["empty", "nan", "inf", "2d", "f64"])
+def test_bad_values_are_refused(name, bad):
+    with pytest.raises(ValueError):
+        make_codec(name).encode(bad)
+
+
+@pytest.mark.parametrize("name", LOSSY_CODECS)
+def test_wrong_payload_length_is_refused(name):
+    codec = make_codec(name)
+    payload = codec.encode(randn(1000))
+    for wrong in (payload[:-1], payload + b"\0", b""):
+        with pytest.raises(ValueError, match="bytes"):
+            codec.decode(wrong, 1000)
+    with pytest.raises(ValueError):
+        codec.decode(payload, 0)
+
+
+def test_corrupt_topk_index_is_refused():
+    codec = make_codec("topk", topk_density=0.5, topk_bits=2)
+    payload = struct.pack("<f", 1.0) + pack_bits([(torch.tensor([0, 9]), 12), (torch.tensor([3, 3]), 2)])
+    with pytest.raises(ValueError, match="corrupt"):
+        codec.decode(payload, 4)  # index 9 lies past a chunk of 4
+
+
+@pytest.mark.parametrize("kwargs,setting", [
+    ({"topk_density": 0.0}, "topk_density"), ({"topk_density": 1.5}, "topk_density"),
+    ({"topk_density": float("nan")}, "topk_density"), ({"topk_bits": 3}, "topk_bits"),
+    ({"topk_bits": 8}, "topk_bits")])
+def test_bad_settings_name_the_setting(kwargs, setting):
+    with pytest.raises(ValueError, match=f"--averaging.{setting}"):
+        make_codec("topk", **kwargs)
+
+
+def test_unknown_codec():
+    with pytest.raises(ValueError, match="unknown codec 'zip'; use one of int8, int4, topk"):
+        make_codec("zip")
+
+
+# ---- bit packing ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("widths", [(12, 2), (3,), (4, 4), (12, 4), (1, 7, 5)])
+def test_pack_bits_round_trip(widths):
+    g = torch.Generator().manual_seed(9)
+    fields = [torch.randint(0, 1 << w, (37,), generator=g) for w in widths]
+    payload = pack_bits(list(zip(fields, widths)))
+    assert len(payload) == math.ceil(37 * sum(widths) / 8)
+    stream = int.from_bytes(payload, "little")  # LSB-first: record j starts at bit j * sum(widths)
+    assert stream & ((1 << widths[0]) - 1) == int(fields[0][0])
+    for got, want in zip(unpack_bits(payload, 37, widths), fields):
+        assert torch.equal(got.long(), want)
+    with pytest.raises(ValueError, match="fit"):
+        pack_bits([(torch.tensor([1 << widths[0]]), widths[0])])
