@@ -63,8 +63,15 @@ def test_compare_on_loopback(tmp_path, no_leaked_daemons):
 def test_compare_over_emulated_links(tmp_path, no_leaked_daemons):
     before = set(netns.list_namespaces())
     cfg = tiny_config(tmp_path / "unused", **COMMON)
-    run_compare(cfg, 2, "50mbit", tmp_path / "out", progress=False)
+    run_compare(cfg, 2, "50mbit", tmp_path / "out", progress=False, codecs=["topk"])
     data = _check_report(tmp_path / "out", H=4)
+    runs = {r["name"]: r for r in data["runs"]}
+    fp32, topk = runs["diloco-2x-H4"], runs["diloco-codec-topk"]
+    # the codec's own count and the link counters both see far fewer bytes than fp32 DiLoCo
+    assert 0 < topk["bytes_per_worker"] < fp32["bytes_per_worker"] / 10
+    assert 0 < topk["extra"]["wire_bytes_sent_max_host"] < fp32["extra"]["wire_bytes_sent_max_host"]
+    assert topk["extra"]["theta_global_max_abs_diff"] == 0.0
+    assert any(n.startswith("codec: diloco-codec-topk: held-out loss") for n in data["notes"])
     rate = data["measured_link_bits_per_second"]
     assert 30e6 < rate < 55e6  # tbf at 50 Mbit/s; TCP goodput a few % lower
     assert any("TCP goodput measured" in n for n in data["notes"])
