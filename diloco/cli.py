@@ -32,6 +32,7 @@ commands:
   experiment compare    single worker vs synchronous baseline vs DiLoCo: plots and tables (--help)
   experiment sweeps     H / islands / outer-optimizer sweeps next to the paper's numbers (--help)
   experiment overlap    compute utilization and wall-clock against link rate, blocking vs rounds in flight
+  experiment hetero     islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP
   config show           print the effective configuration (TOML, with a comment per key)
   config reference      print every key with its default and meaning (markdown)
 

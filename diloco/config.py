@@ -110,6 +110,10 @@ class DilocoConfig:
     """Streaming DiLoCo: split the model into this many groups of whole layers, each averaged every H inner steps at its own offset (one sync every H/fragments steps, rounded to whole steps; ~1/fragments of the bytes)."""
     overlap_steps: int = 0
     """τ: inner steps trained after a round is sent before its result may be applied (at most H/fragments; `none` waits for the result then, `delayed`/`eager` apply it at the first step from then on at which it has arrived)."""
+    sync_every: str = ""
+    """How much each island trains before it joins the next round: steps (empty: `inner_steps`), seconds of compute (`90s`: a fast island does more steps instead of waiting for a slow one), tokens (`2M`, `500K`) or `auto` (seconds chosen after every round so that communication stays under `max_comm_fraction`). Not part of the run's fingerprint: islands with different budgets average together."""
+    max_comm_fraction: float = 0.05
+    """With `sync_every auto`: the largest fraction of a round its communication may take."""
     merge_alpha: float = 0.0
     """α: with `overlap none`, a fragment's parameters become α·θ_local + (1−α)·θ_global when its round is applied (0: θ_global, as plain DiLoCo; Streaming DiLoCo uses 0.5 with τ=1)."""
 
@@ -556,6 +560,7 @@ def validate(cfg: Config) -> list[str]:
     elif dl.inner_steps >= 1 and not 0 <= dl.overlap_steps <= dl.inner_steps // dl.fragments:
         p.append(f"--diloco.overlap_steps must be between 0 and H / fragments = {dl.inner_steps // dl.fragments} "
                  f"(a round must be applied before the next one is sent), got {dl.overlap_steps}")
+    p += budget_problems(dl)
     if not 0 <= dl.merge_alpha < 1:
         p.append(f"--diloco.merge_alpha must be in [0, 1), got {dl.merge_alpha}")
     elif dl.merge_alpha and dl.overlap != "none":
@@ -685,6 +690,23 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
+
+
+def budget_problems(dl: DilocoConfig) -> list[str]:
+    """What is wrong with ``--diloco.sync_every`` and ``--diloco.max_comm_fraction``."""
+    from diloco.round_budget import parse_budget
+
+    try:
+        budget = parse_budget(dl.sync_every, max(dl.inner_steps, 1))
+    except ValueError as e:
+        return [str(e)]
+    p = []
+    if budget.by_steps and budget.amount != dl.inner_steps:
+        p.append(f"--diloco.sync_every {dl.sync_every} (steps) contradicts --diloco.inner_steps {dl.inner_steps}; "
+                 f"set only one of them")
+    if not 0 < dl.max_comm_fraction < 1:
+        p.append(f"--diloco.max_comm_fraction must be in (0, 1), got {dl.max_comm_fraction}")
+    return p
 
 
 def codec_problems(cfg: Config) -> list[str]:

@@ -12,17 +12,23 @@ from diloco.data import ShardedBatches
 from pipeline import ModelParts
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak learning rate at ``step`` (0-based)."""
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float,
+              progress: float | None = None) -> float:
+    """Multiplier of the peak learning rate at ``step`` (0-based); the cosine follows ``progress`` (the
+    fraction of the run done) when given, else the steps after warm-up out of ``total_steps``."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if progress is None:
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg: InnerOptimConfig,
-                          total_steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (no weight decay on norms and other 1-D weights) and its warm-up + cosine schedule."""
+                          total_steps: int, progress: Callable[[], float] | None = None
+                          ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no weight decay on norms and other 1-D weights) and its warm-up + cosine schedule (over
+    ``total_steps``, or over ``progress()``, the fraction of the run done, when the steps are not known
+    in advance)."""
     decay, no_decay = [], []
     for _, p in params:
         if p.requires_grad:
@@ -30,7 +36,8 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+        opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio,
+                                 progress() if progress is not None else None))
     return opt, sched
 
 

@@ -35,6 +35,7 @@ from diloco.data import ShardedBatches, heldout_batches, load_corpus
 from diloco.errors import TrainingError
 from diloco.faults import FaultPlan
 from diloco.inner import build_inner_optimizer, inner_step
+from diloco.round_budget import parse_budget
 from diloco.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.model import build_initial_model, lm_loss
 from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
@@ -106,8 +107,11 @@ class Island:
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
         total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
-        self.inner_opt, self.inner_sched = build_inner_optimizer(list(self.model.named_parameters()), cfg.inner,
-                                                                 total_inner)
+        by_steps = parse_budget(cfg.diloco.sync_every, cfg.diloco.inner_steps).by_steps
+        # without a fixed H the cosine follows the run's progress (the overlap schedule exists from below on)
+        self.inner_opt, self.inner_sched = build_inner_optimizer(
+            list(self.model.named_parameters()), cfg.inner, total_inner,
+            None if by_steps else (lambda: self.overlap.progress() if hasattr(self, "overlap") else 0.0))
         d = cfg.diloco
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)

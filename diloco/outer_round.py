@@ -60,6 +60,12 @@ class RoundMetrics:
     """Seconds the island did not train because of this round (sending, waiting for it, applying it)."""
     fragment: int = 0
     """The Streaming DiLoCo fragment the round averaged (0 with one fragment)."""
+    inner_steps: int = 0
+    """Inner steps this island trained for the round (H, or what fit in a ``--diloco.sync_every`` budget)."""
+    weight: float = 0.0
+    """Tokens this island's pseudo-gradient stands for (its weight in the average)."""
+    group_weight: float = 0.0
+    """Tokens of the whole group (the sum of the members' weights)."""
 
     @classmethod
     def skipped(cls, island: Island, reason: str) -> RoundMetrics:
@@ -153,15 +159,18 @@ def begin_round(island: Island) -> InFlight | RoundMetrics:
     for h in hooks:
         delta = h.outgoing(rnd, delta)
     weight = float(island.stats.tokens - ov.tokens_at_sync[fragment])
-    meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state}
+    meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state,
+            "comm_seconds": ov.last_comm_seconds, "steps": island.inner_step - ov.mark[2]}
+    scale = ov.send_scale(weight)
     # a group forms as soon as every island the registry expects in this round has joined, not after the
     # whole matchmaking window
     expected = island.transfer.main_decides(lambda: island.membership.round_size(rnd)) \
         if island.membership is not None and not island.rt.lockstep else None
-    pending = island.averager.start(delta, weight, meta, round_id=str(rnd), on_stage=_on_stage(island, rnd),
-                                    buckets=ov.buckets(fragment), expected_group_size=expected)
-    flight = InFlight(rnd, fragment, names, delta, weight, meta, pending, island.inner_step, island.stats.tokens,
-                      time.perf_counter())
+    flight = InFlight(rnd, fragment, names, delta, weight, meta, None, island.inner_step, island.stats.tokens,
+                      time.perf_counter(), scale=scale)
+    flight.pending = island.averager.start(_outgoing(flight), weight, meta, round_id=str(rnd),
+                                           on_stage=_on_stage(island, rnd), buckets=ov.buckets(fragment),
+                                           expected_group_size=expected)
     ov.sent(flight)
     flight.send_seconds = time.perf_counter() - t0
     return flight
@@ -173,6 +182,10 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     in_flight = t0 - flight.t_sent
     result, averaged = island.averager.finish(flight.pending)
     result, averaged, retried = _average_again(island, flight, result, averaged)
+    if averaged is not None and flight.scale != 1.0:
+        u = island.overlap.applied_scale(flight, result)
+        averaged = {n: a * u for n, a in averaged.items()}
+    island.overlap.finished(result)
     norm = island.global_norm(flight.delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
     reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
@@ -192,7 +205,15 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
                         s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,
                         int(bool(getattr(result, "fallback_reason", ""))), int(retried),
                         overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
-                        fragment=flight.fragment)
+                        fragment=flight.fragment, inner_steps=flight.steps, weight=flight.weight,
+                        group_weight=float(getattr(result, "total_weight", 0.0)))
+
+
+def _outgoing(flight: InFlight) -> Delta:
+    """What the round sends: Δ, per million tokens under a budget other than steps."""
+    if flight.scale == 1.0:
+        return flight.delta
+    return {n: d * flight.scale for n, d in flight.delta.items()}
 
 
 def _on_stage(island: Island, rnd: int) -> Callable[[str], None]:
@@ -226,7 +247,7 @@ def _average_again(island: Island, flight: InFlight, result: Any, averaged: Delt
         return result, averaged, False
     log.warning("round %d: %s; %s", rnd + 1, result.reason, why)
     first = result
-    result, averaged = island.averager.average(flight.delta, flight.weight, flight.meta, round_id=round_id,
+    result, averaged = island.averager.average(_outgoing(flight), flight.weight, flight.meta, round_id=round_id,
                                                on_stage=_on_stage(island, rnd), matchmaking_timeout=timeout,
                                                buckets=island.overlap.buckets(flight.fragment))
     result.seconds += first.seconds

@@ -1,7 +1,8 @@
 """When an island sends its rounds and applies their results, and what it trains from meanwhile.
 
 A round is sent every H / P inner steps, rounded to whole steps (``--diloco.fragments P``: Streaming
-DiLoCo; round ``r`` averages fragment ``r mod P``, P = 1 is the whole model).  At most one round is in flight: it is
+DiLoCo; round ``r`` averages fragment ``r mod P``, P = 1 is the whole model), or every 1/P of another
+budget (``--diloco.sync_every``: seconds of compute, tokens, auto; :mod:`diloco.round_budget`).  At most one round is in flight: it is
 applied (committed or rolled back, :func:`diloco.outer_round.end_round`) at the latest when the next one
 is due, and earlier as ``--diloco.overlap`` says:
 
@@ -27,11 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diloco.round_budget import Budget, auto_seconds, parse_budget
 
 if TYPE_CHECKING:
     from diloco.island import Island
 
 Params = dict[str, torch.Tensor]
+PER_TOKENS = 1e6
+"""Under a budget other than steps, Δ travels per this many tokens (a scale that suits every codec)."""
 
 
 @dataclass
@@ -51,6 +55,10 @@ class InFlight:
     """``island.inner_step`` when it was sent."""
     tokens_at_send: int
     t_sent: float
+    scale: float = 1.0
+    """Δ is sent times this (per-token pseudo-gradients under a budget other than steps)."""
+    steps: int = 0
+    """Inner steps the island trained since its previous round was sent."""
     anchor: Params = field(default_factory=dict)
     """delayed/eager: this rank's parameters right after sending; the progress made since is kept."""
     undo: Params = field(default_factory=dict)
@@ -76,6 +84,15 @@ class Overlap:
         """eager: the other islands' part of the last committed average, per parameter."""
         self.share: dict[int, float] = {}
         """eager: this island's share of the weight of its fragment's last committed average."""
+        self.budget: Budget = parse_budget(d.sync_every, d.inner_steps)
+        self.max_comm_fraction = d.max_comm_fraction
+        self.auto: float | None = None
+        """auto: compute seconds per round the group agreed on (None until measured: H steps meanwhile)."""
+        self.last_comm_seconds = float("nan")
+        """Seconds the last round this island applied took (sent to the group, for ``auto``)."""
+        self.mark = (0.0, 0, 0)
+        """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
+        self._due: tuple[int, bool] = (-1, False)
 
     # --------------------------------------------------------------------------- schedule
     @property
@@ -96,10 +113,58 @@ class Overlap:
         return None if self.n == 1 else self.island.layout.group_buckets(fragment)
 
     def sync_due(self) -> bool:
-        """Whether the island has trained up to its next round: the inner step just taken crossed a
-        multiple of H / P (rounds every ⌈H/P⌉ or ⌊H/P⌋ steps when P does not divide H; every H with P = 1)."""
-        k, d = self.island.inner_step, self.island.cfg.diloco
-        return k > 0 and (k * self.n) // d.inner_steps != ((k - 1) * self.n) // d.inner_steps
+        """Whether the island has trained up to its next round: by steps, the inner step just taken crossed
+        a multiple of H / P (rounds every ⌈H/P⌉ or ⌊H/P⌋ steps when P does not divide H; every H with
+        P = 1); by another budget, 1/P of it was used since the last round (collective over the island's
+        ranks, and over the torch world when islands average in lockstep: all of them sync together)."""
+        isl = self.island
+        k, d = isl.inner_step, isl.cfg.diloco
+        if self.budget.by_steps or (self.budget.kind == "auto" and self.auto is None):
+            return k > 0 and (k * self.n) // d.inner_steps != ((k - 1) * self.n) // d.inner_steps
+        if self._due[0] != k:
+            used = (isl.stats.tokens - self.mark[1] if self.budget.kind == "tokens"
+                    else isl.stats.compute_seconds - self.mark[0])
+            due = k > self.mark[2] and used >= self._amount() / self.n
+            self._due = (k, isl.rt.reduce([float(due)], op="max", world=isl.rt.lockstep)[0] > 0)
+        return self._due[1]
+
+    def _amount(self) -> float:
+        return self.auto if self.budget.kind == "auto" else self.budget.amount
+
+    def progress(self) -> float:
+        """Fraction of the run done, rounds and the part of the current one (drives the inner lr schedule
+        under a budget other than steps, where the number of inner steps is not known in advance)."""
+        isl = self.island
+        if self.budget.kind == "auto" and self.auto is None:
+            part = (isl.inner_step - self.mark[2]) * self.n / isl.cfg.diloco.inner_steps
+        elif self.budget.kind == "tokens":
+            part = (isl.stats.tokens - self.mark[1]) * self.n / self.budget.amount
+        else:
+            part = (isl.stats.compute_seconds - self.mark[0]) * self.n / self._amount()
+        return min(1.0, (isl.outer_step + min(1.0, part)) / self.total_rounds)
+
+    def send_scale(self, weight: float) -> float:
+        """What Δ is multiplied by before sending: 1 by steps; per million tokens otherwise (see
+        :mod:`diloco.round_budget`)."""
+        return 1.0 if self.budget.by_steps else PER_TOKENS / max(weight, 1.0)
+
+    def applied_scale(self, flight: InFlight, result: Any) -> float:
+        """What the averaged Δ is multiplied by before it is applied: undoes :meth:`send_scale` with the
+        group's mean tokens per island (Σ Δᵢ / n)."""
+        if flight.scale == 1.0:
+            return 1.0
+        return result.total_weight / max(result.group_size, 1) / PER_TOKENS
+
+    def finished(self, result: Any) -> None:
+        """A round this island took part in ended: remember its cost, and under ``auto`` the budget the
+        group's reports give (identical on every member: they all hold the same reports)."""
+        self.last_comm_seconds = float(result.seconds)
+        if self.budget.kind != "auto" or not getattr(result, "ok", False):
+            return
+        reports = [float(m.get("comm_seconds", float("nan"))) for m in getattr(result, "gathered", {}).values()]
+        reports = [c for c in reports if c == c]
+        if reports:
+            self.auto = auto_seconds(reports, self.max_comm_fraction)
 
     def apply_due(self) -> bool:
         """Collective: whether the round in flight is to be applied now (before the next inner step)."""
@@ -112,9 +177,17 @@ class Overlap:
         return isl.rt.reduce([float(f.pending.done())], op="min", world=isl.rt.lockstep)[0] > 0
 
     # --------------------------------------------------------------------- local parameters
+    def _restart_budget(self) -> int:
+        """Start counting the next round's budget now; returns the inner steps since the last start."""
+        isl = self.island
+        steps = isl.inner_step - self.mark[2]
+        self.mark = (isl.stats.compute_seconds, isl.stats.tokens, isl.inner_step)
+        return steps
+
     @torch.no_grad()
     def sent(self, f: InFlight) -> None:
         """Right after ``f`` was sent: remember where the island trains from (and jump, if eager)."""
+        f.steps = self._restart_budget()
         if self.mode == "none":
             return
         params = self.island.params
@@ -159,6 +232,7 @@ class Overlap:
 
     def adopted(self) -> None:
         """θ_global was replaced by a downloaded one and the parameters reset to it."""
+        self._restart_budget()
         self.tokens_at_sync = [self.island.stats.tokens] * self.n
         self.others.clear()
         self.share.clear()
@@ -167,7 +241,8 @@ class Overlap:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (taken with no round in flight)."""
         return {"tokens_at_sync": list(self.tokens_at_sync), "others": dict(self.others),
-                "share": dict(self.share)}
+                "share": dict(self.share), "auto": self.auto, "last_comm_seconds": self.last_comm_seconds,
+                "mark": list(self.mark)}
 
     def load_state_dict(self, state: dict[str, Any] | None, legacy_tokens_at_sync: int) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint from before fragments, with one counter)."""
@@ -177,3 +252,7 @@ class Overlap:
         self.tokens_at_sync = [int(t) for t in state["tokens_at_sync"]]
         self.others = dict(state.get("others", {}))
         self.share = {int(k): float(v) for k, v in state.get("share", {}).items()}
+        self.auto = state.get("auto")
+        self.last_comm_seconds = float(state.get("last_comm_seconds", float("nan")))
+        compute, tokens, step = state.get("mark", (0.0, 0, 0))
+        self.mark = (float(compute), int(tokens), int(step))

@@ -11,6 +11,7 @@ commands:
   compare   single worker vs synchronous data parallelism vs DiLoCo (python -m experiments compare --help)
   sweeps    H, islands and outer-optimizer sweeps next to the paper's numbers (... sweeps --help)
   overlap   compute utilization and wall-clock against link rate, blocking vs rounds in flight (... overlap --help)
+  hetero    islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP (... hetero --help)
 """
 
 
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.sweeps import main as run
     elif command == "overlap":
         from experiments.overlap_sweep import main as run
+    elif command == "hetero":
+        from experiments.hetero import main as run
     else:
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

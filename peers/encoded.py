@@ -35,7 +35,7 @@ import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
 
-from peers.p2p_loop import _submit, acquire_p2p, message_class, release_p2p
+from peers.p2p_loop import Handler, _submit, message_class
 from peers.vote import Inbox, MemberCheck
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,7 @@ class EncodedChannel:
         self.dht, self.members, self.payload_bytes = dht, members, payload_bytes
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)
-        self._p2p: Any = None
-        _submit(self._register()).result(30.0)
-
-    async def _register(self) -> None:
-        self._p2p = await acquire_p2p(self.dht)
-        await self._p2p.add_protobuf_handler(self.name, self._on_parts, Part, stream_input=True)
+        self._handler = Handler(dht, self.name, self._on_parts, Part, stream_input=True)
 
     async def _on_parts(self, requests: AsyncIterator[Any], context: P2PContext) -> Any:
         sender = str(context.remote_id)
@@ -125,7 +120,7 @@ class EncodedChannel:
                 yield Part(key=key, offset=start, total=len(payload), data=payload[start:start + PIECE])
 
         try:
-            reply = await asyncio.wait_for(self._p2p.call_protobuf_handler(
+            reply = await asyncio.wait_for(self._handler.p2p.call_protobuf_handler(
                 PeerID.from_base58(peer), self.name, pieces(), Ack), timeout)
             if not reply.accepted:
                 log.debug("%s refused our encoded pseudo-gradient", peer)
@@ -134,16 +129,4 @@ class EncodedChannel:
 
     def close(self) -> None:
         """Stop taking payloads (the DHT and its daemon are the caller's)."""
-        if self._p2p is None:
-            return
-        try:
-            _submit(self._unregister()).result(10.0)
-        except Exception as e:  # the daemon may be gone already
-            log.debug("could not remove the encoded-parts handler: %s", e)
-        self._p2p = None
-
-    async def _unregister(self) -> None:
-        try:
-            await asyncio.wait_for(self._p2p.remove_protobuf_handler(self.name, stream_input=True), 5.0)
-        finally:
-            await release_p2p(self.dht)
+        self._handler.close()

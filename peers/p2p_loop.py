@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import hivemind
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P
+
+log = logging.getLogger(__name__)
 
 _loop_lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -77,3 +81,34 @@ def message_class(name: str, fields: Sequence[tuple[str, ...]]) -> type:
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"diloco.{name}"))
+
+
+class Handler:
+    """A protocol handler of ours on a DHT's p2p daemon (``name``, taking ``message_type`` messages, a
+    stream of them with ``stream_input``), served on this process's loop until :meth:`close`."""
+
+    def __init__(self, dht: hivemind.DHT, name: str, handler: Callable[..., Awaitable[Any]], message_type: type,
+                 stream_input: bool = False):
+        self.dht, self.name, self.stream_input = dht, name, stream_input
+        self.p2p: P2P | None = None
+        _submit(self._register(handler, message_type)).result(30.0)
+
+    async def _register(self, handler: Callable[..., Awaitable[Any]], message_type: type) -> None:
+        self.p2p = await acquire_p2p(self.dht)
+        await self.p2p.add_protobuf_handler(self.name, handler, message_type, stream_input=self.stream_input)
+
+    def close(self) -> None:
+        """Stop serving ``name`` (the DHT and its daemon are the caller's)."""
+        if self.p2p is None:
+            return
+        try:
+            _submit(self._unregister()).result(10.0)
+        except Exception as e:  # the daemon may be gone already
+            log.debug("could not remove the %s handler: %s", self.name, e)
+        self.p2p = None
+
+    async def _unregister(self) -> None:
+        try:
+            await asyncio.wait_for(self.p2p.remove_protobuf_handler(self.name, stream_input=self.stream_input), 5.0)
+        finally:
+            await release_p2p(self.dht)

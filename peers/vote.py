@@ -27,7 +27,7 @@ from typing import Any
 import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
-from peers.p2p_loop import _submit, acquire_p2p, message_class, release_p2p
+from peers.p2p_loop import Handler, _submit, message_class
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +157,8 @@ class VoteChannel:
         self.dht, self.members, self.direct = dht, members, direct
         self.name = f"{prefix}::diloco.verdict"
         self.box = Inbox(ttl)
-        self._p2p: Any = None
         self._sends: set[asyncio.Future] = set()
-        if direct:
-            _submit(self._register()).result(30.0)
-
-    async def _register(self) -> None:
-        self._p2p = await acquire_p2p(self.dht)
-        await self._p2p.add_protobuf_handler(self.name, self._on_verdict, Verdict)
+        self._handler = Handler(dht, self.name, self._on_verdict, Verdict) if direct else None
 
     async def _on_verdict(self, request: Any, context: P2PContext) -> Any:
         sender = str(context.remote_id)
@@ -217,7 +211,7 @@ class VoteChannel:
     async def _send(self, peer: str, key: str, me: str, mine: list[float], failed: asyncio.Event, expiration: float,
                     timeout: float) -> None:
         try:
-            reply = await asyncio.wait_for(self._p2p.call_protobuf_handler(
+            reply = await asyncio.wait_for(self._handler.p2p.call_protobuf_handler(
                 PeerID.from_base58(peer), self.name, Verdict(key=key, fingerprint=mine), Verdict), max(0.1, timeout))
             if reply.accepted:
                 return
@@ -255,16 +249,5 @@ class VoteChannel:
 
     def close(self) -> None:
         """Stop taking verdicts (the DHT and its daemon are the caller's)."""
-        if self._p2p is None:
-            return
-        try:
-            _submit(self._unregister()).result(10.0)
-        except Exception as e:  # the daemon may be gone already
-            log.debug("could not remove the verdict handler: %s", e)
-        self._p2p = None
-
-    async def _unregister(self) -> None:
-        try:
-            await asyncio.wait_for(self._p2p.remove_protobuf_handler(self.name), 5.0)
-        finally:
-            await release_p2p(self.dht)
+        if self._handler is not None:
+            self._handler.close()

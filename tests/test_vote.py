@@ -100,7 +100,7 @@ def _send(channel: VoteChannel, to: str, key: str, fp: list[float]) -> bool:
     from hivemind.p2p import PeerID
 
     async def go():
-        return await channel._p2p.call_protobuf_handler(PeerID.from_base58(to), channel.name,
+        return await channel._handler.p2p.call_protobuf_handler(PeerID.from_base58(to), channel.name,
                                                         Verdict(key=key, fingerprint=fp), Verdict)
 
     return _submit(go()).result(10).accepted

@@ -1,0 +1,84 @@
+"""Time-budgeted rounds (``--diloco.sync_every``): islands of unequal speed join every round together, the
+fast one trains more steps instead of waiting, and the average counts each island's displacement once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diloco.config import ConfigError
+from diloco.metrics import read_metrics
+from diloco.round_budget import Budget, auto_seconds, parse_budget
+from diloco.simulate import Cluster
+from tests.conftest import tiny_config
+
+
+@pytest.mark.parametrize("text, budget", [
+    ("", Budget("steps", 40.0)), ("40", Budget("steps", 40.0)), ("90s", Budget("seconds", 90.0)),
+    ("1.5s", Budget("seconds", 1.5)), ("2M", Budget("tokens", 2e6)), ("500K", Budget("tokens", 5e5)),
+    ("auto", Budget("auto", 0.0)),
+])
+def test_budgets_parse(text, budget):
+    assert parse_budget(text, 40) == budget
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"diloco.sync_every": "soon"}, "is not steps (50), seconds of compute (90s), tokens"),
+    ({"diloco.sync_every": "0s"}, "must be positive"),
+    ({"diloco.sync_every": "7"}, "contradicts --diloco.inner_steps 5; set only one"),
+    ({"diloco.sync_every": "auto", "diloco.max_comm_fraction": 1.0}, "max_comm_fraction must be in (0, 1)"),
+])
+def test_bad_budgets_say_what_to_change(tmp_path, override, words):
+    with pytest.raises(ConfigError) as e:
+        tiny_config(tmp_path, **override)
+    assert words in str(e.value)
+
+
+def test_auto_budget_keeps_the_communication_under_the_fraction():
+    # the member that arrived last (0.5 s) waited for nobody: its round is the communication
+    assert auto_seconds([0.5, 2.0, float("nan")], 0.05) == pytest.approx(0.5 * 19)
+    assert auto_seconds([0.001], 0.05) == 1.0  # never rounds of a few milliseconds
+    seconds = auto_seconds([3.0, 7.0], 0.1)
+    assert 3.0 / (seconds + 3.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("budget", ["1.5s", "auto"])
+def test_time_budgeted_islands_of_unequal_speed_commit_the_same_rounds_in_sync(tmp_path, no_leaked_daemons, budget):
+    """Island 1 computes 4× as much per step (batch 16 against 4): with a budget of compute seconds both
+    join every round, island 0 trains more steps per round, the vote's weights are the tokens each
+    trained, and θ_global ends identical.  ``auto`` trains H steps for two rounds, then by the budget the
+    group agreed on."""
+    rounds = 4
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.matchmaking_time": 3.0,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 30.0, "diloco.outer_steps": rounds,
+        "diloco.sync_every": budget, "diloco.max_comm_fraction": 0.2})
+    cluster = Cluster(cfg, 2)
+    cluster.configs[1]["inner"]["batch_size"] = 16
+    try:
+        for i in range(2):
+            cluster.start(i)
+        cluster.wait(timeout=240)
+        summaries = cluster.summaries()
+    finally:
+        cluster.stop_all()
+    assert [s["outer_step"] for s in summaries] == [rounds, rounds]
+    assert all(s["rounds_ok"] == rounds for s in summaries), [s["failures"] for s in summaries]
+    thetas = [torch.load(d / "theta_global.pt", weights_only=True) for d in cluster.run_dirs]
+    assert max((thetas[0][k] - thetas[1][k]).abs().max().item() for k in thetas[0]) < 1e-5
+    per_round = [[r for r in read_metrics(d) if "round_ok" in r] for d in cluster.run_dirs]
+    tokens_per_step = [b * cfg.model.seq_len * cfg.inner.grad_accum for b in (4, 16)]
+    for i, records in enumerate(per_round):
+        for r in records:
+            assert r["weight"] == r["inner_steps"] * tokens_per_step[i]
+    for fast, slow in zip(*per_round):
+        assert fast["group_weight"] == slow["group_weight"] == fast["weight"] + slow["weight"]
+    timed = slice(2, None) if budget == "auto" else slice(None)
+    if budget == "auto":  # two rounds of H steps to measure, then the agreed seconds
+        assert [r["inner_steps"] for r in per_round[0][:2]] == [r["inner_steps"] for r in per_round[1][:2]] == [5, 5]
+    fast_steps = sum(r["inner_steps"] for r in per_round[0][timed])
+    slow_steps = sum(r["inner_steps"] for r in per_round[1][timed])
+    assert fast_steps > 1.5 * slow_steps, (fast_steps, slow_steps)
+    assert all(math.isfinite(s["eval_loss_end"]) and s["eval_loss_end"] < s["eval_loss_start"] for s in summaries)
