@@ -27,7 +27,7 @@ from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat
 
 from outer_optim.codecs import LOSSY_CODECS, make_codec
 from peers.averager_types import AveragerSettings, RoundResult, allreduce_bytes
-from peers.encoded import EncodedChannel, allgather_bytes, weighted_mean
+from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager
 from peers.vote import MemberCheck, VoteChannel
@@ -204,20 +204,17 @@ class VerifiedAverager:
 
     def _gather_encoded(self, payload: bytes, meta: dict[str, dict], peers: list[str], round_id: str,
                         result: RoundResult) -> list[torch.Tensor]:
-        """All-gather the members' encoded buckets and average them (fills ``result``'s bytes and, when a
-        payload is missing, its reason); the average, shaped like the template, or [] on failure."""
+        """Exchange the members' encoded buckets and average them (fills ``result``'s bytes and, when a
+        part is missing, its reason); the average, shaped like the template, or [] on failure."""
         t = time.perf_counter()
-        got, missing = self._parts.all_gather(_group_key(peers, round_id), self.peer_id, peers, payload,
-                                              self.settings.allreduce_timeout)
+        mean, missing, result.bytes_sent, result.bytes_received = average_encoded(
+            self._parts, self.codec, _group_key(peers, round_id), self.peer_id, peers,
+            {p: _as_float(meta[p].get("weight")) for p in peers}, payload, self._numel, self.settings.allreduce_timeout)
         result.allreduce_seconds += time.perf_counter() - t
-        result.bytes_sent = allgather_bytes(len(payload), len(peers))
-        result.bytes_received = len(payload) * (len(got) - 1)
-        if missing:
+        if mean is None:
             result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient"
-            result.retryable = len(got) >= self.settings.min_group_size
+            result.retryable = len(peers) - len(missing) >= self.settings.min_group_size
             return []
-        mean = weighted_mean({p: self.codec.decode(got[p], self._numel) for p in peers},
-                             {p: _as_float(meta[p].get("weight")) for p in peers})
         return [mean]
 
     def _check_group(self, meta: dict[str, dict], n: int, round_id: str) -> str:

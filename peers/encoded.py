@@ -18,9 +18,11 @@ encoded bucket, each member sends (and receives)
   ``(n − 1)·c`` and the total exceeds the all-gather's;
 
 so sparse codecs always gather, and dense ones gather at ``n = 2`` (equal bytes, one hop less) and
-would send ``2/n`` of it by reduce-scatter beyond (half at ``n = 4``), at the price of a second
-quantization at the owner that no island's error feedback sees.  We gather for every codec: one exact
-path, the same on every member.
+reduce-scatter beyond (``2/n`` of the all-gather's bytes: half at ``n = 4``), at the price of a second
+quantization at each part's owner that no island's error feedback sees.  In the reduce-scatter, member
+``j`` of the sorted ids owns the ``j``-th of ``n`` block-aligned parts: it decodes the members' parts,
+averages them, encodes the average once and sends it to all, and every member (the owner included)
+decodes the same bytes, so the averages stay bit-identical.
 """
 
 from __future__ import annotations
@@ -55,6 +57,19 @@ def allgather_bytes(payload_bytes: int, group_size: int) -> int:
     return max(0, group_size - 1) * payload_bytes
 
 
+def reduce_scatters(codec: Any, group_size: int) -> bool:
+    """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter (dense codecs from
+    3 members on) rather than all-gather (see the module docstring for the byte counts)."""
+    return getattr(codec, "block", 0) > 0 and group_size > 2
+
+
+def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``[0, numel)``, cut at multiples of ``align`` (some may be empty)."""
+    blocks = -(-numel // align)
+    cuts = [min(numel, (blocks * j // parts) * align) for j in range(parts + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
     """Σ wᵢ·vᵢ / Σ wᵢ in fp32, summed in the order of the sorted member ids: the same bits on every member."""
     order = sorted(values)
@@ -68,12 +83,13 @@ def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float]) ->
 class EncodedChannel:
     """Exchanges this peer's encoded buckets of one averager ``prefix`` with the group members.
 
-    ``payload_bytes``: the size every member's payload must have (the codec's size of the bucket:
-    anything else is refused); ``members``: in a private run, who may send."""
+    ``max_bytes``: the largest payload taken (the codec's size of the bucket: anything larger is refused,
+    and a payload of another size than expected does not count); ``members``: in a private run, who may
+    send."""
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, payload_bytes: int, members: MemberCheck | None = None,
+    def __init__(self, dht: hivemind.DHT, prefix: str, max_bytes: int, members: MemberCheck | None = None,
                  ttl: float = 120.0):
-        self.dht, self.members, self.payload_bytes = dht, members, payload_bytes
+        self.dht, self.members, self.max_bytes = dht, members, max_bytes
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)
         self._handler = Handler(dht, self.name, self._on_parts, Part, stream_input=True)
@@ -85,34 +101,40 @@ class EncodedChannel:
         key, buf = None, bytearray()
         async for part in requests:
             key = part.key if key is None else key
-            if part.key != key or part.total != self.payload_bytes or part.offset != len(buf) \
-                    or len(buf) + len(part.data) > self.payload_bytes:
+            if part.key != key or part.total > self.max_bytes or part.offset != len(buf) \
+                    or len(buf) + len(part.data) > part.total:
                 log.warning("refused an encoded pseudo-gradient from %s: malformed or of the wrong size", sender)
                 return Ack(accepted=False)
             buf += part.data
-        if key is None or len(buf) != self.payload_bytes:
+        if key is None or len(buf) != part.total:
             return Ack(accepted=False)
         self.box.put(key, sender, bytes(buf))
         return Ack(accepted=True)
 
-    def all_gather(self, key: str, me: str, peers: Sequence[str], payload: bytes, timeout: float
-                   ) -> tuple[dict[str, bytes], list[str]]:
-        """Send ``payload`` to every member of ``peers`` but ``me`` and wait (at most ``timeout`` seconds)
-        for theirs: returns (payload by member, ours included; the members whose payload never came)."""
-        if len(payload) != self.payload_bytes:
-            raise ValueError(f"payload of {len(payload)} bytes; this channel carries {self.payload_bytes}")
-        others = [p for p in peers if p != me]
+    def exchange(self, key: str, outgoing: dict[str, bytes], expect: dict[str, int], timeout: float
+                 ) -> tuple[dict[str, bytes], list[str]]:
+        """Send ``outgoing[p]`` to each member ``p`` and wait (at most ``timeout`` seconds) for a payload of
+        ``expect[p]`` bytes from each member of ``expect``: returns (payloads received, members whose
+        payload never came or had another size)."""
         deadline = time.monotonic() + timeout
         self.box.hold(key)
         try:
-            for p in others:  # not awaited: a slow member must not hold up the others' payloads
+            for p, payload in outgoing.items():  # not awaited: a slow member must not hold up the others
                 _submit(self._send(p, key, payload, timeout))
-            got = self.box.wait_for(key, lambda received: all(p in received for p in others), deadline)
+            got = self.box.wait_for(key, lambda received: all(p in received for p in expect), deadline)
         finally:
             self.box.release(key, drop=True)
-        gathered = {p: got[p] for p in others if p in got}
-        gathered[me] = payload
-        return gathered, [p for p in others if p not in got]
+        ok = {p: got[p] for p in expect if p in got and len(got[p]) == expect[p]}
+        return ok, [p for p in expect if p not in ok]
+
+    def all_gather(self, key: str, me: str, peers: Sequence[str], payload: bytes, timeout: float
+                   ) -> tuple[dict[str, bytes], list[str]]:
+        """Send ``payload`` to every member of ``peers`` but ``me`` and wait for theirs (of the same size):
+        returns (payload by member, ours included; the members whose payload never came)."""
+        others = [p for p in peers if p != me]
+        got, missing = self.exchange(key, {p: payload for p in others}, {p: len(payload) for p in others}, timeout)
+        got[me] = payload
+        return got, missing
 
     async def _send(self, peer: str, key: str, payload: bytes, timeout: float) -> None:
         async def pieces() -> AsyncIterator[Any]:
@@ -130,3 +152,44 @@ class EncodedChannel:
     def close(self) -> None:
         """Stop taking payloads (the DHT and its daemon are the caller's)."""
         self._handler.close()
+
+
+def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
+                    weights: dict[str, float], payload: bytes, numel: int, timeout: float
+                    ) -> tuple[torch.Tensor | None, list[str], int, int]:
+    """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
+    or reduce-scatter as :func:`reduce_scatters` says: (the average, identical on every member, or None;
+    the members whose part never came; bytes sent; bytes received)."""
+    if not reduce_scatters(codec, len(peers)):
+        got, missing = channel.all_gather(key, me, peers, payload, timeout)
+        if missing:
+            return None, missing, allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
+        mean = weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights)
+        return mean, [], allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
+
+    def enc(x: torch.Tensor) -> bytes:
+        return codec.encode(x) if x.numel() else b""
+
+    def dec(b: bytes, n: int) -> torch.Tensor:
+        return codec.decode(b, n) if n else torch.zeros(0)
+
+    bounds = dict(zip(peers, part_bounds(numel, len(peers), codec.block)))
+    others = [p for p in peers if p != me]
+    sent = codec.decode(payload, numel)
+    parts = {p: enc(sent[a:b]) for p, (a, b) in bounds.items()}
+    a, b = bounds[me]
+    size = codec.nbytes(b - a) if b > a else 0
+    got, missing = channel.exchange(f"{key}.rs", {p: parts[p] for p in others}, {p: size for p in others}, timeout)
+    bytes_sent, bytes_received = sum(len(parts[p]) for p in others), sum(len(v) for v in got.values())
+    if missing:
+        return None, missing, bytes_sent, bytes_received
+    got[me] = parts[me]
+    mine = enc(weighted_mean({p: dec(got[p], b - a) for p in peers}, weights)) if b > a else b""
+    sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
+    back, missing = channel.exchange(f"{key}.ag", {p: mine for p in others}, sizes, timeout)
+    bytes_sent += len(mine) * len(others)
+    bytes_received += sum(len(v) for v in back.values())
+    if missing:
+        return None, missing, bytes_sent, bytes_received
+    back[me] = mine
+    return torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()]), [], bytes_sent, bytes_received
