@@ -179,3 +179,15 @@ def test_islands_with_different_codecs_refuse_each_other(tmp_path):
     assert len(prints) == 4
     assert config_fingerprint(tiny_config(tmp_path, **base)) == \
         config_fingerprint(tiny_config(tmp_path, **base, **{"averaging.error_feedback_decay": 0.9}))
+
+
+def test_reduce_scatter_parts_tile_the_bucket_at_block_boundaries():
+    from peers.encoded import part_bounds, reduce_scatters
+
+    for numel, parts, align in [(10_000, 3, 256), (100, 4, 128), (1, 3, 256), (4096, 4, 128)]:
+        bounds = part_bounds(numel, parts, align)
+        assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+        assert all(a <= b and b == c for (a, b), (c, _) in zip(bounds, bounds[1:]))
+        assert all(a % align == 0 for a, _ in bounds)
+    assert reduce_scatters(make_codec("int8"), 3) and not reduce_scatters(make_codec("int8"), 2)
+    assert not reduce_scatters(make_codec("topk"), 4)
