@@ -1,6 +1,6 @@
 """Islands of unequal speed: fixed H against time-budgeted and adaptive rounds, next to a DDP baseline.
 
-    python -m experiments hetero [--islands 3] [--slow-fraction 0.33] [--out DIR] [--section.key VALUE ...]
+    python -m experiments hetero [--islands 3] [--slow-fraction 0.4] [--out DIR] [--section.key VALUE ...]
 
 One island (the last) runs in a cpu cgroup capped at ``--slow-fraction`` of a core (:mod:`experiments.slowdown`;
 where cgroups cannot be written the experiment says so and stops: a sleep in the code would not be real
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ from experiments.report import RunResult, write_report
 HETERO_DEFAULTS: dict[str, Any] = {
     "model.preset": "small", "inner.batch_size": 16, "inner.warmup_steps": 10, "diloco.inner_steps": 30,
     "diloco.outer_steps": 6, "logging.eval_every": 1, "logging.samples": 0, "logging.eval_batches": 4,
-    "checkpoint.every": 0, "wandb.mode": "offline", "averaging.matchmaking_time": 10.0,
+    # a group waits (up to a minute) for all islands: with a fixed H every round waits for the slowest
+    "checkpoint.every": 0, "wandb.mode": "offline", "averaging.matchmaking_time": 60.0,
     "averaging.request_timeout": 3.0, "averaging.matchmaking_timeout": 180.0, "averaging.vote_timeout": 30.0,
 }
 
@@ -123,11 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m experiments hetero [--islands N] [--slow-fraction F] [--out DIR] [--section.key VALUE ...]``."""
     parser = argparse.ArgumentParser(prog="python -m experiments hetero", description=__doc__.split("\n\n")[0])
     parser.add_argument("--islands", type=int, default=3, help="islands (default 3; the last one is slowed)")
-    parser.add_argument("--slow-fraction", type=float, default=0.33,
-                        help="share of one core the slow island gets (default 0.33)")
+    parser.add_argument("--slow-fraction", type=float, default=0.4,
+                        help="share of one core the slow island gets (default 0.4: about half the speed of the "
+                             "others on 2 cores)")
     parser.add_argument("--out", default="experiments/results/hetero", help="output directory")
     parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
+    # Ctrl-C must stop the experiment even when started from a shell that ignores SIGINT in background jobs
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def body() -> int:
         cfg = config_mod.load(args.config, rest, defaults=HETERO_DEFAULTS)
