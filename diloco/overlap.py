@@ -89,8 +89,8 @@ class Overlap:
         self.auto: float | None = None
         """auto: compute seconds per round the group agreed on (None until measured: H steps meanwhile)."""
         self.last_comm_seconds = float("nan")
-        """The communication of the last round this island applied, without waiting for members (sent to
-        the group, for ``auto``)."""
+        """Seconds the last round this island applied took, sending to applying (sent to the group, for
+        ``auto``)."""
         self.mark = (0.0, 0, 0)
         """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
         self._due: tuple[int, bool] = (-1, False)
@@ -159,7 +159,7 @@ class Overlap:
     def finished(self, result: Any) -> None:
         """A round this island took part in ended: remember its cost, and under ``auto`` the budget the
         group's reports give (identical on every member: they all hold the same reports)."""
-        self.last_comm_seconds = float(getattr(result, "transfer_seconds", 0.0) or result.seconds)
+        self.last_comm_seconds = float(result.seconds)
         if self.budget.kind != "auto" or not getattr(result, "ok", False):
             return
         reports = [float(m.get("comm_seconds", float("nan"))) for m in getattr(result, "gathered", {}).values()]

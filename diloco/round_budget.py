@@ -6,10 +6,10 @@
 - tokens (``2M``, ``500K``, ``1G``): every island processes that many tokens (a fixed H in another unit);
 - ``auto``: seconds of compute, chosen after every round so that the round's communication stays under
   ``--diloco.max_comm_fraction`` of the time: budget = communication × (1 − f) / f, where the
-  communication is the longest transfer (from the group's forming to the end of its vote: waiting for
-  members to arrive is not communication) any member of the group reported with its pseudo-gradient for
-  its last round, so all members of a round choose the same budget (the first two rounds train H steps
-  to measure).
+  communication is the shortest last round any member of the group reported with its pseudo-gradient
+  (the member that arrived last waited for nobody: its round was all protocol, transfer and vote, while
+  the others' also held waiting for it), so all members of a round choose the same budget (the first two
+  rounds train H steps to measure).
 
 With fragments (P > 1) a sync is due every 1/P of the budget.  Only the steps budget is part of the run's
 shape; islands declaring different budgets still average together (the budget is not in the config
@@ -67,8 +67,8 @@ def parse_budget(text: str, inner_steps: int) -> Budget:
     return Budget("steps", value)
 
 
-def auto_seconds(transfer_seconds: list[float], max_comm_fraction: float) -> float:
+def auto_seconds(round_seconds: list[float], max_comm_fraction: float) -> float:
     """Compute seconds per round so that communication is ``max_comm_fraction`` of a round, from the
-    members' last transfers (``transfer_seconds``; the slowest counts)."""
-    comm = max((c for c in transfer_seconds if c == c and c >= 0), default=0.0)
+    members' last round durations (``round_seconds``; the shortest is the one without waiting)."""
+    comm = min((c for c in round_seconds if c == c and c >= 0), default=0.0)
     return max(MIN_AUTO_SECONDS, comm * (1 - max_comm_fraction) / max_comm_fraction)

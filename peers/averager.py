@@ -198,7 +198,6 @@ class VerifiedAverager:
             result.reason, result.voters = self._vote(averaged, peers, round_id)
             result.retryable = bool(result.reason) and result.voters >= self.settings.min_group_size
         result.vote_seconds = time.perf_counter() - t1
-        result.transfer_seconds = time.perf_counter() - (t_allreduce or t1)
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
         return result, (averaged if result.ok else None)

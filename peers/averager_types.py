@@ -76,9 +76,6 @@ class RoundResult:
     """Part of ``seconds`` spent until the group formed and the all-reduce finished."""
     allreduce_seconds: float = 0.0
     """Part of ``matchmaking_seconds`` spent in the all-reduce itself (after the group formed)."""
-    transfer_seconds: float = 0.0
-    """From the group's forming to the end of the vote: the round's communication, which (unlike
-    ``seconds``) waiting for members to arrive does not inflate."""
     vote_seconds: float = 0.0
     """Part of ``seconds`` spent agreeing on the result."""
     total_weight: float = 0.0

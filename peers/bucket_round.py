@@ -30,7 +30,6 @@ class BucketOutcome:
     bytes_received: int = 0
     retryable: bool = False
     """The group lost a member or a part mid-round (see :attr:`peers.averager.RoundResult.retryable`)."""
-    transfer_seconds: float = 0.0
 
 
 @dataclass
@@ -51,8 +50,6 @@ class ShardedRoundResult:
     island_bytes_sent: int = 0
     """The whole island's slow-link bytes sent in the hivemind attempt (sum over its ranks)."""
     seconds: float = 0.0
-    transfer_seconds: float = 0.0
-    """The slowest bucket's time from its group's forming to the end of its vote (0: not measured)."""
     total_weight: float = 0.0
     peers: list[str] = field(default_factory=list)
     """Peer ids (hivemind) or island ids (torch) of the lead bucket's group."""

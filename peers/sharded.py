@@ -284,7 +284,7 @@ class ShardedAverager:
             islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
             mine.append(BucketOutcome(b, self.rank, res.ok, res.reason, res.group_size,
                                       res.group_size < self.settings.min_group_size, islands, res.total_weight,
-                                      res.bytes_sent, res.bytes_received, res.retryable, res.transfer_seconds))
+                                      res.bytes_sent, res.bytes_received, res.retryable))
             if lead is None and res.group_size > 0:
                 lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
         shared = self.exchange.all_gather_object((mine, lead))
@@ -314,7 +314,6 @@ class ShardedAverager:
                              f"({sorted({len(o.islands) for o in buckets})} islands); discarding the round")
             return result, True, False
         result.ok, result.backend = True, "hivemind"
-        result.transfer_seconds = max(o.transfer_seconds for o in buckets)
         result.total_weight = buckets[0].total_weight if buckets else 0.0
         return result, False, False
 

@@ -98,6 +98,21 @@ def test_eager_fragments_in_flight_survive_a_kill_and_resume_in_sync(tmp_path, n
         assert any(r["overlap_seconds"] > 0 for r in rounds)  # communication ran under inner steps
 
 
+def test_killed_island_with_a_low_bit_codec_rejoins_with_its_error_feedback_reset(tmp_path, no_leaked_daemons):
+    """int4 with error feedback: island 2 is SIGKILLed, resumes from its checkpoint (buffers included) and
+    catches up with the others by adopting their θ_global, which resets its buffers as documented; all
+    end bit-identical (every member decodes the same bytes)."""
+    cluster = Cluster(_cfg(tmp_path, **{"averaging.compression": "int4", "diloco.outer_steps": 6}), 3,
+                      env={2: {"DILOCO_FAULTS": "kill@inner:3"}})
+    summaries = _killed_and_resumed(cluster, 2)
+    assert [s["outer_step"] for s in summaries] == [6] * 3
+    assert "error feedback reset: adopted another island's θ_global" in cluster.logs[2].read_text()
+    import torch
+
+    states = [torch.load(d / "theta_global.pt", weights_only=True) for d in cluster.run_dirs]
+    assert all(torch.equal(states[0][k], other[k]) for other in states[1:] for k in states[0])
+
+
 def test_first_island_restarted_with_its_own_command_rejoins_the_run(tmp_path, no_leaked_daemons):
     """The island the others bootstrapped through dies and is restarted as the README says (its own
     command plus --resume, no --initial-peers): it must find the run again, not start a second one."""
