@@ -160,7 +160,7 @@ def begin_round(island: Island) -> InFlight | RoundMetrics:
         delta = h.outgoing(rnd, delta)
     weight = float(island.stats.tokens - ov.tokens_at_sync[fragment])
     meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state,
-            "comm_seconds": ov.last_comm_seconds, "steps": island.inner_step - ov.mark[2]}
+            "steps": island.inner_step - ov.mark[2], **ov.report()}
     scale = ov.send_scale(weight)
     # a group forms as soon as every island the registry expects in this round has joined, not after the
     # whole matchmaking window
@@ -185,7 +185,6 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     if averaged is not None and flight.scale != 1.0:
         u = island.overlap.applied_scale(flight, result)
         averaged = {n: a * u for n, a in averaged.items()}
-    island.overlap.finished(result)
     norm = island.global_norm(flight.delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
     reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
@@ -200,6 +199,7 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     s = island.stats
     s.comm_seconds += result.seconds
     stall = flight.send_seconds + time.perf_counter() - t0
+    island.overlap.finished(result, stall)
     s.stall_seconds += stall
     return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
                         s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,

@@ -89,8 +89,8 @@ class Overlap:
         self.auto: float | None = None
         """auto: compute seconds per round the group agreed on (None until measured: H steps meanwhile)."""
         self.last_comm_seconds = float("nan")
-        """Seconds the last round this island applied took, sending to applying (sent to the group, for
-        ``auto``)."""
+        """Seconds the last round this island applied kept it from training (its stall: sending, waiting,
+        applying), sent to the group for ``auto``."""
         self.mark = (0.0, 0, 0)
         """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
         self._due: tuple[int, bool] = (-1, False)
@@ -156,16 +156,29 @@ class Overlap:
             return 1.0
         return result.total_weight / max(result.group_size, 1) / PER_TOKENS
 
-    def finished(self, result: Any) -> None:
-        """A round this island took part in ended: remember its cost, and under ``auto`` the budget the
-        group's reports give (identical on every member: they all hold the same reports)."""
-        self.last_comm_seconds = float(result.seconds)
+    def report(self) -> dict[str, float]:
+        """What the island tells the group with its next pseudo-gradient, for ``auto``: its last round's
+        stall and the compute seconds per inner step of the round it is sending."""
+        isl = self.island
+        steps = isl.inner_step - self.mark[2]
+        return {"comm_seconds": self.last_comm_seconds,
+                "step_seconds": (isl.stats.compute_seconds - self.mark[0]) / steps if steps else float("nan")}
+
+    def finished(self, result: Any, stall: float) -> None:
+        """A round this island took part in ended after keeping it from training ``stall`` seconds: remember
+        that, and under ``auto`` set the budget from the group's reports (identical on every member: they
+        all hold the same reports): after the first round, H steps of the fastest member; from then on
+        :func:`~diloco.round_budget.auto_seconds` of the stalls."""
+        self.last_comm_seconds = float(stall)
         if self.budget.kind != "auto" or not getattr(result, "ok", False):
             return
-        reports = [float(m.get("comm_seconds", float("nan"))) for m in getattr(result, "gathered", {}).values()]
-        reports = [c for c in reports if c == c]
-        if reports:
-            self.auto = auto_seconds(reports, self.max_comm_fraction)
+        reports = list(getattr(result, "gathered", {}).values())
+        stalls = [float(m.get("comm_seconds", float("nan"))) for m in reports]
+        steps = [float(m.get("step_seconds", float("nan"))) for m in reports]
+        if any(c == c for c in stalls):
+            self.auto = auto_seconds(stalls, self.max_comm_fraction)
+        elif any(s == s for s in steps):
+            self.auto = min(s for s in steps if s == s) * self.island.cfg.diloco.inner_steps
 
     def apply_due(self) -> bool:
         """Collective: whether the round in flight is to be applied now (before the next inner step)."""

@@ -6,10 +6,11 @@
 - tokens (``2M``, ``500K``, ``1G``): every island processes that many tokens (a fixed H in another unit);
 - ``auto``: seconds of compute, chosen after every round so that the round's communication stays under
   ``--diloco.max_comm_fraction`` of the time: budget = communication × (1 − f) / f, where the
-  communication is the shortest last round any member of the group reported with its pseudo-gradient
-  (the member that arrived last waited for nobody: its round was all protocol, transfer and vote, while
-  the others' also held waiting for it), so all members of a round choose the same budget (the first two
-  rounds train H steps to measure).
+  communication is the shortest stall (seconds kept from training by its last round) any member of the
+  group reported with its pseudo-gradient (the member that arrived last waited for nobody: its stall was
+  all protocol, transfer, vote and applying, while the others' also held waiting for it), so all members
+  of a round choose the same budget.  The first round trains H steps; the second the compute seconds the
+  fastest member of the first needed for H steps; from the third on the budget follows the stalls.
 
 With fragments (P > 1) a sync is due every 1/P of the budget.  Only the steps budget is part of the run's
 shape; islands declaring different budgets still average together (the budget is not in the config
