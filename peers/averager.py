@@ -168,6 +168,9 @@ class VerifiedAverager:
                     stage("allreduce")
                 time.sleep(0.005)
             gathered = control.result()
+            if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
+                t_allreduce = time.perf_counter()
+                stage("allreduce")
         except Exception as e:  # hivemind raises several types when no group forms or a peer fails
             return RoundResult(False, f"averaging failed: {type(e).__name__}: {_short(e)}",
                                seconds=time.perf_counter() - t0), None
