@@ -160,7 +160,7 @@ def begin_round(island: Island) -> InFlight | RoundMetrics:
         delta = h.outgoing(rnd, delta)
     weight = float(island.stats.tokens - ov.tokens_at_sync[fragment])
     meta = {"outer_step": rnd, "config_fingerprint": island.fingerprint, "state_fingerprint": state,
-            "steps": island.inner_step - ov.mark[2], **ov.report()}
+            **ov.report()}
     scale = ov.send_scale(weight)
     # a group forms as soon as every island the registry expects in this round has joined, not after the
     # whole matchmaking window

@@ -157,11 +157,11 @@ class Overlap:
         return result.total_weight / max(result.group_size, 1) / PER_TOKENS
 
     def report(self) -> dict[str, float]:
-        """What the island tells the group with its next pseudo-gradient, for ``auto``: its last round's
-        stall and the compute seconds per inner step of the round it is sending."""
+        """What the island tells the group with its next pseudo-gradient: the inner steps of the round it is
+        sending and, for ``auto``, the compute seconds per step and its last round's stall."""
         isl = self.island
         steps = isl.inner_step - self.mark[2]
-        return {"comm_seconds": self.last_comm_seconds,
+        return {"steps": steps, "comm_seconds": self.last_comm_seconds,
                 "step_seconds": (isl.stats.compute_seconds - self.mark[0]) / steps if steps else float("nan")}
 
     def finished(self, result: Any, stall: float) -> None:
