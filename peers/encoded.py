@@ -162,10 +162,10 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     the members whose part never came; bytes sent; bytes received)."""
     if not reduce_scatters(codec, len(peers)):
         got, missing = channel.all_gather(key, me, peers, payload, timeout)
+        sent, received = allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
         if missing:
-            return None, missing, allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
-        mean = weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights)
-        return mean, [], allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
+            return None, missing, sent, received
+        return weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights), [], sent, received
 
     def enc(x: torch.Tensor) -> bytes:
         return codec.encode(x) if x.numel() else b""
