@@ -107,6 +107,21 @@ CODECS: dict[str, dict[str, Any]] = {
 
 
 
+def arm_settings(name: str) -> dict[str, Any]:
+    """The settings of an overlapped arm: a name of :data:`ARMS`, or one joined to a codec of
+    :data:`CODECS` by ``+`` (``delayed+int8``: rounds in flight carrying int8 pseudo-gradients)."""
+    mode, _, codec = name.partition("+")
+    return {**ARMS[mode], **(CODECS[codec] if codec else {})}
+
+
+def unknown_arms(names: list[str]) -> list[str]:
+    """The names of ``names`` that :func:`arm_settings` cannot read."""
+    def known(name: str) -> bool:
+        mode, plus, codec = name.partition("+")
+        return mode in ARMS and (not plus or codec in CODECS)
+    return [n for n in names if not known(n)]
+
+
 # ------------------------------------------------------------------------------------ results
 
 
@@ -230,7 +245,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
 
         # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
-        for arm, items in [(a, ARMS[a]) for a in arms] + [(f"codec-{c}", CODECS[c]) for c in codecs]:
+        for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", CODECS[c]) for c in codecs]:
             say(f"\n== DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in items.items())} ==", flush=True)
             c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
                                       **items})
@@ -323,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"peak inner lr of the warm start (default {WARM_START_LR:g}, pretraining; the runs "
                              f"after it use --inner.lr)")
     parser.add_argument("--arms", default="",
-                        help=f"also run DiLoCo with rounds in flight, comma-separated: {', '.join(ARMS)} "
-                             f"(each as long as the DiLoCo run; default: none)")
+                        help=f"also run DiLoCo with rounds in flight, comma-separated: {', '.join(ARMS)}, each "
+                             f"optionally joined to a codec of --compression by + (e.g. delayed+int8; each as long "
+                             f"as the DiLoCo run; default: none)")
     parser.add_argument("--compression", default="",
                         help=f"also run DiLoCo with low-bit pseudo-gradients, comma-separated: {', '.join(CODECS)} "
                              f"(each as long as the DiLoCo run; default: none)")
@@ -352,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.warm_start_lr > 0:
             raise ConfigError([f"--warm-start-lr must be positive, got {args.warm_start_lr}"])
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-        unknown = [a for a in arms if a not in ARMS]
+        unknown = unknown_arms(arms)
         if unknown:
-            raise ConfigError([f"--arms {','.join(unknown)} is not one of {', '.join(ARMS)}"])
+            raise ConfigError([f"--arms {','.join(unknown)} is not one of {', '.join(ARMS)} (optionally +"
+                               f"{'|'.join(CODECS)})"])
         codecs = [c.strip() for c in args.compression.split(",") if c.strip()]
         unknown = [c for c in codecs if c not in CODECS]
         if unknown:

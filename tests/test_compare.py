@@ -7,7 +7,7 @@ import json
 import pytest
 
 from experiments import netns
-from experiments.compare import curve_from_metrics, run_compare
+from experiments.compare import arm_settings, curve_from_metrics, run_compare, unknown_arms
 from tests.conftest import PART_LOST, tiny_config
 
 COMMON = {
@@ -100,3 +100,10 @@ def test_sweep_verdicts_and_report(tmp_path):
     text = md.read_text()
     assert "15.18 (−6.5%)" in text and "**agrees" in text and "-6.17%" in text
     assert (tmp_path / "islands.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overlapped_arms_join_a_codec_by_plus():
+    assert arm_settings("delayed+int8") == {"diloco.overlap": "delayed", "averaging.compression": "int8"}
+    assert arm_settings("eager") == {"diloco.overlap": "eager"}
+    assert unknown_arms(["delayed", "eager+int4", "delayed+", "fast", "int8", "eager+zip"]) == [
+        "delayed+", "fast", "int8", "eager+zip"]
