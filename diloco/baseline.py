@@ -266,7 +266,7 @@ def baseline_main(argv: list[str] | None = None) -> int:
     Without ``--rank`` it launches all ``--workers`` workers on loopback (:func:`diloco.baseline_launch.run_baseline`), with
     any ``--section.key VALUE`` overrides.
     """
-    from diloco import config as config_mod
+    from diloco import config_load
     from diloco.config import ConfigError
 
     parser = argparse.ArgumentParser(prog="python -m diloco.baseline", description=__doc__.split("\n")[0])
@@ -283,7 +283,7 @@ def baseline_main(argv: list[str] | None = None) -> int:
     logging.getLogger("wandb").setLevel(logging.WARNING)
 
     def body() -> int:
-        cfg = config_mod.load(args.config, rest)
+        cfg = config_load.load(args.config, rest)
         if args.workers < 1:
             raise ConfigError([f"--workers must be at least 1, got {args.workers}"])
         if args.rank is None:

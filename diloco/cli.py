@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from diloco import config as config_mod
+from diloco import config_load
 from diloco.command import run_command
 from diloco.config import ConfigError
 
@@ -63,7 +64,7 @@ def load_config(ns: argparse.Namespace, rest: list[str]) -> config_mod.Config:
         overrides += ["--averaging.initial_peers", ns.initial_peers]
     if ns.resume:
         overrides += ["--checkpoint.resume", "latest"]
-    return config_mod.load(ns.config, overrides)
+    return config_load.load(ns.config, overrides)
 
 
 def setup_logging(prefix: str = "") -> None:
@@ -153,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if command == ["baseline"]:
             return cmd_baseline(cfg, ns.workers)
         if command == ["config", "show"]:
-            print(config_mod.describe(cfg), end="")
+            print(config_load.describe(cfg), end="")
             return 0
         if command == ["config", "reference"]:
-            print(config_mod.reference_markdown(), end="")
+            print(config_load.reference_markdown(), end="")
             return 0
         print(f"error: unknown command {' '.join(command)!r}; run `diloco --help` for the list", file=sys.stderr)
         return 2

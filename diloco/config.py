@@ -2,21 +2,17 @@
 
 Each section is a dataclass whose fields carry a docstring (the string literal right after the
 field).  A TOML file fills the tree (``--config FILE``) and any key can be overridden on the
-command line as ``--section.key VALUE``.  :func:`validate` reports every problem as one line.
+command line as ``--section.key VALUE`` (:mod:`diloco.config_load`); :mod:`diloco.config_checks` reports
+every problem as one line.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
-import math
 import textwrap
-import tomllib
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -307,7 +303,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _is_section(value: Any) -> bool:
+def is_section(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
@@ -324,17 +320,13 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
     """Map every leaf of the tree to its dotted key, e.g. ``{"model.preset": "small", ...}``."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         key = f"{prefix}{f.name}"
-        if _is_section(value):
+        if is_section(value):
             out.update(flatten(value, key + "."))
         else:
             out[key] = value
@@ -346,148 +338,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _leaf(cfg: Config, key: str) -> tuple[Any, str, Any]:
-    """Return (owning dataclass instance, field name, declared type) for a dotted key."""
-    parts = key.split(".")
-    obj: Any = cfg
-    for part in parts[:-1]:
-        obj = getattr(obj, part)
-    return obj, parts[-1], _field_types(type(obj))[parts[-1]]
-
-
-def _coerce(key: str, raw: Any, typ: Any) -> Any:
-    """Convert a TOML value or a command-line string to the field's type, or raise ValueError."""
-    origin = typing.get_origin(typ)
-    if origin in (list, tuple):
-        if isinstance(raw, str):
-            items = [s for s in (p.strip() for p in raw.split(",")) if s]
-        elif isinstance(raw, (list, tuple)):
-            items = [str(x) for x in raw]
-        else:
-            raise ValueError(f"{key} expects a list of strings (comma-separated on the command line), got {raw!r}")
-        return items
-    if typ is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"{key} expects true or false, got {raw!r}")
-    if typ is int:
-        if isinstance(raw, bool) or (not isinstance(raw, (int, str))):
-            raise ValueError(f"{key} expects an integer, got {raw!r}")
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"{key} expects an integer, got {raw!r}") from None
-    if typ is float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-            raise ValueError(f"{key} expects a number, got {raw!r}")
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{key} expects a number, got {raw!r}") from None
-    if typ is str:
-        if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
-            raise ValueError(f"{key} expects a string, got {raw!r}")
-        return str(raw)
-    raise ValueError(f"{key} has an unsupported type {typ}")  # pragma: no cover
-
-
-def _unknown_key_message(key: str, valid: list[str]) -> str:
-    tail = key.split(".")[-1]
-    # a bare or misplaced name (`--inner_steps`) most likely means the key with that exact last part
-    close = [k for k in valid if k.split(".")[-1] == tail and k != key][:1]
-    if not close:
-        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean --{close[0]}?" if close else "; run `diloco config show` to list valid keys."
-    return f"unknown config key --{key}{hint}"
-
-
-def apply(cfg: Config, items: dict[str, Any]) -> list[str]:
-    """Set dotted keys on ``cfg`` in place; return one message per unknown key or bad value."""
-    valid = list(flatten(cfg))
-    problems = []
-    for key, raw in items.items():
-        if key not in valid:
-            problems.append(_unknown_key_message(key, valid))
-            continue
-        obj, name, typ = _leaf(cfg, key)
-        try:
-            setattr(obj, name, _coerce(f"--{key}", raw, typ))
-        except ValueError as e:
-            problems.append(str(e))
-    return problems
-
-
-def _flatten_toml(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        if isinstance(v, dict):
-            out.update(_flatten_toml(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Turn ``["--a.b", "1", "--c=2"]`` into ``{"a.b": "1", "c": "2"}``; also return problems."""
-    items: dict[str, str] = {}
-    problems: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            problems.append(f"unexpected argument {arg!r}: options are written --section.key VALUE")
-            i += 1
-            continue
-        key = arg[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(args) and not (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
-            value = args[i + 1]
-            i += 2
-        else:
-            problems.append(f"--{key} needs a value: write --{key} VALUE")
-            i += 1
-            continue
-        items[key.replace("-", "_")] = value
-    return items, problems
-
-
-def load(config_file: str | None = None, overrides: list[str] | dict[str, Any] | None = None,
-         defaults: dict[str, Any] | None = None) -> Config:
-    """Build a validated :class:`Config`: field defaults < ``defaults`` (a command's own, dotted keys) <
-    an optional TOML file < overrides (``--section.key VALUE`` list or dotted-key dict).
-
-    Raises :class:`ConfigError` listing every problem found.
-    """
-    cfg = Config()
-    problems: list[str] = apply(cfg, defaults) if defaults else []
-    if config_file:
-        path = Path(config_file)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError([f"config file {path} does not exist; check the path passed to --config"]) from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError([f"config file {path} is not valid TOML ({e}); fix the syntax"]) from None
-        problems += apply(cfg, _flatten_toml(data))
-    if isinstance(overrides, dict):
-        problems += apply(cfg, overrides)
-    elif overrides:
-        items, parse_problems = parse_overrides(overrides)
-        problems += parse_problems
-        problems += apply(cfg, items)
-    resolve_model(cfg.model)
-    problems += validate(cfg)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
 def resolve_model(model: ModelConfig) -> None:
     """Fill the model fields left at 0 from the preset (in place)."""
     preset = MODEL_PRESETS.get(model.preset)
@@ -497,242 +347,6 @@ def resolve_model(model: ModelConfig) -> None:
         if getattr(model, name) == 0:
             setattr(model, name, value)
 
-
-def validate(cfg: Config) -> list[str]:
-    """Return one sentence per inconsistent or out-of-range value (empty when all is well)."""
-    flat = flatten(cfg)
-    # NaN passes every range check below (all comparisons are false) and inf passes most of them
-    p = [f"--{key} must be a finite number, got {value}" for key, value in flat.items()
-         if isinstance(value, float) and not math.isfinite(value)]
-    if p:
-        return p
-    for key, choices in CHOICES.items():
-        if flat[key] not in choices:
-            p.append(f"--{key} is {flat[key]!r} but must be one of {', '.join(choices)}")
-    m = cfg.model
-    for name in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "vocab_size"):
-        if getattr(m, name) < 1:
-            p.append(f"--model.{name} must be at least 1, got {getattr(m, name)}")
-    if m.dim > 0 and m.n_heads > 0 and m.dim % m.n_heads:
-        p.append(f"--model.n_heads ({m.n_heads}) must divide --model.dim ({m.dim}); pick a divisor such as "
-                 f"{max(d for d in range(1, m.n_heads + 1) if m.dim % d == 0)}")
-    elif m.dim > 0 and m.n_heads > 0 and (m.dim // m.n_heads) % 2:
-        p.append(f"the head width --model.dim / --model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-    if m.vocab_size < 256 and not cfg.data.path.startswith("hf:"):
-        p.append(f"--model.vocab_size is {m.vocab_size} but byte-level tokens need at least 256")
-    d = cfg.data
-    if not 0 < d.heldout_fraction < 1:
-        p.append(f"--data.heldout_fraction must be between 0 and 1 (exclusive), got {d.heldout_fraction}")
-    if d.num_shards < 1:
-        p.append(f"--data.num_shards must be at least 1, got {d.num_shards}")
-    elif not 0 <= d.shard_index < d.num_shards:
-        p.append(f"--data.shard_index must be in [0, {d.num_shards - 1}] for --data.num_shards {d.num_shards}, got {d.shard_index}")
-    if d.max_bytes < 0:
-        p.append(f"--data.max_bytes must be 0 (no limit) or positive, got {d.max_bytes}")
-    i = cfg.inner
-    if i.lr <= 0:
-        p.append(f"--inner.lr must be positive, got {i.lr}")
-    if not 0 <= i.min_lr_ratio <= 1:
-        p.append(f"--inner.min_lr_ratio must be between 0 and 1, got {i.min_lr_ratio}")
-    for name in ("batch_size", "grad_accum"):
-        if getattr(i, name) < 1:
-            p.append(f"--inner.{name} must be at least 1, got {getattr(i, name)}")
-    for name in ("warmup_steps",):
-        if getattr(i, name) < 0:
-            p.append(f"--inner.{name} must be 0 or more, got {getattr(i, name)}")
-    if i.grad_clip < 0:
-        p.append(f"--inner.grad_clip must be 0 (off) or positive, got {i.grad_clip}")
-    dl = cfg.diloco
-    if dl.inner_steps < 1:
-        p.append(f"--diloco.inner_steps (H) must be at least 1, got {dl.inner_steps}")
-    if dl.outer_steps < 1:
-        p.append(f"--diloco.outer_steps must be at least 1, got {dl.outer_steps}")
-    if dl.outer_lr <= 0:
-        p.append(f"--diloco.outer_lr must be positive, got {dl.outer_lr}")
-    if not 0 <= dl.outer_momentum < 1:
-        p.append(f"--diloco.outer_momentum must be in [0, 1), got {dl.outer_momentum}")
-    if not 1 <= dl.fragments <= max(dl.inner_steps, 1):
-        p.append(f"--diloco.fragments must be between 1 and --diloco.inner_steps ({dl.inner_steps}), "
-                 f"got {dl.fragments}")
-    elif m.n_layers >= 1 and dl.fragments > m.n_layers:
-        p.append(f"--diloco.fragments ({dl.fragments}) cannot exceed the model's {m.n_layers} layers "
-                 f"(a fragment is a group of whole layers)")
-    elif dl.inner_steps >= 1 and not 0 <= dl.overlap_steps <= dl.inner_steps // dl.fragments:
-        p.append(f"--diloco.overlap_steps must be between 0 and H / fragments = {dl.inner_steps // dl.fragments} "
-                 f"(a round must be applied before the next one is sent), got {dl.overlap_steps}")
-    p += budget_problems(dl)
-    if not 0 <= dl.merge_alpha < 1:
-        p.append(f"--diloco.merge_alpha must be in [0, 1), got {dl.merge_alpha}")
-    elif dl.merge_alpha and dl.overlap != "none":
-        p.append("--diloco.merge_alpha applies to --diloco.overlap none only (delayed and eager keep the "
-                 "progress made meanwhile); drop it or use overlap none")
-    a = cfg.averaging
-    if a.min_group_size < 1:
-        p.append(f"--averaging.min_group_size must be at least 1, got {a.min_group_size}")
-    if a.target_group_size and a.target_group_size < a.min_group_size:
-        p.append(f"--averaging.target_group_size ({a.target_group_size}) must be 0 or at least "
-                 f"--averaging.min_group_size ({a.min_group_size})")
-    if a.matchmaking_time <= 0:
-        p.append(f"--averaging.matchmaking_time must be positive, got {a.matchmaking_time}")
-    if a.matchmaking_timeout <= a.matchmaking_time:
-        p.append(f"--averaging.matchmaking_timeout ({a.matchmaking_timeout}) must exceed "
-                 f"--averaging.matchmaking_time ({a.matchmaking_time})")
-    if not 0 < a.request_timeout < a.matchmaking_time:
-        p.append(f"--averaging.request_timeout ({a.request_timeout}) must be positive and below "
-                 f"--averaging.matchmaking_time ({a.matchmaking_time})")
-    if a.wait_for_islands < 0:
-        p.append(f"--averaging.wait_for_islands must be 0 or more, got {a.wait_for_islands}")
-    if a.max_norm_ratio < 0:
-        p.append(f"--averaging.max_norm_ratio must be 0 (off) or positive, got {a.max_norm_ratio}")
-    for name in ("allreduce_timeout", "next_chunk_timeout", "startup_timeout", "state_download_timeout",
-                 "vote_timeout", "member_ttl", "rejoin_after"):
-        if getattr(a, name) <= 0:
-            p.append(f"--averaging.{name} must be positive, got {getattr(a, name)}")
-    for addr in a.initial_peers:
-        if not addr.startswith("/") or "/p2p/" not in addr:
-            p.append(f"--averaging.initial_peers entry {addr!r} is not a multiaddr ending in /p2p/PEER_ID; "
-                     f"copy one printed by the island you want to join")
-    for addr in a.host_maddrs + a.announce_maddrs:
-        if not addr.startswith("/ip4/") and not addr.startswith("/ip6/") and not addr.startswith("/dns"):
-            p.append(f"multiaddr {addr!r} must look like /ip4/ADDRESS/tcp/PORT")
-    if a.bucket_numel < 1:
-        p.append(f"--averaging.bucket_numel must be at least 1, got {a.bucket_numel}")
-    p += codec_problems(cfg)
-    p += parallel_problems(cfg)
-    c = cfg.checkpoint
-    if c.every < 0:
-        p.append(f"--checkpoint.every must be 0 (off) or positive, got {c.every}")
-    if c.keep < 1:
-        p.append(f"--checkpoint.keep must be at least 1, got {c.keep}")
-    lg = cfg.logging
-    for name in ("log_every", "eval_every", "eval_batches"):
-        if getattr(lg, name) < 1:
-            p.append(f"--logging.{name} must be at least 1, got {getattr(lg, name)}")
-    if lg.samples < 0 or lg.sample_tokens < 1:
-        p.append(f"--logging.samples must be 0 (none) or positive and --logging.sample_tokens at least 1, got "
-                 f"{lg.samples} and {lg.sample_tokens}")
-    if cfg.threads < 0:
-        p.append(f"--threads must be 0 (default) or positive, got {cfg.threads}")
-    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
-        p.append(f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
-    return p
-
-
-def parallel_problems(cfg: Config) -> list[str]:
-    """Why the model cannot be split over ``--parallel.tp`` x ``--parallel.pp`` (one sentence each)."""
-    par, m = cfg.parallel, cfg.model
-    if par.tp == 1 and par.pp == 1:
-        return []
-    if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size) < 1:
-        return []  # reported above
-    if par.schedule not in CHOICES["parallel.schedule"] or par.balance not in CHOICES["parallel.balance"]:
-        return []  # named by the choice check above; the split is checked once that is fixed
-    from pipeline.model_parts import SplitSettings, check_split  # torch-heavy: only for parallel islands
-
-    try:
-        settings = SplitSettings.from_config(par)
-    except ValueError:
-        return [f"--parallel.layers_per_stage must list integers, got {','.join(par.layers_per_stage)}"]
-    problems = check_split(settings, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
-    if par.pp > 1 and par.microbatches >= 1 and cfg.inner.batch_size % par.microbatches:
-        problems.append(f"--inner.batch_size ({cfg.inner.batch_size}) must be divisible by "
-                        f"--parallel.microbatches ({par.microbatches}) when --parallel.pp is above 1")
-    return problems
-
-
-def describe(cfg: Config) -> str:
-    """The effective config as TOML, each key preceded by its docstring as a comment."""
-    lines: list[str] = []
-
-    def emit(section: Any, name: str | None) -> None:
-        docs = field_docs(type(section))
-        if name:
-            lines.append(f"\n[{name}]")
-        subsections = []
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            if _is_section(value):
-                subsections.append((value, f.name if not name else f"{name}.{f.name}"))
-                continue
-            if f.name in docs:
-                lines.append(f"# {docs[f.name]}")
-            lines.append(f"{f.name} = {_toml_value(value)}")
-        for value, sub in subsections:
-            emit(value, sub)
-
-    emit(cfg, None)
-    return "\n".join(lines).lstrip() + "\n"
-
-
-def reference_markdown() -> str:
-    """A markdown table of every key with its default and docstring (for the README)."""
-    cfg = Config()
-    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
-
-    def walk(section: Any, prefix: str) -> None:
-        docs = field_docs(type(section))
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            if _is_section(value):
-                walk(value, f"{prefix}{f.name}.")
-            else:
-                rows.append(f"| `--{prefix}{f.name}` | `{_toml_value(value)}` | {docs.get(f.name, '')} |")
-
-    walk(cfg, "")
-    return "\n".join(rows) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def budget_problems(dl: DilocoConfig) -> list[str]:
-    """What is wrong with ``--diloco.sync_every`` and ``--diloco.max_comm_fraction``."""
-    from diloco.round_budget import parse_budget
-
-    try:
-        budget = parse_budget(dl.sync_every, max(dl.inner_steps, 1))
-    except ValueError as e:
-        return [str(e)]
-    p = []
-    if budget.by_steps and budget.amount != dl.inner_steps:
-        p.append(f"--diloco.sync_every {dl.sync_every} (steps) contradicts --diloco.inner_steps {dl.inner_steps}; "
-                 f"set only one of them")
-    if not 0 < dl.max_comm_fraction < 1:
-        p.append(f"--diloco.max_comm_fraction must be in (0, 1), got {dl.max_comm_fraction}")
-    return p
-
-
-def codec_problems(cfg: Config) -> list[str]:
-    """What is wrong with the wire format settings (the low-bit codecs and SparseLoCo)."""
-    a, p = cfg.averaging, []
-    encoded = a.compression in ENCODED_CODECS
-    if not 0 < a.topk_density <= 1:
-        p.append(f"--averaging.topk_density must be in (0, 1], got {a.topk_density}")
-    if a.topk_bits not in (2, 4):
-        p.append(f"--averaging.topk_bits must be 2 or 4, got {a.topk_bits}")
-    if not 0 < a.error_feedback_decay <= 1:
-        p.append(f"--averaging.error_feedback_decay must be in (0, 1], got {a.error_feedback_decay}")
-    if encoded and a.backend not in ("hivemind", "auto"):
-        p.append(f"--averaging.compression {a.compression} travels over hivemind: use --averaging.backend "
-                 f"hivemind or auto (got {a.backend})")
-    if cfg.diloco.outer_optimizer == "sparseloco" and not (encoded and a.error_feedback):
-        p.append("--diloco.outer_optimizer sparseloco needs error feedback on a lossy codec: add "
-                 "--averaging.compression topk (or int8, int4) with --averaging.error_feedback true")
-    return p
-
-
-ENCODED_CODECS = ("int8", "int4", "topk")
-"""The codecs of outer_optim.codecs (with error feedback), all-gathered by peers.encoded."""
-
-REMOVED_KEYS = ("averaging.sharded",)
-"""Keys of earlier versions that checkpoints may still hold; every island now averages shard-wise."""
 
 # Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
 FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
@@ -749,19 +363,8 @@ def config_fingerprint(cfg: Config) -> str:
     return hashlib.sha1(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from :func:`to_dict` output (e.g. stored in a checkpoint)."""
-    cfg = Config()
-    items = {k: v for k, v in _flatten_toml(data).items() if k not in REMOVED_KEYS}
-    problems = apply(cfg, items)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "DataConfig", "InnerOptimConfig", "DilocoConfig",
     "AveragingConfig", "ParallelConfig", "CheckpointConfig", "WandbConfig", "LoggingConfig", "MODEL_PRESETS",
-    "load", "validate", "describe", "flatten", "to_dict", "from_dict", "parse_overrides",
-    "reference_markdown", "field_docs", "resolve_model", "config_fingerprint",
+    "CHOICES", "flatten", "to_dict", "field_docs", "resolve_model", "config_fingerprint",
 ]

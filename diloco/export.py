@@ -21,7 +21,8 @@ import torch
 
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
-from diloco.config import ModelConfig, from_dict, resolve_model
+from diloco.config import ModelConfig, resolve_model
+from diloco.config_load import from_dict
 from diloco.model import Transformer, build_model
 
 HF_WEIGHTS = "model.safetensors"

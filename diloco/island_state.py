@@ -16,7 +16,8 @@ import torch
 
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
-from diloco.config import config_fingerprint, from_dict, to_dict
+from diloco.config import config_fingerprint, to_dict
+from diloco.config_load import from_dict
 from diloco.errors import TrainingError
 from outer_optim import checksum
 from peers.layout import spec_tuple

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.config import Config, from_dict, to_dict
+from diloco.config import Config, to_dict
+from diloco.config_load import from_dict
 from diloco.errors import TrainingError
 from pipeline import init_island_mesh
 

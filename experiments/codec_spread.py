@@ -21,6 +21,7 @@ import torch
 
 from diloco import checkpoint
 from diloco import config as config_mod
+from diloco import config_load
 from diloco.command import run_command
 from diloco.config import ConfigError
 from experiments.islands import CompareError, launch_islands, variant
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
-        cfg = config_mod.load(None, rest, defaults=DEFAULTS)
+        cfg = config_load.load(None, rest, defaults=DEFAULTS)
         codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
         bad = [c for c in codecs if c not in CODECS]
         if bad or args.rounds < args.every or args.every < 1 or args.islands < 2:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import config as config_mod
+from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare_results import (acceptance_lines, baseline_result, codec_lines, counted_vs_link,
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.netns import NetworkSetupError
 
     def body() -> int:
-        cfg = config_mod.load(args.config, rest, defaults=COMPARE_DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=COMPARE_DEFAULTS)
         rate = args.rate if args.rate and args.rate.lower() not in ("none", "off", "0") else None
         if rate:
             from experiments.netns import parse_rate

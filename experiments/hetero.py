@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import config as config_mod
+from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from diloco.metrics import read_metrics
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def body() -> int:
-        cfg = config_mod.load(args.config, rest, defaults=HETERO_DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=HETERO_DEFAULTS)
         if args.islands < 2:
             raise ConfigError([f"--islands must be at least 2, got {args.islands}"])
         if not 0 < args.slow_fraction <= 1:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diloco import config as config_mod
+from diloco import config_checks, config_load
 from diloco.config import Config, ConfigError
 
 
@@ -45,7 +45,7 @@ def launch_islands(cfg: Config, n: int, network: Any = None, *,
 def variant(cfg: Config, **items: Any) -> Config:
     """A deep copy of ``cfg`` with dotted keys set (validated)."""
     c = copy.deepcopy(cfg)
-    problems = config_mod.apply(c, items) + config_mod.validate(c)
+    problems = config_load.apply(c, items) + config_checks.validate(c)
     if problems:
         raise ConfigError(problems)
     return c

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco import config as config_mod
+from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from diloco.metrics import read_metrics
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from experiments.netns import parse_rate
 
-        cfg = config_mod.load(args.config, rest, defaults=SWEEP_DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=SWEEP_DEFAULTS)
         rates = [r.strip() for r in args.rates.split(",") if r.strip()]
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         problems = [f"--modes {m} is not one of {', '.join(MODES)}" for m in modes if m not in MODES]

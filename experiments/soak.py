@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.config import load
+from diloco.config_load import load
 from diloco.metrics import read_metrics
 from diloco.simulate import Cluster
 from experiments.compare_results import link_tx_bytes

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco import config as config_mod
+from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare import curve_from_metrics
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.simulate import SimulationError
 
     def body() -> int:
-        cfg = config_mod.load(args.config, rest, defaults=SWEEP_DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=SWEEP_DEFAULTS)
         names = list(SWEEPS) if args.sweep == "all" else [args.sweep]
         if args.report_only:
             for name in names:

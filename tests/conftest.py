@@ -19,7 +19,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from diloco.config import Config, load  # noqa: E402
+from diloco.config import Config  # noqa: E402
+from diloco.config_load import load  # noqa: E402
 
 
 def tiny_config(run_dir, **overrides) -> Config:

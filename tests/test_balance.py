@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.config import CHOICES, ConfigError, ModelConfig, load
+from diloco.config import CHOICES, ConfigError, ModelConfig
+from diloco.config_load import load
 from diloco.model import build_model
 from pipeline.balance import (
     BALANCES,

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from diloco import config as C
-from diloco.config import ConfigError, load
+from diloco import config_load
+from diloco.config import ConfigError
+from diloco.config_load import load
 
 
 def test_defaults_are_valid_and_presets_fill_the_model():
@@ -82,7 +84,7 @@ def test_every_field_has_a_docstring():
 def test_describe_round_trips_through_toml(tmp_path):
     cfg = load(None, ["--diloco.inner_steps", "17", "--averaging.host_maddrs", "/ip4/0.0.0.0/tcp/1234"])
     f = tmp_path / "shown.toml"
-    f.write_text(C.describe(cfg))
+    f.write_text(config_load.describe(cfg))
     again = load(str(f))
     assert C.flatten(again) == C.flatten(cfg)
 
@@ -103,7 +105,7 @@ def test_readme_config_reference_is_current():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     current = readme[readme.index(start) + len(start):readme.index(end)]
-    assert current == C.reference_markdown(), "README config reference is stale: regenerate it with " \
+    assert current == config_load.reference_markdown(), "README config reference is stale: regenerate it with " \
         "`diloco config reference`"
 def test_command_defaults_under_file_under_overrides(tmp_path):
     cfg_file = tmp_path / "c.toml"

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from diloco import cli
-from diloco.config import ConfigError, load, to_dict
+from diloco.config import ConfigError, to_dict
+from diloco.config_load import load
 from diloco.island import Island
 from diloco.metrics import read_metrics
 from diloco.proctable import descendants
