@@ -35,7 +35,6 @@ from diloco.data import ShardedBatches, heldout_batches, load_corpus
 from diloco.errors import TrainingError
 from diloco.faults import FaultPlan
 from diloco.inner import build_inner_optimizer, inner_step
-from diloco.round_budget import parse_budget
 from diloco.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.model import build_initial_model, lm_loss
 from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
@@ -106,12 +105,6 @@ class Island:
         del full
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
-        total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
-        by_steps = parse_budget(cfg.diloco.sync_every, cfg.diloco.inner_steps).by_steps
-        # without a fixed H the cosine follows the run's progress (the overlap schedule exists from below on)
-        self.inner_opt, self.inner_sched = build_inner_optimizer(
-            list(self.model.named_parameters()), cfg.inner, total_inner,
-            None if by_steps else (lambda: self.overlap.progress() if hasattr(self, "overlap") else 0.0))
         d = cfg.diloco
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
@@ -120,6 +113,12 @@ class Island:
         self.outer_step = 0
         self.inner_step = 0
         self.stats = RunStats()
+        self.overlap = Overlap(self)
+        total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
+        # without a fixed H the cosine follows the run's progress
+        self.inner_opt, self.inner_sched = build_inner_optimizer(
+            list(self.model.named_parameters()), cfg.inner, total_inner,
+            None if self.overlap.budget.by_steps else self.overlap.progress)
         self.fingerprint = config_fingerprint(cfg)
         self.state_lock = threading.Lock()
         """Held while θ_global, the outer momentum or the outer step change (joiners read them meanwhile)."""
@@ -139,7 +138,6 @@ class Island:
         self.faults = FaultPlan.from_env()
         self.hooks = [FaultHook(self.faults)]
         self.transfer = StateTransfer(self)
-        self.overlap = Overlap(self)
         self.t_start = 0.0
         """``time.perf_counter()`` when the training loop started (for compute utilization)."""
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"

@@ -60,6 +60,3 @@ class LocalAverager:
 
     def commit(self, pending: Finished) -> None:
         """No codec, no error feedback to keep."""
-
-    def reset_feedback(self) -> None:
-        """No error feedback to forget."""

@@ -269,11 +269,6 @@ class ShardedAverager:
         """The island committed ``pending``'s round: what the codec dropped from it goes into the next one."""
         self.buffers.update(pending.feedback)
 
-    def reset_feedback(self) -> None:
-        """Forget the error feedback (the island adopted another island's state: its own past Δ no longer
-        relates to its θ_global)."""
-        self.buffers.clear()
-
     def _island_verdict(self, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str
                         ) -> tuple[ShardedRoundResult, bool, bool]:
         """Share the owned buckets' outcomes with the island (collective) and decide, identically on every
