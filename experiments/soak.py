@@ -73,18 +73,24 @@ def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
             "round_s": round_s, "retried": retried, "retried_ok": retried_ok}
 
 
+def log_lines(log: Path, t0: float) -> list[tuple[float, str]]:
+    """(wall-clock time, line) of every timestamped line of an island's log (seconds resolution)."""
+    day = time.localtime(t0)
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r"(\d\d):(\d\d):(\d\d) ", line)
+        if m:
+            t = time.mktime((*day[:3], int(m[1]), int(m[2]), int(m[3]), 0, 0, -1))
+            out.append((t + (86400 if t < t0 - 3600 else 0), line))  # the run went past midnight
+    return out
+
+
 def joined_intervals(log: Path, t0: float) -> list[tuple[float, float]]:
     """Wall-clock spans during which an island was in the run: each life of its process (its log from one
     ``data:`` line to the next) counts from the moment it had joined the peer network and the member
     registry (or caught up, or committed) to its last log line.  Seconds resolution, like the log."""
-    day = time.localtime(t0)
     lives: list[list[float | None]] = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = re.match(r"(\d\d):(\d\d):(\d\d) ", line)
-        if not m:
-            continue
-        t = time.mktime((*day[:3], int(m[1]), int(m[2]), int(m[3]), 0, 0, -1))
-        t += 86400 if t < t0 - 3600 else 0  # the run went past midnight
+    for t, line in log_lines(log, t0):
         if " data: " in line or not lives:
             lives.append([None, t])
         lives[-1][1] = t
@@ -93,15 +99,26 @@ def joined_intervals(log: Path, t0: float) -> list[tuple[float, float]]:
     return [(a, b) for a, b in lives if a is not None]
 
 
-def longest_stall(commits: list[float], joined: list[list[tuple[float, float]]], step: float = 0.1) -> float:
-    """The most seconds, between two consecutive commits, during which at least 2 islands were in the run."""
+def stall_story(logs: list[Path], t0: float, start: float, end: float, limit: int = 40) -> list[str]:
+    """What the islands logged as warnings or errors from ``start`` to ``end`` (the longest stall), in time
+    order, each line prefixed by its second of the soak."""
+    lines = sorted((t, line) for log in logs for t, line in log_lines(log, t0)
+                   if start - 1 <= t <= end + 1 and (" WARNING " in line or " ERROR " in line))
+    return [f"{t - t0:5.0f}s {line}" for t, line in lines[:limit]]
+
+
+def longest_stall(commits: list[float], joined: list[list[tuple[float, float]]], step: float = 0.1
+                  ) -> tuple[float, float, float]:
+    """The most seconds, between two consecutive commits, during which at least 2 islands were in the run;
+    with those two commits' times."""
     def count(t: float) -> int:
         return sum(any(a <= t <= b for a, b in spans) for spans in joined)
 
-    worst = 0.0
+    worst = (0.0, 0.0, 0.0)
     for a, b in zip(commits, commits[1:]):
         if b - a > 3 * step:
-            worst = max(worst, step * sum(count(a + step * (i + 0.5)) >= 2 for i in range(int((b - a) / step))))
+            stalled = step * sum(count(a + step * (i + 0.5)) >= 2 for i in range(int((b - a) / step)))
+            worst = max(worst, (stalled, a, b))
     return worst
 
 
@@ -159,7 +176,10 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
                      for t in torch.load(d / "theta_global.pt", weights_only=True).values())
         report = round_report(cluster.run_dirs, kill_times)
         commits = sorted(r["time"] for d in cluster.run_dirs for r in read_metrics(d) if r.get("round_ok"))
-        report["stall_s"] = longest_stall(commits, [joined_intervals(log, t0) for log in cluster.logs])
+        report["stall_s"], stall_from, stall_to = longest_stall(commits, [joined_intervals(log, t0)
+                                                                          for log in cluster.logs])
+        report["stall_from_s"], report["stall_to_s"] = stall_from - t0, stall_to - t0
+        story = stall_story(cluster.logs, t0, stall_from, stall_to)
         link_tx = [b - a for a, b in zip(tx0, link_tx_bytes(network))] if network else []
     finally:
         if "cluster" in locals():
@@ -197,7 +217,9 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
     print("\n" + "\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m experiments.soak " + " ".join(sys.argv[1:])
-    (out / "results.md").write_text(f"# Soak\n\n`{command}`\n\n" + "\n".join(lines) + "\n")
+    story_md = (f"\n## The longest stall ({report['stall_from_s']:.0f}–{report['stall_to_s']:.0f} s), as the "
+                f"islands logged it\n\n```\n" + "\n".join(story or ["(no warnings)"]) + "\n```\n")
+    (out / "results.md").write_text(f"# Soak\n\n`{command}`\n\n" + "\n".join(lines) + "\n" + story_md)
     (out / "results.json").write_text(json.dumps(json_safe(dict(
         report, islands=rows, kill_times=[k - t0 for k in kill_times], spread=spread, exit_codes=codes,
         command=command)), indent=1))
