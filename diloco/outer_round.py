@@ -283,7 +283,7 @@ def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float, 
         island.outer.step(averaged)
         island.outer_step += 1
     island.averager.commit(flight.pending)
-    island.overlap.committed(flight, averaged, total_weight)
+    island.overlap.committed(flight, total_weight)
     island.guard.record(avg_norm)
     island.transfer.after_commit()
     island.stats.rounds_ok += 1

@@ -12,10 +12,12 @@ is due, and earlier as ``--diloco.overlap`` says:
 - ``delayed``: at the first inner step at least τ steps after sending at which the result has arrived
   on every rank; the island trained on from its own parameters meanwhile, and that progress is moved
   onto the new θ_global: θ_local ← θ_global + (θ_local − θ_local at sending);
-- ``eager`` (Kale et al. 2025): as ``delayed``, but at sending the island jumps to θ_global stepped with a
-  proxy of the average, Δ̃ = others' part of the last committed average + (own share)·own fresh Δ, and
-  trains from there; the true average replaces the proxy when it arrives.  A rolled-back round takes
-  the jump back.
+- ``eager`` (Kale et al. 2025): as ``delayed``, but at sending the island jumps to θ_global stepped with
+  its own share of the average, Δ̃ = (own share)·own fresh Δ, and trains from there; the true average
+  replaces the proxy when it arrives.  The others' Δ of the last round is not part of the proxy: it was
+  applied when that round arrived (Kale et al. apply it one outer step late instead), and counting it
+  again would step the island twice along it.  The share is the island's weight in its last committed
+  average (before the first one there is no jump).  A rolled-back round takes the jump back.
 
 θ_global (the fp32 master, what islands vote on, serve and checkpoint) only ever moves by committed
 averages, identically on every island, whichever mode each uses.
@@ -80,8 +82,6 @@ class Overlap:
         self.flight: InFlight | None = None
         self.tokens_at_sync = [0] * self.n
         """Per fragment: ``stats.tokens`` when its parameters last took θ_global (the weight of its next Δ)."""
-        self.others: Params = {}
-        """eager: the other islands' part of the last committed average, per parameter."""
         self.share: dict[int, float] = {}
         """eager: this island's share of the weight of its fragment's last committed average."""
         self.budget: Budget = parse_budget(d.sync_every, d.inner_steps)
@@ -205,16 +205,15 @@ class Overlap:
         if self.mode == "none":
             return
         params = self.island.params
-        if self.mode == "eager":
+        if self.mode == "eager" and f.fragment in self.share:
             f.undo = {n: params[n].detach().clone() for n in f.names}
-            share = self.share.get(f.fragment, 1.0)
-            proxy = {n: self.others.get(n, 0.0) + share * f.delta[n] for n in f.names}
+            proxy = {n: self.share[f.fragment] * f.delta[n] for n in f.names}
             for n, theta in self.island.outer.peek(proxy).items():
                 params[n].copy_(theta)
         f.anchor = {n: params[n].detach().clone() for n in f.names}
 
     @torch.no_grad()
-    def committed(self, f: InFlight, averaged: Params, total_weight: float) -> None:
+    def committed(self, f: InFlight, total_weight: float) -> None:
         """θ_global moved by the round of ``f``: bring the fragment's parameters onto it."""
         isl, params = self.island, self.island.params
         if self.mode == "none":
@@ -227,34 +226,28 @@ class Overlap:
             params[n].add_(isl.outer.master[n].to(params[n].device, params[n].dtype) - f.anchor[n])
         self.tokens_at_sync[f.fragment] = f.tokens_at_send
         if self.mode == "eager":
-            share = f.weight / total_weight if total_weight > 0 else 1.0
-            self.share[f.fragment] = share
-            for n in f.names:
-                self.others[n] = averaged[n].to(f.delta[n].device) - share * f.delta[n]
+            self.share[f.fragment] = f.weight / total_weight if total_weight > 0 else 1.0
 
     @torch.no_grad()
     def rolled_back(self, f: InFlight) -> None:
         """θ_global stayed: the island keeps its own progress (and, if eager, takes the proxy jump back);
         the next Δ of the fragment carries both rounds."""
-        if self.mode != "eager":
+        if self.mode != "eager" or not f.undo:
             return
         params = self.island.params
         for n in f.names:
             params[n].add_(f.undo[n].to(params[n].device) - f.anchor[n])
-            self.others.pop(n, None)
-        self.share.pop(f.fragment, None)
 
     def adopted(self) -> None:
         """θ_global was replaced by a downloaded one and the parameters reset to it."""
         self._restart_budget()
         self.tokens_at_sync = [self.island.stats.tokens] * self.n
-        self.others.clear()
         self.share.clear()
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (taken with no round in flight)."""
-        return {"tokens_at_sync": list(self.tokens_at_sync), "others": dict(self.others),
+        return {"tokens_at_sync": list(self.tokens_at_sync),
                 "share": dict(self.share), "auto": self.auto, "last_comm_seconds": self.last_comm_seconds,
                 "mark": list(self.mark)}
 
@@ -264,7 +257,6 @@ class Overlap:
             self.tokens_at_sync = [legacy_tokens_at_sync] * self.n
             return
         self.tokens_at_sync = [int(t) for t in state["tokens_at_sync"]]
-        self.others = dict(state.get("others", {}))
         self.share = {int(k): float(v) for k, v in state.get("share", {}).items()}
         self.auto = state.get("auto")
         self.last_comm_seconds = float(state.get("last_comm_seconds", float("nan")))
