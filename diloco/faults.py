@@ -8,7 +8,9 @@ progress lines and every message):
 - ``scale@send:3``: multiply the pseudo-gradient sent in round 3 by 1e6 (a peer gone rogue);
 - ``drift@theta:2``: shift this island's θ_global by 1e-3 before round 2 (state silently diverged: the
   group's vote puts it in the minority and it resynchronizes from the majority);
-- ``stall@allreduce:1``: freeze this process (SIGSTOP) once round 1's all-reduce starts.
+- ``stall@allreduce:1``: freeze this process (SIGSTOP) once round 1's all-reduce starts;
+- ``late@send:3``: hold round 3 back for ``matchmaking_time`` + 3 s before sending it (a slow island that
+  reaches the group after it formed).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "scale", "stall", "drift")
+ACTIONS = ("kill", "scale", "stall", "drift", "late")
 PHASES = ("inner", "matchmaking", "allreduce", "vote", "send", "theta")
 
 

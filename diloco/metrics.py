@@ -167,3 +167,6 @@ class RunStats:
     eval_loss_start: float = float("nan")
     eval_loss_end: float = float("nan")
     failures: list[str] = field(default_factory=list)
+    behind: bool = False
+    """The other islands averaged this island's latest round without it (it was late for their group)
+    and it has not taken their θ_global since: a run that ends so may end out of sync."""

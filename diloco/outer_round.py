@@ -113,6 +113,8 @@ class FaultHook(RoundHook):
         self.plan = plan
 
     def before(self, island: Island, rnd: int) -> None:
+        if self.plan.has("late", "send", rnd + 1):
+            time.sleep(island.cfg.averaging.matchmaking_time + 3.0)
         if self.plan.has("drift", "theta", rnd + 1):
             with island.state_lock, torch.no_grad():
                 for m in island.outer.master.values():
@@ -287,15 +289,22 @@ def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float, 
     island.guard.record(avg_norm)
     island.transfer.after_commit()
     island.stats.rounds_ok += 1
+    island.stats.behind = False
 
 
 def _roll_back(island: Island, flight: InFlight, reason: str, result: Any) -> None:
     rnd = flight.rnd
-    island.outer_step += 1  # stay aligned with the others' round numbering
     island.overlap.rolled_back(flight)
-    island.transfer.after_rollback()
     island.stats.rounds_failed += 1
     island.stats.failures.append(f"round {rnd + 1}: {reason}")
+    if getattr(result, "left_behind", False):
+        island.stats.behind = True
+        # the others finished the round without us: counting it as done would leave us a round apart from
+        # them with the same outer step; staying at it, the next round's catch-up takes their θ_global
+        log.warning("round %d: %s; catching up with the run before the next round", rnd + 1, reason)
+        return
+    island.outer_step += 1  # stay aligned with the others' round numbering
+    island.transfer.after_rollback()
     log.warning("round %d rolled back (%s); continuing from this island's own parameters", rnd + 1, reason)
     if result.in_minority:
         island.transfer.resync(result.gathered, result.majority_peers)

@@ -104,6 +104,8 @@ def connect(island: Island, rejoin: list[str] | None = None) -> None:
     island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
     island.membership.maddrs = visible_maddrs(island.dht)
     island.membership.start_heartbeat()
+    # round ids are the outer step, or "<step>.retry" when the members left average it again
+    island.averager.watch_rounds(lambda round_id: island.membership.moved_past(int(round_id.split(".")[0])))
     island.transfer.refresh()
     island.averager.set_state_priority(island.outer_step)
     if rt.is_main:

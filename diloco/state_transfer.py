@@ -179,8 +179,12 @@ class StateTransfer:
         isl = self.island
         if isl.membership is None or isl.rt.lockstep:
             return ""
-        differ = self.main_decides(lambda: isl.membership.final_disagreements(isl.outer_step, state,
-                                                                              isl.cfg.averaging.vote_timeout))
+        differ, compared = self.main_decides(lambda: isl.membership.final_disagreements(
+            isl.outer_step, state, isl.cfg.averaging.vote_timeout))
+        if not differ and not compared and isl.stats.behind:
+            return (f"the other islands averaged this island's last round without it and none was left to take "
+                    f"θ_global from or compare with, so the run may have ended out of sync (this island at outer "
+                    f"step {isl.outer_step}); resume the islands with --resume so the minority resynchronizes")
         if not differ:
             return ""
         return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
@@ -269,6 +273,7 @@ class StateTransfer:
         """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective),
         restart inner training from θ_global and serve the new state from now on."""
         isl = self.island
+        isl.stats.behind = False
         n = len(isl.outer.names)
         shapes_ok = len(tensors) == 2 * n and all(
             t.shape == p.shape for t, p in zip(tensors[:n], isl.outer.master.values()))

@@ -22,6 +22,7 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   Uniform8BitQuantization)
 
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
 # vote: the owner of a part re-encodes the average, and members add it to their own values in place)
+MOVED_PAST_POLL = 1.0
+"""Seconds between two looks at whether the other islands moved past the round being matched."""
+
 BUTTERFLY: dict[str, tuple[Callable[[], Any], float, float]] = {
     "none": (NoCompression, 1.0, 1e-5),
     "fp16": (Float16Compression, 0.5, 1e-2),
@@ -76,6 +80,10 @@ class VerifiedAverager:
         self._buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in template] if self.codec is None \
             else [torch.zeros(1)]
         self._lock = threading.Lock()
+        self.moved_past: Callable[[str], bool] | None = None
+        """Whether every other island has moved past round ``round_id`` (averaged it without us, or gave
+        it up): asked about once a second while this island looks for a group, which it then stops
+        doing instead of waiting out ``matchmaking_timeout`` in a round nobody will join any more."""
         # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
         # process only and give the caller its own handler back
         main = threading.current_thread() is threading.main_thread()
@@ -156,16 +164,24 @@ class VerifiedAverager:
             # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
             # process group, OOM killer): then nothing would ever end it
             deadline = time.monotonic() + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
+            next_look = time.monotonic() + MOVED_PAST_POLL
             while not control.done():
                 if not self._averager.is_alive():
                     raise AveragerGoneError("hivemind's averaging process exited (killed or crashed)")
                 if time.monotonic() > deadline:
-                    control.cancel()
+                    _cancel_step(control)
                     raise TimeoutError("the averaging step outlived --averaging.matchmaking_timeout + "
                                        "--averaging.allreduce_timeout")
                 if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
                     t_allreduce = time.perf_counter()
                     stage("allreduce")
+                if t_allreduce is None and self.moved_past is not None and time.monotonic() >= next_look:
+                    next_look = time.monotonic() + MOVED_PAST_POLL
+                    if control.stage == AveragingStage.LOOKING_FOR_GROUP and self.moved_past(round_id):
+                        _cancel_step(control)
+                        return RoundResult(False, "the other islands moved past this round without this island (it "
+                                           "was late for their group)", seconds=time.perf_counter() - t0,
+                                           left_behind=True), None
                 time.sleep(0.005)
             gathered = control.result()
             if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
@@ -300,6 +316,20 @@ def _as_float(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def _cancel_step(control: Any, wait: float = 5.0) -> None:
+    """Stop a hivemind step that is still looking for a group, and wait (up to ``wait`` s) for it to end.
+
+    ``StepControl.cancel()`` sends the averager's process its cancel notice before it marks the step
+    cancelled; a process that reads the notice first sees a step that is not cancelled and goes on
+    matching, and may then join a later round's group with this round's data (seen as "islands were at
+    different rounds" by that group).  Marking the future cancelled first closes that window."""
+    MPFuture.cancel(control)
+    control.cancel()
+    deadline = time.monotonic() + wait
+    while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _round_bits(round_id: str, nbits: int = 12) -> str:

@@ -30,6 +30,8 @@ class BucketOutcome:
     bytes_received: int = 0
     retryable: bool = False
     """The group lost a member or a part mid-round (see :attr:`peers.averager.RoundResult.retryable`)."""
+    left_behind: bool = False
+    """See :attr:`peers.averager.RoundResult.left_behind`."""
 
 
 @dataclass
@@ -63,6 +65,9 @@ class ShardedRoundResult:
     retryable: bool = False
     """Every failed bucket lost a member or a part mid-round, with enough members left to form a group
     again: the island may average the same pseudo-gradient once more (identical on all its ranks)."""
+    left_behind: bool = False
+    """A bucket stopped looking for a group because every other island had moved past the round: the
+    island should take their θ_global rather than roll back (identical on all its ranks)."""
 
 
 @dataclass

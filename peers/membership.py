@@ -164,6 +164,10 @@ class Membership:
         """Set when the island has finished training (kept in its record, also after it leaves)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._steps: list[int] | None = None  # the other live islands' outer steps, read in the background
+        self._steps_wanted = 0.0
+        self._steps_lock = threading.Lock()
+        self._steps_thread: threading.Thread | None = None
 
     def _value(self, **extra: object) -> dict:
         value: dict = {"outer_step": self.outer_step, "averaging": self.averaging, "left": False}
@@ -304,10 +308,11 @@ class Membership:
         meta[self.island] = {"state_fingerprint": state}
         return majority_by_state(meta, self.island)[1]
 
-    def final_disagreements(self, outer_step: int, state: Any, wait: float) -> list[str]:
+    def final_disagreements(self, outer_step: int, state: Any, wait: float) -> tuple[list[str], int]:
         """Publish that this island ended at ``outer_step`` with θ_global fingerprint ``state``; return the
         other islands that ended at the same step with another one (waiting up to ``wait`` seconds for
-        live islands at that step to finish too).  Records keep it after an island leaves."""
+        live islands at that step to finish too), and how many ended there at all.  Records keep it
+        after an island leaves (until they expire)."""
         self.final = {"outer_step": outer_step, "state": list(state)}
         self.announce()
         deadline = time.monotonic() + wait
@@ -317,8 +322,30 @@ class Membership:
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        return sorted({m.island for m in records if isinstance(m.final, dict) and m.final.get("outer_step") == outer_step
-                       and not fingerprints_agree(m.final.get("state") or [], state, 1e-5)})
+        ended = [m for m in records if isinstance(m.final, dict) and m.final.get("outer_step") == outer_step]
+        return (sorted({m.island for m in ended if not fingerprints_agree(m.final.get("state") or [], state, 1e-5)}),
+                len({m.island for m in ended}))
+
+    def moved_past(self, outer_step: int) -> bool:
+        """True when at least one other island is live and every one announced a later outer step than
+        ``outer_step``: none of them will average that round any more.  Answers from the registry as a
+        background look-up read it (about once a second while asked), so a slow DHT never blocks the caller."""
+        with self._steps_lock:
+            self._steps_wanted = time.monotonic()
+            steps = self._steps
+            if self._steps_thread is None or not self._steps_thread.is_alive():
+                self._steps_thread = threading.Thread(target=self._read_steps, name="registry-steps", daemon=True)
+                self._steps_thread.start()
+        return bool(steps) and min(steps) > outer_step
+
+    def _read_steps(self) -> None:
+        while not self._stop.is_set() and time.monotonic() - self._steps_wanted < 5.0:
+            steps = [m.outer_step for m in self.others()]
+            with self._steps_lock:
+                self._steps = steps
+            self._stop.wait(1.0)
+        with self._steps_lock:
+            self._steps = None  # nobody asked for a while: a later question waits for a fresh look
 
     def live_count(self) -> int:
         """Distinct islands registered and not departed (at least 1: ourselves)."""

@@ -279,7 +279,7 @@ class ShardedAverager:
             islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
             mine.append(BucketOutcome(b, self.rank, res.ok, res.reason, res.group_size,
                                       res.group_size < self.settings.min_group_size, islands, res.total_weight,
-                                      res.bytes_sent, res.bytes_received, res.retryable))
+                                      res.bytes_sent, res.bytes_received, res.retryable, res.left_behind))
             if lead is None and res.group_size > 0:
                 lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
         shared = self.exchange.all_gather_object((mine, lead))
@@ -303,6 +303,7 @@ class ShardedAverager:
             result.reason = f"bucket {f.index}: {f.reason}{more}" if len(self.layout.buckets) > 1 else f.reason
             no_group = all(o.no_group for o in failed)
             result.retryable = all(o.retryable for o in failed)
+            result.left_behind = any(o.left_behind for o in failed)
             return result, no_group, not no_group
         if len({o.islands for o in buckets}) > 1:
             result.reason = ("buckets were averaged with different sets of islands "
@@ -323,6 +324,12 @@ class ShardedAverager:
         """Advertise the freshness of this rank's state on every owned bucket's averager."""
         for avg in self.averagers.values():
             avg.set_state_priority(outer_step)
+
+    def watch_rounds(self, moved_past: Callable[[str], bool]) -> None:
+        """Let every owned bucket's averager stop looking for a group once ``moved_past(round_id)`` says the
+        other islands are done with the round (see :attr:`peers.averager.VerifiedAverager.moved_past`)."""
+        for avg in self.averagers.values():
+            avg.moved_past = moved_past
 
     def shutdown(self) -> None:
         """Stop the bucket averagers (the DHT and process groups are the caller's)."""

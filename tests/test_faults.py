@@ -165,9 +165,10 @@ def test_islands_split_by_a_partition_find_each_other_again(tmp_path, no_leaked_
         assert sum(r["round_ok"] for r in last) >= 2 and all(r["num_peers"] == 2 for r in last if r["round_ok"]), last
 
 
-def _run_to_the_end_with_fault(tmp_path, rounds: int, fault: str) -> tuple[Cluster, list[dict]]:
+def _run_to_the_end_with_fault(tmp_path, rounds: int, fault: str, **extra) -> tuple[Cluster, list[dict]]:
     """3 islands, island 1 with ``DILOCO_FAULTS=fault``; all must end with the same θ_global."""
-    cluster = Cluster(_cfg(tmp_path, **{"diloco.outer_steps": rounds}), 3, env={1: {"DILOCO_FAULTS": fault}})
+    cluster = Cluster(_cfg(tmp_path, **{"diloco.outer_steps": rounds, **extra}), 3,
+                      env={1: {"DILOCO_FAULTS": fault}})
     try:
         cluster.start_all()
         cluster.wait(timeout=180)
@@ -196,6 +197,23 @@ def test_stale_member_is_left_out_and_the_others_commit(tmp_path, no_leaked_daem
                                                          "the round out and resynchronized"), failures
     log = (cluster.run_dirs[1] / "train.log").read_text()
     assert "caught up with the run at outer step" in log, log[-3000:]
+
+
+def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_sync(tmp_path, no_leaked_daemons):
+    """Rounds in flight do not wait for a slow island: island 1 reaches round 3's group after the other two
+    averaged it.  It stops looking for a group once they moved past the round (instead of waiting out
+    matchmaking_timeout in a round nobody joins, then rolling back a round apart from them), takes their
+    θ_global, and every island ends in sync."""
+    cluster, summaries = _run_to_the_end_with_fault(tmp_path, 8, "late@send:3", **{"diloco.overlap": "delayed"})
+    for i in (0, 2):
+        assert real_failures(summaries[i]) == [] and summaries[i]["rounds_ok"] == 8, summaries[i]["failures"]
+    failures = real_failures(summaries[1])
+    assert failures[0].startswith("round 3") and "moved past this round" in failures[0], failures
+    assert len(failures) == 2 and "caught up from a peer" in failures[1], failures
+    assert "caught up with the run at outer step" in (cluster.run_dirs[1] / "train.log").read_text()
+    # and it averaged with the others again afterwards
+    last = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r][-1]
+    assert last["round_ok"] == 1 and last["num_peers"] == 3, last
 
 
 def test_sigterm_to_every_process_of_the_islands_still_ends_them_cleanly(tmp_path, no_leaked_daemons):
