@@ -47,20 +47,15 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
         if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
             return False
         raise ValueError(f"{key} expects true or false, got {raw!r}")
-    if typ is int:
-        if isinstance(raw, bool) or (not isinstance(raw, (int, str))):
-            raise ValueError(f"{key} expects an integer, got {raw!r}")
+    numbers = {int: ((int, str), "an integer"), float: ((int, float, str), "a number")}
+    if typ in numbers:
+        accepted, what = numbers[typ]
+        if isinstance(raw, bool) or not isinstance(raw, accepted):
+            raise ValueError(f"{key} expects {what}, got {raw!r}")
         try:
-            return int(raw)
+            return typ(raw)
         except ValueError:
-            raise ValueError(f"{key} expects an integer, got {raw!r}") from None
-    if typ is float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-            raise ValueError(f"{key} expects a number, got {raw!r}")
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{key} expects a number, got {raw!r}") from None
+            raise ValueError(f"{key} expects {what}, got {raw!r}") from None
     if typ is str:
         if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
             raise ValueError(f"{key} expects a string, got {raw!r}")
