@@ -38,11 +38,11 @@ __all__ = ["AveragerGoneError", "AveragerSettings", "COMPRESSIONS", "FINGERPRINT
 
 log = logging.getLogger(__name__)
 
-# hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
-# vote: the owner of a part re-encodes the average, and members add it to their own values in place)
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
 
+# hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
+# vote: the owner of a part re-encodes the average, and members add it to their own values in place)
 BUTTERFLY: dict[str, tuple[Callable[[], Any], float, float]] = {
     "none": (NoCompression, 1.0, 1e-5),
     "fp16": (Float16Compression, 0.5, 1e-2),
