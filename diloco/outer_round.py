@@ -300,8 +300,10 @@ def _roll_back(island: Island, flight: InFlight, reason: str, result: Any) -> No
     if getattr(result, "left_behind", False):
         island.stats.behind = True
         # the others finished the round without us: counting it as done would leave us a round apart from
-        # them with the same outer step; staying at it, the next round's catch-up takes their θ_global
-        log.warning("round %d: %s; catching up with the run before the next round", rnd + 1, reason)
+        # them with the same outer step; take their θ_global now, while they are still there to serve it
+        # (staying at this round if none does, so that the next round's catch-up tries again)
+        log.warning("round %d: %s; catching up with the run", rnd + 1, reason)
+        island.transfer.catch_up()
         return
     island.outer_step += 1  # stay aligned with the others' round numbering
     island.transfer.after_rollback()

@@ -129,6 +129,11 @@ class Overlap:
             self._due = (k, isl.rt.reduce([float(due)], op="max", world=isl.rt.lockstep)[0] > 0)
         return self._due[1]
 
+    def restarted_now(self) -> bool:
+        """Whether the round budget restarted at this very inner step without a round being sent (the
+        island adopted a downloaded state): it has trained nothing since to send."""
+        return self.mark[2] == self.island.inner_step and self.flight is None
+
     def _amount(self) -> float:
         return self.auto if self.budget.kind == "auto" else self.budget.amount
 

@@ -46,6 +46,8 @@ def run(island: Island) -> dict[str, Any]:
             _after_round(island, island.apply_round(), loss)
         if island.outer_step >= ov.total_rounds:
             break
+        if ov.restarted_now():  # a round it was left behind in made it catch up: nothing trained to send yet
+            continue
         last = island.outer_step == ov.total_rounds - 1
         done = island.send_round()
         if done is None and (ov.blocking or last or ov.apply_due()):

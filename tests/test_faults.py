@@ -208,8 +208,8 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     for i in (0, 2):
         assert real_failures(summaries[i]) == [] and summaries[i]["rounds_ok"] == 8, summaries[i]["failures"]
     failures = real_failures(summaries[1])
-    assert failures[0].startswith("round 3") and "moved past this round" in failures[0], failures
-    assert len(failures) == 2 and "caught up from a peer" in failures[1], failures
+    assert len(failures) == 1 and failures[0].startswith("round 3") and "moved past this round" in failures[0], \
+        failures
     assert "caught up with the run at outer step" in (cluster.run_dirs[1] / "train.log").read_text()
     # and it averaged with the others again afterwards
     last = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r][-1]
