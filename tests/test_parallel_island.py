@@ -215,8 +215,10 @@ def test_a_run_that_ends_out_of_sync_says_so():
 
     registry: dict[str, dict] = {}
     mine, theirs = Membership(_FakeDHT("A", registry), "run"), Membership(_FakeDHT("B", registry), "run")
+    from diloco.metrics import RunStats
+
     island = SimpleNamespace(membership=mine, outer_step=7, rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
-                             cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)))
+                             cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)), stats=RunStats())
     state = [1.0, 1.0, 1.0] * 4
     theirs.final = {"outer_step": 7, "state": state}
     theirs.leave()  # an island that finished before us: its record keeps what it ended with
@@ -229,6 +231,10 @@ def test_a_run_that_ends_out_of_sync_says_so():
     theirs.final = {"outer_step": 6, "state": [9.0] * 12}  # ended earlier (stopped): not comparable
     theirs.leave()
     assert StateTransfer(island).check_in_sync(state) == ""
+    # nothing to compare with, but the others averaged our last round without us: that may be a split
+    island.stats.behind = True
+    problem = StateTransfer(island).check_in_sync(state)
+    assert problem.startswith("the other islands averaged this island's last round without it"), problem
 
 
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
