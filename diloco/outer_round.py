@@ -25,7 +25,7 @@ import torch
 
 from diloco.faults import FaultPlan
 from diloco.overlap import InFlight
-from diloco.peer_setup import count_bytes, remember_peers
+from diloco.peer_setup import count_bytes, remember_peers, round_id
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -170,7 +170,7 @@ def begin_round(island: Island) -> InFlight | RoundMetrics:
         if island.membership is not None and not island.rt.lockstep else None
     flight = InFlight(rnd, fragment, names, delta, weight, meta, None, island.inner_step, island.stats.tokens,
                       time.perf_counter(), scale=scale)
-    flight.pending = island.averager.start(_outgoing(flight), weight, meta, round_id=str(rnd),
+    flight.pending = island.averager.start(_outgoing(flight), weight, meta, round_id=round_id(rnd),
                                            on_stage=_on_stage(island, rnd), buckets=ov.buckets(fragment),
                                            expected_group_size=expected)
     ov.sent(flight)
@@ -239,19 +239,21 @@ def _average_again(island: Island, flight: InFlight, result: Any, averaged: Delt
         return result, averaged, False
     rnd = flight.rnd
     if getattr(result, "retryable", False):
-        round_id, why = f"{rnd}.retry", "averaging again with the islands left"
+        rid, why = round_id(rnd, retry=True), "averaging again with the islands left"
         # the members left failed within moments of each other: a short wait for them is enough
         timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
     elif result.group_size < a.min_group_size and island.transfer.main_decides(
             lambda: island.membership.round_size(rnd) >= a.min_group_size):
-        round_id, why, timeout = str(rnd), "waiting once more for the islands still training towards it", None
+        rid, why, timeout = round_id(rnd), "waiting once more for the islands still training towards it", None
     else:
         return result, averaged, False
     log.warning("round %d: %s; %s", rnd + 1, result.reason, why)
     first = result
-    result, averaged = island.averager.average(_outgoing(flight), flight.weight, flight.meta, round_id=round_id,
+    # the members left are known when the lost one simply never confirmed: their group forms at once
+    result, averaged = island.averager.average(_outgoing(flight), flight.weight, flight.meta, round_id=rid,
                                                on_stage=_on_stage(island, rnd), matchmaking_timeout=timeout,
-                                               buckets=island.overlap.buckets(flight.fragment))
+                                               buckets=island.overlap.buckets(flight.fragment),
+                                               expected_group_size=getattr(result, "members_left", 0) or None)
     result.seconds += first.seconds
     result.bytes_sent += first.bytes_sent
     result.bytes_received += first.bytes_received

@@ -47,6 +47,17 @@ RUN_KEY = "run.key"
 its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
 
 
+def round_id(rnd: int, retry: bool = False) -> str:
+    """The averaging round id of outer step ``rnd``: the step, or ``"<step>.retry"`` when the members left
+    average it again after losing one."""
+    return f"{rnd}.retry" if retry else str(rnd)
+
+
+def round_of(rid: str) -> int:
+    """The outer step of a round id made by :func:`round_id`."""
+    return int(rid.split(".")[0])
+
+
 def connect(island: Island, rejoin: list[str] | None = None) -> None:
     """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
     other islands join.  Sets ``island.dht``, ``averager``, ``membership``, ``fallback`` and ``wire``.
@@ -104,8 +115,7 @@ def connect(island: Island, rejoin: list[str] | None = None) -> None:
     island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
     island.membership.maddrs = visible_maddrs(island.dht)
     island.membership.start_heartbeat()
-    # round ids are the outer step, or "<step>.retry" when the members left average it again
-    island.averager.watch_rounds(lambda round_id: island.membership.moved_past(int(round_id.split(".")[0])))
+    island.averager.watch_rounds(lambda rid: island.membership.moved_past(round_of(rid)))
     island.transfer.refresh()
     island.averager.set_state_priority(island.outer_step)
     if rt.is_main:

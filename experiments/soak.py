@@ -101,9 +101,9 @@ def joined_intervals(log: Path, t0: float) -> list[tuple[float, float]]:
 
 def stall_story(logs: list[Path], t0: float, start: float, end: float, limit: int = 40) -> list[str]:
     """What the islands logged as warnings or errors from ``start`` to ``end`` (the longest stall), in time
-    order, each line prefixed by its second of the soak."""
+    order, each line prefixed by its second of the soak.  hivemind renames the WARNING level to WARN."""
     lines = sorted((t, line) for log in logs for t, line in log_lines(log, t0)
-                   if start - 1 <= t <= end + 1 and (" WARNING " in line or " ERROR " in line))
+                   if start - 1 <= t <= end + 1 and re.search(r" (WARN|WARNING|ERROR) ", line))
     return [f"{t - t0:5.0f}s {line}" for t, line in lines[:limit]]
 
 

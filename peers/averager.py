@@ -214,8 +214,9 @@ class VerifiedAverager:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
         stage("vote")
         if not result.reason:
-            result.reason, result.voters = self._vote(averaged, peers, round_id)
+            result.reason, result.voters, gone = self._vote(averaged, peers, round_id)
             result.retryable = bool(result.reason) and result.voters >= self.settings.min_group_size
+            result.members_left = result.voters if gone else 0
         result.vote_seconds = time.perf_counter() - t1
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
@@ -232,7 +233,8 @@ class VerifiedAverager:
         result.allreduce_seconds += time.perf_counter() - t
         if mean is None:
             result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient"
-            result.retryable = len(peers) - len(missing) >= self.settings.min_group_size
+            result.members_left = len(peers) - len(missing)
+            result.retryable = result.members_left >= self.settings.min_group_size
             return []
         return [mean]
 
@@ -259,28 +261,30 @@ class VerifiedAverager:
             self._averager.set_target_group_size(target)
             self._target = target
 
-    def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> tuple[str, int]:
+    def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> tuple[str, int, bool]:
         """Send our fingerprint of the result to the group and wait for every member's; returns ('' if all
-        agree, else why not; how many members voted).  A verdict that differs from ours ends the wait at
+        agree, else why not; how many members voted; whether the missing ones are all that is wrong, so
+        that the voters are exactly the members left).  A verdict that differs from ours ends the wait at
         once: the round is lost whatever the missing members say."""
         if not self.dht.is_alive():
-            return "the vote on the result could not be held: the DHT process exited", 0
+            return "the vote on the result could not be held: the DHT process exited", 0, False
         key = f"{self.settings.prefix}.vote.{_group_key(peers, round_id)}"
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
         tally = self._votes.hold(key, self.peer_id, peers, fingerprint(averaged),
                                  lambda a, b: fingerprints_agree(a, b, self._vote_rtol), self.settings.vote_timeout,
                                  expiration)
         if tally.missing and not self.dht.is_alive():
-            return "the vote on the result could not be held: the DHT process exited", 0
+            return "the vote on the result could not be held: the DHT process exited", 0, False
         if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in tally.votes.values()):
-            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0
+            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0, False
         voters = len(tally.votes)
         if tally.differ:
-            return "islands received different averages (an all-reduce part failed); discarding the round", voters
+            return ("islands received different averages (an all-reduce part failed); discarding the round",
+                    voters, False)
         if tally.missing:
             return (f"{len(tally.missing)} of {len(peers)} island(s) did not confirm the result (left or failed "
-                    f"mid-round)", voters)
-        return "", voters
+                    f"mid-round)", voters, True)
+        return "", voters, False
 
     def set_state_priority(self, outer_step: int) -> None:
         """Advertise how fresh our state is: joiners download from the island with the highest outer step."""

@@ -91,6 +91,9 @@ class RoundResult:
     retryable: bool = False
     """The group formed but lost a member or a part mid-round (a verdict missing or two differing), and
     enough members voted to form a group again: they may average the same values once more."""
+    members_left: int = 0
+    """Members (this one included) known to be still in the round when it failed, i.e. how large a group
+    a retry can form at once; 0 when unknown (two verdicts differed)."""
     left_behind: bool = False
     """This island stopped looking for a group because every other island had moved past the round
     (:attr:`peers.averager.VerifiedAverager.moved_past`): their θ_global may be ahead of ours."""

@@ -30,6 +30,8 @@ class BucketOutcome:
     bytes_received: int = 0
     retryable: bool = False
     """The group lost a member or a part mid-round (see :attr:`peers.averager.RoundResult.retryable`)."""
+    members_left: int = 0
+    """See :attr:`peers.averager.RoundResult.members_left`."""
     left_behind: bool = False
     """See :attr:`peers.averager.RoundResult.left_behind`."""
 
@@ -65,6 +67,8 @@ class ShardedRoundResult:
     retryable: bool = False
     """Every failed bucket lost a member or a part mid-round, with enough members left to form a group
     again: the island may average the same pseudo-gradient once more (identical on all its ranks)."""
+    members_left: int = 0
+    """The smallest :attr:`peers.averager.RoundResult.members_left` of the failed buckets (0: unknown)."""
     left_behind: bool = False
     """A bucket stopped looking for a group because every other island had moved past the round: the
     island should take their θ_global rather than roll back (identical on all its ranks)."""

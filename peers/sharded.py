@@ -279,7 +279,8 @@ class ShardedAverager:
             islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
             mine.append(BucketOutcome(b, self.rank, res.ok, res.reason, res.group_size,
                                       res.group_size < self.settings.min_group_size, islands, res.total_weight,
-                                      res.bytes_sent, res.bytes_received, res.retryable, res.left_behind))
+                                      res.bytes_sent, res.bytes_received, res.retryable, res.members_left,
+                                      res.left_behind))
             if lead is None and res.group_size > 0:
                 lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
         shared = self.exchange.all_gather_object((mine, lead))
@@ -303,6 +304,8 @@ class ShardedAverager:
             result.reason = f"bucket {f.index}: {f.reason}{more}" if len(self.layout.buckets) > 1 else f.reason
             no_group = all(o.no_group for o in failed)
             result.retryable = all(o.retryable for o in failed)
+            lefts = [o.members_left for o in failed]
+            result.members_left = min(lefts) if all(lefts) else 0
             result.left_behind = any(o.left_behind for o in failed)
             return result, no_group, not no_group
         if len({o.islands for o in buckets}) > 1:

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
@@ -38,6 +38,12 @@ POLL = 0.2
 POLL_ONLY = 0.1
 SEND_TIMEOUT = 5.0
 """Longest wait for one member to acknowledge our verdict before we publish it in the DHT instead."""
+GONE_AFTER = 1.0
+"""Seconds a member we could not reach at all gets to show its verdict in the DHT record before the vote
+stops waiting for it: a SIGKILLed island's daemon is gone, and its connections fail at once."""
+GONE = object()
+"""Inbox entry of a member that could not be reached and left no verdict in the DHT record; a verdict
+that still arrives replaces it."""
 MAX_FINGERPRINT = 4096
 MAX_KEYS = 1024
 """Vote keys buffered for votes not yet held here (verdicts can arrive before our all-reduce ends)."""
@@ -91,14 +97,16 @@ class Inbox:
         self._held: set[str] = set()
 
     def put(self, key: str, sender: str, value: Any) -> None:
-        """Keep ``sender``'s message on ``key`` (its first one) and wake the waiters."""
+        """Keep ``sender``'s message on ``key`` (its first one; a real one replaces :data:`GONE`) and wake
+        the waiters."""
         with self._changed:
             if key not in self._votes:
                 self._prune()
                 if len(self._votes) >= self.max_keys:
                     return
                 self._votes[key], self._born[key] = {}, time.monotonic()
-            self._votes[key].setdefault(sender, value)
+            if self._votes[key].get(sender, GONE) is GONE:
+                self._votes[key][sender] = value
             self._changed.notify_all()
 
     def _prune(self) -> None:
@@ -141,10 +149,12 @@ class Tally:
     """Members whose verdict never came."""
     differ: list[str]
     """Members whose verdict disagrees with ours (or is not finite)."""
+    unreachable: list[str] = field(default_factory=list)
+    """Missing members we could not reach, whose verdict was not in the DHT record either."""
 
 
 def _decided(t: Tally) -> bool:
-    return not t.missing or bool(t.differ)
+    return len(t.missing) == len(t.unreachable) or bool(t.differ)
 
 
 class VoteChannel:
@@ -171,17 +181,19 @@ class VoteChannel:
              agree: Callable[[list[float], list[float]], bool], timeout: float, expiration: float) -> Tally:
         """Vote ``mine`` on ``key`` among ``peers`` (``me`` included) for at most ``timeout`` seconds: ends as
         soon as every member's verdict is in or one disagrees with ours.  ``expiration``: DHT time the
-        fallback record expires at."""
+        fallback record expires at.  A member that cannot be reached and whose verdict is not in the DHT
+        record either (``GONE_AFTER``) is not waited for: it counts as missing at once."""
         deadline = time.monotonic() + timeout
         group = set(peers)
         self.box.hold(key)
         fallback = _submit(self._fallback(key, me, mine, [p for p in peers if p != me], expiration, deadline))
 
         def tally(received: dict[str, list[float]]) -> Tally:
-            votes = {p: v for p, v in received.items() if p in group and p != me}
+            votes = {p: v for p, v in received.items() if p in group and p != me and v is not GONE}
             votes[me] = mine
             differ = sorted(p for p, v in votes.items() if not agree(mine, v))
-            return Tally(votes, [p for p in peers if p not in votes], differ)
+            missing = [p for p in peers if p not in votes]
+            return Tally(votes, missing, differ, [p for p in missing if received.get(p) is GONE])
 
         try:
             return tally(self.box.wait_for(key, lambda received: _decided(tally(received)), deadline))
@@ -216,10 +228,16 @@ class VoteChannel:
             if reply.accepted:
                 return
             log.debug("%s refused our verdict; publishing it in the DHT", peer)
+            reached = True
         except Exception as e:  # unreachable, no such handler, daemon gone: the DHT record is the way
             log.debug("could not send our verdict to %s (%s); publishing it in the DHT", peer, e)
+            reached = False
         failed.set()
         await self._store(key, me, mine, expiration)
+        if not reached:  # a member that took part in the round and cannot be reached now most likely died
+            await asyncio.sleep(GONE_AFTER)
+            await self._poll(key, me, mine, expiration)
+            self.box.put(key, peer, GONE)
 
     async def _store(self, key: str, me: str, mine: list[float], expiration: float) -> bool:
         try:

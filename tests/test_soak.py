@@ -14,7 +14,8 @@ def test_the_longest_stall_counts_only_time_with_two_islands_in_the_run_and_says
     logs = []
     for i, lines in enumerate([
         ["10:00:01 [i0] INFO diloco: data: x", "10:00:02 [i0] INFO diloco: 2 islands registered",
-         "10:00:30 [i0] WARNING diloco.outer_round: round 5: averaging failed: peer lost", "10:01:00 [i0] INFO end"],
+         "10:00:30 [i0] WARNING diloco.outer_round: round 5: averaging failed: peer lost",
+         "10:00:35 [i0] WARN diloco: round 5 rolled back", "10:01:00 [i0] INFO end"],
         ["10:00:01 [i1] INFO diloco: data: x", "10:00:02 [i1] INFO diloco: 2 islands registered",
          "10:00:20 [i1] INFO killed here", "10:00:40 [i1] INFO diloco: data: x",
          "10:00:45 [i1] INFO diloco: caught up", "10:01:00 [i1] INFO end"]]):
@@ -26,4 +27,5 @@ def test_the_longest_stall_counts_only_time_with_two_islands_in_the_run_and_says
     stalled, start, end = longest_stall([t0 + 10, t0 + 50, t0 + 52], joined)
     assert stalled == pytest.approx(15.0, abs=0.2) and (start, end) == (t0 + 10, t0 + 50)
     story = stall_story(logs, t0, start, end)
-    assert len(story) == 1 and story[0].startswith("   30s") and "averaging failed" in story[0]
+    assert len(story) == 2 and story[0].startswith("   30s") and "averaging failed" in story[0]
+    assert story[1].startswith("   35s") and "rolled back" in story[1]

@@ -45,8 +45,9 @@ def _settings(**overrides) -> AveragerSettings:
     return AveragerSettings(prefix="v", **{**FAST, **overrides})
 
 
-def _vote_all(voters: list, peers: list[str], values: list[torch.Tensor], round_id: str = "r") -> list[tuple[str, int]]:
-    """Every averager in ``voters`` votes its value at once; (reason, voters) of each."""
+def _vote_all(voters: list, peers: list[str], values: list[torch.Tensor], round_id: str = "r"
+              ) -> list[tuple[str, int, bool]]:
+    """Every averager in ``voters`` votes its value at once; (reason, voters, only members missing) of each."""
     out: list = [None] * len(voters)
 
     def go(i: int) -> None:
@@ -76,12 +77,24 @@ def test_verdicts_travel_member_to_member_without_the_dht(swarm, monkeypatch):
     _no_dht_fallback(monkeypatch)
     avgs = swarm(*[_settings()] * 3)
     peers = sorted(a.peer_id for a in avgs)
-    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3)] * 3
+    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, False)] * 3
     # a differing verdict settles the vote at once, and a missing one still ends it by the timeout
     a, b, gone = avgs
-    for reason, voters in _vote_all([a, b], peers, [torch.ones(100), torch.full((100,), 2.0)], "differ"):
-        assert reason.startswith("islands received different averages") and voters == 2, reason
-    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "lost") == [(LOST, 2)] * 2
+    for reason, voters, left_known in _vote_all([a, b], peers, [torch.ones(100), torch.full((100,), 2.0)], "differ"):
+        assert reason.startswith("islands received different averages") and voters == 2 and not left_known, reason
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "lost") == [(LOST, 2, True)] * 2
+
+
+def test_a_member_whose_daemon_died_is_not_waited_for(swarm):
+    """A member killed mid-round takes its p2p daemon with it: sending it our verdict fails at once, so the
+    vote stops waiting for it once its verdict is not in the DHT record either, long before the timeout."""
+    a, b, dead = swarm(*[_settings(vote_timeout=60.0)] * 3)
+    peers = sorted(x.peer_id for x in (a, b, dead))
+    dead.shutdown()
+    dead.dht.shutdown()
+    t0 = time.monotonic()
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "killed") == [(LOST, 2, True)] * 2
+    assert time.monotonic() - t0 < 30, "the vote waited for a member that could not be reached"
 
 
 def test_dht_record_stands_in_for_a_member_without_the_direct_channel(swarm):
@@ -89,7 +102,7 @@ def test_dht_record_stands_in_for_a_member_without_the_direct_channel(swarm):
     the DHT record: the others publish theirs there when sending to it fails, and find its verdict there."""
     avgs = swarm(_settings(), _settings(), _settings(direct_votes=False))
     peers = sorted(a.peer_id for a in avgs)
-    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3)] * 3
+    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, False)] * 3
     key = f"v.vote.{_group_key(peers, 'r')}"
     found = dht_get(avgs[0].dht, key, timeout=10)
     assert found is not None and avgs[2].peer_id in {str(k) for k in found.value}
@@ -114,7 +127,7 @@ def test_a_verdict_from_outside_the_group_is_ignored(swarm, monkeypatch):
     bad = fingerprint([torch.full((100,), 9.0)])
     # sent before the vote (kept for it, as early verdicts of members are) and it reaches both members
     assert _send(stranger._votes, a.peer_id, key, bad) and _send(stranger._votes, b.peer_id, key, bad)
-    assert _vote_all([a, b], peers, [torch.ones(100)] * 2) == [("", 2)] * 2
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2) == [("", 2, False)] * 2
 
 
 def test_private_run_refuses_verdicts_of_unregistered_peers(swarm):
@@ -130,7 +143,7 @@ def test_private_run_refuses_verdicts_of_unregistered_peers(swarm):
     assert not _send(outsider._votes, a.peer_id, key, same)
     assert _send(b._votes, a.peer_id, f"{key}-other", same)  # registered members are heard
     results = _vote_all([a, b, outsider], peers, [torch.ones(100)] * 3)
-    assert results[:2] == [(LOST, 2)] * 2
+    assert results[:2] == [(LOST, 2, True)] * 2
 
 
 def _average_all(avgs: list, expected: int | None, round_id: str) -> list:
