@@ -23,7 +23,8 @@ from diloco.errors import TrainingError
 from peers.averager import AveragerSettings
 from peers.dht import NetworkSettings, PeerNetworkError, PortTakenError, listens, start_dht, tcp_port, visible_maddrs
 from peers.local import LocalAverager
-from peers.membership import Membership, check_run_key, key_check_key, new_run_key
+from peers.membership import Membership
+from peers.run_key import check_run_key, key_check_key, new_run_key
 from peers.sharded import ShardedAverager
 from peers.wire import WireCounter
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers.membership import RunKeyValidator
+from peers.run_key import RunKeyValidator
 
 log = logging.getLogger(__name__)
 

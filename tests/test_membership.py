@@ -9,8 +9,9 @@ import torch
 
 from peers.averager import AveragerSettings, VerifiedAverager
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
-from peers.membership import Membership, RunKeyValidator, check_run_key, is_registered, key_check_key
-from hivemind.dht.validation import DHTRecord
+from peers.membership import Membership, is_registered
+from peers.run_key import RunKeyValidator, check_run_key, key_check_key
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 FAST = dict(prefix="run", matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
             allreduce_timeout=10.0, next_chunk_timeout=3.0, state_download_timeout=5.0)
@@ -27,6 +28,8 @@ def test_validator_rejects_unsigned_and_tampered_records():
     tampered = DHTRecord(b"k", b"s", b"VALUE" + signed.value[5:], 123.0)
     assert not good.validate(tampered)
     assert not good.validate(DHTRecord(b"k", b"s", signed.value, 124.0))
+    # beside other validators it signs last and checks first, and never merges into one of them
+    assert good.priority > RecordValidatorBase.priority.fget(other) == 0 and not good.merge_with(other)
 
 
 def test_outsider_is_refused_everywhere(no_leaked_daemons):
