@@ -45,6 +45,7 @@ from diloco.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments
 from outer_optim.guard import NormGuard
+from peers.dht import mute_shutdown_noise
 from peers.layout import CanonicalLayout, spec_tuple
 from peers.exchange import BucketExchange
 from pipeline import ModelParts, SplitSettings
@@ -291,6 +292,8 @@ class Island:
 
     def close(self) -> None:
         """Announce leaving, stop the averagers, the DHT, the W&B run and the process group (idempotent)."""
+        if self._stop.is_set():  # Ctrl-C or SIGTERM: the process is leaving, maybe with its p2p daemons gone
+            mute_shutdown_noise()
         try:
             peer_setup.disconnect(self)
             if self.metrics is not None:

@@ -83,6 +83,25 @@ def signals_ignored_by_children():
             signal.signal(s, handler)
 
 
+def mute_shutdown_noise() -> None:
+    """Send the tracebacks of hivemind's helpers dying on a gone socket to the debug log, for good: call
+    it once the process is leaving.
+
+    Ctrl-C reaches the whole process group, the p2p daemons too (they handle SIGINT themselves), so
+    hivemind's averager thread and asyncio tasks fail on their way down on a daemon socket that is
+    gone; what they print says nothing a user could act on, after the checkpoint is written."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if issubclass(args.exc_type, (OSError, EOFError)):
+            log.debug("thread %s ended on shutdown: %r", getattr(args.thread, "name", "?"), args.exc_value)
+        else:
+            default(args)
+
+    threading.excepthook = hook
+
+
 def start_dht(settings: NetworkSettings) -> hivemind.DHT:
     """Start this island's DHT node and join ``settings.initial_peers``.
 

@@ -43,6 +43,12 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
+    async def _shutdown(self, timeout: float | None) -> None:  # runs in the averager process
+        try:
+            await super()._shutdown(timeout)
+        except OSError as e:  # Ctrl-C reached its p2p daemon too: nothing is left to unregister from
+            log.debug("averager shutdown: p2p daemon already gone (%r)", e)
+
     async def _is_member(self, remote_id: PeerID) -> bool:
         """Runs in the averager process: is the calling peer registered in the run?"""
         return self._members is None or await self._members.allows(str(remote_id))

@@ -250,7 +250,9 @@ def test_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path, no_leaked_daemons)
         ckpts = list((cluster.run_dirs[1] / "checkpoints").glob("ckpt-*.pt"))
         assert ckpts, "no checkpoint written on SIGTERM"
         assert json.loads((cluster.run_dirs[1] / "summary.json").read_text())["stopped_early"]
-        cluster.kill(0, signal.SIGINT)
+        # Ctrl-C in a terminal: SIGINT to the whole process group, hivemind's helpers and p2p daemons too
+        os.killpg(cluster.procs[0].pid, signal.SIGINT)
         assert cluster.procs[0].wait(timeout=60) == 0
+        assert "Traceback" not in cluster.logs[0].read_text(), "Ctrl-C printed a traceback"
     finally:
         cluster.stop_all()

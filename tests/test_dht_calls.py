@@ -1,0 +1,40 @@
+"""DHT calls that cannot hang: a lookup stops waiting when the DHT's process goes away mid-call."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from peers.dht_calls import DHTUnavailableError, dht_get
+
+
+class _DyingDHT:
+    """Stands in for a DHT whose process exits while a lookup waits (it never answers)."""
+
+    def __init__(self, dies_after: float):
+        self.alive = True
+        self.timer = threading.Timer(dies_after, lambda: setattr(self, "alive", False))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def get(self, key, latest, return_future):
+        return concurrent.futures.Future()
+
+
+def test_a_lookup_ends_when_the_dht_process_exits_not_at_its_timeout():
+    dht = _DyingDHT(dies_after=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(DHTUnavailableError, match="the DHT process exited"):
+        dht_get(dht, "key", timeout=60)
+    assert time.monotonic() - t0 < 30, "the lookup waited out its timeout for a DHT that was gone"
+
+
+def test_a_lookup_a_live_dht_never_answers_ends_at_its_timeout():
+    with pytest.raises(DHTUnavailableError, match="did not answer a lookup within 1 s"):
+        dht_get(_DyingDHT(dies_after=3600), "key", timeout=1)
