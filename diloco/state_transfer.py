@@ -156,8 +156,10 @@ class StateTransfer:
         if furthest > step:
             return "moving"  # the run committed a round while we downloaded: the state is stale already
         # wait for the round in flight when we first looked (committed or failed), not for later ones, and
-        # only if it can commit without us: a lone island averaging waits for partners, and we can be one
-        averaging = sum(m.averaging and m.outer_step == step for m in isl.membership.others())
+        # only if it can commit without us: a lone island averaging waits for partners, and we can be one;
+        # an island killed while averaging still reads "averaging" until its record expires: count the live
+        averaging = sum(m.averaging and m.outer_step == step and isl.membership.beating(m)
+                        for m in isl.membership.others())
         return "moving" if step == first and averaging >= isl.cfg.averaging.min_group_size else "adopt"
 
     def outvoted(self, rnd: int, state: list[float]) -> bool:

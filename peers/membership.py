@@ -44,6 +44,8 @@ class Member:
     """While averaging: the fingerprint of the θ_global the island averages from (see peers.averager)."""
     final: Any = None
     """After its last round: ``{"outer_step": N, "state": fingerprint}`` of the θ_global it ends with."""
+    expires: float = 0.0
+    """DHT time at which its record expires (its last refresh plus its ttl)."""
 
 
 class Membership:
@@ -145,7 +147,8 @@ class Membership:
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
                                   bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
-                                  value.get("state"), value.get("final"))
+                                  value.get("state"), value.get("final"),
+                                  float(getattr(item, "expiration_time", 0.0) or 0.0))
         return out
 
     def islands(self) -> dict[str, Member]:
@@ -158,15 +161,23 @@ class Membership:
             island = m.island or m.peer_id
             seen = out.get(island)
             if seen is None:
-                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state)
+                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
+                                     expires=m.expires)
             else:
                 seen.outer_step = max(seen.outer_step, m.outer_step)
                 seen.averaging = seen.averaging or m.averaging
+                seen.expires = max(seen.expires, m.expires)
         return out
 
     def others(self) -> list[Member]:
         """Live islands other than this one (one entry per island, however many ranks it has)."""
         return [m for island, m in self.islands().items() if island != self.island]
+
+    def beating(self, m: Member) -> bool:
+        """Whether ``m`` refreshed its record within the last heartbeat period (a third of the ttl, plus a
+        little for a slow DHT): an island that missed a beat may have died without leaving, though its
+        record lives on until the ttl runs out."""
+        return m.expires - get_dht_time() > self.ttl * 2 / 3 - min(2.0, self.ttl / 6)
 
     def furthest_step(self) -> int:
         """The highest outer step announced by another live island (-1 if none)."""

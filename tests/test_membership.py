@@ -9,7 +9,7 @@ import torch
 
 from peers.averager import AveragerSettings, VerifiedAverager
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
-from peers.membership import Membership, is_registered
+from peers.membership import Membership, is_registered, wait_until
 from peers.run_key import RunKeyValidator, check_run_key, key_check_key
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
@@ -163,3 +163,23 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
         assert watch.due(island) == [] and watch.since is None and watch.wait == 3.0
     finally:
         server.close()
+
+
+def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(no_leaked_daemons):
+    """An island killed mid-round keeps its record until the ttl runs out; one that missed a heartbeat is
+    told apart well before that (a catch-up then does not wait for the round it was averaging)."""
+    made = []
+    try:
+        d1 = start_dht(NetworkSettings())
+        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
+        made += [d1, d2]
+        killed, watcher = Membership(d1, "run", ttl=6.0), Membership(d2, "run", ttl=6.0)
+        killed.start_heartbeat()
+        killed.announce(4, averaging=True, state=[1.0])
+        assert wait_until(lambda: [m.outer_step for m in watcher.others()] == [4], 5.0)
+        assert watcher.beating(watcher.others()[0])
+        killed._stop.set()  # its heartbeat stops as a SIGKILL would stop it: no leave announced
+        assert wait_until(lambda: any(not watcher.beating(m) for m in watcher.others()), 10.0)
+    finally:
+        for dht in reversed(made):
+            dht.shutdown()

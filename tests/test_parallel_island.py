@@ -242,10 +242,12 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     above): a state that a commit overtook during its download is downloaded again, never adopted."""
     from diloco.state_transfer import StateTransfer
 
-    run = SimpleNamespace(furthest=4, averaging={})  # outer step -> how many other islands are averaging it
+    run = SimpleNamespace(furthest=4, averaging={}, dead=0)  # outer step -> how many other islands average it
     membership = SimpleNamespace(
         furthest_step=lambda: run.furthest, averaging_round=lambda s: run.averaging.get(s, 0) > 0,
-        others=lambda: [SimpleNamespace(averaging=True, outer_step=s) for s, n in run.averaging.items() for _ in range(n)])
+        others=lambda: [SimpleNamespace(averaging=True, outer_step=s, alive=i >= run.dead)
+                        for s, n in run.averaging.items() for i in range(n)],
+        beating=lambda m: m.alive)
     settings = SimpleNamespace(averaging=SimpleNamespace(min_group_size=2))
     transfer = StateTransfer(SimpleNamespace(membership=membership, outer_step=2, cfg=settings))
     later = time.monotonic() + 60
@@ -256,6 +258,9 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     assert transfer._verdict(4, 3, later, False) == "adopt"  # ...but only for the round in flight when we looked
     run.averaging = {4: 1}  # a lone island averaging cannot commit without partners: take its state and join it
     assert transfer._verdict(4, 4, later, False) == "adopt"
+    run.averaging, run.dead = {4: 2}, 1  # one of the two was killed mid-round: its record still says averaging
+    assert transfer._verdict(4, 4, later, False) == "adopt"
+    run.dead = 0
     assert transfer._verdict(2, None, later, False) == "keep"  # not ahead of us
     assert transfer._verdict(-1, None, later, False) == "unreachable"  # others are ahead: ask again
     # an island that left round 2 out waits for the others to finish it, then takes their result
