@@ -214,9 +214,9 @@ class VerifiedAverager:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
         stage("vote")
         if not result.reason:
-            result.reason, result.voters, gone = self._vote(averaged, peers, round_id)
+            result.reason, result.voters, left_known = self._vote(averaged, peers, round_id)
             result.retryable = bool(result.reason) and result.voters >= self.settings.min_group_size
-            result.members_left = result.voters if gone else 0
+            result.members_left = result.voters if left_known else 0
         result.vote_seconds = time.perf_counter() - t1
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
