@@ -180,7 +180,7 @@ class AveragingConfig:
     wait_for_islands: int = 0
     """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
     member_ttl: float = 60.0
-    """Seconds an island's registration lives without a heartbeat (refreshed every third of it)."""
+    """Seconds an island's registration lives without a heartbeat (refreshed every third of it, at least every 3 s: an island that missed a beat does not hold up a catch-up)."""
     rejoin_after: float = 30.0
     """Seconds an island alone in the run, although it knew live islands (it restarted while none of them
     answered, or the network split), waits before it restarts its peer node through their addresses;

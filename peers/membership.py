@@ -25,6 +25,10 @@ from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT = 3.0
+"""Longest time between two refreshes of an island's registration (a third of the ttl when shorter): how
+soon an island that died without leaving can be told from one that is alive."""
+
 @dataclass
 class Member:
     """A registered island (or one rank of it) as seen in the DHT."""
@@ -60,6 +64,8 @@ class Membership:
         self.island = island or self.peer_id
         self.rank = int(rank)
         self.ttl = ttl
+        self.period = min(ttl / 3, HEARTBEAT)
+        """Seconds between two refreshes of this island's registration."""
         self.outer_step = 0
         self.averaging = False
         self.maddrs: list[str] = []
@@ -104,11 +110,11 @@ class Membership:
         dht_store(self.dht, self.key, self.peer_id, value, get_dht_time() + ttl, timeout=ttl)
 
     def start_heartbeat(self) -> None:
-        """Refresh the registration every ttl/3 seconds in a daemon thread."""
+        """Refresh the registration every :attr:`period` seconds in a daemon thread."""
         self.announce()
 
         def beat() -> None:
-            while not self._stop.wait(self.ttl / 3):
+            while not self._stop.wait(self.period):
                 try:
                     self.announce()
                 except Exception as e:  # the DHT may be shutting down
@@ -174,10 +180,10 @@ class Membership:
         return [m for island, m in self.islands().items() if island != self.island]
 
     def beating(self, m: Member) -> bool:
-        """Whether ``m`` refreshed its record within the last heartbeat period (a third of the ttl, plus a
-        little for a slow DHT): an island that missed a beat may have died without leaving, though its
-        record lives on until the ttl runs out."""
-        return m.expires - get_dht_time() > self.ttl * 2 / 3 - min(2.0, self.ttl / 6)
+        """Whether ``m`` refreshed its record within the last heartbeat :attr:`period` (plus a little for a
+        slow DHT): an island that missed a beat may have died without leaving, though its record lives on
+        until the ttl runs out."""
+        return m.expires - get_dht_time() > self.ttl - self.period - min(2.0, self.period / 2)
 
     def furthest_step(self) -> int:
         """The highest outer step announced by another live island (-1 if none)."""
