@@ -256,6 +256,10 @@ class Island:
             print(f"[{self.name}] stopping: finishing the current step and writing a checkpoint", flush=True)
         self._stop.set()
 
+    def stop_requested(self) -> bool:
+        """Whether a stop was asked of this process (it is not yet agreed across the island's ranks)."""
+        return self._stop.is_set()
+
     def stop_agreed(self) -> bool:
         """Whether to stop now; every rank of the island (of the world, when islands average in
         lockstep) gets the same answer."""

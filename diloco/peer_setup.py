@@ -116,7 +116,7 @@ def connect(island: Island, rejoin: list[str] | None = None) -> None:
     island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
     island.membership.maddrs = visible_maddrs(island.dht)
     island.membership.start_heartbeat()
-    island.averager.watch_rounds(lambda rid: island.membership.moved_past(round_of(rid)))
+    island.averager.watch_rounds(lambda rid: island.membership.moved_past(round_of(rid)), island.stop_requested)
     island.transfer.refresh()
     island.averager.set_state_priority(island.outer_step)
     if rt.is_main:

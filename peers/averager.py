@@ -10,7 +10,6 @@ otherwise the caller gets a failed :class:`RoundResult` and the averaged values 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import signal
@@ -22,7 +21,6 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
-from hivemind.utils.mpfuture import MPFuture
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   Uniform8BitQuantization)
 
@@ -30,7 +28,8 @@ from outer_optim.codecs import LOSSY_CODECS, make_codec
 from peers.averager_types import AveragerSettings, RoundResult, allreduce_bytes
 from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
-from peers.hivemind_averager import StateProvider, _PseudoGradientAverager
+from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
+from peers.round_keys import group_key, is_vote_on, round_bits, vote_key
 from peers.vote import MemberCheck, VoteChannel
 
 __all__ = ["AveragerGoneError", "AveragerSettings", "COMPRESSIONS", "FINGERPRINT_CHUNKS", "RoundResult", "StateProvider",
@@ -84,6 +83,9 @@ class VerifiedAverager:
         """Whether every other island has moved past round ``round_id`` (averaged it without us, or gave
         it up): asked about once a second while this island looks for a group, which it then stops
         doing instead of waiting out ``matchmaking_timeout`` in a round nobody will join any more."""
+        self.stopping: Callable[[], bool] | None = None
+        """Whether this island is leaving (Ctrl-C, SIGTERM): a step still looking for a group is then
+        given up at once; an all-reduce under way is finished."""
         # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
         # process only and give the caller its own handler back
         main = threading.current_thread() is threading.main_thread()
@@ -155,38 +157,17 @@ class VerifiedAverager:
         try:
             stage("matchmaking")
             # islands at different rounds must never meet: each round matches in its own DHT bucket
-            self._averager.set_group_bits(_round_bits(round_id))
+            self._averager.set_group_bits(round_bits(round_id))
             self._set_target(expected_group_size)
+            started = time.monotonic()
             control = self._averager.step(
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
                 timeout=matchmaking_timeout or self.settings.matchmaking_timeout, allow_retries=False, wait=False)
-            t_allreduce = None
-            # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
-            # process group, OOM killer): then nothing would ever end it
-            deadline = time.monotonic() + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
-            next_look = time.monotonic() + MOVED_PAST_POLL
-            while not control.done():
-                if not self._averager.is_alive():
-                    raise AveragerGoneError("hivemind's averaging process exited (killed or crashed)")
-                if time.monotonic() > deadline:
-                    _cancel_step(control)
-                    raise TimeoutError("the averaging step outlived --averaging.matchmaking_timeout + "
-                                       "--averaging.allreduce_timeout")
-                if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
-                    t_allreduce = time.perf_counter()
-                    stage("allreduce")
-                if t_allreduce is None and self.moved_past is not None and time.monotonic() >= next_look:
-                    next_look = time.monotonic() + MOVED_PAST_POLL
-                    if control.stage == AveragingStage.LOOKING_FOR_GROUP and self.moved_past(round_id):
-                        _cancel_step(control)
-                        return RoundResult(False, "the other islands moved past this round without this island (it "
-                                           "was late for their group)", seconds=time.perf_counter() - t0,
-                                           left_behind=True), None
-                time.sleep(0.005)
-            gathered = control.result()
-            if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
-                t_allreduce = time.perf_counter()
-                stage("allreduce")
+            outcome = self._await_step(control, round_id, started, stage)
+            if isinstance(outcome, RoundResult):
+                outcome.seconds = time.perf_counter() - t0
+                return outcome, None
+            gathered, t_allreduce = outcome
         except Exception as e:  # hivemind raises several types when no group forms or a peer fails
             return RoundResult(False, f"averaging failed: {type(e).__name__}: {_short(e)}",
                                seconds=time.perf_counter() - t0), None
@@ -228,7 +209,7 @@ class VerifiedAverager:
         part is missing, its reason); the average, shaped like the template, or [] on failure."""
         t = time.perf_counter()
         mean, missing, result.bytes_sent, result.bytes_received = average_encoded(
-            self._parts, self.codec, _group_key(peers, round_id), self.peer_id, peers,
+            self._parts, self.codec, group_key(peers, round_id), self.peer_id, peers,
             {p: _as_float(meta[p].get("weight")) for p in peers}, payload, self._numel, self.settings.allreduce_timeout)
         result.allreduce_seconds += time.perf_counter() - t
         if mean is None:
@@ -237,6 +218,64 @@ class VerifiedAverager:
             result.retryable = result.members_left >= self.settings.min_group_size
             return []
         return [mean]
+
+    def _await_step(self, control: Any, round_id: str, started: float, stage: Callable[[str], None]
+                    ) -> tuple[dict, float] | RoundResult:
+        """Wait for hivemind's step: (gathered metadata, when the all-reduce began), or the failed result of
+        a step given up early: the island is stopping or the others moved past the round while we were
+        still looking for a group, or they voted on it without us while our all-reduce still ran."""
+        t_allreduce = given_up = None
+        # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
+        # process group, OOM killer): then nothing would ever end it
+        deadline = started + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
+        next_look = time.monotonic() + MOVED_PAST_POLL
+        while not control.done():
+            if not self._averager.is_alive():
+                raise AveragerGoneError("hivemind's averaging process exited (killed or crashed)")
+            if time.monotonic() > deadline:
+                cancel_step(control)
+                raise TimeoutError("the averaging step outlived --averaging.matchmaking_timeout + "
+                                   "--averaging.allreduce_timeout")
+            if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                t_allreduce = time.perf_counter()
+                stage("allreduce")
+            if t_allreduce is not None:
+                given_up = given_up or self._voted_without_us(round_id, started)
+            elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
+                if self.stopping is not None and self.stopping():
+                    cancel_step(control)
+                    return RoundResult(False, "this island is stopping: it gave up looking for a group")
+                if self.moved_past is not None and time.monotonic() >= next_look:
+                    next_look = time.monotonic() + MOVED_PAST_POLL
+                    if self.moved_past(round_id):
+                        cancel_step(control)
+                        return RoundResult(False, "the other islands moved past this round without this island "
+                                           "(it was late for their group)", left_behind=True)
+            time.sleep(0.005)
+        try:
+            gathered = control.result()
+        except Exception:
+            if given_up is not None:
+                return RoundResult(False, f"averaging failed: the other members voted on this round {given_up:.1f} s "
+                                   "ago while this island's all-reduce still ran (a member failed mid-round); "
+                                   "gave the round up")
+            raise
+        if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
+            t_allreduce = time.perf_counter()
+            stage("allreduce")
+        return gathered, t_allreduce
+
+    def _voted_without_us(self, round_id: str, since: float) -> float | None:
+        """While our all-reduce runs: if a member's verdict on this round arrived more than ``vote_timeout``
+        ago, that member has given the round up without ours (its vote ended), so no verdict of ours can
+        save it: end our all-reduce instead of waiting out hivemind's timeouts on a member that failed
+        mid-round, and return how long ago the verdict came.  None: go on waiting."""
+        first = self._votes.box.first_since(lambda key: is_vote_on(key, round_id), since)
+        if first is None or time.monotonic() - first <= self.settings.vote_timeout:
+            return None
+        if self._averager.abort_allreduce():
+            log.info("ended this island's all-reduce: the other members voted on the round without us")
+        return time.monotonic() - first
 
     def _check_group(self, meta: dict[str, dict], n: int, round_id: str) -> str:
         """Reasons to reject the group itself, identical on every member (they all see the same data)."""
@@ -268,7 +307,7 @@ class VerifiedAverager:
         once: the round is lost whatever the missing members say."""
         if not self.dht.is_alive():
             return "the vote on the result could not be held: the DHT process exited", 0, False
-        key = f"{self.settings.prefix}.vote.{_group_key(peers, round_id)}"
+        key = vote_key(self.settings.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
         tally = self._votes.hold(key, self.peer_id, peers, fingerprint(averaged),
                                  lambda a, b: fingerprints_agree(a, b, self._vote_rtol), self.settings.vote_timeout,
@@ -320,29 +359,6 @@ def _as_float(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return float("nan")
-
-
-def _cancel_step(control: Any, wait: float = 5.0) -> None:
-    """Stop a hivemind step that is still looking for a group, and wait (up to ``wait`` s) for it to end.
-
-    ``StepControl.cancel()`` sends the averager's process its cancel notice before it marks the step
-    cancelled; a process that reads the notice first sees a step that is not cancelled and goes on
-    matching, and may then join a later round's group with this round's data (seen as "islands were at
-    different rounds" by that group).  Marking the future cancelled first closes that window."""
-    MPFuture.cancel(control)
-    control.cancel()
-    deadline = time.monotonic() + wait
-    while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _round_bits(round_id: str, nbits: int = 12) -> str:
-    value = int(hashlib.sha1(round_id.encode()).hexdigest(), 16) % (1 << nbits)
-    return format(value, f"0{nbits}b")
-
-
-def _group_key(peers: list[str], round_id: str) -> str:
-    return hashlib.sha1(("|".join(peers) + "#" + round_id).encode()).hexdigest()[:16]
 
 
 def _short(e: BaseException) -> str:

@@ -6,11 +6,14 @@ averager class, so islands running another name could not meet.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
 import hivemind
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
@@ -69,6 +72,27 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
         except Exception as e:
             future.set_exception(e)
 
+    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:  # averager process
+        self._allreduce_task = asyncio.current_task()
+        try:
+            return await super()._aggregate_with_group(group_info, *args, **kwargs)
+        finally:
+            self._allreduce_task = None
+
+    def abort_allreduce(self, timeout: float = 30.0) -> bool:
+        """End the all-reduce running now, if any: its step then fails as one whose all-reduce failed
+        (hivemind's "Unable to run All-Reduce").  Returns whether one was running.  Sent through the
+        same command pipe as :meth:`set_target_group_size`."""
+        future = MPFuture()
+        self._outer_pipe.send(("_abort_allreduce", [], dict(future=future)))
+        return bool(future.result(timeout))
+
+    async def _abort_allreduce(self, future: MPFuture) -> None:
+        task = getattr(self, "_allreduce_task", None)
+        if task is not None:
+            task.cancel()
+        future.set_result(task is not None)
+
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if not await self._is_member(context.remote_id):
@@ -91,3 +115,17 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
             return
         async for message in super().rpc_download_state(request, context):
             yield message
+
+
+def cancel_step(control: Any, wait: float = 5.0) -> None:
+    """Stop a hivemind step that is still looking for a group, and wait (up to ``wait`` s) for it to end.
+
+    ``StepControl.cancel()`` sends the averager's process its cancel notice before it marks the step
+    cancelled; a process that reads the notice first sees a step that is not cancelled and goes on
+    matching, and may then join a later round's group with this round's data (seen as "islands were at
+    different rounds" by that group).  Marking the future cancelled first closes that window."""
+    MPFuture.cancel(control)
+    control.cancel()
+    deadline = time.monotonic() + wait
+    while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+        time.sleep(0.01)

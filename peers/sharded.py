@@ -328,11 +328,12 @@ class ShardedAverager:
         for avg in self.averagers.values():
             avg.set_state_priority(outer_step)
 
-    def watch_rounds(self, moved_past: Callable[[str], bool]) -> None:
+    def watch_rounds(self, moved_past: Callable[[str], bool], stopping: Callable[[], bool]) -> None:
         """Let every owned bucket's averager stop looking for a group once ``moved_past(round_id)`` says the
-        other islands are done with the round (see :attr:`peers.averager.VerifiedAverager.moved_past`)."""
+        other islands are done with the round, or ``stopping()`` that this island is leaving (see
+        :attr:`peers.averager.VerifiedAverager.moved_past` and ``stopping``)."""
         for avg in self.averagers.values():
-            avg.moved_past = moved_past
+            avg.moved_past, avg.stopping = moved_past, stopping
 
     def shutdown(self) -> None:
         """Stop the bucket averagers (the DHT and process groups are the caller's)."""

@@ -127,6 +127,12 @@ class Inbox:
                     return votes
                 self._changed.wait(left)
 
+    def first_since(self, match: Callable[[str], bool], since: float) -> float | None:
+        """When (``time.monotonic``) the first message arrived on a key ``match`` accepts, among keys first
+        seen at or after ``since``; None if none did."""
+        with self._changed:
+            return min((t for k, t in self._born.items() if t >= since and match(k)), default=None)
+
     def hold(self, key: str) -> None:
         """Keep ``key``'s messages until :meth:`release` (a wait on it is under way)."""
         with self._changed:

@@ -66,7 +66,8 @@ def _killed_and_resumed(cluster: Cluster, victim: int) -> list[dict]:
         cluster.stop_all()
 
 
-@pytest.mark.parametrize("phase", ["inner", "matchmaking", "allreduce"])
+# a kill during the inner steps, and the resume after it, are those of the low-bit codec and first-island tests
+@pytest.mark.parametrize("phase", ["matchmaking", "allreduce"])
 def test_killed_island_does_not_stop_the_others_and_rejoins_in_sync(tmp_path, phase, no_leaked_daemons):
     cluster = Cluster(_cfg(tmp_path), 3, env={2: {"DILOCO_FAULTS": f"kill@{phase}:2"}})
     summaries = _killed_and_resumed(cluster, 2)

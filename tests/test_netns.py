@@ -139,8 +139,9 @@ def test_forked_child_signal_leaves_network_alone(netns_ok):
 
 CHILD = textwrap.dedent(
     """
-    import json, subprocess, sys, time
+    import faulthandler, json, signal, subprocess, sys, time
     from experiments.netns import EmulatedNetwork
+    faulthandler.register(signal.SIGUSR1)  # the test asks for our stack if we hang
     net = EmulatedNetwork(2, rate="20mbit", run_id=sys.argv[1])
     sleeper = net.popen(["sleep", "60"], 0)
     print(json.dumps({"base": net.base, "sleeper": sleeper.pid}), flush=True)
@@ -155,7 +156,8 @@ CHILD = textwrap.dedent(
 
 def _start_child(rid: str) -> tuple[subprocess.Popen, dict]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-c", CHILD, rid], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    p = subprocess.Popen([sys.executable, "-c", CHILD, rid], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=REPO)
     line = p.stdout.readline()
     assert line, "child failed to build its network"
     info = json.loads(line)
@@ -175,15 +177,26 @@ def _wait_dead(pid: int, timeout: float = 5) -> bool:
 def test_sigterm_cleans_up(netns_ok):
     p, info = _start_child(_run_id())
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=15) == -signal.SIGTERM  # cleaned up, then died of SIGTERM
+    assert _exit_code(p) == -signal.SIGTERM  # cleaned up, then died of SIGTERM
     _gone(info["base"])
     assert _wait_dead(info["sleeper"])
+
+
+def _exit_code(p: subprocess.Popen, timeout: float = 30) -> int:
+    """The child's exit code; if it hangs, fail with its stack (it dumps it on SIGUSR1)."""
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        p.kill()
+        pytest.fail(f"the child did not exit within {timeout} s; its stack:\n{p.stderr.read()}")
 
 
 def test_sigint_cleans_up_and_raises_keyboardinterrupt(netns_ok):
     p, info = _start_child(_run_id())
     p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=15) == 3
+    assert _exit_code(p) == 3
     assert "KeyboardInterrupt" in p.stdout.read()
     _gone(info["base"])
     assert _wait_dead(info["sleeper"])

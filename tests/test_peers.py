@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from peers.averager import (AveragerSettings, VerifiedAverager, _round_bits, allreduce_bytes, fingerprint,
-                            fingerprints_agree)
+from peers.averager import AveragerSettings, VerifiedAverager, allreduce_bytes, fingerprint, fingerprints_agree
 from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
+from peers.round_keys import round_bits
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
             allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)
@@ -86,7 +86,7 @@ def test_nan_from_a_peer_is_rejected_by_all(swarm):
 
     # the hostile peer bypasses our own finiteness check and pushes NaN through hivemind directly
     def hostile_round():
-        hostile._averager.set_group_bits(_round_bits("0"))
+        hostile._averager.set_group_bits(round_bits("0"))
         with hostile._averager.get_tensors() as bufs:
             for b, d in zip(bufs, bad):
                 b.copy_(d)

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from peers.averager import AveragerSettings, VerifiedAverager, _group_key, fingerprint
+from peers.averager import AveragerSettings, VerifiedAverager, fingerprint
+from peers.round_keys import vote_key
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
 from peers.dht_calls import dht_get
 from peers.membership import Membership
@@ -97,13 +98,62 @@ def test_a_member_whose_daemon_died_is_not_waited_for(swarm):
     assert time.monotonic() - t0 < 30, "the vote waited for a member that could not be reached"
 
 
+def test_an_all_reduce_the_group_already_voted_on_without_us_is_given_up(swarm):
+    """A member whose all-reduce still waits on a peer that failed mid-round, while another member finished
+    and voted ``vote_timeout`` ago, ends its all-reduce (the round is lost whatever it does) instead of
+    waiting out hivemind's timeouts; its averager then serves the next round as usual."""
+    from hivemind.averaging.control import AveragingStage
+
+    from peers.hivemind_averager import cancel_step
+    from peers.round_keys import round_bits
+
+    slow = _settings(next_chunk_timeout=60.0, allreduce_timeout=60.0, vote_timeout=1.0)
+    a, b = swarm(slow, slow)
+    peers = sorted([a.peer_id, b.peer_id])
+    # b joins a's group of round "7" but holds its all-reduce back: a's all-reduce waits on b's part
+    b._averager.set_group_bits(round_bits("7"))
+    b._set_target(2)
+    held = b._averager.step(gather={"round_id": "7"}, weight=1.0, timeout=30, allow_retries=False,
+                            require_trigger=True, wait=False)
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(a.average(
+        [torch.ones(100)], 1.0, {"config_fingerprint": "same"}, "7", expected_group_size=2)))
+    t0 = time.monotonic()
+    worker.start()
+    deadline = time.monotonic() + 30
+    while held.stage != AveragingStage.AWAITING_TRIGGER:
+        assert time.monotonic() < deadline, f"b never joined a's group (stage {held.stage})"
+        time.sleep(0.05)
+    # b "finished" the round and voted, as a member whose all-reduce succeeded would
+    _vote_all([b], peers, [torch.ones(100)], "7")
+    worker.join(45)
+    result, averaged = out[0]
+    assert not result.ok and averaged is None
+    assert "voted on this round" in result.reason, result.reason
+    assert time.monotonic() - t0 < slow.next_chunk_timeout / 2, "a waited out hivemind's timeouts"
+    cancel_step(held)
+    results = _average_all([a, b], 2, "8")
+    assert all(r.ok and r.group_size == 2 for r in results), [r.reason for r in results]
+
+
+def test_a_stopping_island_gives_up_looking_for_a_group_at_once(swarm):
+    """Ctrl-C on an island alone in its round: it stops looking for a group instead of waiting out
+    ``matchmaking_timeout``."""
+    alone, = swarm(_settings(matchmaking_time=30.0, matchmaking_timeout=60.0))
+    asked = time.monotonic() + 1.0
+    alone.stopping = lambda: time.monotonic() > asked
+    result, averaged = alone.average([torch.ones(100)], 1.0, {}, "0")
+    assert not result.ok and averaged is None and "stopping" in result.reason, result.reason
+    assert result.seconds < 30, "it waited for the matchmaking window"
+
+
 def test_dht_record_stands_in_for_a_member_without_the_direct_channel(swarm):
     """A member that takes no direct verdicts (another version, or one that cannot be reached) votes through
     the DHT record: the others publish theirs there when sending to it fails, and find its verdict there."""
     avgs = swarm(_settings(), _settings(), _settings(direct_votes=False))
     peers = sorted(a.peer_id for a in avgs)
     assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, False)] * 3
-    key = f"v.vote.{_group_key(peers, 'r')}"
+    key = vote_key("v", peers, "r")
     found = dht_get(avgs[0].dht, key, timeout=10)
     assert found is not None and avgs[2].peer_id in {str(k) for k in found.value}
 
@@ -123,7 +173,7 @@ def test_a_verdict_from_outside_the_group_is_ignored(swarm, monkeypatch):
     _no_dht_fallback(monkeypatch)
     a, b, stranger = swarm(*[_settings()] * 3)
     peers = sorted([a.peer_id, b.peer_id])
-    key = f"v.vote.{_group_key(peers, 'r')}"
+    key = vote_key("v", peers, "r")
     bad = fingerprint([torch.full((100,), 9.0)])
     # sent before the vote (kept for it, as early verdicts of members are) and it reaches both members
     assert _send(stranger._votes, a.peer_id, key, bad) and _send(stranger._votes, b.peer_id, key, bad)
@@ -138,7 +188,7 @@ def test_private_run_refuses_verdicts_of_unregistered_peers(swarm):
     for avg in (a, b):
         Membership(avg.dht, "v").announce(0)
     peers = sorted(x.peer_id for x in (a, b, outsider))
-    key = f"v.vote.{_group_key(peers, 'r')}"
+    key = vote_key("v", peers, "r")
     same = fingerprint([torch.ones(100)])
     assert not _send(outsider._votes, a.peer_id, key, same)
     assert _send(b._votes, a.peer_id, f"{key}-other", same)  # registered members are heard

@@ -1,0 +1,29 @@
+"""The names a round goes by on the wire: its DHT matchmaking bucket, its group, its vote."""
+
+from __future__ import annotations
+
+import hashlib
+
+_ROUND_TAG = ".round."
+
+
+def round_bits(round_id: str, nbits: int = 12) -> str:
+    """hivemind group bits of a round: islands at different rounds match in different DHT buckets."""
+    value = int(hashlib.sha1(round_id.encode()).hexdigest(), 16) % (1 << nbits)
+    return format(value, f"0{nbits}b")
+
+
+def group_key(peers: list[str], round_id: str) -> str:
+    """A short name for one group (its sorted members) in one round."""
+    return hashlib.sha1(("|".join(peers) + "#" + round_id).encode()).hexdigest()[:16]
+
+
+def vote_key(prefix: str, peers: list[str], round_id: str) -> str:
+    """The key of a group's vote on a round (direct verdicts and the DHT record).  The round comes last, so
+    that a member still in the all-reduce can tell verdicts on its round arrived (:func:`is_vote_on`)."""
+    return f"{prefix}.vote.{group_key(peers, round_id)}{_ROUND_TAG}{round_id}"
+
+
+def is_vote_on(key: str, round_id: str) -> bool:
+    """Is ``key`` the vote key of some group on round ``round_id`` (not on its retry, nor another round)?"""
+    return key.endswith(_ROUND_TAG + round_id)
