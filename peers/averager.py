@@ -195,9 +195,9 @@ class VerifiedAverager:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
         stage("vote")
         if not result.reason:
-            result.reason, result.voters, left_known = self._vote(averaged, peers, round_id)
-            result.retryable = bool(result.reason) and result.voters >= self.settings.min_group_size
-            result.members_left = result.voters if left_known else 0
+            result.reason, result.voters, result.members_left = self._vote(averaged, peers, round_id)
+            result.retryable = (bool(result.reason) and
+                                max(result.voters, result.members_left) >= self.settings.min_group_size)
         result.vote_seconds = time.perf_counter() - t1
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
@@ -239,8 +239,8 @@ class VerifiedAverager:
             if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
                 t_allreduce = time.perf_counter()
                 stage("allreduce")
-            if t_allreduce is not None:
-                given_up = given_up or self._voted_without_us(round_id, started)
+            if t_allreduce is not None and given_up is None:
+                given_up = self._give_up_if_voted_without_us(round_id, started)
             elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
                 if self.stopping is not None and self.stopping():
                     cancel_step(control)
@@ -255,27 +255,33 @@ class VerifiedAverager:
         try:
             gathered = control.result()
         except Exception:
-            if given_up is not None:
-                return RoundResult(False, f"averaging failed: the other members voted on this round {given_up:.1f} s "
-                                   "ago while this island's all-reduce still ran (a member failed mid-round); "
-                                   "gave the round up")
+            if given_up:
+                return self._abstain(given_up, round_id)
             raise
         if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
             t_allreduce = time.perf_counter()
             stage("allreduce")
         return gathered, t_allreduce
 
-    def _voted_without_us(self, round_id: str, since: float) -> float | None:
-        """While our all-reduce runs: if a member's verdict on this round arrived more than ``vote_timeout``
-        ago, that member has given the round up without ours (its vote ended), so no verdict of ours can
-        save it: end our all-reduce instead of waiting out hivemind's timeouts on a member that failed
-        mid-round, and return how long ago the verdict came.  None: go on waiting."""
+    def _give_up_if_voted_without_us(self, round_id: str, since: float) -> list[str] | None:
+        """While our all-reduce runs: once a member's verdict on this round has waited half ``vote_timeout``
+        for ours, end our all-reduce (it most likely waits on a member that failed mid-round) rather than
+        let that member's vote time out: we then abstain (:meth:`_abstain`), and the members left can go
+        round again at once.  Returns the group's peer ids once ended ([] if it had ended by itself), None
+        to go on waiting."""
         first = self._votes.box.first_since(lambda key: is_vote_on(key, round_id), since)
-        if first is None or time.monotonic() - first <= self.settings.vote_timeout:
+        if first is None or time.monotonic() - first <= self.settings.vote_timeout / 2:
             return None
-        if self._averager.abort_allreduce():
-            log.info("ended this island's all-reduce: the other members voted on the round without us")
-        return time.monotonic() - first
+        return self._averager.abort_allreduce() or []
+
+    def _abstain(self, peers: list[str], round_id: str) -> RoundResult:
+        """Our all-reduce was ended while others voted: tell the group we have no result and learn who is left."""
+        log.info("ended this island's all-reduce: the other members already voted on the round")
+        reason, voters, left = self._vote(None, peers, round_id)
+        return RoundResult(False, "averaging failed: the other members finished and voted while this island's "
+                           "all-reduce still waited (on a member that failed mid-round, most likely); gave it up",
+                           group_size=len(peers), peers=peers, voters=voters, members_left=left,
+                           retryable=left >= self.settings.min_group_size)
 
     def _check_group(self, meta: dict[str, dict], n: int, round_id: str) -> str:
         """Reasons to reject the group itself, identical on every member (they all see the same data)."""
@@ -300,30 +306,30 @@ class VerifiedAverager:
             self._averager.set_target_group_size(target)
             self._target = target
 
-    def _vote(self, averaged: list[torch.Tensor], peers: list[str], round_id: str) -> tuple[str, int, bool]:
-        """Send our fingerprint of the result to the group and wait for every member's; returns ('' if all
-        agree, else why not; how many members voted; whether the missing ones are all that is wrong, so
-        that the voters are exactly the members left).  A verdict that differs from ours ends the wait at
-        once: the round is lost whatever the missing members say."""
+    def _vote(self, averaged: list[torch.Tensor] | None, peers: list[str], round_id: str) -> tuple[str, int, int]:
+        """Send our fingerprint of the result to the group (``averaged`` None: abstain, we have none) and wait
+        for every member's; returns ('' if all agree, else why not; how many members voted; how many are
+        left when only missing verdicts are wrong: the voters and the members alive without a result, 0 when
+        unknown).  A verdict that differs from ours ends the wait at once: the round is lost whatever the
+        missing members say."""
         if not self.dht.is_alive():
-            return "the vote on the result could not be held: the DHT process exited", 0, False
+            return "the vote on the result could not be held: the DHT process exited", 0, 0
         key = vote_key(self.settings.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
-        tally = self._votes.hold(key, self.peer_id, peers, fingerprint(averaged),
+        tally = self._votes.hold(key, self.peer_id, peers, [] if averaged is None else fingerprint(averaged),
                                  lambda a, b: fingerprints_agree(a, b, self._vote_rtol), self.settings.vote_timeout,
                                  expiration)
         if tally.missing and not self.dht.is_alive():
-            return "the vote on the result could not be held: the DHT process exited", 0, False
+            return "the vote on the result could not be held: the DHT process exited", 0, 0
         if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in tally.votes.values()):
-            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0, False
+            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0, 0
         voters = len(tally.votes)
         if tally.differ:
-            return ("islands received different averages (an all-reduce part failed); discarding the round",
-                    voters, False)
+            return "islands received different averages (an all-reduce part failed); discarding the round", voters, 0
         if tally.missing:
             return (f"{len(tally.missing)} of {len(peers)} island(s) did not confirm the result (left or failed "
-                    f"mid-round)", voters, True)
-        return "", voters, False
+                    f"mid-round)", voters, voters + len(tally.abstained))
+        return "", voters, 0
 
     def set_state_priority(self, outer_step: int) -> None:
         """Advertise how fresh our state is: joiners download from the island with the highest outer step."""

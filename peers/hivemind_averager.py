@@ -73,25 +73,25 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
             future.set_exception(e)
 
     async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:  # averager process
-        self._allreduce_task = asyncio.current_task()
+        self._allreduce = (asyncio.current_task(), [str(p) for p in group_info.peer_ids])
         try:
             return await super()._aggregate_with_group(group_info, *args, **kwargs)
         finally:
-            self._allreduce_task = None
+            self._allreduce = None
 
-    def abort_allreduce(self, timeout: float = 30.0) -> bool:
+    def abort_allreduce(self, timeout: float = 30.0) -> list[str] | None:
         """End the all-reduce running now, if any: its step then fails as one whose all-reduce failed
-        (hivemind's "Unable to run All-Reduce").  Returns whether one was running.  Sent through the
-        same command pipe as :meth:`set_target_group_size`."""
+        (hivemind's "Unable to run All-Reduce").  Returns the peer ids of its group, or None if none was
+        running.  Sent through the same command pipe as :meth:`set_target_group_size`."""
         future = MPFuture()
         self._outer_pipe.send(("_abort_allreduce", [], dict(future=future)))
-        return bool(future.result(timeout))
+        return future.result(timeout)
 
     async def _abort_allreduce(self, future: MPFuture) -> None:
-        task = getattr(self, "_allreduce_task", None)
-        if task is not None:
-            task.cancel()
-        future.set_result(task is not None)
+        running = getattr(self, "_allreduce", None)
+        if running is not None:
+            running[0].cancel()
+        future.set_result(None if running is None else running[1])
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:

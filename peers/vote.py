@@ -148,19 +148,21 @@ class Inbox:
 
 @dataclass
 class Tally:
-    """What a vote gathered: ``votes`` holds the group members' verdicts (ours included)."""
+    """What a vote gathered: ``votes`` holds the group members' verdicts (ours included, unless we abstain)."""
 
     votes: dict[str, list[float]]
     missing: list[str]
-    """Members whose verdict never came."""
+    """Members without a verdict (abstainers and unreachable members included)."""
     differ: list[str]
     """Members whose verdict disagrees with ours (or is not finite)."""
     unreachable: list[str] = field(default_factory=list)
     """Missing members we could not reach, whose verdict was not in the DHT record either."""
+    abstained: list[str] = field(default_factory=list)
+    """Members alive but without a result (their all-reduce failed), us included when we abstain."""
 
 
 def _decided(t: Tally) -> bool:
-    return len(t.missing) == len(t.unreachable) or bool(t.differ)
+    return len(t.missing) == len(t.unreachable) + len(t.abstained) or bool(t.differ)
 
 
 class VoteChannel:
@@ -188,18 +190,21 @@ class VoteChannel:
         """Vote ``mine`` on ``key`` among ``peers`` (``me`` included) for at most ``timeout`` seconds: ends as
         soon as every member's verdict is in or one disagrees with ours.  ``expiration``: DHT time the
         fallback record expires at.  A member that cannot be reached and whose verdict is not in the DHT
-        record either (``GONE_AFTER``) is not waited for: it counts as missing at once."""
+        record either (``GONE_AFTER``) is not waited for: it counts as missing at once.  ``mine`` empty:
+        abstain (we have no result), telling the others not to wait for us, and learn who is left."""
         deadline = time.monotonic() + timeout
         group = set(peers)
         self.box.hold(key)
         fallback = _submit(self._fallback(key, me, mine, [p for p in peers if p != me], expiration, deadline))
 
         def tally(received: dict[str, list[float]]) -> Tally:
-            votes = {p: v for p, v in received.items() if p in group and p != me and v is not GONE}
-            votes[me] = mine
-            differ = sorted(p for p, v in votes.items() if not agree(mine, v))
+            votes = {p: v for p, v in received.items() if p in group and p != me and v is not GONE and len(v)}
+            if mine:
+                votes[me] = mine
+            differ = sorted(p for p, v in votes.items() if mine and not agree(mine, v))
             missing = [p for p in peers if p not in votes]
-            return Tally(votes, missing, differ, [p for p in missing if received.get(p) is GONE])
+            return Tally(votes, missing, differ, [p for p in missing if received.get(p) is GONE],
+                         [p for p in missing if (p == me and not mine) or (p != me and received.get(p) == [])])
 
         try:
             return tally(self.box.wait_for(key, lambda received: _decided(tally(received)), deadline))

@@ -46,13 +46,14 @@ def _settings(**overrides) -> AveragerSettings:
     return AveragerSettings(prefix="v", **{**FAST, **overrides})
 
 
-def _vote_all(voters: list, peers: list[str], values: list[torch.Tensor], round_id: str = "r"
-              ) -> list[tuple[str, int, bool]]:
-    """Every averager in ``voters`` votes its value at once; (reason, voters, only members missing) of each."""
+def _vote_all(voters: list, peers: list[str], values: list[torch.Tensor | None], round_id: str = "r"
+              ) -> list[tuple[str, int, int]]:
+    """Every averager in ``voters`` votes its value (None: abstains) at once; (reason, voters, members left) of
+    each."""
     out: list = [None] * len(voters)
 
     def go(i: int) -> None:
-        out[i] = voters[i]._vote([values[i]], peers, round_id)
+        out[i] = voters[i]._vote(None if values[i] is None else [values[i]], peers, round_id)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(voters))]
     for t in threads:
@@ -78,12 +79,12 @@ def test_verdicts_travel_member_to_member_without_the_dht(swarm, monkeypatch):
     _no_dht_fallback(monkeypatch)
     avgs = swarm(*[_settings()] * 3)
     peers = sorted(a.peer_id for a in avgs)
-    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, False)] * 3
+    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, 0)] * 3
     # a differing verdict settles the vote at once, and a missing one still ends it by the timeout
     a, b, gone = avgs
-    for reason, voters, left_known in _vote_all([a, b], peers, [torch.ones(100), torch.full((100,), 2.0)], "differ"):
-        assert reason.startswith("islands received different averages") and voters == 2 and not left_known, reason
-    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "lost") == [(LOST, 2, True)] * 2
+    for reason, voters, left in _vote_all([a, b], peers, [torch.ones(100), torch.full((100,), 2.0)], "differ"):
+        assert reason.startswith("islands received different averages") and voters == 2 and left == 0, reason
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "lost") == [(LOST, 2, 2)] * 2
 
 
 def test_a_member_whose_daemon_died_is_not_waited_for(swarm):
@@ -94,14 +95,15 @@ def test_a_member_whose_daemon_died_is_not_waited_for(swarm):
     dead.shutdown()
     dead.dht.shutdown()
     t0 = time.monotonic()
-    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "killed") == [(LOST, 2, True)] * 2
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "killed") == [(LOST, 2, 2)] * 2
     assert time.monotonic() - t0 < 30, "the vote waited for a member that could not be reached"
 
 
 def test_an_all_reduce_the_group_already_voted_on_without_us_is_given_up(swarm):
     """A member whose all-reduce still waits on a peer that failed mid-round, while another member finished
-    and voted ``vote_timeout`` ago, ends its all-reduce (the round is lost whatever it does) instead of
-    waiting out hivemind's timeouts; its averager then serves the next round as usual."""
+    and voted half ``vote_timeout`` ago, ends its all-reduce instead of waiting out hivemind's timeouts, and
+    abstains: the voter learns that both are left (they can go round again at once, not after its vote's
+    timeout).  The averager then serves the next round as usual."""
     from hivemind.averaging.control import AveragingStage
 
     from peers.hivemind_averager import cancel_step
@@ -125,11 +127,15 @@ def test_an_all_reduce_the_group_already_voted_on_without_us_is_given_up(swarm):
         assert time.monotonic() < deadline, f"b never joined a's group (stage {held.stage})"
         time.sleep(0.05)
     # b "finished" the round and voted, as a member whose all-reduce succeeded would
-    _vote_all([b], peers, [torch.ones(100)], "7")
+    slow_vote = _settings(vote_timeout=60.0)
+    b.settings = slow_vote  # b would wait a minute for a's verdict: a's abstaining must end its vote
+    (reason, voters, left), = _vote_all([b], peers, [torch.ones(100)], "7")
+    assert (voters, left) == (1, 2), reason
     worker.join(45)
     result, averaged = out[0]
     assert not result.ok and averaged is None
-    assert "voted on this round" in result.reason, result.reason
+    assert "finished and voted while this island's all-reduce still waited" in result.reason, result.reason
+    assert result.retryable and result.members_left == 2 and result.voters == 1
     assert time.monotonic() - t0 < slow.next_chunk_timeout / 2, "a waited out hivemind's timeouts"
     cancel_step(held)
     results = _average_all([a, b], 2, "8")
@@ -152,7 +158,7 @@ def test_dht_record_stands_in_for_a_member_without_the_direct_channel(swarm):
     the DHT record: the others publish theirs there when sending to it fails, and find its verdict there."""
     avgs = swarm(_settings(), _settings(), _settings(direct_votes=False))
     peers = sorted(a.peer_id for a in avgs)
-    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, False)] * 3
+    assert _vote_all(avgs, peers, [torch.ones(100)] * 3) == [("", 3, 0)] * 3
     key = vote_key("v", peers, "r")
     found = dht_get(avgs[0].dht, key, timeout=10)
     assert found is not None and avgs[2].peer_id in {str(k) for k in found.value}
@@ -193,7 +199,7 @@ def test_private_run_refuses_verdicts_of_unregistered_peers(swarm):
     assert not _send(outsider._votes, a.peer_id, key, same)
     assert _send(b._votes, a.peer_id, f"{key}-other", same)  # registered members are heard
     results = _vote_all([a, b, outsider], peers, [torch.ones(100)] * 3)
-    assert results[:2] == [(LOST, 2, True)] * 2
+    assert results[:2] == [(LOST, 2, 2)] * 2
 
 
 def _average_all(avgs: list, expected: int | None, round_id: str) -> list:
