@@ -21,11 +21,11 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
-from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
-                                  Uniform8BitQuantization)
+from hivemind.compression import NoCompression
 
-from outer_optim.codecs import LOSSY_CODECS, make_codec
-from peers.averager_types import AveragerSettings, RoundResult, allreduce_bytes
+from outer_optim.codecs import make_codec
+from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, AveragerSettings, RoundResult,
+                                  allreduce_bytes)
 from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
@@ -39,20 +39,6 @@ log = logging.getLogger(__name__)
 
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
-
-# hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
-# vote: the owner of a part re-encodes the average, and members add it to their own values in place)
-BUTTERFLY: dict[str, tuple[Callable[[], Any], float, float]] = {
-    "none": (NoCompression, 1.0, 1e-5),
-    "fp16": (Float16Compression, 0.5, 1e-2),
-    "scaled-fp16": (ScaledFloat16Compression, 0.5, 1e-2),
-    "uint8": (Uniform8BitQuantization, 0.25, 5e-2),
-}
-COMPRESSIONS = (*BUTTERFLY, *LOSSY_CODECS)
-"""Every wire format; the low-bit codecs of :mod:`outer_optim.codecs` travel by :mod:`peers.encoded`."""
-ENCODED_VOTE_RTOL = 1e-6
-"""Members decode the same bytes in the same order: their averages are bit-identical."""
-
 
 class VerifiedAverager:
     """Averages one island's pseudo-gradient with other islands and serves its state to joiners.

@@ -1,9 +1,27 @@
-"""The averager's settings and the outcome of one round: plain data shared by :mod:`peers.averager`,
-:mod:`peers.sharded` and the torch fallback."""
+"""The averager's settings, its wire formats and the outcome of one round: plain data shared by
+:mod:`peers.averager`, :mod:`peers.sharded` and the torch fallback."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression, Uniform8BitQuantization
+
+from outer_optim.codecs import LOSSY_CODECS
+
+# hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
+# vote: the owner of a part re-encodes the average, and members add it to their own values in place)
+BUTTERFLY: dict[str, tuple[Callable[[], Any], float, float]] = {
+    "none": (NoCompression, 1.0, 1e-5),
+    "fp16": (Float16Compression, 0.5, 1e-2),
+    "scaled-fp16": (ScaledFloat16Compression, 0.5, 1e-2),
+    "uint8": (Uniform8BitQuantization, 0.25, 5e-2),
+}
+COMPRESSIONS = (*BUTTERFLY, *LOSSY_CODECS)
+"""Every wire format; the low-bit codecs of :mod:`outer_optim.codecs` travel by :mod:`peers.encoded`."""
+ENCODED_VOTE_RTOL = 1e-6
+"""Members decode the same bytes in the same order: their averages are bit-identical."""
 
 
 @dataclass
