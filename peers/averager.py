@@ -78,20 +78,18 @@ class VerifiedAverager:
         previous_sigint = signal.getsignal(signal.SIGINT) if main else None
         members = (MemberCheck(dht, settings.members_key or f"{settings.prefix}.members")
                    if settings.private else None)
-        self._averager = _PseudoGradientAverager(
-            self._buffers, dht, start=True, prefix=settings.prefix,
-            target_group_size=settings.target_group_size or None,
-            min_group_size=settings.min_group_size,
-            min_matchmaking_time=settings.matchmaking_time,
-            request_timeout=settings.request_timeout,
-            allreduce_timeout=settings.allreduce_timeout,
-            next_chunk_timeout=settings.next_chunk_timeout,
-            compression=codec(),
-            client_mode=settings.client_mode,
-            state_provider=state_provider, members=members, shutdown_timeout=5,
-        )
-        if main and previous_sigint is not None:
-            signal.signal(signal.SIGINT, previous_sigint)
+        try:  # a start that fails (its process never ready) must not leave this process deaf to Ctrl-C either
+            self._averager = _PseudoGradientAverager(
+                self._buffers, dht, start=True, prefix=settings.prefix,
+                target_group_size=settings.target_group_size or None, min_group_size=settings.min_group_size,
+                min_matchmaking_time=settings.matchmaking_time, request_timeout=settings.request_timeout,
+                allreduce_timeout=settings.allreduce_timeout, next_chunk_timeout=settings.next_chunk_timeout,
+                compression=codec(), client_mode=settings.client_mode,
+                state_provider=state_provider, members=members, shutdown_timeout=5,
+            )
+        finally:
+            if main and previous_sigint is not None:
+                signal.signal(signal.SIGINT, previous_sigint)
         self._target: int | None = settings.target_group_size or None
         self.peer_id = str(dht.peer_id)
         self._votes = self._parts = None

@@ -142,6 +142,7 @@ CHILD = textwrap.dedent(
     import faulthandler, json, signal, subprocess, sys, time
     from experiments.netns import EmulatedNetwork
     faulthandler.register(signal.SIGUSR1)  # the test asks for our stack if we hang
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a shell, whatever pytest's process inherited
     net = EmulatedNetwork(2, rate="20mbit", run_id=sys.argv[1])
     sleeper = net.popen(["sleep", "60"], 0)
     print(json.dumps({"base": net.base, "sleeper": sleeper.pid}), flush=True)
