@@ -42,14 +42,17 @@ def _check_report(out, H: int) -> dict:
     return data
 
 
-def test_compare_on_loopback(tmp_path, no_leaked_daemons):
+def test_compare_end_to_end(tmp_path, no_leaked_daemons):
+    """One comparison (single worker, DDP baseline, DiLoCo fp32 and top-k) from one warm start: over links
+    emulated at 50 Mbit/s in network namespaces where this machine allows them, else on loopback."""
+    emulated, why_not = netns.available()
+    before = set(netns.list_namespaces()) if emulated else set()
     cfg = tiny_config(tmp_path / "unused", **COMMON)
-    md = run_compare(cfg, 2, None, tmp_path / "out", progress=False, warm_start_steps=6, warm_start_lr=2e-3)
+    md = run_compare(cfg, 2, "50mbit" if emulated else None, tmp_path / "out", progress=False, codecs=["topk"],
+                     warm_start_steps=6, warm_start_lr=2e-3)
     assert md == tmp_path / "out" / "results.md"
     data = _check_report(tmp_path / "out", H=4)
-    assert data["measured_link_bits_per_second"] is None
-    assert any("loopback" in n for n in data["notes"])
-    # all three runs start where the warm start ended, not from the seeded initialisation
+    # all runs start where the warm start ended, not from the seeded initialisation
     warm = curve_from_metrics(tmp_path / "out" / "runs" / "warm_start" / "island0")
     assert warm[-1]["eval_loss"] < warm[0]["eval_loss"]
     for run in data["runs"]:
@@ -57,22 +60,19 @@ def test_compare_on_loopback(tmp_path, no_leaked_daemons):
     assert any(n.startswith("start: every run starts from the same warm start, 6 AdamW steps of one worker (peak lr 0.002)") for n in data["notes"])
     # the metrics of every run are where the report says
     assert curve_from_metrics(tmp_path / "out" / "runs" / "baseline")[-1]["outer_step"] == 2
-
-
-@pytest.mark.skipif(not netns.available()[0], reason=netns.available()[1])
-def test_compare_over_emulated_links(tmp_path, no_leaked_daemons):
-    before = set(netns.list_namespaces())
-    cfg = tiny_config(tmp_path / "unused", **COMMON)
-    run_compare(cfg, 2, "50mbit", tmp_path / "out", progress=False, codecs=["topk"])
-    data = _check_report(tmp_path / "out", H=4)
     runs = {r["name"]: r for r in data["runs"]}
     fp32, topk = runs["diloco-2x-H4"], runs["diloco-codec-topk"]
-    # the codec's count is far below fp32's; the link counters (DHT, votes and state downloads included,
-    # which outweigh a tiny model's payload) see at least what the codec counted
     assert 0 < topk["bytes_per_worker"] < fp32["bytes_per_worker"] / 10
-    assert topk["extra"]["wire_bytes_sent_max_host"] >= topk["bytes_per_worker"]
     assert topk["extra"]["theta_global_max_abs_diff"] == 0.0
     assert any(n.startswith("codec: diloco-codec-topk: held-out loss") for n in data["notes"])
+    if not emulated:
+        print(f"links not emulated: {why_not}")
+        assert data["measured_link_bits_per_second"] is None
+        assert any("loopback" in n for n in data["notes"])
+        return
+    # the link counters (DHT, votes and state downloads included, which outweigh a tiny model's payload)
+    # see at least what the codec counted
+    assert topk["extra"]["wire_bytes_sent_max_host"] >= topk["bytes_per_worker"]
     rate = data["measured_link_bits_per_second"]
     assert 30e6 < rate < 55e6  # tbf at 50 Mbit/s; TCP goodput a few % lower
     assert any("TCP goodput measured" in n for n in data["notes"])

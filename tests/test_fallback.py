@@ -29,9 +29,12 @@ def run_cases(out_dir: str) -> None:
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     made = []
 
-    def run(name: str, averager, rid: str, deltas=None, cfg: str = "cfg"):
+    def run(name: str, averager, rid: str, deltas=None, cfg: str = "cfg", retry: bool = False):
         deltas = deltas if deltas is not None else local_delta(me.island, me.island_rank, rid)
         result, averaged = averager.average(deltas, WEIGHTS[me.island], {"config_fingerprint": cfg}, rid)
+        if retry and result.retryable:  # as the island engine does: a part lost under load goes round again
+            print(f"rank {me.rank}: {name} retried: {result.reason}", flush=True)
+            result, averaged = averager.average(deltas, WEIGHTS[me.island], {"config_fingerprint": cfg}, rid + ".retry")
         save(out_dir, name, me, result, averaged)
         print(f"rank {me.rank}: {name} after {time.monotonic() - t0:.1f} s: round {result.seconds:.1f} s, "
               f"ok={result.ok}, backend={result.backend!r}, {result.reason} {result.fallback_reason}", flush=True)
@@ -43,7 +46,7 @@ def run_cases(out_dir: str) -> None:
         two = AveragerSettings(prefix="fb", min_group_size=2, target_group_size=2, **FAST)
         auto = ShardedAverager(layout, deltas, me.specs, group, me.dht, two, backend="auto", fallback=har)
         made.append(auto)
-        run("auto_hivemind", auto, "0")  # hivemind works: auto takes it
+        run("auto_hivemind", auto, "0", retry=True)  # hivemind works: auto takes it
         run("torch_direct", har, "0")
         torch_only = ShardedAverager(layout, deltas, me.specs, group, None, two, backend="torch", fallback=har)
         run("torch_backend", torch_only, "0")
