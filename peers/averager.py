@@ -11,7 +11,6 @@ otherwise the caller gets a failed :class:`RoundResult` and the averaged values 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -25,7 +24,7 @@ from hivemind.compression import NoCompression
 
 from outer_optim.codecs import make_codec
 from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, AveragerSettings, RoundResult,
-                                  allreduce_bytes)
+                                  allreduce_bytes, as_float, check_group)
 from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
@@ -164,8 +163,8 @@ class VerifiedAverager:
         nbytes = allreduce_bytes(self._num_bytes, n, self._wire_ratio)
         result = RoundResult(False, group_size=n, peers=peers, bytes_sent=nbytes, bytes_received=nbytes,
                              matchmaking_seconds=t1 - t0, allreduce_seconds=t1 - (t_allreduce or t1), gathered=meta,
-                             total_weight=float(sum(_as_float(m.get("weight")) for m in meta.values())))
-        result.reason = self._check_group(meta, n, round_id)
+                             total_weight=float(sum(as_float(m.get("weight")) for m in meta.values())))
+        result.reason = check_group(meta, round_id, self.settings.min_group_size)
         if encoded is not None:
             averaged = self._gather_encoded(encoded, meta, peers, round_id, result) if not result.reason else []
         else:
@@ -194,7 +193,7 @@ class VerifiedAverager:
         t = time.perf_counter()
         mean, missing, result.bytes_sent, result.bytes_received = average_encoded(
             self._parts, self.codec, group_key(peers, round_id), self.peer_id, peers,
-            {p: _as_float(meta[p].get("weight")) for p in peers}, payload, self._numel, self.settings.allreduce_timeout)
+            {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel, self.settings.allreduce_timeout)
         result.allreduce_seconds += time.perf_counter() - t
         if mean is None:
             result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient"
@@ -226,6 +225,10 @@ class VerifiedAverager:
             if t_allreduce is not None and given_up is None:
                 given_up = self._give_up_if_voted_without_us(round_id, started)
             elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
+                listed = self._votes.box.first_since(lambda key: is_vote_on(key, round_id), started)
+                if listed is not None:
+                    cancel_step(control)
+                    return self._missed_group(listed[1], round_id)
                 if self.stopping is not None and self.stopping():
                     cancel_step(control)
                     return RoundResult(False, "this island is stopping: it gave up looking for a group")
@@ -240,7 +243,10 @@ class VerifiedAverager:
             gathered = control.result()
         except Exception:
             if given_up:
-                return self._abstain(given_up, round_id)
+                log.info("ended this island's all-reduce: the other members already voted on the round")
+                return self._abstain(given_up, round_id, "averaging failed: the other members finished and voted "
+                                     "while this island's all-reduce still waited (on a member that failed "
+                                     "mid-round, most likely); gave it up")
             raise
         if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
             t_allreduce = time.perf_counter()
@@ -254,33 +260,25 @@ class VerifiedAverager:
         round again at once.  Returns the group's peer ids once ended ([] if it had ended by itself), None
         to go on waiting."""
         first = self._votes.box.first_since(lambda key: is_vote_on(key, round_id), since)
-        if first is None or time.monotonic() - first <= self.settings.vote_timeout / 2:
+        if first is None or time.monotonic() - first[0] <= self.settings.vote_timeout / 2:
             return None
         return self._averager.abort_allreduce() or []
 
-    def _abstain(self, peers: list[str], round_id: str) -> RoundResult:
-        """Our all-reduce was ended while others voted: tell the group we have no result and learn who is left."""
-        log.info("ended this island's all-reduce: the other members already voted on the round")
-        reason, voters, left = self._vote(None, peers, round_id)
-        return RoundResult(False, "averaging failed: the other members finished and voted while this island's "
-                           "all-reduce still waited (on a member that failed mid-round, most likely); gave it up",
-                           group_size=len(peers), peers=peers, voters=voters, members_left=left,
-                           retryable=left >= self.settings.min_group_size)
+    def _missed_group(self, key: str, round_id: str) -> RoundResult:
+        """Verdicts on our round came while we were still looking for a group: a group listed us, but our
+        matchmaking never learned it (the leader's message was lost), and it averaged without our part.
+        Abstain on that group's vote so that its members stop waiting for us and all go round again."""
+        peers = sorted({*self._votes.box.senders(key), self.peer_id})
+        log.info("a group averaged this round without this island (its matchmaking missed the group); abstaining")
+        return self._abstain(peers, round_id, "averaging failed: a group listed this island but its matchmaking "
+                             "never learned of it, and the group averaged without it; abstained", key)
 
-    def _check_group(self, meta: dict[str, dict], n: int, round_id: str) -> str:
-        """Reasons to reject the group itself, identical on every member (they all see the same data)."""
-        if n < self.settings.min_group_size:
-            return f"group of {n} island(s) is below --averaging.min_group_size {self.settings.min_group_size}"
-        rounds = {m.get("round_id") for m in meta.values()}
-        if len(rounds) > 1:
-            return f"islands were at different rounds {sorted(map(str, rounds))}"
-        prints = {m.get("config_fingerprint") for m in meta.values()}
-        if len(prints) > 1:
-            return "islands in the group run different model or training configs (config fingerprints differ)"
-        weights = [_as_float(m.get("weight")) for m in meta.values()]
-        if not all(math.isfinite(w) and w > 0 for w in weights):
-            return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
-        return ""
+    def _abstain(self, peers: list[str], round_id: str, reason: str, key: str | None = None) -> RoundResult:
+        """We have no result while others voted on ``round_id`` (``key``: their vote's key, when we cannot tell
+        the group): tell them and learn who is left."""
+        _, voters, left = self._vote(None, peers, round_id, key)
+        return RoundResult(False, reason, group_size=len(peers), peers=peers, voters=voters, members_left=left,
+                           retryable=left >= self.settings.min_group_size)
 
     def _set_target(self, expected: int | None) -> None:
         """The group size this step assembles at: the configured target, else the expected one."""
@@ -290,7 +288,8 @@ class VerifiedAverager:
             self._averager.set_target_group_size(target)
             self._target = target
 
-    def _vote(self, averaged: list[torch.Tensor] | None, peers: list[str], round_id: str) -> tuple[str, int, int]:
+    def _vote(self, averaged: list[torch.Tensor] | None, peers: list[str], round_id: str, key: str | None = None
+              ) -> tuple[str, int, int]:
         """Send our fingerprint of the result to the group (``averaged`` None: abstain, we have none) and wait
         for every member's; returns ('' if all agree, else why not; how many members voted; how many are
         left when only missing verdicts are wrong: the voters and the members alive without a result, 0 when
@@ -298,7 +297,7 @@ class VerifiedAverager:
         missing members say."""
         if not self.dht.is_alive():
             return "the vote on the result could not be held: the DHT process exited", 0, 0
-        key = vote_key(self.settings.prefix, peers, round_id)
+        key = key or vote_key(self.settings.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
         tally = self._votes.hold(key, self.peer_id, peers, [] if averaged is None else fingerprint(averaged),
                                  lambda a, b: fingerprints_agree(a, b, self._vote_rtol), self.settings.vote_timeout,
@@ -342,13 +341,6 @@ class VerifiedAverager:
 
 class AveragerGoneError(RuntimeError):
     """hivemind's averaging process is no longer running."""
-
-
-def _as_float(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return float("nan")
 
 
 def _short(e: BaseException) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -126,3 +127,29 @@ def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
     if group_size <= 1:
         return 0
     return int(2 * num_bytes * wire_ratio * (group_size - 1) / group_size)
+
+
+def as_float(x: Any) -> float:
+    """``x`` as a float, NaN when it is none (a peer's metadata is untrusted)."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def check_group(meta: dict[str, dict], round_id: str, min_group_size: int) -> str:
+    """Reasons to reject a group of islands from the metadata each sent (``meta``: peer → metadata), or '':
+    every member computes the same verdict from the same data."""
+    if not meta:
+        return "no island could send a pseudo-gradient this round"
+    if len(meta) < min_group_size:
+        return f"group of {len(meta)} island(s) is below --averaging.min_group_size {min_group_size}"
+    rounds = {str(m.get("round_id")) for m in meta.values()}
+    if rounds != {round_id}:
+        return f"islands were at different rounds {sorted(rounds)}"
+    if len({m.get("config_fingerprint") for m in meta.values()}) > 1:
+        return "islands in the group run different model or training configs (config fingerprints differ)"
+    weights = [as_float(m.get("weight")) for m in meta.values()]
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
+    return ""

@@ -22,7 +22,6 @@ collectives never wait for it; it rolls back while the others average without it
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from peers.averager import allreduce_bytes, majority_by_state
+from peers.averager_types import check_group
 from peers.layout import CanonicalLayout
 from peers.exchange import BucketExchange
 from peers.bucket_round import ShardedRoundResult
@@ -137,7 +137,7 @@ class HierarchicalAllReduce:
             result.gathered = gathered
             result.group_size = len(gathered)
             result.total_weight = float(sum(m["weight"] for m in gathered.values()))
-            result.reason = self._check_group(gathered, round_id)
+            result.reason = check_group(gathered, round_id, self.min_group_size)
             if gathered:
                 result.majority_peers, result.in_minority = majority_by_state(gathered, island_key)
                 if not result.reason and len(result.majority_peers) < len(gathered):
@@ -176,18 +176,3 @@ class HierarchicalAllReduce:
         result.ok = True
         return result, averaged
 
-    def _check_group(self, gathered: dict[str, dict], round_id: str) -> str:
-        """Reasons to reject the round, computed alike by every island (they see the same data)."""
-        if not gathered:
-            return "no island could send a pseudo-gradient this round"
-        if len(gathered) < self.min_group_size:
-            return (f"only {len(gathered)} island(s) sent a pseudo-gradient, below the minimum group size "
-                    f"{self.min_group_size}")
-        if {m.get("round_id") for m in gathered.values()} != {round_id}:
-            return f"islands were at different rounds {sorted({str(m.get('round_id')) for m in gathered.values()})}"
-        if len({m.get("config_fingerprint") for m in gathered.values()}) > 1:
-            return "islands in the world run different model or training configs (config fingerprints differ)"
-        weights = [m.get("weight") for m in gathered.values()]
-        if not all(isinstance(w, float) and math.isfinite(w) and w > 0 for w in weights):
-            return f"an island declared an invalid weight ({weights})"
-        return ""

@@ -127,11 +127,16 @@ class Inbox:
                     return votes
                 self._changed.wait(left)
 
-    def first_since(self, match: Callable[[str], bool], since: float) -> float | None:
-        """When (``time.monotonic``) the first message arrived on a key ``match`` accepts, among keys first
-        seen at or after ``since``; None if none did."""
+    def first_since(self, match: Callable[[str], bool], since: float) -> tuple[float, str] | None:
+        """(when, as ``time.monotonic``; on which key) the first message arrived on a key ``match`` accepts,
+        among keys first seen at or after ``since``; None if none did."""
         with self._changed:
-            return min((t for k, t in self._born.items() if t >= since and match(k)), default=None)
+            return min(((t, k) for k, t in self._born.items() if t >= since and match(k)), default=None)
+
+    def senders(self, key: str) -> list[str]:
+        """Who sent a message on ``key`` (members we could not reach left out)."""
+        with self._changed:
+            return sorted(s for s, v in self._votes.get(key, {}).items() if v is not GONE)
 
     def hold(self, key: str) -> None:
         """Keep ``key``'s messages until :meth:`release` (a wait on it is under way)."""

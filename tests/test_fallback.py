@@ -130,7 +130,7 @@ def test_an_island_with_nan_sits_out_and_the_round_fails_everywhere(runs):
     for r in ranks:
         assert not r["ok"] and r["averaged"] is None
     assert all("not finite" in r["reason"] for r in ranks[:2])
-    assert "below the minimum group size" in ranks[2]["reason"]
+    assert "below --averaging.min_group_size 2" in ranks[2]["reason"]
 
 
 if __name__ == "__main__":

@@ -111,6 +111,27 @@ def test_an_abstaining_member_counts_as_left_and_ends_the_vote(swarm):
     assert time.monotonic() - t0 < 30, "the voter waited out its timeout for the abstainer"
 
 
+def test_an_island_whose_matchmaking_missed_its_group_abstains_on_that_groups_vote(swarm):
+    """A group listed island x, but x's matchmaking never learned it (the leader's message was lost) and the
+    group averaged without x's part.  x is still looking for a group when the group's verdicts on its round
+    reach it: it stops looking and abstains on that vote, so that the voters stop waiting for it (not after
+    their vote timeout) and all three go round again at once."""
+    a, b, x = swarm(*[_settings(vote_timeout=60.0)] * 2, _settings(matchmaking_time=30.0, matchmaking_timeout=60.0))
+    peers = sorted(p.peer_id for p in (a, b, x))
+    out: list = []
+    looking = threading.Thread(target=lambda: out.append(x.average([torch.ones(100)], 1.0, {}, "5")))
+    looking.start()
+    time.sleep(2.0)  # x is in its matchmaking
+    t0 = time.monotonic()
+    lost = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
+    assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "5") == [(lost, 2, 3)] * 2
+    looking.join(30)
+    assert time.monotonic() - t0 < 30, "the voters waited out their timeout for x"
+    (result, averaged), = out
+    assert not result.ok and averaged is None and "never learned" in result.reason, result.reason
+    assert result.retryable and (result.voters, result.members_left) == (2, 3)
+
+
 def test_a_stopping_island_gives_up_looking_for_a_group_at_once(swarm):
     """Ctrl-C on an island alone in its round: it stops looking for a group instead of waiting out
     ``matchmaking_timeout``."""
