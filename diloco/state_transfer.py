@@ -148,7 +148,7 @@ class StateTransfer:
         isl = self.island
         if time.monotonic() > deadline:
             return "adopt" if step > isl.outer_step else "keep"
-        furthest = isl.membership.furthest_step()
+        furthest = isl.membership.furthest_step(beating_only=True)
         if step < 0:
             return "unreachable" if furthest > isl.outer_step or wait_for_round else "keep"
         if step <= isl.outer_step:

@@ -185,9 +185,11 @@ class Membership:
         until the ttl runs out."""
         return m.expires - get_dht_time() > self.ttl - self.period - min(2.0, self.period / 2)
 
-    def furthest_step(self) -> int:
-        """The highest outer step announced by another live island (-1 if none)."""
-        return max((m.outer_step for m in self.others()), default=-1)
+    def furthest_step(self, beating_only: bool = False) -> int:
+        """The highest outer step announced by another live island (-1 if none); ``beating_only``: among
+        those still beating (a killed island's record, at a step nobody else reached, lives on until the
+        ttl runs out, and nobody can serve that step)."""
+        return max((m.outer_step for m in self.others() if not beating_only or self.beating(m)), default=-1)
 
     def averaging_round(self, outer_step: int) -> bool:
         """True if another live island announced it is averaging round ``outer_step`` right now."""

@@ -167,7 +167,8 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
 
 def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(no_leaked_daemons):
     """An island killed mid-round keeps its record until the ttl runs out; one that missed a heartbeat is
-    told apart well before that (a catch-up then does not wait for the round it was averaging)."""
+    told apart well before that (a catch-up then does not wait for the round it was averaging, nor take
+    the step it had reached for one the run committed while the catch-up downloaded)."""
     made = []
     try:
         d1 = start_dht(NetworkSettings())
@@ -179,7 +180,10 @@ def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(no_leaked
         assert wait_until(lambda: [m.outer_step for m in watcher.others()] == [4], 5.0)
         assert watcher.beating(watcher.others()[0])
         killed._stop.set()  # its heartbeat stops as a SIGKILL would stop it: no leave announced
+        assert watcher.furthest_step(beating_only=True) == 4
         assert wait_until(lambda: any(not watcher.beating(m) for m in watcher.others()), 10.0)
+        # the step it announced no longer counts as the run's furthest for a catch-up (soak seed 7)
+        assert watcher.furthest_step() == 4 and watcher.furthest_step(beating_only=True) == -1
     finally:
         for dht in reversed(made):
             dht.shutdown()
