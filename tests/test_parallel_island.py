@@ -244,7 +244,7 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
 
     run = SimpleNamespace(furthest=4, averaging={}, dead=0)  # outer step -> how many other islands average it
     membership = SimpleNamespace(
-        furthest_step=lambda: run.furthest, averaging_round=lambda s: run.averaging.get(s, 0) > 0,
+        furthest_step=lambda beating_only=False: run.furthest, averaging_round=lambda s: run.averaging.get(s, 0) > 0,
         others=lambda: [SimpleNamespace(averaging=True, outer_step=s, alive=i >= run.dead)
                         for s, n in run.averaging.items() for i in range(n)],
         beating=lambda m: m.alive)
