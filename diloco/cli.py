@@ -34,6 +34,7 @@ commands:
   experiment sweeps     H / islands / outer-optimizer sweeps next to the paper's numbers (--help)
   experiment overlap    compute utilization and wall-clock against link rate, blocking vs rounds in flight
   experiment hetero     islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP
+  experiment horizon    the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run
   config show           print the effective configuration (TOML, with a comment per key)
   config reference      print every key with its default and meaning (markdown)
 

@@ -12,6 +12,7 @@ commands:
   sweeps    H, islands and outer-optimizer sweeps next to the paper's numbers (... sweeps --help)
   overlap   compute utilization and wall-clock against link rate, blocking vs rounds in flight (... overlap --help)
   hetero    islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP (... hetero --help)
+  horizon   the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run (... horizon --help)
 """
 
 
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.overlap_sweep import main as run
     elif command == "hetero":
         from experiments.hetero import main as run
+    elif command == "horizon":
+        from experiments.horizon import main as run
     else:
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

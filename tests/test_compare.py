@@ -107,3 +107,20 @@ def test_overlapped_arms_join_a_codec_by_plus():
     assert arm_settings("eager") == {"diloco.overlap": "eager"}
     assert unknown_arms(["delayed", "eager+int4", "delayed+", "fast", "int8", "eager+zip"]) == [
         "delayed+", "fast", "int8", "eager+zip"]
+
+
+def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
+    from diloco import config_load
+    from experiments.compare import COMPARE_DEFAULTS
+    from experiments.horizon import REFERENCE, _plot, _write_report, gap, main, unknown
+
+    assert unknown(["blocking", "topk", "delayed+int8", "eager+", "slow"]) == ["eager+", "slow"]
+    curves = {REFERENCE: [1.6, 1.5, 1.4, 1.3], "delayed": [1.6, 1.55, 1.43, 1.31]}
+    assert abs(gap(curves, "delayed", 3) - (1.31 / 1.3 - 1)) < 1e-12 and gap(curves, "delayed", 9) != gap(curves, "delayed", 9)
+    _plot(curves, tmp_path / "horizon.png")
+    assert (tmp_path / "horizon.png").read_bytes()[:4] == b"\x89PNG"
+    text = _write_report(curves, [1, 3], 4, config_load.load(None, [], defaults=COMPARE_DEFAULTS), tmp_path).read_text()
+    assert "1.3100 (+0.77%)" in text and "+3.33% after round 1, +0.77% after round 3" in text
+    assert main(["--arms", "delayed,fast", "--at", "40", "--rounds", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "--arms fast is not one of" in err and "--at must list rounds between 1 and --rounds 12" in err

@@ -1,0 +1,177 @@
+"""Does the gap of a DiLoCo variant to blocking fp32 DiLoCo close as the run gets longer?
+
+    python -m experiments horizon [--arms delayed,eager,topk,sparseloco] [--rounds 18] [--islands 4]
+           [--at 6,12,18] [--out experiments/results/horizon] [--section.key VALUE ...]
+
+The compare command runs 6 rounds of H=50: enough to rank the arms, too few to tell a variant that is
+slower to start (rounds in flight train one round on stale parameters; top-k with error feedback sends
+2% of Δ a round and catches up through its buffer) from one that ends worse.  This command runs blocking
+fp32 DiLoCo and each arm (a name of :data:`experiments.compare.ARMS` or :data:`~experiments.compare.CODECS`,
+or both joined by ``+``) for ``--rounds`` rounds on loopback (quality only: no link cap), all from the
+compare's shared warm start, and reports the held-out loss of θ_global of every arm after every round and
+its gap to blocking DiLoCo at the rounds of ``--at``.  Writes ``results.md``, ``results.json``,
+``horizon.png`` (loss per round, and the gap per round) and the runs' logs under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from diloco import config_load
+from diloco.command import run_command
+from diloco.config import Config, ConfigError
+from experiments.compare import (ARMS, CODECS, COMPARE_DEFAULTS, WARM_START_LR, WARM_START_STEPS, arm_settings,
+                                 unknown_arms, warm_start)
+from experiments.compare_results import curve_from_metrics
+from experiments.islands import CompareError, launch_islands, variant
+from experiments.report import markdown_table
+
+REFERENCE = "blocking"
+
+
+def settings_of(arm: str) -> dict[str, Any]:
+    """The config items of ``arm``: blocking fp32 DiLoCo, an overlapped arm, a codec, or ``mode+codec``."""
+    if arm == REFERENCE:
+        return {}
+    return CODECS[arm] if arm in CODECS else arm_settings(arm)
+
+
+def unknown(arms: list[str]) -> list[str]:
+    """The names of ``arms`` that :func:`settings_of` cannot read."""
+    return [a for a in unknown_arms(arms) if a != REFERENCE and a not in CODECS]
+
+
+def losses_per_round(run_dir: Path) -> list[float]:
+    """Held-out loss of θ_global before the first round (index 0) and after each committed round."""
+    per_round: dict[int, float] = {}
+    for p in curve_from_metrics(run_dir):
+        if p.get("outer_step") is not None:
+            per_round[int(p["outer_step"])] = p["eval_loss"]  # the last evaluation of a round counts
+    return [per_round[r] for r in sorted(per_round)]
+
+
+def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: list[int], out: Path, *,
+                warm_start_steps: int = WARM_START_STEPS) -> Path:
+    """Run blocking DiLoCo and every arm for ``rounds`` rounds; write the report; return ``results.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = variant(cfg, **{"diloco.outer_steps": rounds, "averaging.backend": "hivemind"})
+    if not cfg.checkpoint.init_from and warm_start_steps:
+        print(f"== warm start: one worker, {warm_start_steps} steps ==", flush=True)
+        init, _ = warm_start(cfg, warm_start_steps, out / "runs" / "warm_start", lr=WARM_START_LR)
+        cfg = variant(cfg, **{"checkpoint.init_from": str(init)})
+    curves: dict[str, list[float]] = {}
+    for arm in [REFERENCE] + [a for a in arms if a != REFERENCE]:
+        print(f"\n== {arm}: {islands} islands, {rounds} rounds of H={cfg.diloco.inner_steps} ==", flush=True)
+        c = variant(cfg, **{"logging.run_dir": str(out / "runs" / arm.replace("+", "-")),
+                            "averaging.run_id": f"horizon-{arm.replace('+', '-')}", **settings_of(arm)})
+        done = launch_islands(c, islands)
+        curves[arm] = losses_per_round(Path(done["run_dirs"][0]))
+        print(f"{arm}: held-out loss per round " + " ".join(f"{x:.4f}" for x in curves[arm]), flush=True)
+    (out / "results.json").write_text(json.dumps({"islands": islands, "rounds": rounds, "H": cfg.diloco.inner_steps,
+                                                  "start": cfg.checkpoint.init_from, "loss_per_round": curves},
+                                                 indent=2) + "\n")
+    _plot(curves, out / "horizon.png")
+    return _write_report(curves, at, islands, cfg, out)
+
+
+def gap(curves: dict[str, list[float]], arm: str, r: int) -> float:
+    """Relative held-out loss of ``arm`` against blocking DiLoCo after round ``r`` (NaN: not reached)."""
+    a, b = curves[arm], curves[REFERENCE]
+    return a[r] / b[r] - 1 if r < len(a) and r < len(b) else float("nan")
+
+
+def _write_report(curves: dict[str, list[float]], at: list[int], islands: int, cfg: Config, out: Path) -> Path:
+    header = ["arm"] + [f"round {r}" for r in at]
+    rows = [[arm] + [f"{curves[arm][r]:.4f}" + ("" if arm == REFERENCE else f" ({100 * gap(curves, arm, r):+.2f}%)")
+                     if r < len(curves[arm]) else "—" for r in at] for arm in curves]
+    lines = [f"# How the gap to blocking DiLoCo changes with the length of the run ({islands} islands, "
+             f"H={cfg.diloco.inner_steps})", "",
+             f"Held-out loss of θ_global after the round (in brackets: against blocking fp32 DiLoCo after the same "
+             f"round, equal tokens). Model `{cfg.model.preset}`, batch {cfg.inner.batch_size}×{cfg.model.seq_len} "
+             f"tokens per island, inner lr {cfg.inner.lr:g}, outer {cfg.diloco.outer_optimizer} lr "
+             f"{cfg.diloco.outer_lr:g} momentum {cfg.diloco.outer_momentum:g}, on loopback; start "
+             f"{cfg.checkpoint.init_from or 'the seeded initialisation'}.", "",
+             markdown_table(header, rows), "", "![loss and gap per round](horizon.png)", ""]
+    for arm in curves:
+        if arm != REFERENCE:
+            first, last = at[0], min(at[-1], len(curves[arm]) - 1)
+            lines.append(f"- {arm}: {100 * gap(curves, arm, first):+.2f}% after round {first}, "
+                         f"{100 * gap(curves, arm, last):+.2f}% after round {last}")
+    md = out / "results.md"
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n" + "\n".join(lines), flush=True)
+    return md
+
+
+def _plot(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for arm, ys in curves.items():
+        ax.plot(range(len(ys)), ys, marker=".", label=arm)
+        if arm != REFERENCE:
+            ax_gap.plot(range(1, len(ys)), [100 * gap(curves, arm, r) for r in range(1, len(ys))], marker=".",
+                        label=arm)
+    ax.set(xlabel="outer round", ylabel="held-out loss of θ_global", title="loss per round")
+    ax_gap.axhline(0, color="grey", lw=0.8)
+    ax_gap.set(xlabel="outer round", ylabel="% against blocking fp32 DiLoCo", title="gap per round")
+    for a in (ax, ax_gap):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments horizon [--arms A,B] [--rounds R] [--at 6,12,R] [--section.key VALUE ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m experiments horizon", description=__doc__.split("\n")[0],
+                                     epilog="Any config key can follow as --section.key VALUE (the compare "
+                                            "command's defaults apply).")
+    parser.add_argument("--arms", default="delayed,eager,topk,sparseloco",
+                        help=f"arms run next to blocking DiLoCo: {', '.join(ARMS)}, {', '.join(CODECS)}, or mode+codec")
+    parser.add_argument("--rounds", type=int, default=18, help="outer rounds per arm (default 18)")
+    parser.add_argument("--at", default="", help="rounds to report the gap at (default: 6, 12, …, --rounds)")
+    parser.add_argument("--islands", type=int, default=4, help="islands per arm (default 4)")
+    parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,
+                        help=f"steps of the shared warm start (default {WARM_START_STEPS}; ignored with "
+                             f"--checkpoint.init_from)")
+    parser.add_argument("--out", default="experiments/results/horizon", help="output directory")
+    args, rest = parser.parse_known_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from diloco.simulate import SimulationError
+
+    def body() -> int:
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        problems = [f"--arms {','.join(unknown(arms))} is not one of blocking, {', '.join(ARMS)}, "
+                    f"{', '.join(CODECS)} (or mode+codec)"] if unknown(arms) else []
+        if args.rounds < 1 or args.islands < 2:
+            problems.append(f"--rounds must be at least 1 and --islands at least 2, got {args.rounds} and {args.islands}")
+        try:
+            at = [int(x) for x in args.at.split(",") if x.strip()] or list(range(6, args.rounds, 6)) + [args.rounds]
+        except ValueError:
+            at = []
+        if not at or any(not 1 <= r <= args.rounds for r in at):
+            problems.append(f"--at must list rounds between 1 and --rounds {args.rounds}, got {args.at!r}")
+        if problems:
+            raise ConfigError(problems)
+        cfg = config_load.load(None, rest, defaults=COMPARE_DEFAULTS)
+        run_horizon(cfg, arms, args.islands, args.rounds, sorted(set(at)), Path(args.out),
+                    warm_start_steps=args.warm_start_steps)
+        return 0
+
+    return run_command(body, (CompareError, SimulationError), "interrupted: every island was stopped")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
