@@ -9,7 +9,9 @@ slower to start (rounds in flight train one round on stale parameters; top-k wit
 fp32 DiLoCo and each arm (a name of :data:`experiments.compare.ARMS` or :data:`~experiments.compare.CODECS`,
 or both joined by ``+``) for ``--rounds`` rounds on loopback (quality only: no link cap), all from the
 compare's shared warm start, and reports the held-out loss of θ_global of every arm after every round and
-its gap to blocking DiLoCo at the rounds of ``--at``.  Writes ``results.md``, ``results.json``,
+its gap to blocking DiLoCo at the rounds of ``--at``.  An arm whose run in ``--out`` already went all
+``--rounds`` rounds (an earlier run of the command was interrupted after it) is read back, not run again.
+Writes ``results.md``, ``results.json``,
 ``horizon.png`` (loss per round, and the gap per round) and the runs' logs under ``runs/``.
 """
 
@@ -28,7 +30,7 @@ from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare import (ARMS, CODECS, COMPARE_DEFAULTS, WARM_START_LR, WARM_START_STEPS, arm_settings,
                                  unknown_arms, warm_start)
-from experiments.compare_results import curve_from_metrics
+from diloco.metrics import read_metrics
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import markdown_table
 
@@ -48,12 +50,16 @@ def unknown(arms: list[str]) -> list[str]:
 
 
 def losses_per_round(run_dir: Path) -> list[float]:
-    """Held-out loss of θ_global before the first round (index 0) and after each committed round."""
+    """Held-out loss of θ_global before the first round (index 0) and after each round, from the metrics of
+    the islands under ``run_dir``: an island that committed the round says (one that caught up past a round
+    did not evaluate it, one that rolled it back kept the θ_global before it); NaN where none committed."""
     per_round: dict[int, float] = {}
-    for p in curve_from_metrics(run_dir):
-        if p.get("outer_step") is not None:
-            per_round[int(p["outer_step"])] = p["eval_loss"]  # the last evaluation of a round counts
-    return [per_round[r] for r in sorted(per_round)]
+    for island in sorted(run_dir.glob("island*")):
+        for r in read_metrics(island):
+            step = r.get("outer_step")
+            if "eval/loss" in r and step is not None and (step == 0 or r.get("round_ok")):
+                per_round.setdefault(int(step), float(r["eval/loss"]))
+    return [per_round.get(r, float("nan")) for r in range(max(per_round, default=-1) + 1)]
 
 
 def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: list[int], out: Path, *,
@@ -67,11 +73,17 @@ def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: lis
         cfg = variant(cfg, **{"checkpoint.init_from": str(init)})
     curves: dict[str, list[float]] = {}
     for arm in [REFERENCE] + [a for a in arms if a != REFERENCE]:
+        run_dir = out / "runs" / arm.replace("+", "-")
+        kept = losses_per_round(run_dir)
+        if len(kept) == rounds + 1 and all(x == x for x in kept):  # an earlier, interrupted run of this command finished this arm
+            print(f"\n== {arm}: finished in {run_dir} already, its curve is reused ==", flush=True)
+            curves[arm] = kept
+            continue
         print(f"\n== {arm}: {islands} islands, {rounds} rounds of H={cfg.diloco.inner_steps} ==", flush=True)
-        c = variant(cfg, **{"logging.run_dir": str(out / "runs" / arm.replace("+", "-")),
-                            "averaging.run_id": f"horizon-{arm.replace('+', '-')}", **settings_of(arm)})
+        c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"horizon-{arm.replace('+', '-')}",
+                            **settings_of(arm)})
         done = launch_islands(c, islands)
-        curves[arm] = losses_per_round(Path(done["run_dirs"][0]))
+        curves[arm] = losses_per_round(run_dir)
         print(f"{arm}: held-out loss per round " + " ".join(f"{x:.4f}" for x in curves[arm]), flush=True)
     (out / "results.json").write_text(json.dumps({"islands": islands, "rounds": rounds, "H": cfg.diloco.inner_steps,
                                                   "start": cfg.checkpoint.init_from, "loss_per_round": curves},
