@@ -21,6 +21,9 @@ is due, and earlier as ``--diloco.overlap`` says:
 
 θ_global (the fp32 master, what islands vote on, serve and checkpoint) only ever moves by committed
 averages, identically on every island, whichever mode each uses.
+
+An island that adopts a downloaded state takes on the schedule of the island that served it (the steps
+schedule counts ``inner_step + offset``), so that it sends its next round with the run's.
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ class Overlap:
         applying), sent to the group for ``auto``."""
         self.mark = (0.0, 0, 0)
         """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
+        self.offset = 0
+        """Added to ``inner_step`` by the steps schedule: set when a state is adopted, so that the island's
+        rounds fall due with the run's (see :meth:`adopted`)."""
         self._due: tuple[int, bool] = (-1, False)
 
     # --------------------------------------------------------------------------- schedule
@@ -120,7 +126,8 @@ class Overlap:
         ranks, and over the torch world when islands average in lockstep: all of them sync together)."""
         isl = self.island
         k, d = isl.inner_step, isl.cfg.diloco
-        if self.budget.by_steps or (self.budget.kind == "auto" and self.auto is None):
+        if self.by_steps_now():
+            k += self.offset
             return k > 0 and (k * self.n) // d.inner_steps != ((k - 1) * self.n) // d.inner_steps
         if self._due[0] != k:
             used = (isl.stats.tokens - self.mark[1] if self.budget.kind == "tokens"
@@ -128,6 +135,15 @@ class Overlap:
             due = k > self.mark[2] and used >= self._amount() / self.n
             self._due = (k, isl.rt.reduce([float(due)], op="max", world=isl.rt.lockstep)[0] > 0)
         return self._due[1]
+
+    def by_steps_now(self) -> bool:
+        """Whether rounds fall due by inner steps right now (H steps; ``auto`` before its first measure)."""
+        return self.budget.by_steps or (self.budget.kind == "auto" and self.auto is None)
+
+    def phase(self) -> int:
+        """Inner steps into the run's H-step cycle this island is at (what a state it serves carries, so
+        that an island adopting it sends its next round with this one's)."""
+        return (self.island.inner_step + self.offset) % self.island.cfg.diloco.inner_steps
 
     def restarted_now(self) -> bool:
         """Whether the round budget restarted at this very inner step without a round being sent (the
@@ -243,9 +259,15 @@ class Overlap:
         for n in f.names:
             params[n].add_(f.undo[n].to(params[n].device) - f.anchor[n])
 
-    def adopted(self) -> None:
-        """θ_global was replaced by a downloaded one and the parameters reset to it."""
+    def adopted(self, phase: int | None = None) -> None:
+        """θ_global was replaced by a downloaded one and the parameters reset to it.  ``phase``: where the
+        island that served it stood in its H-step cycle (:meth:`phase`).  The steps schedule takes it on:
+        an island that adopted the state a round in flight committed mid-way through the others' next round
+        would otherwise send its own H steps later than they do, miss their group, catch up again, and
+        trail the run by the same phase round after round, never averaging again."""
         self._restart_budget()
+        if phase is not None and self.by_steps_now():
+            self.offset = (int(phase) - self.island.inner_step) % self.island.cfg.diloco.inner_steps
         self.tokens_at_sync = [self.island.stats.tokens] * self.n
         self.share.clear()
 
@@ -254,7 +276,7 @@ class Overlap:
         """What a checkpoint keeps (taken with no round in flight)."""
         return {"tokens_at_sync": list(self.tokens_at_sync),
                 "share": dict(self.share), "auto": self.auto, "last_comm_seconds": self.last_comm_seconds,
-                "mark": list(self.mark)}
+                "mark": list(self.mark), "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, Any] | None, legacy_tokens_at_sync: int) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint from before fragments, with one counter)."""
@@ -267,3 +289,4 @@ class Overlap:
         self.last_comm_seconds = float(state.get("last_comm_seconds", float("nan")))
         compute, tokens, step = state.get("mark", (0.0, 0, 0))
         self.mark = (float(compute), int(tokens), int(step))
+        self.offset = int(state.get("offset", 0))

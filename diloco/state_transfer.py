@@ -43,7 +43,7 @@ class StateTransfer:
             with self.island.state_lock:
                 meta, tensors = self._served.get(bucket, ({}, []))
                 if meta:  # failed rounds move the round number on without changing θ_global
-                    meta = dict(meta, outer_step=self._served_step)
+                    meta = dict(meta, outer_step=self._served_step, phase=self.island.overlap.phase())
                 return meta, tensors
         return provide
 
@@ -138,7 +138,9 @@ class StateTransfer:
         self.adopt(*state)
         isl.averager.set_state_priority(isl.outer_step)
         isl.membership.announce(isl.outer_step, averaging=False)
-        log.info("caught up with the run at outer step %d (θ_global downloaded from peers)", isl.outer_step)
+        log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", isl.outer_step,
+                 f"; {isl.overlap.phase()} of its H steps into the round, as the island that served it"
+                 if isl.overlap.by_steps_now() else "")
         return True
 
     def _verdict(self, step: int, first: int | None, deadline: float, wait_for_round: bool) -> str:
@@ -181,12 +183,18 @@ class StateTransfer:
         isl = self.island
         if isl.membership is None or isl.rt.lockstep:
             return ""
-        differ, compared = self.main_decides(lambda: isl.membership.final_disagreements(
-            isl.outer_step, state, isl.cfg.averaging.vote_timeout))
+        differ, compared, alone = self.main_decides(lambda: (*isl.membership.final_disagreements(
+            isl.outer_step, state, isl.cfg.averaging.vote_timeout), isl.alone.since is not None))
         if not differ and not compared and isl.stats.behind:
             return (f"the other islands averaged this island's last round without it and none was left to take "
                     f"θ_global from or compare with, so the run may have ended out of sync (this island at outer "
                     f"step {isl.outer_step}); resume the islands with --resume so the minority resynchronizes")
+        if not differ and not compared and alone:
+            return (f"this island ended alone: the islands of the run it knew stopped answering before its last "
+                    f"round (they finished without it, or the network between them split) and none was left to "
+                    f"compare θ_global with, so the run may have ended out of sync (this island at outer step "
+                    f"{isl.outer_step}); compare the islands' theta_global.pt, or restart this island with --resume "
+                    f"while the others run")
         if not differ:
             return ""
         return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
@@ -224,6 +232,7 @@ class StateTransfer:
         got: dict[int, list[torch.Tensor]] = {}
         verdict: dict[int, int] = {}
         foreign = ""
+        phase = -1
         for b, avg in isl.averager.averagers.items():
             state = avg.download_state()
             step, why = self._check_bucket(b, state, target)
@@ -231,10 +240,12 @@ class StateTransfer:
             foreign = foreign or why
             if step >= 0:
                 got[b] = state[1]
+                phase = max(phase, _as_int(state[0].get("phase"), -1))
         merged: dict[int, int] = {}
-        for part, why in isl.rt.gather_all((verdict, foreign)):
+        for part, why, p in isl.rt.gather_all((verdict, foreign, phase)):
             merged.update(part)
             foreign = foreign or why
+            phase = max(phase, p)
         if foreign:
             raise TrainingError(foreign)
         steps = set(merged.values())
@@ -243,7 +254,7 @@ class StateTransfer:
         theta = isl.exchange.scatter({b: t[0] for b, t in got.items()})
         momentum = isl.exchange.scatter({b: t[1] for b, t in got.items()})
         names = isl.outer.names
-        meta = {"outer_step": steps.pop(), "config_fingerprint": isl.fingerprint}
+        meta = {"outer_step": steps.pop(), "config_fingerprint": isl.fingerprint, "phase": phase}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
     def _check_bucket(self, b: int, state: Any, target: list[float] | None) -> tuple[int, str]:
@@ -273,7 +284,8 @@ class StateTransfer:
 
     def adopt(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective),
-        restart inner training from θ_global and serve the new state from now on."""
+        restart inner training from θ_global, on the round schedule of the island that served it, and
+        serve the new state from now on."""
         isl = self.island
         isl.stats.behind = False
         n = len(isl.outer.names)
@@ -289,8 +301,17 @@ class StateTransfer:
             isl.outer.step_count = int(meta.get("outer_step", 0))
             isl.outer_step = int(meta.get("outer_step", 0))
         isl.outer.copy_to(isl.params)
-        isl.overlap.adopted()  # the inner steps since the last sync were dropped with the state
+        # the inner steps since the last sync were dropped with the state; the round schedule is the server's
+        isl.overlap.adopted(meta["phase"] if meta.get("phase", -1) >= 0 else None)
         if isl.feedback:  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
             isl.feedback.clear()
         self.refresh()
+
+
+def _as_int(value: Any, default: int) -> int:
+    """``value`` as an int (a peer's metadata: anything may come), else ``default``."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return default

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import re
 import time
 
 
@@ -208,10 +209,16 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     failures = real_failures(summaries[1])
     assert len(failures) == 1 and failures[0].startswith("round 3") and "moved past this round" in failures[0], \
         failures
-    assert "caught up with the run at outer step" in (cluster.run_dirs[1] / "train.log").read_text()
-    # and it averaged with the others again afterwards
-    last = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r][-1]
-    assert last["round_ok"] == 1 and last["num_peers"] == 3, last
+    caught = re.search(r"caught up with the run at outer step (\d+) .*; (\d+) of its H steps into the round",
+                       (cluster.run_dirs[1] / "train.log").read_text())
+    assert caught, "island 1 did not say where in the round it caught up"
+    # it took the phase of the island that served the state (rounds in flight commit while the next one
+    # trains), so it sends its next round with the others, after the rest of their H steps rather than H of
+    # its own, and averages with them again
+    step, phase = int(caught[1]), int(caught[2])
+    later = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r and r["outer_step"] > step]
+    assert later and later[0]["inner_steps"] == 40 - phase, (phase, later[0])
+    assert later[-1]["round_ok"] == 1 and later[-1]["num_peers"] == 3, later[-1]
 
 
 def test_sigterm_and_ctrl_c_end_islands_cleanly_with_a_checkpoint(tmp_path, no_leaked_daemons):

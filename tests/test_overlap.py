@@ -179,3 +179,31 @@ def test_fragments_that_do_not_divide_h_sync_at_rounded_steps(tmp_path):
     rounds = [r for r in read_metrics(cfg.logging.run_dir) if "round_ok" in r]
     assert [r["fragment"] for r in rounds] == [0, 1, 2, 0, 1, 2]
     assert island.inner_step == 10 and island.stats.rounds_ok == 6
+
+
+def test_an_island_that_adopts_a_state_sends_its_next_round_with_the_island_that_served_it(tmp_path):
+    """An island 200 inner steps in adopts a state served 23 steps into the server's H = 50 cycle: its
+    next round falls due 27 steps later, when the server's does, not H steps later (it would trail the
+    run by 23 steps round after round); the phase survives a checkpoint."""
+    island = Island(tiny_config(tmp_path, **{"diloco.inner_steps": 50, "diloco.outer_steps": 10}))
+    ov = island.overlap
+    island.inner_step = 200
+    ov.adopted(phase=23)
+
+    def steps_to_next_round() -> int:
+        for n in range(1, 200):
+            island.inner_step += 1
+            if ov.sync_due():
+                return n
+        raise AssertionError("no round fell due")
+
+    assert ov.phase() == 23
+    assert steps_to_next_round() == 27 and ov.phase() == 0
+    assert steps_to_next_round() == 50  # and every H steps from then on
+    restored = Island(tiny_config(tmp_path / "b", **{"diloco.inner_steps": 50, "diloco.outer_steps": 10}))
+    restored.overlap.load_state_dict(ov.state_dict(), 0)
+    restored.inner_step = island.inner_step + 10
+    assert restored.overlap.phase() == 10
+    island.inner_step = 300
+    ov.adopted()  # no phase served (a peer of an older version): the island keeps its own schedule
+    assert ov.phase() == 23 and steps_to_next_round() == 27

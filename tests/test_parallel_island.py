@@ -218,7 +218,8 @@ def test_a_run_that_ends_out_of_sync_says_so():
     from diloco.metrics import RunStats
 
     island = SimpleNamespace(membership=mine, outer_step=7, rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
-                             cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)), stats=RunStats())
+                             cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)), stats=RunStats(),
+                             alone=SimpleNamespace(since=None))
     state = [1.0, 1.0, 1.0] * 4
     theirs.final = {"outer_step": 7, "state": state}
     theirs.leave()  # an island that finished before us: its record keeps what it ended with
@@ -235,6 +236,10 @@ def test_a_run_that_ends_out_of_sync_says_so():
     island.stats.behind = True
     problem = StateTransfer(island).check_in_sync(state)
     assert problem.startswith("the other islands averaged this island's last round without it"), problem
+    # nothing to compare with because the island could not reach the live islands it knew: a split
+    island.stats.behind, island.alone.since = False, 12.0
+    problem = StateTransfer(island).check_in_sync(state)
+    assert problem.startswith("this island ended alone: the islands of the run it knew stopped answering"), problem
 
 
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
