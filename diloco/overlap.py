@@ -157,7 +157,7 @@ class Overlap:
         """Fraction of the run done, rounds and the part of the current one (drives the inner lr schedule
         under a budget other than steps, where the number of inner steps is not known in advance)."""
         isl = self.island
-        if self.budget.kind == "auto" and self.auto is None:
+        if self.by_steps_now():
             part = (isl.inner_step - self.mark[2]) * self.n / isl.cfg.diloco.inner_steps
         elif self.budget.kind == "tokens":
             part = (isl.stats.tokens - self.mark[1]) * self.n / self.budget.amount

@@ -9,6 +9,7 @@ same outer step (all-or-nothing over its ranks).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -16,6 +17,7 @@ import torch
 
 from diloco.errors import TrainingError
 from peers.averager import fingerprint, fingerprints_agree
+from peers.averager_types import as_float
 from peers.membership import wait_until
 from peers.sharded import ShardedAverager
 
@@ -185,21 +187,29 @@ class StateTransfer:
             return ""
         differ, compared, alone = self.main_decides(lambda: (*isl.membership.final_disagreements(
             isl.outer_step, state, isl.cfg.averaging.vote_timeout), isl.alone.since is not None))
-        if not differ and not compared and isl.stats.behind:
-            return (f"the other islands averaged this island's last round without it and none was left to take "
-                    f"θ_global from or compare with, so the run may have ended out of sync (this island at outer "
-                    f"step {isl.outer_step}); resume the islands with --resume so the minority resynchronizes")
-        if not differ and not compared and alone:
-            return (f"this island ended alone: the islands of the run it knew stopped answering before its last "
-                    f"round (they finished without it, or the network between them split) and none was left to "
-                    f"compare θ_global with, so the run may have ended out of sync (this island at outer step "
-                    f"{isl.outer_step}); compare the islands' theta_global.pt, or restart this island with --resume "
-                    f"while the others run")
+        if not differ and not compared:
+            return self._unconfirmed_end(alone)
         if not differ:
             return ""
         return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
                 f"outer step {isl.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
                 f"--resume so the minority resynchronizes, and report the logs")
+
+    def _unconfirmed_end(self, alone: bool) -> str:
+        """Why an island that found no other island to compare its final θ_global with may be out of sync
+        ('' when nothing says so)."""
+        isl = self.island
+        if isl.stats.behind:
+            return (f"the other islands averaged this island's last round without it and none was left to take "
+                    f"θ_global from or compare with, so the run may have ended out of sync (this island at outer "
+                    f"step {isl.outer_step}); resume the islands with --resume so the minority resynchronizes")
+        if alone:
+            return (f"this island ended alone: the islands of the run it knew stopped answering before its last "
+                    f"round (they finished without it, or the network between them split) and none was left to "
+                    f"compare θ_global with, so the run may have ended out of sync (this island at outer step "
+                    f"{isl.outer_step}); compare the islands' theta_global.pt, or restart this island with --resume "
+                    f"while the others run")
+        return ""
 
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
         """We hold a θ_global the majority does not: download theirs, verified against the majority's
@@ -240,7 +250,8 @@ class StateTransfer:
             foreign = foreign or why
             if step >= 0:
                 got[b] = state[1]
-                phase = max(phase, _as_int(state[0].get("phase"), -1))
+                served = as_float(state[0].get("phase"))  # a peer's metadata: anything may come
+                phase = max(phase, int(served) if math.isfinite(served) else -1)
         merged: dict[int, int] = {}
         for part, why, p in isl.rt.gather_all((verdict, foreign, phase)):
             merged.update(part)
@@ -307,11 +318,3 @@ class StateTransfer:
             log.info("error feedback reset: adopted another island's θ_global")
             isl.feedback.clear()
         self.refresh()
-
-
-def _as_int(value: Any, default: int) -> int:
-    """``value`` as an int (a peer's metadata: anything may come), else ``default``."""
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return default

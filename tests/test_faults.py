@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import re
+import signal
 import time
 
 
