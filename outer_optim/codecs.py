@@ -15,11 +15,15 @@ int4: blocks of B=128 values; scale s = absmax/7, codes q in [-7, 7] stored as t
 topk (density d, bits b in {2, 4}): chunks of C=4096 values (the last one may be shorter, length L).
     Each chunk keeps k = max(1, min(L, floor(d*L + 0.5))) entries of largest |x|; ties at the
     threshold go to the lowest indices, so the choice never depends on torch.topk's tie order.
-    Kept values are quantized to V=2**b levels without a zero level: level i decodes to
-    s*(2i+1-V)/(V-1), s = max |x| over the chunk's kept entries, and each value takes its nearest
-    level (so the error is at most s/(V-1)).  A chunk whose kept values are all zero has s = 0.
-    Per chunk: the float32 scale, then a stream of k records (12-bit index inside the chunk, b-bit
-    level), indices ascending.  nbytes = sum over chunks of (4 + ceil(k_c*(12+b)/8)).
+    Kept values go on V=2**b levels, a sign and M=V/2 magnitudes m_j = lo + (hi-lo)*j/(M-1) (j < M):
+    code c < M decodes to -m_(M-1-c), code c >= M to +m_(c-M), so codes ascend with their values.
+    lo and hi are fitted to the chunk's kept magnitudes by least squares (Lloyd iterations: each value
+    to its nearest level, then lo and hi by linear regression), then rounded to bfloat16; each value
+    takes its nearest level of the rounded grid.  (An absmax grid, levels at s*(2i+1-V)/(V-1), puts
+    the kept values -- most of them just above the top-k threshold -- on a level up to 3x too large
+    at 2 bits: 36% relative error on a real pseudo-gradient.)  An all-zero chunk has lo = hi = 0.
+    Per chunk: lo and hi as bfloat16, then a stream of k records (12-bit index inside the chunk,
+    b-bit code), indices ascending.  nbytes = sum over chunks of (4 + ceil(k_c*(12+b)/8)).
 
 Decoding is elementwise (no reductions), so the same payload gives bit-identical tensors everywhere.
 """
@@ -63,16 +67,16 @@ def _from_bytes(payload: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
-def _f32_to_le(t: torch.Tensor) -> torch.Tensor:
-    """float32 values -> (n, 4) uint8 little-endian bytes."""
-    raw = t.contiguous().view(torch.uint8).view(-1, 4)
+def _to_le(t: torch.Tensor) -> torch.Tensor:
+    """Values of a 2- or 4-byte dtype -> (n, size) uint8 little-endian bytes."""
+    raw = t.contiguous().view(torch.uint8).view(-1, t.element_size())
     return raw if _LITTLE_ENDIAN else raw.flip(1)
 
 
-def _f32_from_le(raw: torch.Tensor) -> torch.Tensor:
-    """(n, 4) uint8 little-endian bytes -> float32 values."""
+def _from_le(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(n, size) uint8 little-endian bytes -> values of ``dtype``."""
     raw = raw if _LITTLE_ENDIAN else raw.flip(1)
-    return raw.reshape(-1).clone().view(torch.float32)  # a fresh, aligned copy that a dtype view accepts
+    return raw.reshape(-1).clone().view(dtype)  # a fresh, aligned copy that a dtype view accepts
 
 
 def _pack_rows(fields: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
@@ -188,14 +192,14 @@ class BlockAbsmaxCodec:
         codes = (q.view(-1)[:n].to(torch.int32) + self.offset) & ((1 << self.bits) - 1)
         codes = F.pad(codes, (0, -n % self.per_byte)).view(-1, self.per_byte)
         packed = _pack_rows([(codes[:, j].view(1, -1), self.bits) for j in range(self.per_byte)])
-        return _to_bytes(_f32_to_le(scales)) + _to_bytes(packed)
+        return _to_bytes(_to_le(scales)) + _to_bytes(packed)
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """A new float32 tensor of ``numel`` values."""
         _check_payload(self, payload, numel)
         data = _from_bytes(payload)
         nblocks = -(-numel // self.block)
-        scales = _f32_from_le(data[:4 * nblocks].view(-1, 4))
+        scales = _from_le(data[:4 * nblocks].view(-1, 4), torch.float32)
         codes = torch.stack(_unpack_rows(data[4 * nblocks:].view(1, -1), -(-numel // self.per_byte),
                                          [self.bits] * self.per_byte), dim=-1).view(-1)
         half, mask = 1 << (self.bits - 1), (1 << self.bits) - 1
@@ -204,8 +208,38 @@ class BlockAbsmaxCodec:
         return (q.to(torch.float32) * scales[:, None]).view(-1)[:numel].clone()
 
 
+def _grid_index(mag: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, m: int) -> torch.Tensor:
+    """Index j < m of the level of the grid lo + (hi-lo)*j/(m-1) nearest each of ``mag`` (rows, k)."""
+    span = (hi - lo)[:, None]
+    step = torch.where(span > 0, span, torch.ones_like(span)) / (m - 1)
+    return torch.round((mag - lo[:, None]) / step).clamp_(0, m - 1)
+
+
+def fit_grid(mag: torch.Tensor, m: int, iterations: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) per row of ``mag`` (rows, k >= 1, non-negative): the grid of ``m`` >= 2 equally spaced
+    levels from lo to hi that locally minimises the squared error of each row put on its nearest level.
+
+    Lloyd iterations, each of which never raises the error: assign every value to its nearest level,
+    then refit lo and hi by least squares on those assignments (a = lo*(1-u) + hi*u, u = j/(m-1)).
+    """
+    mag = mag.to(torch.float64)
+    lo, hi = mag.amin(dim=1), mag.amax(dim=1)
+    mean = mag.mean(dim=1)
+    for _ in range(iterations):
+        u = _grid_index(mag, lo, hi, m) / (m - 1)
+        s00, s01, s11 = ((1 - u) ** 2).sum(1), ((1 - u) * u).sum(1), (u * u).sum(1)
+        b0, b1 = ((1 - u) * mag).sum(1), (u * mag).sum(1)
+        det = s00 * s11 - s01 * s01
+        # every value on one level (or k = 1): the grid collapses to their mean
+        solvable = det > 1e-9 * (s00 + s11) ** 2
+        safe = torch.where(solvable, det, torch.ones_like(det))
+        lo = torch.where(solvable, (s11 * b0 - s01 * b1) / safe, mean).clamp_(min=0)
+        hi = torch.maximum(torch.where(solvable, (s00 * b1 - s01 * b0) / safe, mean), lo)
+    return lo.to(torch.float32), hi.to(torch.float32)
+
+
 class TopKCodec:
-    """Per-chunk top-k by magnitude with low-bit values (no zero level); see the module docstring."""
+    """Per-chunk top-k by magnitude, values on a fitted sign-and-magnitude grid; see the module docstring."""
 
     name = "topk"
     lossy = True
@@ -213,8 +247,10 @@ class TopKCodec:
     def __init__(self, density: float, bits: int):
         self.density, self.bits = density, bits
         self.levels = 1 << bits
-        i = torch.arange(self.levels, dtype=torch.float64)
-        self.level_values = ((2 * i + 1 - self.levels) / (self.levels - 1)).to(torch.float32)
+        self.magnitudes = self.levels // 2
+        j = torch.arange(self.magnitudes, dtype=torch.float32)
+        self._grid = torch.cat([j.flip(0), j]) / (self.magnitudes - 1)  # u of code c, c = 0 .. V-1
+        self._sign = torch.cat([-torch.ones(self.magnitudes), torch.ones(self.magnitudes)])
 
     def _k(self, length: int) -> int:
         return max(1, min(length, math.floor(self.density * length + 0.5)))
@@ -231,6 +267,10 @@ class TopKCodec:
         """Exact payload size for ``numel`` values."""
         return sum(rows * self._chunk_bytes(length) for rows, length in self._chunk_lengths(numel))
 
+    def level_values(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """(rows, V) float32: the value each code decodes to, for grids (lo, hi) of shape (rows,)."""
+        return self._sign * (lo[:, None] + (hi - lo)[:, None] * self._grid)
+
     def _encode_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
         rows, length = chunks.shape
         k = self._k(length)
@@ -242,20 +282,24 @@ class TopKCodec:
         keep = above | (tied & (tied.cumsum(dim=1) <= need))
         index = keep.nonzero()[:, 1].view(rows, k)  # row-major, so ascending inside each chunk
         kept = chunks.gather(1, index)
-        scale = kept.abs().amax(dim=1)
-        position = (kept / _safe_divisor(scale)[:, None] + 1) * ((self.levels - 1) / 2)
-        code = torch.round(position).clamp_(0, self.levels - 1)
+        grid = torch.stack(fit_grid(kept.abs(), self.magnitudes), dim=1)
+        grid = grid.clamp_(max=torch.finfo(torch.bfloat16).max).to(torch.bfloat16)
+        lo, hi = grid.to(torch.float32).unbind(1)
+        j = _grid_index(kept.abs(), lo, hi, self.magnitudes).to(torch.int32)
+        code = torch.where(kept >= 0, self.magnitudes + j, self.magnitudes - 1 - j)
         stream = _pack_rows([(index, TOPK_INDEX_BITS), (code, self.bits)])
-        return torch.cat([_f32_to_le(scale), stream], dim=1)
+        return torch.cat([_to_le(grid).view(rows, 4), stream], dim=1)
 
     def _decode_chunks(self, data: torch.Tensor, length: int) -> torch.Tensor:
         k = self._k(length)
-        scale = _f32_from_le(data[:, :4])
+        lo, hi = _from_le(data[:, :4].reshape(-1, 2), torch.bfloat16).view(-1, 2).to(torch.float32).unbind(1)
+        if not (bool(torch.isfinite(hi).all()) and bool((lo >= 0).all()) and bool((hi >= lo).all())):
+            raise ValueError("corrupt topk payload: a chunk's magnitudes must be finite with 0 <= lo <= hi")
         index, code = _unpack_rows(data[:, 4:], k, (TOPK_INDEX_BITS, self.bits))
         if int(index.max()) >= length or not bool((index[:, 1:] > index[:, :-1]).all()):
             raise ValueError("corrupt topk payload: chunk indices must ascend and stay inside the chunk")
         out = torch.zeros(data.shape[0], length, dtype=torch.float32)
-        return out.scatter_(1, index, scale[:, None] * self.level_values[code])
+        return out.scatter_(1, index, self.level_values(lo, hi).gather(1, code.long()))
 
     def encode(self, values: torch.Tensor) -> bytes:
         """Chunk by chunk: scale, then (index, level) records; see the module docstring."""

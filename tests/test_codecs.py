@@ -34,18 +34,22 @@ def parse_block(payload: bytes, n: int, bits: int, block: int) -> tuple[list[flo
     return scales, codes
 
 
+def bf16(raw: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", raw << 16))[0]
+
+
 def parse_topk(payload: bytes, n: int, density: float,
-               bits: int) -> list[tuple[int, int, float, list[tuple[int, int]]]]:
-    """Per chunk: (start, length, scale, [(index, level), ...])."""
+               bits: int) -> list[tuple[int, int, tuple[float, float], list[tuple[int, int]]]]:
+    """Per chunk: (start, length, (lo, hi), [(index, code), ...])."""
     chunks, offset = [], 0
     for start in range(0, n, 4096):
         length = min(4096, n - start)
         k = max(1, min(length, math.floor(density * length + 0.5)))
-        (scale,) = struct.unpack_from("<f", payload, offset)
+        lo, hi = (bf16(v) for v in struct.unpack_from("<2H", payload, offset))
         size = (k * (12 + bits) + 7) // 8
         stream = int.from_bytes(payload[offset + 4:offset + 4 + size], "little")
         records = [(stream >> (j * (12 + bits))) & ((1 << (12 + bits)) - 1) for j in range(k)]
-        chunks.append((start, length, scale, [(r & 4095, r >> 12) for r in records]))
+        chunks.append((start, length, (lo, hi), [(r & 4095, r >> 12) for r in records]))
         offset += 4 + size
     assert offset == len(payload)
     return chunks
@@ -67,13 +71,21 @@ def test_int4_payload_by_hand():
     assert make_codec("int4").decode(payload, 3).tolist() == [7.0, -7.0, 4.0]
 
 
+def topk_level(lo: float, hi: float, code: int, bits: int) -> torch.Tensor:
+    """What ``code`` decodes to on the grid (lo, hi), as the module docstring says, in float32."""
+    m = 2 ** bits // 2
+    j = code - m if code >= m else m - 1 - code
+    u = torch.tensor(float(j), dtype=torch.float32) / (m - 1)
+    lo32, hi32 = torch.tensor(lo, dtype=torch.float32), torch.tensor(hi, dtype=torch.float32)
+    return (1.0 if code >= m else -1.0) * (lo32 + (hi32 - lo32) * u)
+
+
 def test_topk_payload_by_hand():
-    codec = make_codec("topk", topk_density=0.5, topk_bits=2)  # k = 2 of 4; levels -2, -2/3, 2/3, 2
+    codec = make_codec("topk", topk_density=0.5, topk_bits=2)  # k = 2 of 4: magnitudes 1 and 2 fit lo=1, hi=2
     payload = codec.encode(torch.tensor([0.5, -2.0, 1.0, 0.0]))
-    records = (1 | 0 << 12) | (2 | 2 << 12) << 14  # (index 1, level 0), (index 2, level 2)
-    assert payload == struct.pack("<f", 2.0) + records.to_bytes(4, "little")
-    expected = torch.tensor([0.0, -2.0, 2.0 * (1 / 3), 0.0])
-    assert torch.equal(codec.decode(payload, 4), expected)
+    records = (1 | 0 << 12) | (2 | 2 << 12) << 14  # (index 1, code 0: -hi), (index 2, code 2: +lo)
+    assert payload == struct.pack("<2H", 0x3F80, 0x4000) + records.to_bytes(4, "little")  # bf16 1.0, 2.0
+    assert torch.equal(codec.decode(payload, 4), torch.tensor([0.0, -2.0, 1.0, 0.0]))
 
 
 @pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
@@ -86,10 +98,9 @@ def test_decode_matches_reference_decoder(name, kwargs):
     expected = torch.zeros(n)
     if name == "topk":
         bits = kwargs["topk_bits"]
-        for start, _, scale, records in parse_topk(payload, n, kwargs["topk_density"], bits):
-            for index, level in records:
-                step = torch.tensor((2 * level + 1 - 2 ** bits) / (2 ** bits - 1), dtype=torch.float32)
-                expected[start + index] = torch.tensor(scale, dtype=torch.float32) * step
+        for start, _, (lo, hi), records in parse_topk(payload, n, kwargs["topk_density"], bits):
+            for index, code in records:
+                expected[start + index] = topk_level(lo, hi, code, bits)
     else:
         block = 256 if name == "int8" else 128
         scales, codes = parse_block(payload, n, 8 if name == "int8" else 4, block)
@@ -132,15 +143,17 @@ def test_topk_keeps_the_largest_and_bounds_their_error(bits, density):
     codec = make_codec("topk", topk_density=density, topk_bits=bits)
     payload = codec.encode(x)
     decoded = codec.decode(payload, n)
-    for start, length, scale, records in parse_topk(payload, n, density, bits):
+    for start, length, (lo, hi), records in parse_topk(payload, n, density, bits):
         chunk, out = x[start:start + length], decoded[start:start + length]
         index = torch.tensor([i for i, _ in records])
         assert len(records) == max(1, round(density * length))
         assert bool((index[1:] > index[:-1]).all()) and int(index.max()) < length
         dropped = torch.ones(length, dtype=torch.bool)
         dropped[index] = False
-        assert scale == float(chunk[index].abs().max())
-        assert float((chunk[index] - out[index]).abs().max()) <= scale / (2 ** bits - 1) * (1 + 1e-6)
+        assert 0 <= lo <= float(chunk[index].abs().max()) and lo <= hi
+        levels = torch.stack([topk_level(lo, hi, c, bits) for c in range(2 ** bits)])
+        nearest = (chunk[index, None] - levels).abs().min(dim=1).values
+        assert bool(((chunk[index] - out[index]).abs() <= nearest * (1 + 1e-5) + 1e-6).all())  # each on its nearest level
         assert bool((out[dropped] == 0).all())
         assert float(chunk[dropped].abs().max()) <= float(chunk[index].abs().min())
 
@@ -154,6 +167,25 @@ def test_topk_keeps_a_spike_in_every_chunk():
     decoded = codec.decode(codec.encode(x), n)
     assert decoded.nonzero().view(-1).tolist() == spikes
     assert decoded[spikes].tolist() == [5.0, -7.0, 3.0, 9.0]  # a lone kept value sits on the ±s level
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_topk_grid_fits_the_kept_values_better_than_their_absmax(bits):
+    """Most kept values sit just above the top-k threshold: a grid fitted to them errs far less than levels
+    spread from the largest one (the codec's first format, kept here as the reference)."""
+    x = randn(8 * 4096, seed=6) * torch.rand(8 * 4096, generator=torch.Generator().manual_seed(7)) ** 3
+    codec = make_codec("topk", topk_density=0.02, topk_bits=bits)
+    decoded = codec.decode(codec.encode(x), x.numel())
+    kept = decoded != 0
+    fitted = float((x[kept] - decoded[kept]).norm())
+    levels = 2 ** bits
+    absmax = 0.0
+    for chunk, mask in zip(x.view(-1, 4096), kept.view(-1, 4096)):
+        values = chunk[mask]
+        s = float(values.abs().max())
+        grid = s * (2 * torch.arange(levels) + 1 - levels) / (levels - 1)
+        absmax += float(((values[:, None] - grid).abs().min(dim=1).values ** 2).sum())
+    assert fitted < 0.6 * math.sqrt(absmax)
 
 
 def test_topk_ties_go_to_the_lowest_indices():
@@ -171,9 +203,7 @@ def test_all_zero_chunks_and_blocks_decode_to_zeros(name, kwargs):
     x[4296] = 2.0  # the first chunk and its blocks stay all-zero, with scale 0
     codec = make_codec(name, **kwargs)
     decoded = codec.decode(codec.encode(x), x.numel())
-    assert bool((decoded[:4096] == 0).all()) and float(decoded[4296]) == 2.0
-    if name != "topk":  # topk has no zero level: a kept zero next to the spike decodes to ±s/(V-1)
-        assert torch.equal(decoded, x)
+    assert torch.equal(decoded, x)  # topk: the kept zeros fit a grid with lo = 0
 
 
 # ---- sizes ---------------------------------------------------------------------------------------
@@ -283,11 +313,17 @@ def test_wrong_payload_length_is_refused(name):
         codec.decode(payload, 0)
 
 
-def test_corrupt_topk_index_is_refused():
+@pytest.mark.parametrize("grid,index", [
+    ((0x3F80, 0x4000), [0, 9]),  # index 9 lies past a chunk of 4
+    ((0x4000, 0x3F80), [0, 1]),  # lo 2 above hi 1
+    ((0xBF80, 0x4000), [0, 1]),  # lo -1
+    ((0x3F80, 0x7F80), [0, 1]),  # hi infinite
+])
+def test_corrupt_topk_payload_is_refused(grid, index):
     codec = make_codec("topk", topk_density=0.5, topk_bits=2)
-    payload = struct.pack("<f", 1.0) + pack_bits([(torch.tensor([0, 9]), 12), (torch.tensor([3, 3]), 2)])
+    payload = struct.pack("<2H", *grid) + pack_bits([(torch.tensor(index), 12), (torch.tensor([3, 3]), 2)])
     with pytest.raises(ValueError, match="corrupt"):
-        codec.decode(payload, 4)  # index 9 lies past a chunk of 4
+        codec.decode(payload, 4)
 
 
 @pytest.mark.parametrize("kwargs,setting", [
