@@ -180,6 +180,8 @@ def codec_problems(cfg: Config) -> list[str]:
     if encoded and a.backend not in ("hivemind", "auto"):
         p.append(f"--averaging.compression {a.compression} travels over hivemind: use --averaging.backend "
                  f"hivemind or auto (got {a.backend})")
+    if a.error_feedback_in not in ("buffer", "params"):
+        p.append(f"--averaging.error_feedback_in must be buffer or params, got {a.error_feedback_in!r}")
     if cfg.diloco.outer_optimizer == "sparseloco" and not (encoded and a.error_feedback):
         p.append("--diloco.outer_optimizer sparseloco needs error feedback on a lossy codec: add "
                  "--averaging.compression topk (or int8, int4) with --averaging.error_feedback true")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diloco.round_budget import Budget, auto_seconds, parse_budget
+from outer_optim.codecs import LOSSY_CODECS
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -235,19 +236,38 @@ class Overlap:
 
     @torch.no_grad()
     def committed(self, f: InFlight, total_weight: float) -> None:
-        """θ_global moved by the round of ``f``: bring the fragment's parameters onto it."""
+        """θ_global moved by the round of ``f``: bring the fragment's parameters onto it (onto θ_global − β·e
+        when the codec's unsent part e waits in the parameters: ``--averaging.error_feedback_in params``)."""
         isl, params = self.island, self.island.params
+        unsent = self._unsent(f.fragment)
         if self.mode == "none":
             for n in f.names:
                 target = isl.outer.master[n].to(params[n].device, params[n].dtype)
+                if n in unsent:
+                    target = target - unsent[n].to(target.device, target.dtype)
                 params[n].copy_(target if not self.alpha else params[n].lerp(target, 1 - self.alpha))
             self.tokens_at_sync[f.fragment] = isl.stats.tokens
             return
         for n in f.names:
             params[n].add_(isl.outer.master[n].to(params[n].device, params[n].dtype) - f.anchor[n])
+            if n in unsent:
+                params[n].sub_(unsent[n].to(params[n].device, params[n].dtype))
         self.tokens_at_sync[f.fragment] = f.tokens_at_send
         if self.mode == "eager":
             self.share[f.fragment] = f.weight / total_weight if total_weight > 0 else 1.0
+
+    def _unsent(self, fragment: int) -> Params:
+        """Collective: ``{name: β·e}`` of the fragment's parameters on this rank, e being what the codec left
+        unsent of the island's Δ in the round just committed; empty unless it waits in the parameters."""
+        isl = self.island
+        a = isl.cfg.averaging
+        if a.error_feedback_in != "params" or not a.error_feedback or a.compression not in LOSSY_CODECS:
+            return {}
+        ex, buckets = isl.exchange, self.buckets(fragment)
+        chosen = range(len(isl.layout.buckets)) if buckets is None else buckets
+        mine = {b: a.error_feedback_decay * isl.feedback[b] if b in isl.feedback
+                else torch.zeros(isl.layout.buckets[b].numel) for b in chosen if ex.owner[b] == ex.rank}
+        return ex.scatter(mine, buckets)
 
     @torch.no_grad()
     def rolled_back(self, f: InFlight) -> None:

@@ -108,6 +108,12 @@ CODECS: dict[str, dict[str, Any]] = {
     # SparseLoCo: the same top-k, its error feedback (β = 0.95) in place of the outer Nesterov momentum
     "sparseloco": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
                    "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95},
+    # the same two, the unsent part kept in the islands' parameters rather than re-sent from a buffer
+    "topk-params": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                    "averaging.error_feedback_in": "params"},
+    "sparseloco-params": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                          "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95,
+                          "averaging.error_feedback_in": "params"},
 }
 
 

@@ -262,7 +262,8 @@ class ShardedAverager:
             payload = self.codec.encode(delta)
             pending.owned[b] = self.codec.decode(payload, delta.numel())
             return payload
-        payload, pending.owned[b], pending.feedback[b] = self.feedback.prepare(delta, self.buffers.get(b))
+        carried = self.buffers.get(b) if self.settings.error_feedback_in == "buffer" else None
+        payload, pending.owned[b], pending.feedback[b] = self.feedback.prepare(delta, carried)
         return payload
 
     def commit(self, pending: PendingRound) -> None:

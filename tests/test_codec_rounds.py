@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from diloco.checkpoint import list_checkpoints, load
 from diloco.simulate import simulate
 from outer_optim.codecs import ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager
@@ -133,14 +134,17 @@ def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
         torch.testing.assert_close(sent + rest, part)
 
 
-def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_daemons):
-    """End to end over the all-gather (the reduce-scatter's end to end is the int4 kill test in test_faults)."""
+@pytest.mark.parametrize("kept_in", ["buffer", "params"])
+def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_daemons, kept_in):
+    """End to end over the all-gather (the reduce-scatter's end to end is the int4 kill test in test_faults).
+    The part of Δ the codec left unsent waits in the buffer, the island training on from θ_global; or in
+    the island's parameters, which then sit exactly at θ_global − e after every committed round."""
     compression = "topk"
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 3,
         "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "averaging.matchmaking_time": 5.0,
         "averaging.compression": compression, "diloco.outer_steps": 3, "diloco.inner_steps": 8,
-        "checkpoint.every": 0})
+        "averaging.error_feedback_in": kept_in, "checkpoint.every": 3})
     result = simulate(cfg, 3)
     islands = result["islands"]
     codec = make_codec(compression)
@@ -149,6 +153,14 @@ def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_
         assert s["eval_loss_end"] < s["eval_loss_start"] - 0.5
     assert result["theta_global_max_abs_diff"] == 0.0  # every island decoded the same bits
     assert codec.nbytes(1000) < 1000 * 4
+    for i in range(3):
+        state = load(list_checkpoints(tmp_path / f"island{i}" / "checkpoints")[-1])
+        flat = [torch.cat([t.reshape(-1) for t in part.values()])
+                for part in (state["model"], state["outer_optimizer"]["master"])]
+        unsent = torch.cat([state["error_feedback"][b] for b in sorted(state["error_feedback"])])
+        assert unsent.abs().max() > 0
+        expected = flat[1] - unsent if kept_in == "params" else flat[1]
+        torch.testing.assert_close(flat[0], expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -159,6 +171,8 @@ def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_
     (["--averaging.compression", "int8", "--averaging.error_feedback_decay", "0"], "error_feedback_decay"),
     (["--averaging.compression", "int4", "--averaging.backend", "torch"], "travels over hivemind"),
     (["--diloco.outer_optimizer", "sparseloco"], "sparseloco needs error feedback on a lossy codec"),
+    (["--averaging.compression", "topk", "--averaging.error_feedback_in", "param"],
+     "--averaging.error_feedback_in must be buffer or params, got 'param'"),
 ])
 def test_bad_codec_settings_are_one_line_and_a_non_zero_exit(capsys, args, words):
     from diloco import cli
