@@ -160,8 +160,8 @@ class AveragingConfig:
     """With `int8`, `int4` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state). hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
     error_feedback_decay: float = 1.0
     """β of the error feedback e ← β·e + Δ, in (0, 1] (SparseLoCo uses 0.95)."""
-    error_feedback_in: str = "buffer"
-    """Where the part of Δ a codec dropped waits for later rounds: `buffer` (added to the next Δ before it is encoded, as EF21 and SparseLoCo do) or `params` (the island trains on from θ_global − β·e instead of θ_global, so its next Δ carries that part without the island learning it again on top: a buffer re-sends progress the island also re-learns from θ_global, which lacks it)."""
+    error_feedback_in: str = "params"
+    """Where the part of Δ a codec dropped waits for later rounds: `params` (the island trains on from θ_global − β·e instead of θ_global, so its next Δ carries that part) or `buffer` (added to the next Δ before it is encoded, as EF21 and SparseLoCo do; the island restarts from θ_global, which lacks that part, and learns much of it again, so it is sent twice)."""
     maddr_file: str = ""
     """If set, write this island's visible multiaddrs to this file once it is reachable."""
     run_key: str = ""

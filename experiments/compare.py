@@ -101,19 +101,16 @@ CODECS: dict[str, dict[str, Any]] = {
     "int8": {"averaging.compression": "int8"},
     "int4": {"averaging.compression": "int4"},
     "topk": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2},
-    # the same top-k without error feedback: what a round does not apply, the islands' next inner steps
-    # (from θ_global, which lacks it) largely redo, so carrying it over as well may count it twice
+    # the same top-k with the unsent part re-sent from a buffer (EF21) instead of kept in the parameters
+    "topk-buffer": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                    "averaging.error_feedback_in": "buffer"},
+    # the same top-k without error feedback
     "topk-noef": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
                   "averaging.error_feedback": False},
-    # SparseLoCo: the same top-k, its error feedback (β = 0.95) in place of the outer Nesterov momentum
+    # SparseLoCo: the same top-k, its error-feedback buffer (β = 0.95) in place of the outer Nesterov momentum
     "sparseloco": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
-                   "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95},
-    # the same two, the unsent part kept in the islands' parameters rather than re-sent from a buffer
-    "topk-params": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
-                    "averaging.error_feedback_in": "params"},
-    "sparseloco-params": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
-                          "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95,
-                          "averaging.error_feedback_in": "params"},
+                   "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95,
+                   "averaging.error_feedback_in": "buffer"},
 }
 
 

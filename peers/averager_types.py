@@ -61,7 +61,7 @@ class AveragerSettings:
     (see :class:`peers.sharded.ShardedAverager`)."""
     error_feedback_decay: float = 1.0
     """β of the error feedback e ← β·e + Δ."""
-    error_feedback_in: str = "buffer"
+    error_feedback_in: str = "params"
     """``buffer``: e is added to the next Δ before it is encoded; ``params``: the caller keeps e in the
     island's parameters (its next Δ carries it), so each Δ is encoded alone and e is only recorded."""
     client_mode: bool = False
