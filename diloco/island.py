@@ -43,6 +43,7 @@ from diloco.runtime import Runtime, pick_device
 from diloco.samples import Sampler
 from diloco.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
+from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
 from outer_optim.guard import NormGuard
 from peers.dht import mute_shutdown_noise
@@ -130,6 +131,8 @@ class Island:
         self.feedback: dict[int, torch.Tensor] = {}
         """Error feedback of the buckets this rank averages (a lossy codec's dropped part, see
         :class:`peers.sharded.ShardedAverager`); checkpointed, kept across reconnects."""
+        self.keeps_unsent = cfg.averaging.compression in LOSSY_CODECS and cfg.averaging.error_feedback
+        """Whether a codec's unsent part is carried into later rounds (:attr:`feedback` fills)."""
         self.membership: Any = None
         self.fallback: Any = None
         self.wire: Any = None  # peers.wire.WireCounter of this rank's DHT daemon

@@ -16,6 +16,7 @@ round as :class:`RoundHook` objects; what the round did is one :class:`RoundMetr
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -66,6 +67,9 @@ class RoundMetrics:
     """Tokens this island's pseudo-gradient stands for (its weight in the average)."""
     group_weight: float = 0.0
     """Tokens of the whole group (the sum of the members' weights)."""
+    unsent_norm: float = float("nan")
+    """Norm of what a lossy codec has left unsent of this island's pseudo-gradients after the round (the
+    error feedback e; NaN without one)."""
 
     @classmethod
     def skipped(cls, island: Island, reason: str) -> RoundMetrics:
@@ -208,7 +212,15 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
                         int(bool(getattr(result, "fallback_reason", ""))), int(retried),
                         overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
                         fragment=flight.fragment, inner_steps=flight.steps, weight=flight.weight,
-                        group_weight=float(getattr(result, "total_weight", 0.0)))
+                        group_weight=float(getattr(result, "total_weight", 0.0)), unsent_norm=_unsent_norm(island))
+
+
+def _unsent_norm(island: Island) -> float:
+    """Collective: the norm of the island's error feedback over all its ranks (NaN when it keeps none)."""
+    if not island.keeps_unsent:
+        return float("nan")
+    sq = sum(float(e.double().pow(2).sum()) for e in island.feedback.values())
+    return math.sqrt(island.rt.reduce([sq])[0])
 
 
 def _outgoing(flight: InFlight) -> Delta:

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diloco.round_budget import Budget, auto_seconds, parse_budget
-from outer_optim.codecs import LOSSY_CODECS
 
 if TYPE_CHECKING:
     from diloco.island import Island
@@ -261,7 +260,7 @@ class Overlap:
         unsent of the island's Δ in the round just committed; empty unless it waits in the parameters."""
         isl = self.island
         a = isl.cfg.averaging
-        if a.error_feedback_in != "params" or not a.error_feedback or a.compression not in LOSSY_CODECS:
+        if a.error_feedback_in != "params" or not isl.keeps_unsent:
             return {}
         ex, buckets = isl.exchange, self.buckets(fragment)
         chosen = range(len(isl.layout.buckets)) if buckets is None else buckets

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diloco.checkpoint import list_checkpoints, load
+from diloco.metrics import read_metrics
 from diloco.simulate import simulate
 from outer_optim.codecs import ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager
@@ -161,6 +162,8 @@ def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_
         assert unsent.abs().max() > 0
         expected = flat[1] - unsent if kept_in == "params" else flat[1]
         torch.testing.assert_close(flat[0], expected, rtol=0, atol=1e-6)
+        rounds = [r for r in read_metrics(tmp_path / f"island{i}") if r.get("round_ok")]
+        assert rounds[-1]["unsent_norm"] == pytest.approx(float(unsent.norm()), rel=1e-5)
 
 
 @pytest.mark.parametrize("args, words", [
