@@ -101,7 +101,7 @@ class DilocoConfig:
     master_device: str = "cpu"
     """Where the fp32 master copy of the global parameters and the outer state live."""
     overlap: str = "none"
-    """How the island trains while a round is in flight: `none` (the result is applied exactly `overlap_steps` inner steps after sending, waiting for it if needed; 0 blocks as plain DiLoCo), `delayed` (keep training; apply the average when it arrives, moving the progress made since onto the new θ_global) or `eager` (as `delayed`, but train meanwhile from θ_global stepped with this island's share of its fresh Δ as a proxy for the average, Kale et al. 2025)."""
+    """How the island trains while a round is in flight: `none` (the result is applied exactly `overlap_steps` inner steps after sending, waiting for it if needed; 0 blocks as plain DiLoCo), `delayed` (keep training; apply the average when it arrives, moving the progress made since onto the new θ_global) or `eager` (as `delayed`, but train meanwhile from θ_global stepped with this island's fresh Δ as a proxy for the average, after Kale et al. 2025)."""
     fragments: int = 1
     """Streaming DiLoCo: split the model into this many groups of whole layers, each averaged every H inner steps at its own offset (one sync every H/fragments steps, rounded to whole steps; ~1/fragments of the bytes)."""
     overlap_steps: int = 0

@@ -197,7 +197,7 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     if reason:
         _roll_back(island, flight, reason, result)
     else:
-        _commit(island, flight, averaged, avg_norm, result.total_weight)
+        _commit(island, flight, averaged, avg_norm)
     for h in island.hooks:
         h.after(island)
     backend = getattr(result, "backend", "") or ("local" if island.cfg.averaging.backend == "local" else "none")
@@ -294,12 +294,12 @@ def _overflow(island: Island, averaged: Delta) -> str:
     return ""
 
 
-def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float, total_weight: float) -> None:
+def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float) -> None:
     with island.state_lock:
         island.outer.step(averaged)
         island.outer_step += 1
     island.averager.commit(flight.pending)
-    island.overlap.committed(flight, total_weight)
+    island.overlap.committed(flight)
     island.guard.record(avg_norm)
     island.transfer.after_commit()
     island.stats.rounds_ok += 1

@@ -77,9 +77,8 @@ def test_blocking_loop_equals_send_then_apply_by_hand(tmp_path):
 def test_rounds_in_flight_equal_the_delayed_and_eager_updates_by_hand(tmp_path, mode, tau):
     """With one island every result arrives at once, so round r's Δ is applied after τ more inner steps,
     keeping the progress made since: θ_local ← θ_global' + (θ_local − θ_local at sending).  ``delayed``
-    trains those steps from its own parameters; ``eager`` from θ_global stepped with its own Δ times its
-    share of the last committed round (1: the proxy is the average; none before the first commit),
-    which the true average then replaces."""
+    trains those steps from its own parameters; ``eager`` from θ_global stepped with its own whole Δ as a
+    proxy for the average, which the true average then replaces."""
     cfg = tiny_config(tmp_path, **{"diloco.overlap": mode, "diloco.overlap_steps": tau})
     island, theta = _run(cfg)
     hand = HandLoop(cfg)
@@ -92,7 +91,7 @@ def test_rounds_in_flight_equal_the_delayed_and_eager_updates_by_hand(tmp_path, 
             if r == rounds - 1:  # nothing left to train: the last round is applied at once
                 hand.outer.step(delta)
                 break
-            if mode == "eager" and r > 0:
+            if mode == "eager":
                 for n, theta_proxy in hand.outer.peek(delta).items():
                     hand.params[n].copy_(theta_proxy)
             anchor = hand.snapshot()
