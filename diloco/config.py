@@ -178,7 +178,7 @@ class AveragingConfig:
     training towards this round (restarted or caught up), the island waits for it once more."""
     max_norm_ratio: float = 10.0
     """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
-    committed rounds (0 disables the check)."""
+    committed rounds (0 disables the check); per million tokens under a `sync_every` budget other than steps, whose rounds differ in length."""
     wait_for_islands: int = 0
     """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
     member_ttl: float = 60.0

@@ -188,16 +188,20 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     in_flight = t0 - flight.t_sent
     result, averaged = island.averager.finish(flight.pending)
     result, averaged, retried = _average_again(island, flight, result, averaged)
+    u = 1.0
     if averaged is not None and flight.scale != 1.0:
         u = island.overlap.applied_scale(flight, result)
         averaged = {n: a * u for n, a in averaged.items()}
     norm = island.global_norm(flight.delta)
     avg_norm = island.global_norm(averaged) if averaged is not None else float("nan")
-    reason = result.reason or island.guard.check(avg_norm) or _overflow(island, averaged)
+    # rounds of a budget other than steps differ in length (auto: H steps, then maybe 50x more): the guard
+    # compares their averages per million tokens, as they travelled, not the longer round's larger Δ
+    guarded, what = (avg_norm, "") if u == 1.0 or u <= 0 else (avg_norm / u, " per million tokens")
+    reason = result.reason or island.guard.check(guarded, what) or _overflow(island, averaged)
     if reason:
         _roll_back(island, flight, reason, result)
     else:
-        _commit(island, flight, averaged, avg_norm)
+        _commit(island, flight, averaged, guarded)
     for h in island.hooks:
         h.after(island)
     backend = getattr(result, "backend", "") or ("local" if island.cfg.averaging.backend == "local" else "none")
@@ -294,13 +298,13 @@ def _overflow(island: Island, averaged: Delta) -> str:
     return ""
 
 
-def _commit(island: Island, flight: InFlight, averaged: Delta, avg_norm: float) -> None:
+def _commit(island: Island, flight: InFlight, averaged: Delta, guarded_norm: float) -> None:
     with island.state_lock:
         island.outer.step(averaged)
         island.outer_step += 1
     island.averager.commit(flight.pending)
     island.overlap.committed(flight)
-    island.guard.record(avg_norm)
+    island.guard.record(guarded_norm)
     island.transfer.after_commit()
     island.stats.rounds_ok += 1
     island.stats.behind = False

@@ -14,15 +14,16 @@ class NormGuard:
         self.history: list[float] = []
         self.window = window
 
-    def check(self, norm: float) -> str:
-        """'' if ``norm`` is acceptable, else the reason to reject it."""
+    def check(self, norm: float, unit: str = "") -> str:
+        """'' if ``norm`` is acceptable, else the reason to reject it (``unit``: what the norm is of, e.g.
+        " per million tokens", for the message)."""
         if not math.isfinite(norm):
-            return f"averaged pseudo-gradient norm is {norm}"
+            return f"averaged pseudo-gradient norm{unit} is {norm}"
         if self.max_ratio <= 0 or not self.history:
             return ""
         reference = statistics.median(self.history[-self.window:])
         if reference > 0 and norm > self.max_ratio * reference:
-            return (f"averaged pseudo-gradient norm {norm:.3g} is {norm / reference:.0f}x the recent median "
+            return (f"averaged pseudo-gradient norm{unit} {norm:.3g} is {norm / reference:.0f}x the recent median "
                     f"{reference:.3g} (limit {self.max_ratio:g}x)")
         return ""
 
