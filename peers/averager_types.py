@@ -61,9 +61,10 @@ class AveragerSettings:
     (see :class:`peers.sharded.ShardedAverager`)."""
     error_feedback_decay: float = 1.0
     """β of the error feedback e ← β·e + Δ."""
-    error_feedback_in: str = "params"
+    error_feedback_in: str = "buffer"
     """``buffer``: e is added to the next Δ before it is encoded; ``params``: the caller keeps e in the
-    island's parameters (its next Δ carries it), so each Δ is encoded alone and e is only recorded."""
+    island's parameters (its next Δ carries it), so each Δ is encoded alone and e is only recorded (the
+    island's default: ``diloco.config.AveragingConfig.error_feedback_in``)."""
     client_mode: bool = False
     """No incoming connections: this island neither reduces parts nor serves state."""
     private: bool = False
