@@ -289,8 +289,8 @@ class Overlap:
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (taken with no round in flight)."""
-        return {"tokens_at_sync": list(self.tokens_at_sync), "auto": self.auto, "last_comm_seconds": self.last_comm_seconds,
-                "mark": list(self.mark), "offset": self.offset}
+        return {"tokens_at_sync": list(self.tokens_at_sync), "auto": self.auto,
+                "last_comm_seconds": self.last_comm_seconds, "mark": list(self.mark), "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, Any] | None, legacy_tokens_at_sync: int) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint from before fragments, with one counter)."""

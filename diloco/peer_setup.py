@@ -222,7 +222,8 @@ def averager_settings(a: AveragingConfig, **extra: Any) -> AveragerSettings:
         request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
         state_download_timeout=a.state_download_timeout, compression=a.compression,
         topk_density=a.topk_density, topk_bits=a.topk_bits, error_feedback=a.error_feedback,
-        error_feedback_decay=a.error_feedback_decay, error_feedback_in=a.error_feedback_in, client_mode=a.client_mode, private=not a.public, **extra)
+        error_feedback_decay=a.error_feedback_decay, error_feedback_in=a.error_feedback_in,
+        client_mode=a.client_mode, private=not a.public, **extra)
 
 
 def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None:

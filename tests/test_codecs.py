@@ -153,7 +153,8 @@ def test_topk_keeps_the_largest_and_bounds_their_error(bits, density):
         assert 0 <= lo <= float(chunk[index].abs().max()) and lo <= hi
         levels = torch.stack([topk_level(lo, hi, c, bits) for c in range(2 ** bits)])
         nearest = (chunk[index, None] - levels).abs().min(dim=1).values
-        assert bool(((chunk[index] - out[index]).abs() <= nearest * (1 + 1e-5) + 1e-6).all())  # each on its nearest level
+        # each kept value sits on its nearest level
+        assert bool(((chunk[index] - out[index]).abs() <= nearest * (1 + 1e-5) + 1e-6).all())
         assert bool((out[dropped] == 0).all())
         assert float(chunk[dropped].abs().max()) <= float(chunk[index].abs().min())
 
