@@ -19,8 +19,7 @@ is due, and earlier as ``--diloco.overlap`` says:
   lacks all of it; ours keep their own progress while a round is in flight, and a jump by their share
   alone would pull them back by the rest of their own Δ, which they would learn again and send twice
   (measured over 12 rounds: +29.8% held-out loss against blocking; +8.0% and +2.9% in two runs with
-  the whole Δ).  A
-  rolled-back round takes the jump back.
+  the whole Δ).  A rolled-back round takes the jump back.
 
 θ_global (the fp32 master, what islands vote on, serve and checkpoint) only ever moves by committed
 averages, identically on every island, whichever mode each uses.

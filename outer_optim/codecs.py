@@ -210,8 +210,7 @@ class BlockAbsmaxCodec:
 
 def _grid_index(mag: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, m: int) -> torch.Tensor:
     """Index j < m of the level of the grid lo + (hi-lo)*j/(m-1) nearest each of ``mag`` (rows, k)."""
-    span = (hi - lo)[:, None]
-    step = torch.where(span > 0, span, torch.ones_like(span)) / (m - 1)
+    step = _safe_divisor(hi - lo)[:, None] / (m - 1)
     return torch.round((mag - lo[:, None]) / step).clamp_(0, m - 1)
 
 
