@@ -175,7 +175,7 @@ def begin_round(island: Island) -> InFlight | RoundMetrics:
     flight = InFlight(rnd, fragment, names, delta, weight, meta, None, island.inner_step, island.stats.tokens,
                       time.perf_counter(), scale=scale)
     flight.pending = island.averager.start(_outgoing(flight), weight, meta, round_id=round_id(rnd),
-                                           on_stage=_on_stage(island, rnd), buckets=ov.buckets(fragment),
+                                           on_stage=_on_stage(island, flight), buckets=ov.buckets(fragment),
                                            expected_group_size=expected)
     ov.sent(flight)
     flight.send_seconds = time.perf_counter() - t0
@@ -210,6 +210,7 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
     s.comm_seconds += result.seconds
     stall = flight.send_seconds + time.perf_counter() - t0
     island.overlap.finished(result, stall)
+    island.overlap.aligned(flight)
     s.stall_seconds += stall
     return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
                         s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,
@@ -234,8 +235,15 @@ def _outgoing(flight: InFlight) -> Delta:
     return {n: d * flight.scale for n, d in flight.delta.items()}
 
 
-def _on_stage(island: Island, rnd: int) -> Callable[[str], None]:
-    return lambda phase: [h.stage(rnd, phase) for h in island.hooks]  # noqa: E731
+def _on_stage(island: Island, flight: InFlight) -> Callable[[str], None]:
+    """What the averager's bucket threads call as the round moves on: the hooks' ``stage``, and the
+    island's compute seconds when the round's group formed (where a budget of seconds counts from)."""
+    def stage(phase: str) -> None:
+        if phase == "allreduce" and flight.compute_at_formed is None:
+            flight.compute_at_formed = island.stats.compute_seconds
+        for h in island.hooks:
+            h.stage(flight.rnd, phase)
+    return stage
 
 
 def _average_again(island: Island, flight: InFlight, result: Any, averaged: Delta | None
@@ -267,7 +275,7 @@ def _average_again(island: Island, flight: InFlight, result: Any, averaged: Delt
     first = result
     # the members left are known when the lost one simply never confirmed: their group forms at once
     result, averaged = island.averager.average(_outgoing(flight), flight.weight, flight.meta, round_id=rid,
-                                               on_stage=_on_stage(island, rnd), matchmaking_timeout=timeout,
+                                               on_stage=_on_stage(island, flight), matchmaking_timeout=timeout,
                                                buckets=island.overlap.buckets(flight.fragment),
                                                expected_group_size=getattr(result, "members_left", 0) or None)
     result.seconds += first.seconds

@@ -71,6 +71,8 @@ class InFlight:
     undo: Params = field(default_factory=dict)
     """eager: the parameters before the proxy jump, where a rolled-back round puts the island back."""
     send_seconds: float = 0.0
+    compute_at_formed: float | None = None
+    """``stats.compute_seconds`` when the round's group formed (this rank saw its all-reduce start)."""
 
 
 class Overlap:
@@ -96,6 +98,9 @@ class Overlap:
         applying), sent to the group for ``auto``."""
         self.mark = (0.0, 0, 0)
         """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
+        self.skew = 0.0
+        """Compute seconds the island trained after sending its last round and before that round's group
+        formed: a budget of seconds counts from the group, not from the island's own send (see :meth:`aligned`)."""
         self.offset = 0
         """Added to ``inner_step`` by the steps schedule: set when a state is adopted, so that the island's
         rounds fall due with the run's (see :meth:`adopted`)."""
@@ -131,7 +136,7 @@ class Overlap:
             return k > 0 and (k * self.n) // d.inner_steps != ((k - 1) * self.n) // d.inner_steps
         if self._due[0] != k:
             used = (isl.stats.tokens - self.mark[1] if self.budget.kind == "tokens"
-                    else isl.stats.compute_seconds - self.mark[0])
+                    else isl.stats.compute_seconds - self.mark[0] - self.skew)
             due = k > self.mark[2] and used >= self._amount() / self.n
             self._due = (k, isl.rt.reduce([float(due)], op="max", world=isl.rt.lockstep)[0] > 0)
         return self._due[1]
@@ -162,7 +167,7 @@ class Overlap:
         elif self.budget.kind == "tokens":
             part = (isl.stats.tokens - self.mark[1]) * self.n / self.budget.amount
         else:
-            part = (isl.stats.compute_seconds - self.mark[0]) * self.n / self._amount()
+            part = (isl.stats.compute_seconds - self.mark[0] - self.skew) * self.n / self._amount()
         return min(1.0, (isl.outer_step + min(1.0, part)) / self.total_rounds)
 
     def send_scale(self, weight: float) -> float:
@@ -217,7 +222,20 @@ class Overlap:
         isl = self.island
         steps = isl.inner_step - self.mark[2]
         self.mark = (isl.stats.compute_seconds, isl.stats.tokens, isl.inner_step)
+        self.skew = 0.0
         return steps
+
+    def aligned(self, f: InFlight) -> None:
+        """Collective, when ``f`` is applied: under a budget of seconds, count the next round from when the
+        group of ``f`` formed rather than from this island's send.  An island that sent early trains on
+        while it waits for the others (rounds in flight); counting from its own send it would send every
+        later round that much early again and wait as long each time, its rounds in flight staying stale
+        by the run's first offset.  Counting from the group, every member's next round falls due at once."""
+        if self.budget.kind == "tokens" or self.by_steps_now():
+            return
+        early = 0.0 if f.compute_at_formed is None else max(0.0, f.compute_at_formed - self.mark[0])
+        if self.mark[2] == f.sent_at:  # the budget was not restarted since (an adopted state restarts it)
+            self.skew = self.island.rt.reduce([early], op="max")[0]
 
     @torch.no_grad()
     def sent(self, f: InFlight) -> None:
@@ -290,7 +308,8 @@ class Overlap:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (taken with no round in flight)."""
         return {"tokens_at_sync": list(self.tokens_at_sync), "auto": self.auto,
-                "last_comm_seconds": self.last_comm_seconds, "mark": list(self.mark), "offset": self.offset}
+                "last_comm_seconds": self.last_comm_seconds, "mark": list(self.mark), "offset": self.offset,
+                "skew": self.skew}
 
     def load_state_dict(self, state: dict[str, Any] | None, legacy_tokens_at_sync: int) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint from before fragments, with one counter)."""
@@ -303,3 +322,4 @@ class Overlap:
         compute, tokens, step = state.get("mark", (0.0, 0, 0))
         self.mark = (float(compute), int(tokens), int(step))
         self.offset = int(state.get("offset", 0))
+        self.skew = float(state.get("skew", 0.0))

@@ -10,6 +10,7 @@ from diloco.config import ConfigError
 from diloco.data import ShardedBatches, load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.island import Island
+from diloco.overlap import InFlight
 from diloco.model import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments
@@ -206,3 +207,31 @@ def test_an_island_that_adopts_a_state_sends_its_next_round_with_the_island_that
     island.inner_step = 300
     ov.adopted()  # no phase served (a peer of an older version): the island keeps its own schedule
     assert ov.phase() == 23 and steps_to_next_round() == 27
+
+
+def test_a_budget_of_seconds_counts_from_when_the_group_formed(tmp_path):
+    """An island that sent its round 4 s of compute before the group formed (it trained on meanwhile) sends
+    its next one a budget of compute after the group formed, not after its own send: otherwise it would
+    send that early again every round and wait as long, its rounds in flight staying stale."""
+    island = Island(tiny_config(tmp_path, **{"diloco.sync_every": "10s", "diloco.overlap": "delayed"}))
+    ov, stats = island.overlap, island.stats
+
+    def due_at(compute: float) -> bool:
+        island.inner_step += 1
+        stats.compute_seconds = compute
+        return ov.sync_due()
+
+    island.inner_step, stats.compute_seconds = 20, 100.0
+    ov._restart_budget()  # the island sends at 100 s of compute
+    flight = InFlight(0, 0, [], {}, 1.0, {}, None, 20, 0, 0.0, compute_at_formed=104.0)
+    stats.compute_seconds = 106.0  # the result arrives and is applied
+    ov.aligned(flight)
+    assert not due_at(112.0) and due_at(114.0)
+    restored = Island(tiny_config(tmp_path / "b", **{"diloco.sync_every": "10s", "diloco.overlap": "delayed"}))
+    restored.overlap.load_state_dict(ov.state_dict(), 0)
+    assert restored.overlap.skew == 4.0
+    ov._restart_budget()  # the next round is sent: it counts from its own group again
+    assert ov.skew == 0.0
+    late = InFlight(1, 0, [], {}, 1.0, {}, None, island.inner_step, 0, 0.0, compute_at_formed=None)
+    ov.aligned(late)  # the island was the group's last (or saw no stage): nothing to skip
+    assert ov.skew == 0.0 and due_at(124.5)
