@@ -86,10 +86,19 @@ COMPARE_DEFAULTS: dict[str, Any] = {
 # held-out loss).  The warm start is pretraining, at the package's default inner lr.
 WARM_START_STEPS = 600
 
+MATCHED = "matched"
+"""``diloco.sync_every`` of a timed arm, replaced before it runs by the seconds of compute per round the blocking
+DiLoCo run of the same command took (:func:`matched_budget`)."""
+
 # DiLoCo arms whose rounds do not stop the inner steps (``--arms``), each against blocking DiLoCo (c)
 ARMS: dict[str, dict[str, Any]] = {
     "delayed": {"diloco.overlap": "delayed"},
     "eager": {"diloco.overlap": "eager"},
+    # the same, every island sending when it has trained as long as a blocking round took rather than after
+    # H steps: islands of different speed (4 sharing 2 cores) then send at once, and their rounds stay in
+    # flight for the transfer alone instead of the time the slowest island takes to catch up
+    "delayed-timed": {"diloco.overlap": "delayed", "diloco.sync_every": MATCHED},
+    "eager-timed": {"diloco.overlap": "eager", "diloco.sync_every": MATCHED},
     # Streaming DiLoCo's setting: 4 fragments (the `small` model has 4 blocks), τ = 1, α = 0.5
     "streaming": {"diloco.fragments": 4, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5},
 }
@@ -120,6 +129,20 @@ def arm_settings(name: str) -> dict[str, Any]:
     :data:`CODECS` by ``+`` (``delayed+int8``: rounds in flight carrying int8 pseudo-gradients)."""
     mode, _, codec = name.partition("+")
     return {**ARMS[mode], **(CODECS[codec] if codec else {})}
+
+
+def matched_budget(items: dict[str, Any], blocking_runs: Path) -> dict[str, Any]:
+    """``items`` with a ``diloco.sync_every`` of :data:`MATCHED` replaced by the seconds of compute per round
+    of the blocking run whose islands' logs are in ``blocking_runs`` (the median over its islands)."""
+    if items.get("diloco.sync_every") != MATCHED:
+        return items
+    per_round = sorted(s["compute_seconds"] / s["outer_step"] for s in
+                       (json.loads(f.read_text()) for f in sorted(blocking_runs.glob("island*/summary.json")))
+                       if s.get("outer_step"))
+    if not per_round:
+        raise CompareError(f"a timed arm needs the blocking run's compute per round, and {blocking_runs} has "
+                           f"no island summary with a round in it: run the blocking arm first")
+    return {**items, "diloco.sync_every": f"{per_round[len(per_round) // 2]:.2f}s"}
 
 
 def unknown_arms(names: list[str]) -> list[str]:
@@ -254,6 +277,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
 
         # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
         for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", CODECS[c]) for c in codecs]:
+            items = matched_budget(items, runs / "diloco")
             say(f"\n== DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in items.items())} ==", flush=True)
             c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
                                       **items})

@@ -69,7 +69,8 @@ def peak_sync_bytes(run_dir: Path) -> int:
 
 def overlap_lines(blocking: RunResult, base: RunResult, arms: list[RunResult]) -> list[str]:
     """For each overlapped arm: compute utilization, wall-clock against the baseline, held-out loss against
-    blocking DiLoCo and the baseline at equal tokens, and the bytes of its largest single sync."""
+    blocking DiLoCo and the baseline (at equal tokens, except for timed arms: the tokens they trained are
+    said), and the bytes of its largest single sync."""
     def util(r: RunResult) -> float:
         return 100 * r.compute_seconds / r.wall_seconds if r.wall_seconds else float("nan")
 
@@ -85,7 +86,8 @@ def overlap_lines(blocking: RunResult, base: RunResult, arms: list[RunResult]) -
             f"{base.wall_seconds / r.wall_seconds:.1f}× shorter than the baseline (blocking "
             f"{base.wall_seconds / blocking.wall_seconds:.1f}×), stalled {r.extra.get('stall_seconds', 0):.0f} s; held-out "
             f"loss {r.final_eval_loss:.4f}: {pct(r.final_eval_loss, blocking.final_eval_loss):+.2f}% vs blocking DiLoCo, "
-            f"{pct(r.final_eval_loss, base.final_eval_loss):+.2f}% vs the baseline; largest sync "
+            f"{pct(r.final_eval_loss, base.final_eval_loss):+.2f}% vs the baseline, with "
+            f"{pct(r.extra.get('tokens', 0), blocking.extra.get('tokens', 0) or 1):+.1f}% tokens against blocking; largest sync "
             f"{format_bytes(r.extra.get('peak_sync_bytes', 0))}, θ_global spread {r.extra.get('theta_global_max_abs_diff')}")
     return lines
 

@@ -29,7 +29,7 @@ from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare import (ARMS, CODECS, COMPARE_DEFAULTS, WARM_START_LR, WARM_START_STEPS, arm_settings,
-                                 unknown_arms, warm_start)
+                                 matched_budget, unknown_arms, warm_start)
 from diloco.metrics import read_metrics
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import markdown_table
@@ -80,8 +80,9 @@ def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: lis
             curves[arm] = kept
             continue
         print(f"\n== {arm}: {islands} islands, {rounds} rounds of H={cfg.diloco.inner_steps} ==", flush=True)
+        items = matched_budget(settings_of(arm), out / "runs" / REFERENCE)
         c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"horizon-{arm.replace('+', '-')}",
-                            **settings_of(arm)})
+                            **items})
         done = launch_islands(c, islands)
         curves[arm] = losses_per_round(run_dir)
         print(f"{arm}: held-out loss per round " + " ".join(f"{x:.4f}" for x in curves[arm]), flush=True)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from experiments import netns
-from experiments.compare import arm_settings, curve_from_metrics, run_compare, unknown_arms
+from experiments.compare import arm_settings, curve_from_metrics, matched_budget, run_compare, unknown_arms
+from experiments.islands import CompareError
 from tests.conftest import PART_LOST, tiny_config
 
 COMMON = {
@@ -107,6 +108,21 @@ def test_overlapped_arms_join_a_codec_by_plus():
     assert arm_settings("eager") == {"diloco.overlap": "eager"}
     assert unknown_arms(["delayed", "eager+int4", "delayed+", "fast", "int8", "eager+zip"]) == [
         "delayed+", "fast", "int8", "eager+zip"]
+
+
+def test_timed_arms_train_as_long_per_round_as_the_blocking_run(tmp_path):
+    """A timed arm's budget is the blocking islands' median compute seconds per round; without a blocking run
+    it says so instead of running with a budget it cannot know."""
+    items = arm_settings("delayed-timed+int8")
+    with pytest.raises(CompareError, match="run the blocking arm first"):
+        matched_budget(items, tmp_path)
+    for i, (compute, rounds) in enumerate([(60.0, 6), (66.0, 6), (120.0, 6)]):
+        (tmp_path / f"island{i}").mkdir()
+        (tmp_path / f"island{i}" / "summary.json").write_text(json.dumps({"compute_seconds": compute,
+                                                                          "outer_step": rounds}))
+    assert matched_budget(items, tmp_path) == {"diloco.overlap": "delayed", "averaging.compression": "int8",
+                                               "diloco.sync_every": "11.00s"}
+    assert matched_budget(arm_settings("eager"), tmp_path) == {"diloco.overlap": "eager"}
 
 
 def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
