@@ -135,8 +135,7 @@ class Overlap:
             k += self.offset
             return k > 0 and (k * self.n) // d.inner_steps != ((k - 1) * self.n) // d.inner_steps
         if self._due[0] != k:
-            used = (isl.stats.tokens - self.mark[1] if self.budget.kind == "tokens"
-                    else isl.stats.compute_seconds - self.mark[0] - self.skew)
+            used = isl.stats.tokens - self.mark[1] if self.budget.kind == "tokens" else self._seconds_used()
             due = k > self.mark[2] and used >= self._amount() / self.n
             self._due = (k, isl.rt.reduce([float(due)], op="max", world=isl.rt.lockstep)[0] > 0)
         return self._due[1]
@@ -155,6 +154,10 @@ class Overlap:
         island adopted a downloaded state): it has trained nothing since to send."""
         return self.mark[2] == self.island.inner_step and self.flight is None
 
+    def _seconds_used(self) -> float:
+        """Compute seconds a budget of seconds counts as used: since the last send, less the :attr:`skew`."""
+        return self.island.stats.compute_seconds - self.mark[0] - self.skew
+
     def _amount(self) -> float:
         return self.auto if self.budget.kind == "auto" else self.budget.amount
 
@@ -167,7 +170,7 @@ class Overlap:
         elif self.budget.kind == "tokens":
             part = (isl.stats.tokens - self.mark[1]) * self.n / self.budget.amount
         else:
-            part = (isl.stats.compute_seconds - self.mark[0] - self.skew) * self.n / self._amount()
+            part = self._seconds_used() * self.n / self._amount()
         return min(1.0, (isl.outer_step + min(1.0, part)) / self.total_rounds)
 
     def send_scale(self, weight: float) -> float:
