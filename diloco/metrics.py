@@ -149,10 +149,13 @@ class NullMetrics:
 
 @dataclass
 class RunStats:
-    """Running totals of one island, reported at the end and kept in checkpoints."""
+    """Running totals of one island process (a resumed island starts them again), reported at the end."""
 
     rounds_ok: int = 0
     rounds_failed: int = 0
+    rounds_caught_up: int = 0
+    """Outer steps this island took from a peer's state (rounds it was not there to average) beyond those it
+    counts in rounds_failed: rounds_ok + rounds_failed + rounds_caught_up is the rounds it went through."""
     bytes_sent: int = 0
     """Bytes on the wire to other islands (the kernel's counts; see :mod:`peers.wire`)."""
     bytes_received: int = 0

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from diloco.island import Island
 
 log = logging.getLogger("diloco")
+CAUGHT_UP = "caught-up"
+"""The averaging backend of a round this island did not average: it took the run's state from a peer."""
 
 Delta = dict[str, torch.Tensor]
 """A pseudo-gradient: parameter name → this rank's shard of Δ = θ_global − θ_local."""
@@ -76,7 +78,7 @@ class RoundMetrics:
         """A round this island did not take part in (it caught up with the run instead)."""
         s = island.stats
         return cls(0, 0, float("nan"), float("nan"), 0.0, s.bytes_sent, s.bytes_received, s.payload_bytes_sent,
-                   island.outer.lr, reason, "none", 0)
+                   island.outer.lr, reason, CAUGHT_UP, 0)
 
     def record(self) -> dict[str, Any]:
         """The metrics as a flat record."""
@@ -85,6 +87,8 @@ class RoundMetrics:
     def progress_line(self, outer_step: int, outer_steps: int, loss: float) -> str:
         """``round 3/10 ok peers=2 loss=1.234`` (and the path, when it is not plain hivemind)."""
         status = "ok" if self.round_ok else f"FAILED ({self.round_failure})"
+        if self.averaging_backend == CAUGHT_UP:
+            status = f"left out ({self.round_failure})"
         via = f" via={self.averaging_backend}" if self.averaging_backend in ("torch", "auto") else ""
         return f"round {outer_step}/{outer_steps} {status} peers={self.num_peers} loss={loss:.3f}{via}"
 
@@ -290,9 +294,10 @@ def _leave_out(island: Island, rnd: int) -> RoundMetrics:
     """A stale member is left out, not the round: the others average without us; we take their result."""
     reason = "θ_global differed from the other islands'; left the round out and resynchronized"
     log.warning("round %d: %s", rnd + 1, reason)
-    resynced = island.transfer.catch_up(force_download=True, wait_for_round=True)
+    resynced = island.transfer.catch_up(force_download=True, wait_for_round=True, counted=1)
     island.stats.rounds_failed += 1
-    island.stats.failures.append(f"round {rnd + 1}: {reason if resynced else reason + ' (not yet)'}")
+    reason = reason if resynced else f"{reason} (not yet)"
+    island.stats.failures.append(f"round {rnd + 1}: {reason}")
     for h in island.hooks:
         h.after(island)
     return RoundMetrics.skipped(island, reason)
@@ -329,7 +334,7 @@ def _roll_back(island: Island, flight: InFlight, reason: str, result: Any) -> No
         # them with the same outer step; take their θ_global now, while they are still there to serve it
         # (staying at this round if none does, so that the next round's catch-up tries again)
         log.warning("round %d: %s; catching up with the run", rnd + 1, reason)
-        island.transfer.catch_up()
+        island.transfer.catch_up(counted=1)
         return
     island.outer_step += 1  # stay aligned with the others' round numbering
     island.transfer.after_rollback()

@@ -105,14 +105,15 @@ class StateTransfer:
             return False  # the run has not moved past us: θ_0 comes from the shared seed (or init_from)
         return self.catch_up(force_download=True)
 
-    def catch_up(self, force_download: bool = False, wait_for_round: bool = False) -> bool:
+    def catch_up(self, force_download: bool = False, wait_for_round: bool = False, counted: int = 0) -> bool:
         """If other islands are ahead of us, adopt the freshest θ_global, outer momentum and outer step.
 
         When the others are averaging the round that state belongs to, wait for that round to
         commit (bounded), so that we start the next round together with them rather than one behind.
         ``force_download`` checks with the peers even if none announced a later step;
         ``wait_for_round`` waits for the others to finish the round we are at (we left it out) and
-        takes its result.  Our own state is not served meanwhile.
+        takes its result.  Our own state is not served meanwhile.  ``counted`` of the outer steps jumped
+        are rounds the caller already counts as failed; the rest count as caught up.
         """
         isl = self.island
         if not self.can_download():
@@ -137,7 +138,9 @@ class StateTransfer:
             if verdict == "adopt":
                 break
             time.sleep(1.0 if verdict == "unreachable" else 0.5)
+        before = isl.outer_step
         self.adopt(*state)
+        isl.stats.rounds_caught_up += max(0, isl.outer_step - before - counted)
         isl.averager.set_state_priority(isl.outer_step)
         isl.membership.announce(isl.outer_step, averaging=False)
         log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", isl.outer_step,

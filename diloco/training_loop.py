@@ -107,7 +107,8 @@ def _finish(island: Island, wall: float) -> dict[str, Any]:
     summary = {
         "island": island.name, "outer_step": island.outer_step, "inner_step": island.inner_step, "tokens": s.tokens,
         "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
-        "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed, "bytes_sent": s.bytes_sent,
+        "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed,
+        "rounds_caught_up": s.rounds_caught_up, "bytes_sent": s.bytes_sent,
         "bytes_received": s.bytes_received, "payload_bytes_sent": s.payload_bytes_sent,
         "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
         "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,

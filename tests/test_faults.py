@@ -104,10 +104,12 @@ def test_killed_island_with_a_low_bit_codec_rejoins_with_its_error_feedback_rese
     """int4 with error feedback: island 2 is SIGKILLed while it looks for round 3's group, resumes from its checkpoint (buffers included) and
     catches up with the others by adopting their θ_global, which resets its buffers as documented; all
     end bit-identical (every member decodes the same bytes)."""
-    cluster = Cluster(_cfg(tmp_path, **{"averaging.compression": "int4", "diloco.outer_steps": 6}), 3,
+    # rounds enough for the others to still be running when island 2 is back (its restart takes 7 s and more
+    # on a loaded machine, the others' rounds 1-2 s each)
+    cluster = Cluster(_cfg(tmp_path, **{"averaging.compression": "int4", "diloco.outer_steps": 12}), 3,
                       env={2: {"DILOCO_FAULTS": "kill@matchmaking:3"}})
     summaries = _killed_and_resumed(cluster, 2)
-    assert [s["outer_step"] for s in summaries] == [6] * 3
+    assert [s["outer_step"] for s in summaries] == [12] * 3
     assert "error feedback reset: adopted another island's θ_global" in cluster.logs[2].read_text()
     import torch
 
@@ -188,7 +190,9 @@ def test_a_stale_member_is_left_out_and_a_rogue_one_rejected_by_all(tmp_path, no
     cluster, summaries = _run_to_the_end_with_faults(tmp_path, 5, {1: "drift@theta:2", 2: "scale@send:4"})
     failures = [real_failures(s) for s in summaries]
     for i, s in enumerate(summaries):
-        assert s["rounds_ok"] == 5 - len(s["failures"]), s["failures"]
+        # island 1 may have resynchronized after round 3 committed too (a slow download): it says so
+        assert s["rounds_ok"] + s["rounds_failed"] + s["rounds_caught_up"] == 5, s
+        assert s["rounds_failed"] == len(s["failures"]) and s["rounds_caught_up"] <= (i == 1), s
         rogue = [f for f in failures[i] if f.startswith("round 4")]
         assert len(rogue) == 1 and "norm" in rogue[0], failures[i]
     assert [len(f) for f in failures] == [1, 2, 1], failures
@@ -206,6 +210,8 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     cluster, summaries = _run_to_the_end_with_faults(tmp_path, 8, {1: "late@send:3"}, **{"diloco.overlap": "delayed"})
     for i in (0, 2):
         assert real_failures(summaries[i]) == [] and summaries[i]["rounds_ok"] == 8, summaries[i]["failures"]
+    s = summaries[1]
+    assert s["rounds_ok"] + s["rounds_failed"] + s["rounds_caught_up"] == 8, s
     failures = real_failures(summaries[1])
     assert len(failures) == 1 and failures[0].startswith("round 3") and "moved past this round" in failures[0], \
         failures

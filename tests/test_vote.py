@@ -119,9 +119,12 @@ def test_an_island_whose_matchmaking_missed_its_group_abstains_on_that_groups_vo
     a, b, x = swarm(*[_settings(vote_timeout=60.0)] * 2, _settings(matchmaking_time=30.0, matchmaking_timeout=60.0))
     peers = sorted(p.peer_id for p in (a, b, x))
     out: list = []
-    looking = threading.Thread(target=lambda: out.append(x.average([torch.ones(100)], 1.0, {}, "5")))
+    matching = threading.Event()
+    looking = threading.Thread(target=lambda: out.append(x.average(
+        [torch.ones(100)], 1.0, {}, "5", on_stage=lambda stage: stage == "matchmaking" and matching.set())))
     looking.start()
-    time.sleep(2.0)  # x is in its matchmaking
+    assert matching.wait(30)
+    time.sleep(1.0)  # x is looking for its group (on a loaded machine too)
     t0 = time.monotonic()
     lost = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
     assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "5") == [(lost, 2, 3)] * 2
