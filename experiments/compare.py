@@ -101,6 +101,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "eager-timed": {"diloco.overlap": "eager", "diloco.sync_every": MATCHED},
     # Streaming DiLoCo's setting: 4 fragments (the `small` model has 4 blocks), τ = 1, α = 0.5
     "streaming": {"diloco.fragments": 4, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5},
+    # the same 4 fragments in flight under the timed budget: each sync carries a quarter of the bytes, so it
+    # is in flight (stale) a quarter as long, and the last one, which nothing hides, takes a quarter as long
+    "streaming-timed": {"diloco.fragments": 4, "diloco.overlap": "delayed", "diloco.sync_every": MATCHED},
 }
 WARM_START_LR = 3e-3
 
