@@ -28,7 +28,7 @@ from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, Av
 from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
-from peers.round_keys import group_key, is_vote_on, round_bits, vote_key
+from peers.round_keys import is_on_round, parts_key, round_bits, vote_key
 from peers.vote import MemberCheck, VoteChannel
 
 __all__ = ["AveragerGoneError", "AveragerSettings", "COMPRESSIONS", "FINGERPRINT_CHUNKS", "RoundResult", "StateProvider",
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
+PARTS_GRACE = 2.0
+"""Seconds an island still looking for its group waits after encoded parts of its round reached it before it
+concludes that it was listed in a group it never learned of."""
 
 class VerifiedAverager:
     """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
@@ -191,13 +194,15 @@ class VerifiedAverager:
         """Exchange the members' encoded buckets and average them (fills ``result``'s bytes and, when a
         part is missing, its reason); the average, shaped like the template, or [] on failure."""
         t = time.perf_counter()
-        mean, missing, result.bytes_sent, result.bytes_received = average_encoded(
-            self._parts, self.codec, group_key(peers, round_id), self.peer_id, peers,
+        mean, missing, declined, result.bytes_sent, result.bytes_received = average_encoded(
+            self._parts, self.codec, parts_key(peers, round_id), self.peer_id, peers,
             {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel, self.settings.allreduce_timeout)
         result.allreduce_seconds += time.perf_counter() - t
         if mean is None:
-            result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient"
-            result.members_left = len(peers) - len(missing)
+            result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient" + (
+                f" ({len(declined)} never learned of the group)" if declined else "")
+            # one that declined is alive and goes round again with us
+            result.members_left = len(peers) - len(missing) + len(declined)
             result.retryable = result.members_left >= self.settings.min_group_size
             return []
         return [mean]
@@ -225,10 +230,17 @@ class VerifiedAverager:
             if t_allreduce is not None and given_up is None:
                 given_up = self._give_up_if_voted_without_us(round_id, started)
             elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                listed = self._votes.box.first_since(lambda key: is_vote_on(key, round_id), started)
+                listed = self._votes.box.first_since(lambda key: is_on_round(key, round_id), started)
                 if listed is not None:
                     cancel_step(control)
                     return self._missed_group(listed[1], round_id)
+                parts = self._parts.box.first_since(lambda key: is_on_round(key, round_id), started) \
+                    if self._parts is not None else None
+                # members send their parts only once the group's all-reduce ended, which it cannot without
+                # ours: still looking a moment later, we were listed in a group we never learned of
+                if parts is not None and time.monotonic() > parts[0] + PARTS_GRACE:
+                    cancel_step(control)
+                    return self._missed_exchange(parts[1], round_id)
                 if self.stopping is not None and self.stopping():
                     cancel_step(control)
                     return RoundResult(False, "this island is stopping: it gave up looking for a group")
@@ -259,7 +271,7 @@ class VerifiedAverager:
         let that member's vote time out: we then abstain (:meth:`_abstain`), and the members left can go
         round again at once.  Returns the group's peer ids once ended ([] if it had ended by itself), None
         to go on waiting."""
-        first = self._votes.box.first_since(lambda key: is_vote_on(key, round_id), since)
+        first = self._votes.box.first_since(lambda key: is_on_round(key, round_id), since)
         if first is None or time.monotonic() - first[0] <= self.settings.vote_timeout / 2:
             return None
         return self._averager.abort_allreduce() or []
@@ -272,6 +284,16 @@ class VerifiedAverager:
         log.info("a group averaged this round without this island (its matchmaking missed the group); abstaining")
         return self._abstain(peers, round_id, "averaging failed: a group listed this island but its matchmaking "
                              "never learned of it, and the group averaged without it; abstained", key)
+
+    def _missed_exchange(self, key: str, round_id: str) -> RoundResult:
+        """As :meth:`_missed_group`, earlier: the group's members sent us their encoded parts and wait for
+        ours, which would keep them ``allreduce_timeout``.  Decline, so that all of us go round again now."""
+        peers = sorted({*self._parts.box.senders(key), self.peer_id})
+        log.info("a group listed this island but its matchmaking never learned of it; declining its exchange")
+        self._parts.decline(key, [p for p in peers if p != self.peer_id], self.settings.request_timeout + 5.0)
+        return RoundResult(False, "averaging failed: a group listed this island but its matchmaking never learned "
+                           "of it; declined its exchange of encoded parts", group_size=len(peers), peers=peers,
+                           members_left=len(peers), retryable=len(peers) >= self.settings.min_group_size)
 
     def _abstain(self, peers: list[str], round_id: str, reason: str, key: str | None = None) -> RoundResult:
         """We have no result while others voted on ``round_id`` (``key``: their vote's key, when we cannot tell

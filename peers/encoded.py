@@ -112,10 +112,10 @@ class EncodedChannel:
         return Ack(accepted=True)
 
     def exchange(self, key: str, outgoing: dict[str, bytes], expect: dict[str, int], timeout: float
-                 ) -> tuple[dict[str, bytes], list[str]]:
+                 ) -> tuple[dict[str, bytes], list[str], list[str]]:
         """Send ``outgoing[p]`` to each member ``p`` and wait (at most ``timeout`` seconds) for a payload of
         ``expect[p]`` bytes from each member of ``expect``: returns (payloads received, members whose
-        payload never came or had another size)."""
+        payload never came or had another size, those of them that declined: see :meth:`decline`)."""
         deadline = time.monotonic() + timeout
         self.box.hold(key)
         try:
@@ -125,16 +125,24 @@ class EncodedChannel:
         finally:
             self.box.release(key, drop=True)
         ok = {p: got[p] for p in expect if p in got and len(got[p]) == expect[p]}
-        return ok, [p for p in expect if p not in ok]
+        missing = [p for p in expect if p not in ok]
+        return ok, missing, [p for p in missing if p in got and not got[p]]
+
+    def decline(self, key: str, peers: Sequence[str], timeout: float) -> None:
+        """Tell ``peers``, who sent us parts on ``key``, that we are not in their exchange (an empty payload
+        where one was expected): they stop waiting for ours at once.  Does not wait for them."""
+        for p in peers:
+            _submit(self._send(p, key, b"", timeout))
 
     def all_gather(self, key: str, me: str, peers: Sequence[str], payload: bytes, timeout: float
-                   ) -> tuple[dict[str, bytes], list[str]]:
+                   ) -> tuple[dict[str, bytes], list[str], list[str]]:
         """Send ``payload`` to every member of ``peers`` but ``me`` and wait for theirs (of the same size):
-        returns (payload by member, ours included; the members whose payload never came)."""
+        returns (payload by member, ours included; the members whose payload never came; those that declined)."""
         others = [p for p in peers if p != me]
-        got, missing = self.exchange(key, {p: payload for p in others}, {p: len(payload) for p in others}, timeout)
+        got, missing, declined = self.exchange(key, {p: payload for p in others}, {p: len(payload) for p in others},
+                                               timeout)
         got[me] = payload
-        return got, missing
+        return got, missing, declined
 
     async def _send(self, peer: str, key: str, payload: bytes, timeout: float) -> None:
         async def pieces() -> AsyncIterator[Any]:
@@ -156,16 +164,17 @@ class EncodedChannel:
 
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
                     weights: dict[str, float], payload: bytes, numel: int, timeout: float
-                    ) -> tuple[torch.Tensor | None, list[str], int, int]:
+                    ) -> tuple[torch.Tensor | None, list[str], list[str], int, int]:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says: (the average, identical on every member, or None;
-    the members whose part never came; bytes sent; bytes received)."""
+    the members whose part never came; those of them that declined, being alive outside the group; bytes
+    sent; bytes received)."""
     if not reduce_scatters(codec, len(peers)):
-        got, missing = channel.all_gather(key, me, peers, payload, timeout)
+        got, missing, declined = channel.all_gather(key, me, peers, payload, timeout)
         sent, received = allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
         if missing:
-            return None, missing, sent, received
-        return weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights), [], sent, received
+            return None, missing, declined, sent, received
+        return weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights), [], [], sent, received
 
     def enc(x: torch.Tensor) -> bytes:
         return codec.encode(x) if x.numel() else b""
@@ -179,17 +188,19 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     parts = {p: enc(sent[a:b]) for p, (a, b) in bounds.items()}
     a, b = bounds[me]
     size = codec.nbytes(b - a) if b > a else 0
-    got, missing = channel.exchange(f"{key}.rs", {p: parts[p] for p in others}, {p: size for p in others}, timeout)
+    # the stage goes first: the key must end with its round (:func:`peers.round_keys.is_on_round`)
+    got, missing, declined = channel.exchange(f"rs.{key}", {p: parts[p] for p in others}, {p: size for p in others},
+                                              timeout)
     bytes_sent, bytes_received = sum(len(parts[p]) for p in others), sum(len(v) for v in got.values())
     if missing:
-        return None, missing, bytes_sent, bytes_received
+        return None, missing, declined, bytes_sent, bytes_received
     got[me] = parts[me]
     mine = enc(weighted_mean({p: dec(got[p], b - a) for p in peers}, weights)) if b > a else b""
     sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
-    back, missing = channel.exchange(f"{key}.ag", {p: mine for p in others}, sizes, timeout)
+    back, missing, declined = channel.exchange(f"ag.{key}", {p: mine for p in others}, sizes, timeout)
     bytes_sent += len(mine) * len(others)
     bytes_received += sum(len(v) for v in back.values())
     if missing:
-        return None, missing, bytes_sent, bytes_received
+        return None, missing, declined, bytes_sent, bytes_received
     back[me] = mine
-    return torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()]), [], bytes_sent, bytes_received
+    return torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()]), [], [], bytes_sent, bytes_received

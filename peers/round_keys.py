@@ -20,10 +20,16 @@ def group_key(peers: list[str], round_id: str) -> str:
 
 def vote_key(prefix: str, peers: list[str], round_id: str) -> str:
     """The key of a group's vote on a round (direct verdicts and the DHT record).  The round comes last, so
-    that a member still in the all-reduce can tell verdicts on its round arrived (:func:`is_vote_on`)."""
+    that a member still in the all-reduce can tell verdicts on its round arrived (:func:`is_on_round`)."""
     return f"{prefix}.vote.{group_key(peers, round_id)}{_ROUND_TAG}{round_id}"
 
 
-def is_vote_on(key: str, round_id: str) -> bool:
-    """Is ``key`` the vote key of some group on round ``round_id`` (not on its retry, nor another round)?"""
+def parts_key(peers: list[str], round_id: str) -> str:
+    """The key of a group's exchange of encoded pseudo-gradients on a round (the round last, as in
+    :func:`vote_key`: a member still looking for its group can tell parts of its round reached it)."""
+    return f"{group_key(peers, round_id)}{_ROUND_TAG}{round_id}"
+
+
+def is_on_round(key: str, round_id: str) -> bool:
+    """Is ``key`` a vote or parts key of some group on round ``round_id`` (not on its retry, nor another round)?"""
     return key.endswith(_ROUND_TAG + round_id)

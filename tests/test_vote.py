@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from peers.averager import AveragerSettings, VerifiedAverager, fingerprint
-from peers.round_keys import vote_key
+from peers.encoded import average_encoded
+from peers.round_keys import parts_key, vote_key
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
 from peers.dht_calls import dht_get
 from peers.membership import Membership
@@ -133,6 +134,43 @@ def test_an_island_whose_matchmaking_missed_its_group_abstains_on_that_groups_vo
     (result, averaged), = out
     assert not result.ok and averaged is None and "never learned" in result.reason, result.reason
     assert result.retryable and (result.voters, result.members_left) == (2, 3)
+
+
+def test_an_island_whose_matchmaking_missed_its_group_declines_that_groups_exchange(swarm):
+    """The same with a low-bit codec, one step earlier: the group's members send x their encoded parts and
+    wait for x's, which never comes (allreduce_timeout, 60 s here).  x, still looking for a group, declines
+    their exchange, so that they stop waiting at once, count x as alive, and all three go round again."""
+    a, b, x = swarm(*[_settings(compression="topk")] * 2,
+                    _settings(compression="topk", matchmaking_time=30.0, matchmaking_timeout=60.0))
+    payload = a.codec.encode(torch.ones(100))
+    peers = sorted(p.peer_id for p in (a, b, x))
+    out: list = []
+    matching = threading.Event()
+    looking = threading.Thread(target=lambda: out.append(x.average(
+        [torch.ones(100)], 1.0, {}, "5", encoded=payload,
+        on_stage=lambda stage: stage == "matchmaking" and matching.set())))
+    looking.start()
+    assert matching.wait(30)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    gathered: dict = {}
+
+    def gather(avg) -> None:
+        gathered[avg.peer_id] = average_encoded(avg._parts, avg.codec, parts_key(peers, "5"), avg.peer_id, peers,
+                                                {p: 1.0 for p in peers}, payload, 100, 60.0)
+
+    members = [threading.Thread(target=gather, args=(avg,)) for avg in (a, b)]
+    for t in members:
+        t.start()
+    for t in members:
+        t.join(60)
+    assert time.monotonic() - t0 < 30, "the members waited out their allreduce_timeout for x"
+    for mean, missing, declined, *_ in gathered.values():
+        assert mean is None and missing == declined == [x.peer_id]
+    looking.join(30)
+    (result, averaged), = out
+    assert not result.ok and averaged is None and "never learned" in result.reason, result.reason
+    assert result.retryable and result.members_left == 3 and result.peers == peers
 
 
 def test_a_stopping_island_gives_up_looking_for_a_group_at_once(swarm):
