@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.command import run_command
+from pipeline.mesh import exit_worker
 from diloco.config import Config, to_dict
 
 log = logging.getLogger("diloco.baseline")
@@ -309,22 +310,6 @@ def baseline_main(argv: list[str] | None = None) -> int:
     return run_command(body, (BaselineError, CheckpointError))
 
 
-# ---------------------------------------------------------------------------------------- launcher
-
-
-def _exit_worker(code: int) -> None:
-    """End a worker process without interpreter finalization.
-
-    With torch 2.13 on CPU a worker whose work is done (process group destroyed, files closed) aborts
-    in about 1 of 8 runs during finalization ("terminate called without an active exception", SIGABRT,
-    no Python frame left), which the launcher would report as a failed worker.  Nothing remains to be
-    written by then, so the worker flushes its output and leaves at once.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    _exit_worker(baseline_main())
+    exit_worker(baseline_main())

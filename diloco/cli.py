@@ -189,4 +189,9 @@ def _plugin_command(name: str) -> Callable[[list[str]], int] | None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun worker (islands of tp × pp, generate)
+        from pipeline.mesh import exit_worker
+
+        exit_worker(code)
+    sys.exit(code)

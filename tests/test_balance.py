@@ -30,6 +30,7 @@ from pipeline.balance import (
 from pipeline.model_parts import ModelParts, SplitSettings, check_split, cross_entropy_loss
 from pipeline.pipeline_parallel import model_layer_costs, stage_layer_split
 from pipeline.stage_clock import MEASURED_STEPS, SKIP_STEPS
+from pipeline.mesh import exit_worker
 
 ROWS, SEQ, MICRO = 4, 16, 2
 RUN_TIMEOUT_S = 240
@@ -210,3 +211,4 @@ def test_every_rank_of_a_tp2_pp2_island_gets_the_same_profiled_split(tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    exit_worker(0)

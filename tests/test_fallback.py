@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
+from pipeline.mesh import exit_worker
 from tests.test_sharded import (BUCKET, FAST, PARAMS, WEIGHTS, Rank, check_no_leaks, expected_average, launch, load,
                                 local_delta, reassemble, save)
-
 ISLANDS = [[0, 1], [2]]
 
 
@@ -135,3 +135,4 @@ def test_an_island_with_nan_sits_out_and_the_round_fails_everywhere(runs):
 
 if __name__ == "__main__":
     run_cases(sys.argv[2])
+    exit_worker(0)

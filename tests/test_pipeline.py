@@ -25,6 +25,7 @@ from pipeline.model_parts import ModelParts, SplitSettings, check_split
 from pipeline.pipeline_parallel import build_stage_modules, check_schedule, model_layer_costs, stage_layer_split
 from pipeline.shards import ShardSpec, shard_spec_of
 from pipeline.tensor_parallel import check_tensor_parallel
+from pipeline.mesh import exit_worker
 
 STEPS = 20
 BATCH, SEQ = 8, 16
@@ -405,3 +406,4 @@ def test_tp_or_pp_island_trains_like_one_process(case, results_2, reference):
 
 if __name__ == "__main__":
     _worker(json.loads(sys.argv[1]), sys.argv[2])
+    exit_worker(0)

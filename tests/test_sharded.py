@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from diloco.proctable import descendants
+from pipeline.mesh import exit_worker
 
 # full shapes in model order; island A's split of each (rank 0, rank 1); None: the rank lacks it
 PARAMS = [("emb", (10, 6)), ("wq", (6, 6)), ("wo", (6, 8)), ("norm", (6,)), ("w2", (5, 7)), ("tail", (3,)),
@@ -324,3 +325,4 @@ def test_single_process_island_exchange_and_its_checks():
 
 if __name__ == "__main__":
     run_cases(json.loads(sys.argv[1]), sys.argv[2])
+    exit_worker(0)
