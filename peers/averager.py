@@ -236,8 +236,8 @@ class VerifiedAverager:
                     return self._missed_group(listed[1], round_id)
                 parts = self._parts.box.first_since(lambda key: is_on_round(key, round_id), started) \
                     if self._parts is not None else None
-                # members send their parts only once the group's all-reduce ended, which it cannot without
-                # ours: still looking a moment later, we were listed in a group we never learned of
+                # members send their parts once their all-reduce ended: if we are still looking a moment
+                # later, it ran without us in a group that listed us and that we never learned of
                 if parts is not None and time.monotonic() > parts[0] + PARTS_GRACE:
                     cancel_step(control)
                     return self._missed_exchange(parts[1], round_id)
