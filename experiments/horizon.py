@@ -49,17 +49,23 @@ def unknown(arms: list[str]) -> list[str]:
     return [a for a in unknown_arms(arms) if a != REFERENCE and a not in CODECS]
 
 
-def losses_per_round(run_dir: Path) -> list[float]:
-    """Held-out loss of θ_global before the first round (index 0) and after each round, from the metrics of
-    the islands under ``run_dir``: an island that committed the round says (one that caught up past a round
-    did not evaluate it, one that rolled it back kept the θ_global before it); NaN where none committed."""
+def losses_per_round(run_dir: Path, fragments: int = 1) -> list[float]:
+    """Held-out loss of θ_global before the first round (index 0) and after each round of H steps, from the
+    metrics of the islands under ``run_dir``: an island that committed the round says (one that caught up
+    past a round did not evaluate it, one that rolled it back kept the θ_global before it); NaN where none
+    committed.  With ``fragments`` P a round is P syncs (outer steps P, 2P, …)."""
     per_round: dict[int, float] = {}
     for island in sorted(run_dir.glob("island*")):
         for r in read_metrics(island):
             step = r.get("outer_step")
-            if "eval/loss" in r and step is not None and (step == 0 or r.get("round_ok")):
-                per_round.setdefault(int(step), float(r["eval/loss"]))
+            if "eval/loss" in r and step is not None and step % fragments == 0 and (step == 0 or r.get("round_ok")):
+                per_round.setdefault(int(step) // fragments, float(r["eval/loss"]))
     return [per_round.get(r, float("nan")) for r in range(max(per_round, default=-1) + 1)]
+
+
+def tokens_of(run_dir: Path) -> int:
+    """Tokens all islands under ``run_dir`` trained (their summaries; 0 before any finished)."""
+    return sum(json.loads(f.read_text()).get("tokens", 0) for f in run_dir.glob("island*/summary.json"))
 
 
 def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: list[int], out: Path, *,
@@ -72,25 +78,27 @@ def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: lis
         init, _ = warm_start(cfg, warm_start_steps, out / "runs" / "warm_start", lr=WARM_START_LR)
         cfg = variant(cfg, **{"checkpoint.init_from": str(init)})
     curves: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
     for arm in [REFERENCE] + [a for a in arms if a != REFERENCE]:
         run_dir = out / "runs" / arm.replace("+", "-")
-        kept = losses_per_round(run_dir)
+        fragments = settings_of(arm).get("diloco.fragments", cfg.diloco.fragments)
+        kept = losses_per_round(run_dir, fragments)
         if len(kept) == rounds + 1 and all(x == x for x in kept):  # an earlier, interrupted run of this command finished this arm
             print(f"\n== {arm}: finished in {run_dir} already, its curve is reused ==", flush=True)
-            curves[arm] = kept
+            curves[arm], tokens[arm] = kept, tokens_of(run_dir)
             continue
         print(f"\n== {arm}: {islands} islands, {rounds} rounds of H={cfg.diloco.inner_steps} ==", flush=True)
         items = matched_budget(settings_of(arm), out / "runs" / REFERENCE)
         c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"horizon-{arm.replace('+', '-')}",
                             **items})
         done = launch_islands(c, islands)
-        curves[arm] = losses_per_round(run_dir)
+        curves[arm], tokens[arm] = losses_per_round(run_dir, fragments), tokens_of(run_dir)
         print(f"{arm}: held-out loss per round " + " ".join(f"{x:.4f}" for x in curves[arm]), flush=True)
     (out / "results.json").write_text(json.dumps({"islands": islands, "rounds": rounds, "H": cfg.diloco.inner_steps,
-                                                  "start": cfg.checkpoint.init_from, "loss_per_round": curves},
-                                                 indent=2) + "\n")
+                                                  "start": cfg.checkpoint.init_from, "loss_per_round": curves,
+                                                  "tokens": tokens}, indent=2) + "\n")
     _plot(curves, out / "horizon.png")
-    return _write_report(curves, at, islands, cfg, out)
+    return _write_report(curves, at, islands, cfg, out, tokens)
 
 
 def gap(curves: dict[str, list[float]], arm: str, r: int) -> float:
@@ -99,14 +107,15 @@ def gap(curves: dict[str, list[float]], arm: str, r: int) -> float:
     return a[r] / b[r] - 1 if r < len(a) and r < len(b) else float("nan")
 
 
-def _write_report(curves: dict[str, list[float]], at: list[int], islands: int, cfg: Config, out: Path) -> Path:
+def _write_report(curves: dict[str, list[float]], at: list[int], islands: int, cfg: Config, out: Path,
+                  tokens: dict[str, int] | None = None) -> Path:
     header = ["arm"] + [f"round {r}" for r in at]
     rows = [[arm] + [f"{curves[arm][r]:.4f}" + ("" if arm == REFERENCE else f" ({100 * gap(curves, arm, r):+.2f}%)")
                      if r < len(curves[arm]) else "—" for r in at] for arm in curves]
     lines = [f"# How the gap to blocking DiLoCo changes with the length of the run ({islands} islands, "
              f"H={cfg.diloco.inner_steps})", "",
-             f"Held-out loss of θ_global after the round (in brackets: against blocking fp32 DiLoCo after the same "
-             f"round, equal tokens). Model `{cfg.model.preset}`, batch {cfg.inner.batch_size}×{cfg.model.seq_len} "
+             f"Held-out loss of θ_global after the round of H steps (in brackets: against blocking fp32 DiLoCo after "
+             f"the same round; tokens differ only under a budget other than steps, as said below). Model `{cfg.model.preset}`, batch {cfg.inner.batch_size}×{cfg.model.seq_len} "
              f"tokens per island, inner lr {cfg.inner.lr:g}, outer {cfg.diloco.outer_optimizer} lr "
              f"{cfg.diloco.outer_lr:g} momentum {cfg.diloco.outer_momentum:g}, on loopback; start "
              f"{cfg.checkpoint.init_from or 'the seeded initialisation'}.", "",
@@ -114,8 +123,11 @@ def _write_report(curves: dict[str, list[float]], at: list[int], islands: int, c
     for arm in curves:
         if arm != REFERENCE:
             first, last = at[0], min(at[-1], len(curves[arm]) - 1)
+            trained = (tokens or {}).get(arm, 0), (tokens or {}).get(REFERENCE, 0)
             lines.append(f"- {arm}: {100 * gap(curves, arm, first):+.2f}% after round {first}, "
-                         f"{100 * gap(curves, arm, last):+.2f}% after round {last}")
+                         f"{100 * gap(curves, arm, last):+.2f}% after round {last}"
+                         + (f"; {100 * (trained[0] / trained[1] - 1):+.1f}% tokens against blocking"
+                            if all(trained) else ""))
     md = out / "results.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n" + "\n".join(lines), flush=True)

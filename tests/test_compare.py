@@ -125,6 +125,22 @@ def test_timed_arms_train_as_long_per_round_as_the_blocking_run(tmp_path):
     assert matched_budget(arm_settings("eager"), tmp_path) == {"diloco.overlap": "eager"}
 
 
+def test_horizon_reads_a_round_of_fragments_as_its_last_sync(tmp_path):
+    """With P fragments a round of H steps is P syncs: the curve takes θ_global after syncs P, 2P, …"""
+    from experiments.horizon import losses_per_round, tokens_of
+
+    island = tmp_path / "island0"
+    island.mkdir()
+    rows = [{"outer_step": 0, "eval/loss": 2.0}] + [
+        {"outer_step": s, "round_ok": 1, **({"eval/loss": 2.0 - 0.1 * s} if s % 2 == 0 else {})} for s in range(1, 7)]
+    (island / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (island / "summary.json").write_text(json.dumps({"tokens": 300}))
+    assert losses_per_round(tmp_path, 2) == pytest.approx([2.0, 1.8, 1.6, 1.4])
+    assert losses_per_round(tmp_path) == pytest.approx([2.0, float("nan"), 1.8, float("nan"), 1.6, float("nan"), 1.4],
+                                                      nan_ok=True)
+    assert tokens_of(tmp_path) == 300
+
+
 def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     from diloco import config_load
     from experiments.compare import COMPARE_DEFAULTS
@@ -137,6 +153,9 @@ def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     assert (tmp_path / "horizon.png").read_bytes()[:4] == b"\x89PNG"
     text = _write_report(curves, [1, 3], 4, config_load.load(None, [], defaults=COMPARE_DEFAULTS), tmp_path).read_text()
     assert "1.3100 (+0.77%)" in text and "+3.33% after round 1, +0.77% after round 3" in text
+    text = _write_report(curves, [3], 4, config_load.load(None, [], defaults=COMPARE_DEFAULTS), tmp_path,
+                         {REFERENCE: 1000, "delayed": 1100}).read_text()
+    assert "+0.77% after round 3; +10.0% tokens against blocking" in text
     assert main(["--arms", "delayed,fast", "--at", "40", "--rounds", "12"]) == 2
     err = capsys.readouterr().err
     assert "--arms fast is not one of" in err and "--at must list rounds between 1 and --rounds 12" in err
