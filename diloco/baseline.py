@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from diloco.command import run_command
-from pipeline.mesh import exit_worker
 from diloco.config import Config, to_dict
+from pipeline.mesh import exit_worker
 
 log = logging.getLogger("diloco.baseline")
 

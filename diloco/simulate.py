@@ -334,7 +334,8 @@ def format_summary(result: dict[str, Any]) -> str:
     for s in result["islands"]:
         util = s["compute_seconds"] / max(s["wall_seconds"], 1e-9)
         rows.append([s["island"], f"{s['eval_loss_start']:.3f}", f"{s['eval_loss_end']:.3f}", str(s["rounds_ok"]),
-                     str(s["rounds_failed"]), str(s.get("rounds_caught_up", 0)), _mb(s["bytes_sent"]), _mb(s["bytes_received"]),
+                     str(s["rounds_failed"]), str(s.get("rounds_caught_up", 0)),
+                     _mb(s["bytes_sent"]), _mb(s["bytes_received"]),
                      f"{s['compute_seconds']:.1f}", f"{s['comm_seconds']:.1f}",
                      f"{s.get('stall_seconds', s['comm_seconds']):.1f}", f"{100 * util:.0f}%"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
