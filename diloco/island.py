@@ -219,10 +219,11 @@ class Island:
         """Collective: catch up if the run moved on without us (the round's metrics), else send the
         round's pseudo-gradient (None: it is in flight, see :mod:`diloco.overlap`)."""
         self.rejoin_if_alone()
+        rnd = self.outer_step + 1
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.stats.rounds_failed += 1
-            self.stats.failures.append(f"round {self.outer_step + 1}: behind the run, caught up from a peer")
+            self.stats.failures.append(f"round {rnd}: behind the run, caught up from a peer")
             return RoundMetrics.skipped(self, "behind the run; caught up from a peer")
         flight = begin_round(self)
         if isinstance(flight, RoundMetrics):

@@ -155,7 +155,8 @@ class RunStats:
     rounds_failed: int = 0
     rounds_caught_up: int = 0
     """Outer steps this island took from a peer's state (rounds it was not there to average) beyond those it
-    counts in rounds_failed: rounds_ok + rounds_failed + rounds_caught_up is the rounds it went through."""
+    counts in rounds_failed: rounds_ok + rounds_failed + rounds_caught_up is the rounds it went through (a
+    round it failed twice, left out with no state to take yet and then dropped when it caught up, twice)."""
     bytes_sent: int = 0
     """Bytes on the wire to other islands (the kernel's counts; see :mod:`peers.wire`)."""
     bytes_received: int = 0

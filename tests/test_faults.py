@@ -189,13 +189,17 @@ def test_a_stale_member_is_left_out_and_a_rogue_one_rejected_by_all(tmp_path, no
     Island 2 then sends a pseudo-gradient scaled by 1e6 in round 4: every island rejects that round."""
     cluster, summaries = _run_to_the_end_with_faults(tmp_path, 5, {1: "drift@theta:2", 2: "scale@send:4"})
     failures = [real_failures(s) for s in summaries]
+    # island 1 may resynchronize late in either direction on a loaded machine, and says so: after round 3
+    # committed too (a round caught up), or after the others' round 2 was not yet there to take (the round
+    # then fails a second time, dropped when it catches up at the next one)
+    not_yet = sum("(not yet)" in f for f in summaries[1]["failures"])
     for i, s in enumerate(summaries):
-        # island 1 may have resynchronized after round 3 committed too (a slow download): it says so
-        assert s["rounds_ok"] + s["rounds_failed"] + s["rounds_caught_up"] == 5, s
+        twice = not_yet if i == 1 else 0
+        assert s["rounds_ok"] + s["rounds_failed"] + s["rounds_caught_up"] == 5 + twice, s
         assert s["rounds_failed"] == len(s["failures"]) and s["rounds_caught_up"] <= (i == 1), s
         rogue = [f for f in failures[i] if f.startswith("round 4")]
         assert len(rogue) == 1 and "norm" in rogue[0], failures[i]
-    assert [len(f) for f in failures] == [1, 2, 1], failures
+    assert [len(f) for f in failures] == [1, 2 + not_yet, 1], failures
     assert failures[1][0].startswith("round 2: θ_global differed from the other islands'; left the round out and "
                                      "resynchronized"), failures[1]
     log = (cluster.run_dirs[1] / "train.log").read_text()
