@@ -42,7 +42,7 @@ from diloco.config import Config, ConfigError
 from experiments.compare_results import (acceptance_lines, baseline_result, codec_lines, counted_vs_link,
                                          curve_from_metrics, diloco_result, link_tx_bytes, overlap_lines,
                                          wall_model_line)
-from experiments.islands import CompareError, launch_islands, variant
+from experiments.islands import CompareError, island_summaries, launch_islands, variant
 from experiments.report import RunResult, format_bytes, write_report
 
 # Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
@@ -139,8 +139,7 @@ def matched_budget(items: dict[str, Any], blocking_runs: Path) -> dict[str, Any]
     of the blocking run whose islands' logs are in ``blocking_runs`` (the median over its islands)."""
     if items.get("diloco.sync_every") != MATCHED:
         return items
-    per_round = sorted(s["compute_seconds"] / s["outer_step"] for s in
-                       (json.loads(f.read_text()) for f in sorted(blocking_runs.glob("island*/summary.json")))
+    per_round = sorted(s["compute_seconds"] / s["outer_step"] for s in island_summaries(blocking_runs)
                        if s.get("outer_step"))
     if not per_round:
         raise CompareError(f"a timed arm needs the blocking run's compute per round, and {blocking_runs} has "

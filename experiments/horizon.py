@@ -31,7 +31,7 @@ from diloco.config import Config, ConfigError
 from experiments.compare import (ARMS, CODECS, COMPARE_DEFAULTS, WARM_START_LR, WARM_START_STEPS, arm_settings,
                                  matched_budget, unknown_arms, warm_start)
 from diloco.metrics import read_metrics
-from experiments.islands import CompareError, launch_islands, variant
+from experiments.islands import CompareError, island_summaries, launch_islands, variant
 from experiments.report import markdown_table
 
 REFERENCE = "blocking"
@@ -65,7 +65,7 @@ def losses_per_round(run_dir: Path, fragments: int = 1) -> list[float]:
 
 def tokens_of(run_dir: Path) -> int:
     """Tokens all islands under ``run_dir`` trained (their summaries; 0 before any finished)."""
-    return sum(json.loads(f.read_text()).get("tokens", 0) for f in run_dir.glob("island*/summary.json"))
+    return sum(s.get("tokens", 0) for s in island_summaries(run_dir))
 
 
 def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: list[int], out: Path, *,

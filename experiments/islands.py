@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -49,3 +50,8 @@ def variant(cfg: Config, **items: Any) -> Config:
     if problems:
         raise ConfigError(problems)
     return c
+
+
+def island_summaries(run_dir: Path) -> list[dict[str, Any]]:
+    """The ``summary.json`` of every island under ``run_dir`` that finished, in island order."""
+    return [json.loads(f.read_text()) for f in sorted(run_dir.glob("island*/summary.json"))]
