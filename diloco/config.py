@@ -151,13 +151,13 @@ class AveragingConfig:
     state_download_timeout: float = 60.0
     """Seconds a joining island spends downloading the global state from a peer."""
     compression: str = "none"
-    """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (hivemind's codecs, in its butterfly all-reduce), or `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), all-gathered over hivemind's p2p daemon with error feedback."""
+    """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (hivemind's codecs, in its butterfly all-reduce), or `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), sent over hivemind's p2p daemon with error feedback (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers)."""
     topk_density: float = 0.02
     """Fraction of each chunk of 4096 values the `topk` codec sends, in (0, 1]."""
     topk_bits: int = 2
     """Bits per value sent by the `topk` codec: 2 or 4."""
     error_feedback: bool = True
-    """With `int8`, `int4` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state). hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
+    """With `int8`, `int4`, `sign` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); with the dense ones the owner of an averaged part also carries what re-encoding that average dropped into the part's next average. hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
     error_feedback_decay: float = 1.0
     """β of the error feedback e ← β·e + Δ, in (0, 1] (SparseLoCo uses 0.95)."""
     error_feedback_in: str = "params"
@@ -298,7 +298,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "diloco.outer_optimizer": ("nesterov", "avg", "sparseloco"),
     "diloco.overlap": ("none", "delayed", "eager"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
-    "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8", "int8", "int4", "topk"),
+    "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8", "int8", "int4", "sign", "topk"),
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "parallel.balance": ("params", "layers", "profile"),

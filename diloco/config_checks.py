@@ -184,7 +184,7 @@ def codec_problems(cfg: Config) -> list[str]:
         p.append(f"--averaging.error_feedback_in must be buffer or params, got {a.error_feedback_in!r}")
     if cfg.diloco.outer_optimizer == "sparseloco" and not (encoded and a.error_feedback):
         p.append("--diloco.outer_optimizer sparseloco needs error feedback on a lossy codec: add "
-                 "--averaging.compression topk (or int8, int4) with --averaging.error_feedback true")
+                 "--averaging.compression topk (or int8, int4, sign) with --averaging.error_feedback true")
     return p
 
 

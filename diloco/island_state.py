@@ -47,6 +47,7 @@ def state_dict(island: Island) -> dict[str, Any]:
         "norm_history": list(island.guard.history), "island": _shape_of(island),
         "overlap": island.overlap.state_dict(),
         "error_feedback": {b: t.clone() for b, t in island.feedback.items()},
+        "owner_feedback": {b: t.clone() for b, t in island.carry.items()},
     }
 
 
@@ -72,8 +73,9 @@ def load_state_dict(island: Island, state: dict[str, Any]) -> None:
         setattr(island.stats, k, v)
     island.guard.history = [float(x) for x in state.get("norm_history", [])]
     island.overlap.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", island.stats.tokens)))
-    island.feedback.clear()
-    island.feedback.update({int(b): t.clone() for b, t in state.get("error_feedback", {}).items()})
+    for kept, key in ((island.feedback, "error_feedback"), (island.carry, "owner_feedback")):
+        kept.clear()
+        kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
 
 
 def save_checkpoint(island: Island) -> Path:

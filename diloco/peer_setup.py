@@ -110,7 +110,8 @@ def connect(island: Island, rejoin: list[str] | None = None) -> None:
     island.averager = ShardedAverager(
         island.layout, island.params, island.specs, group, island.dht, settings, backend=backend,
         fallback=island.fallback, state_provider_for=island.transfer.provider, island_id=ids[0],
-        exchange=island.exchange if group is rt.group else None, feedback=island.feedback)
+        exchange=island.exchange if group is rt.group else None, feedback=island.feedback,
+        carry=island.carry)
     if island.dht is None:
         return
     island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)

@@ -317,7 +317,8 @@ class StateTransfer:
         isl.outer.copy_to(isl.params)
         # the inner steps since the last sync were dropped with the state; the round schedule is the server's
         isl.overlap.adopted(meta["phase"] if meta.get("phase", -1) >= 0 else None)
-        if isl.feedback:  # what our codec dropped belongs to our own past, not to the adopted state
+        if isl.feedback or isl.carry:  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
             isl.feedback.clear()
+            isl.carry.clear()
         self.refresh()

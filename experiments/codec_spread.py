@@ -1,6 +1,6 @@
 """Does θ_global drift apart across islands over many rounds, per wire format?
 
-    python -m experiments.codec_spread [--codecs none,fp16,int8,int4,topk] [--rounds 120] [--islands 3]
+    python -m experiments.codec_spread [--codecs none,fp16,int8,int4,sign,topk] [--rounds 120] [--islands 3]
            [--out experiments/results/codec-spread] [--section.key VALUE ...]
 
 For each codec, ``--islands`` islands of the tiny model average ``--rounds`` rounds on loopback over real
@@ -27,7 +27,7 @@ from diloco.config import ConfigError
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import markdown_table
 
-CODECS = ("none", "fp16", "int8", "int4", "topk")
+CODECS = ("none", "fp16", "int8", "int4", "sign", "topk")
 DEFAULTS = {"model.preset": "tiny", "inner.batch_size": 4, "inner.warmup_steps": 2, "diloco.inner_steps": 5,
             "logging.eval_every": 1000, "logging.eval_batches": 2, "logging.samples": 0, "wandb.mode": "disabled",
             "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.matchmaking_time": 3.0,

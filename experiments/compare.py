@@ -112,6 +112,7 @@ CODECS: dict[str, dict[str, Any]] = {
     "fp16": {"averaging.compression": "fp16"},
     "int8": {"averaging.compression": "int8"},
     "int4": {"averaging.compression": "int4"},
+    "sign": {"averaging.compression": "sign"},
     "topk": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2},
     # the same top-k with the unsent part re-sent from a buffer (EF21) instead of kept in the parameters
     "topk-buffer": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,

@@ -12,6 +12,11 @@ int4: blocks of B=128 values; scale s = absmax/7, codes q in [-7, 7] stored as t
     byte, low nibble first (odd N is padded with one zero nibble).
     Layout: all ceil(N/128) scales, then the nibbles.  nbytes = 4*ceil(N/128) + ceil(N/2).
 
+sign: blocks of B=256 values; per block a bfloat16 scale s = mean |x| over the block's values (the
+    scale that minimises the squared error for these signs; a shorter last block averages its own
+    values), and one bit per value: 1 for x >= 0, decoding to +s, and 0, decoding to -s.
+    Layout: all ceil(N/256) scales, then the bits.  nbytes = 2*ceil(N/256) + ceil(N/8), 1.0625 bits a value.
+
 topk (density d, bits b in {2, 4}): chunks of C=4096 values (the last one may be shorter, length L).
     Each chunk keeps k = max(1, min(L, floor(d*L + 0.5))) entries of largest |x|; ties at the
     threshold go to the lowest indices, so the choice never depends on torch.topk's tie order.
@@ -31,16 +36,16 @@ Decoding is elementwise (no reductions), so the same payload gives bit-identical
 from __future__ import annotations
 
 import math
-import sys
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
-LOSSY_CODECS = ("int8", "int4", "topk")
+from outer_optim.bitpack import from_bytes, from_le, pack_rows, to_bytes, to_le, unpack_rows
+
+LOSSY_CODECS = ("int8", "int4", "sign", "topk")
 TOPK_CHUNK = 4096
 TOPK_INDEX_BITS = math.ceil(math.log2(TOPK_CHUNK))
-_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @runtime_checkable
@@ -55,92 +60,6 @@ class Codec(Protocol):
     def decode(self, payload: bytes, numel: int) -> torch.Tensor: ...
 
     def nbytes(self, numel: int) -> int: ...
-
-
-# ---- bytes and bit streams -------------------------------------------------------------------------
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().numpy().tobytes()
-
-
-def _from_bytes(payload: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-
-
-def _to_le(t: torch.Tensor) -> torch.Tensor:
-    """Values of a 2- or 4-byte dtype -> (n, size) uint8 little-endian bytes."""
-    raw = t.contiguous().view(torch.uint8).view(-1, t.element_size())
-    return raw if _LITTLE_ENDIAN else raw.flip(1)
-
-
-def _from_le(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(n, size) uint8 little-endian bytes -> values of ``dtype``."""
-    raw = raw if _LITTLE_ENDIAN else raw.flip(1)
-    return raw.reshape(-1).clone().view(dtype)  # a fresh, aligned copy that a dtype view accepts
-
-
-def _pack_rows(fields: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """Packs fields of shape (rows, n) into (rows, ceil(n*W/8)) uint8, each row its own stream."""
-    width = sum(w for _, w in fields)
-    if not 0 < width <= 31:  # records live in int32, which halves the memory traffic of int64
-        raise ValueError(f"a packed record must be 1 to 31 bits wide, not {width}")
-    rows, n = fields[0][0].shape
-    record, shift = torch.empty(0, dtype=torch.int32), 0
-    for values, w in fields:
-        values = values.to(torch.int32)
-        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << w):
-            raise ValueError(f"a value does not fit its {w}-bit field")
-        record = values if shift == 0 else record | (values << shift)
-        shift += w
-    if width % 8 == 0:  # whole bytes per record: skip the per-bit expansion
-        out = torch.empty(rows, n, width // 8, dtype=torch.uint8)
-        for j in range(width // 8):
-            out[..., j] = record >> (8 * j)  # the uint8 copy keeps the low byte
-        return out.view(rows, -1)
-    bits = torch.empty(rows, n, width, dtype=torch.uint8)
-    for j in range(width):
-        bits[..., j] = (record >> j) & 1
-    nbytes = (n * width + 7) // 8
-    bits = F.pad(bits.view(rows, -1), (0, nbytes * 8 - n * width)).view(rows, nbytes, 8)
-    out = bits[..., 0].clone()
-    for j in range(1, 8):
-        out |= bits[..., j] << j
-    return out
-
-
-def _unpack_rows(data: torch.Tensor, n: int, widths: Sequence[int]) -> list[torch.Tensor]:
-    """Inverse of `_pack_rows`: (rows, nbytes) uint8 -> one (rows, n) int32 tensor per field."""
-    width = sum(widths)
-    rows = data.shape[0]
-    if width % 8 == 0:
-        parts = data[:, :n * width // 8].reshape(rows, n, width // 8).to(torch.int32)
-    else:
-        bits = torch.empty(rows, data.shape[1], 8, dtype=torch.uint8)
-        for j in range(8):
-            bits[..., j] = (data >> j) & 1
-        parts = bits.view(rows, -1)[:, :n * width].reshape(rows, n, width).to(torch.int32)
-    step = 8 if width % 8 == 0 else 1
-    record = parts[..., 0]
-    for j in range(1, parts.shape[-1]):
-        record = record | (parts[..., j] << (step * j))
-    out, shift = [], 0
-    for w in widths:
-        out.append((record >> shift) & ((1 << w) - 1))
-        shift += w
-    return out
-
-
-def pack_bits(fields: Sequence[tuple[torch.Tensor, int]]) -> bytes:
-    """Packs equally long 1-D integer tensors as records (field 0 in the lowest bits), LSB-first."""
-    return _to_bytes(_pack_rows([(v.reshape(1, -1), w) for v, w in fields]))
-
-
-def unpack_bits(payload: bytes, n: int, widths: Sequence[int]) -> list[torch.Tensor]:
-    """Inverse of `pack_bits`: ``n`` records of the given field widths -> one int32 tensor per field."""
-    if len(payload) != (n * sum(widths) + 7) // 8:
-        raise ValueError(f"{n} records of {sum(widths)} bits need {(n * sum(widths) + 7) // 8} bytes, "
-                         f"not {len(payload)}")
-    return [f.view(-1) for f in _unpack_rows(_from_bytes(payload).view(1, -1), n, widths)]
 
 
 # ---- codecs ----------------------------------------------------------------------------------------
@@ -166,6 +85,20 @@ def _safe_divisor(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``n`` codes of ``bits`` bits (1, 2, 4 or 8) -> ceil(n*bits/8) uint8, the first code in the lowest bits."""
+    per_byte = 8 // bits
+    codes = F.pad(codes, (0, -codes.numel() % per_byte)).view(-1, per_byte)
+    return pack_rows([(codes[:, j].view(1, -1), bits) for j in range(per_byte)])
+
+
+def _unpack_codes(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_codes`: the first ``numel`` codes (int32) of the uint8 ``data``."""
+    per_byte = 8 // bits
+    fields = unpack_rows(data.view(1, -1), -(-numel // per_byte), [bits] * per_byte)
+    return torch.stack(fields, dim=-1).view(-1)[:numel]
+
+
 class BlockAbsmaxCodec:
     """Symmetric blockwise absmax quantization to ``bits``-bit codes in [-qmax, qmax] (int8, int4)."""
 
@@ -176,7 +109,6 @@ class BlockAbsmaxCodec:
         self.qmax = (1 << (bits - 1)) - 1
         # int8 stores q in two's complement, int4 as q+8; both decode as ((u - offset + half) & mask) - half
         self.offset = 0 if bits == 8 else 1 << (bits - 1)
-        self.per_byte = 8 // bits
 
     def nbytes(self, numel: int) -> int:
         """Exact payload size for ``numel`` values."""
@@ -190,22 +122,55 @@ class BlockAbsmaxCodec:
         scales = blocks.abs().amax(dim=1) / self.qmax
         q = torch.round(blocks / _safe_divisor(scales)[:, None]).clamp_(-self.qmax, self.qmax)
         codes = (q.view(-1)[:n].to(torch.int32) + self.offset) & ((1 << self.bits) - 1)
-        codes = F.pad(codes, (0, -n % self.per_byte)).view(-1, self.per_byte)
-        packed = _pack_rows([(codes[:, j].view(1, -1), self.bits) for j in range(self.per_byte)])
-        return _to_bytes(_to_le(scales)) + _to_bytes(packed)
+        return to_bytes(to_le(scales)) + to_bytes(_pack_codes(codes, self.bits))
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """A new float32 tensor of ``numel`` values."""
         _check_payload(self, payload, numel)
-        data = _from_bytes(payload)
+        data = from_bytes(payload)
         nblocks = -(-numel // self.block)
-        scales = _from_le(data[:4 * nblocks].view(-1, 4), torch.float32)
-        codes = torch.stack(_unpack_rows(data[4 * nblocks:].view(1, -1), -(-numel // self.per_byte),
-                                         [self.bits] * self.per_byte), dim=-1).view(-1)
+        scales = from_le(data[:4 * nblocks].view(-1, 4), torch.float32)
+        codes = _unpack_codes(data[4 * nblocks:], numel, self.bits)
         half, mask = 1 << (self.bits - 1), (1 << self.bits) - 1
         q = ((codes - self.offset + half) & mask) - half
-        q = F.pad(q[:numel], (0, nblocks * self.block - numel)).view(nblocks, self.block)
+        q = F.pad(q, (0, nblocks * self.block - numel)).view(nblocks, self.block)
         return (q.to(torch.float32) * scales[:, None]).view(-1)[:numel].clone()
+
+
+class BlockSignCodec:
+    """1 bit per value, its sign, times a bfloat16 scale per block: the block's mean magnitude (sign)."""
+
+    name = "sign"
+    lossy = True
+    bits = 1
+
+    def __init__(self, block: int = 256):
+        self.block = block
+
+    def nbytes(self, numel: int) -> int:
+        """Exact payload size for ``numel`` values."""
+        return 2 * -(-numel // self.block) + -(-numel // 8)
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Scales then sign bits; see the module docstring."""
+        _check_values(values)
+        n = values.numel()
+        blocks = F.pad(values, (0, -n % self.block)).view(-1, self.block)
+        counts = torch.full((blocks.shape[0],), float(self.block))
+        counts[-1] = n - (blocks.shape[0] - 1) * self.block  # the padding of the last block is no value
+        scales = (blocks.abs().sum(dim=1) / counts).clamp_(max=torch.finfo(torch.bfloat16).max).to(torch.bfloat16)
+        return to_bytes(to_le(scales)) + to_bytes(_pack_codes((values >= 0).to(torch.int32), 1))
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        """A new float32 tensor of ``numel`` values."""
+        _check_payload(self, payload, numel)
+        data = from_bytes(payload)
+        nblocks = -(-numel // self.block)
+        scales = from_le(data[:2 * nblocks].view(-1, 2), torch.bfloat16).to(torch.float32)
+        if not (bool(torch.isfinite(scales).all()) and bool((scales >= 0).all())):
+            raise ValueError("corrupt sign payload: a block's scale must be finite and non-negative")
+        signs = _unpack_codes(data[2 * nblocks:], numel, 1).to(torch.float32).mul_(2).sub_(1)
+        return signs.mul_(scales.repeat_interleave(self.block)[:numel])
 
 
 def _grid_index(mag: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, m: int) -> torch.Tensor:
@@ -286,15 +251,15 @@ class TopKCodec:
         lo, hi = grid.to(torch.float32).unbind(1)
         j = _grid_index(kept.abs(), lo, hi, self.magnitudes).to(torch.int32)
         code = torch.where(kept >= 0, self.magnitudes + j, self.magnitudes - 1 - j)
-        stream = _pack_rows([(index, TOPK_INDEX_BITS), (code, self.bits)])
-        return torch.cat([_to_le(grid).view(rows, 4), stream], dim=1)
+        stream = pack_rows([(index, TOPK_INDEX_BITS), (code, self.bits)])
+        return torch.cat([to_le(grid).view(rows, 4), stream], dim=1)
 
     def _decode_chunks(self, data: torch.Tensor, length: int) -> torch.Tensor:
         k = self._k(length)
-        lo, hi = _from_le(data[:, :4].reshape(-1, 2), torch.bfloat16).view(-1, 2).to(torch.float32).unbind(1)
+        lo, hi = from_le(data[:, :4].reshape(-1, 2), torch.bfloat16).view(-1, 2).to(torch.float32).unbind(1)
         if not (bool(torch.isfinite(hi).all()) and bool((lo >= 0).all()) and bool((hi >= lo).all())):
             raise ValueError("corrupt topk payload: a chunk's magnitudes must be finite with 0 <= lo <= hi")
-        index, code = _unpack_rows(data[:, 4:], k, (TOPK_INDEX_BITS, self.bits))
+        index, code = unpack_rows(data[:, 4:], k, (TOPK_INDEX_BITS, self.bits))
         if int(index.max()) >= length or not bool((index[:, 1:] > index[:, :-1]).all()):
             raise ValueError("corrupt topk payload: chunk indices must ascend and stay inside the chunk")
         out = torch.zeros(data.shape[0], length, dtype=torch.float32)
@@ -305,14 +270,14 @@ class TopKCodec:
         _check_values(values)
         parts, start = [], 0
         for rows, length in self._chunk_lengths(values.numel()):
-            parts.append(_to_bytes(self._encode_chunks(values[start:start + rows * length].view(rows, length))))
+            parts.append(to_bytes(self._encode_chunks(values[start:start + rows * length].view(rows, length))))
             start += rows * length
         return b"".join(parts)
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """A new float32 tensor of ``numel`` values, zero where nothing was kept."""
         _check_payload(self, payload, numel)
-        data = _from_bytes(payload)
+        data = from_bytes(payload)
         parts, start = [], 0
         for rows, length in self._chunk_lengths(numel):
             size = rows * self._chunk_bytes(length)
@@ -334,6 +299,8 @@ def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> 
         return BlockAbsmaxCodec("int8", bits=8, block=256)
     if name == "int4":
         return BlockAbsmaxCodec("int4", bits=4, block=128)
+    if name == "sign":
+        return BlockSignCodec(block=256)
     return TopKCodec(float(topk_density), topk_bits)
 
 

@@ -112,8 +112,8 @@ class VerifiedAverager:
 
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
-                expected_group_size: int | None = None, encoded: bytes | None = None
-                ) -> tuple[RoundResult, list[torch.Tensor] | None]:
+                expected_group_size: int | None = None, encoded: bytes | None = None,
+                carry: torch.Tensor | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
         """Run one verified averaging round.
 
         ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
@@ -126,7 +126,9 @@ class VerifiedAverager:
         ``target_group_size`` 0 the group then forms as soon as that many joined instead of after
         ``matchmaking_time`` (fewer: it forms after ``matchmaking_time`` as before; more: the group is
         capped at that size).  ``encoded``: with a codec of :mod:`outer_optim.codecs`, the payload to
-        send (``deltas`` then only serve the finiteness check).  Returns the result and, only when it
+        send (``deltas`` then only serve the finiteness check), and ``carry`` the error feedback this member
+        keeps as the owner of averaged parts (:func:`peers.encoded.average_encoded`; the new one comes back
+        in the result's ``carry``).  Returns the result and, only when it
         succeeded, the weighted average of the group's deltas.
         """
         t0 = time.perf_counter()
@@ -169,7 +171,7 @@ class VerifiedAverager:
                              total_weight=float(sum(as_float(m.get("weight")) for m in meta.values())))
         result.reason = check_group(meta, round_id, self.settings.min_group_size)
         if encoded is not None:
-            averaged = self._gather_encoded(encoded, meta, peers, round_id, result) if not result.reason else []
+            averaged = self._gather_encoded(encoded, meta, peers, round_id, result, carry) if not result.reason else []
         else:
             with self._averager.get_tensors() as bufs:
                 averaged = [b.clone() for b in bufs]
@@ -190,22 +192,24 @@ class VerifiedAverager:
         return result, (averaged if result.ok else None)
 
     def _gather_encoded(self, payload: bytes, meta: dict[str, dict], peers: list[str], round_id: str,
-                        result: RoundResult) -> list[torch.Tensor]:
+                        result: RoundResult, carry: torch.Tensor | None) -> list[torch.Tensor]:
         """Exchange the members' encoded buckets and average them (fills ``result``'s bytes and, when a
         part is missing, its reason); the average, shaped like the template, or [] on failure."""
         t = time.perf_counter()
-        mean, missing, declined, result.bytes_sent, result.bytes_received = average_encoded(
-            self._parts, self.codec, parts_key(peers, round_id), self.peer_id, peers,
-            {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel, self.settings.allreduce_timeout)
+        out = average_encoded(self._parts, self.codec, parts_key(peers, round_id), self.peer_id, peers,
+                              {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
+                              self.settings.allreduce_timeout, carry)
+        result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
         result.allreduce_seconds += time.perf_counter() - t
-        if mean is None:
-            result.reason = f"{len(missing)} of {len(peers)} island(s) did not send their encoded pseudo-gradient" + (
-                f" ({len(declined)} never learned of the group)" if declined else "")
+        if out.mean is None:
+            result.reason = (f"{len(out.missing)} of {len(peers)} island(s) did not send their encoded "
+                             f"pseudo-gradient") + (f" ({len(out.declined)} never learned of the group)"
+                                                    if out.declined else "")
             # one that declined is alive and goes round again with us
-            result.members_left = len(peers) - len(missing) + len(declined)
+            result.members_left = len(peers) - len(out.missing) + len(out.declined)
             result.retryable = result.members_left >= self.settings.min_group_size
             return []
-        return [mean]
+        return [out.mean]
 
     def _await_step(self, control: Any, round_id: str, started: float, stage: Callable[[str], None]
                     ) -> tuple[dict, float] | RoundResult:

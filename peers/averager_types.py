@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression, Uniform8BitQuantization
 
 from outer_optim.codecs import LOSSY_CODECS
@@ -50,7 +51,7 @@ class AveragerSettings:
     state_download_timeout: float = 60.0
     """Seconds allowed to download the global state from a peer."""
     compression: str = "none"
-    """Wire format: none, fp16, scaled-fp16, uint8 (hivemind's butterfly) or int8, int4, topk (encoded by
+    """Wire format: none, fp16, scaled-fp16, uint8 (hivemind's butterfly) or int8, int4, sign, topk (encoded by
     the caller, all-gathered: see :mod:`peers.encoded`)."""
     topk_density: float = 0.02
     """Fraction of each chunk the ``topk`` codec keeps."""
@@ -120,6 +121,9 @@ class RoundResult:
     left_behind: bool = False
     """This island stopped looking for a group because every other island had moved past the round
     (:attr:`peers.averager.VerifiedAverager.moved_past`): their θ_global may be ahead of ours."""
+    carry: torch.Tensor | None = None
+    """With a dense codec of :mod:`outer_optim.codecs` and error feedback: what this member's re-encoding
+    of the averaged parts it owns left out, to add to them next round (kept only if the round commits)."""
 
 
 def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:

@@ -19,7 +19,8 @@ encoded bucket, each member sends (and receives)
 
 so sparse codecs always gather, and dense ones gather at ``n = 2`` (equal bytes, one hop less) and
 reduce-scatter beyond (``2/n`` of the all-gather's bytes: half at ``n = 4``), at the price of a second
-quantization at each part's owner that no island's error feedback sees.  In the reduce-scatter, member
+quantization at each part's owner, whose error the owner carries into its next round when error feedback is
+on (``carry`` of :func:`average_encoded`).  In the reduce-scatter, member
 ``j`` of the sorted ids owns the ``j``-th of ``n`` block-aligned parts: it decodes the members' parts,
 averages them, encodes the average once and sends it to all, and every member (the owner included)
 decodes the same bytes, so the averages stay bit-identical.
@@ -31,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
@@ -162,19 +164,40 @@ class EncodedChannel:
         self._handler.close()
 
 
+@dataclass
+class EncodedAverage:
+    """What :func:`average_encoded` did."""
+
+    mean: torch.Tensor | None
+    """The group's weighted average, identical on every member; None when a part is missing."""
+    missing: list[str] = field(default_factory=list)
+    """Members whose part never came (or had another size)."""
+    declined: list[str] = field(default_factory=list)
+    """Those of them that declined, being alive outside the group."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    carry: torch.Tensor | None = None
+    """The owner's error feedback after this exchange (see :func:`average_encoded`); None without one."""
+
+
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
-                    weights: dict[str, float], payload: bytes, numel: int, timeout: float
-                    ) -> tuple[torch.Tensor | None, list[str], list[str], int, int]:
+                    weights: dict[str, float], payload: bytes, numel: int, timeout: float,
+                    carry: torch.Tensor | None = None) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
-    or reduce-scatter as :func:`reduce_scatters` says: (the average, identical on every member, or None;
-    the members whose part never came; those of them that declined, being alive outside the group; bytes
-    sent; bytes received)."""
+    or reduce-scatter as :func:`reduce_scatters` says.
+
+    ``carry`` (``numel`` values, or None for no owner feedback): what the re-encoding of averaged parts
+    owned here left out in earlier rounds.  In a reduce-scatter it is added to the average of the part
+    this member owns before that part is encoded, and the result's ``carry`` holds what this encoding
+    left out, on the owned part (zero elsewhere: a part owned before and not now is dropped); an
+    all-gather re-encodes nothing and hands ``carry`` back as it was."""
     if not reduce_scatters(codec, len(peers)):
         got, missing, declined = channel.all_gather(key, me, peers, payload, timeout)
-        sent, received = allgather_bytes(len(payload), len(peers)), sum(len(v) for v in got.values()) - len(payload)
-        if missing:
-            return None, missing, declined, sent, received
-        return weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights), [], [], sent, received
+        out = EncodedAverage(None, missing, declined, allgather_bytes(len(payload), len(peers)),
+                             sum(len(v) for v in got.values()) - len(payload), carry)
+        if not missing:
+            out.mean = weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights)
+        return out
 
     def enc(x: torch.Tensor) -> bytes:
         return codec.encode(x) if x.numel() else b""
@@ -191,16 +214,27 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     # the stage goes first: the key must end with its round (:func:`peers.round_keys.is_on_round`)
     got, missing, declined = channel.exchange(f"rs.{key}", {p: parts[p] for p in others}, {p: size for p in others},
                                               timeout)
-    bytes_sent, bytes_received = sum(len(parts[p]) for p in others), sum(len(v) for v in got.values())
+    out = EncodedAverage(None, missing, declined, sum(len(parts[p]) for p in others),
+                         sum(len(v) for v in got.values()))
     if missing:
-        return None, missing, declined, bytes_sent, bytes_received
+        return out
     got[me] = parts[me]
-    mine = enc(weighted_mean({p: dec(got[p], b - a) for p in peers}, weights)) if b > a else b""
+    mine = b""
+    if b > a:
+        part = weighted_mean({p: dec(got[p], b - a) for p in peers}, weights)
+        if carry is not None:
+            part += carry[a:b]
+        mine = enc(part)
+        if carry is not None:
+            out.carry = torch.zeros(numel)
+            out.carry[a:b] = part - dec(mine, b - a)
+    elif carry is not None:
+        out.carry = torch.zeros(numel)
     sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
-    back, missing, declined = channel.exchange(f"ag.{key}", {p: mine for p in others}, sizes, timeout)
-    bytes_sent += len(mine) * len(others)
-    bytes_received += sum(len(v) for v in back.values())
-    if missing:
-        return None, missing, declined, bytes_sent, bytes_received
-    back[me] = mine
-    return torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()]), [], [], bytes_sent, bytes_received
+    back, out.missing, out.declined = channel.exchange(f"ag.{key}", {p: mine for p in others}, sizes, timeout)
+    out.bytes_sent += len(mine) * len(others)
+    out.bytes_received += sum(len(v) for v in back.values())
+    if not out.missing:
+        back[me] = mine
+        out.mean = torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()])
+    return out

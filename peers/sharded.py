@@ -74,7 +74,7 @@ class ShardedAverager:
     ``backend="torch"``, optional for ``"auto"``); ``state_provider_for(bucket_index)`` gives the
     state provider of an owned bucket's averager (for late joiners; wired by the trainer);
     ``exchange``: the island's :class:`BucketExchange` if the caller built one already; ``feedback``: the
-    error-feedback buffers by owned bucket (see :attr:`buffers`).
+    error-feedback buffers by owned bucket (see :attr:`buffers`); ``carry``: the owner feedback (see :attr:`carry`).
     Construction is collective over ``group``.
     """
 
@@ -83,7 +83,8 @@ class ShardedAverager:
                  backend: str = "hivemind", fallback: Any = None,
                  state_provider_for: Callable[[int], StateProvider | None] | None = None,
                  island_id: str | None = None, device: torch.device | str | None = None,
-                 exchange: BucketExchange | None = None, feedback: dict[int, torch.Tensor] | None = None):
+                 exchange: BucketExchange | None = None, feedback: dict[int, torch.Tensor] | None = None,
+                 carry: dict[int, torch.Tensor] | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if backend == "torch" and fallback is None:
@@ -100,6 +101,12 @@ class ShardedAverager:
         self.buffers: dict[int, torch.Tensor] = feedback if feedback is not None else {}
         """Error feedback of this rank's owned buckets (what the codec dropped, carried into the next round):
         the caller's dict, updated in place, so that it outlives this averager (checkpoints, reconnects)."""
+        self.carry: dict[int, torch.Tensor] | None = None
+        """With a dense codec (reduce-scatter) and error feedback: by owned bucket, what the re-encoding of the
+        averaged parts this island owned left out, added to its parts next round (owner feedback: see
+        :func:`peers.encoded.average_encoded`); the caller's dict ``carry``, like :attr:`buffers`."""
+        if self.feedback is not None and getattr(self.codec, "block", 0) > 0:
+            self.carry = carry if carry is not None else {}
         if backend != "torch" and dht is None:
             raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")
         self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
@@ -211,6 +218,7 @@ class ShardedAverager:
             run_torch = self.fallback.agree(needs_fallback, veto)  # collective over every island
         if run_torch:
             hm = result
+            pending.carry.clear()  # the torch average re-encodes nothing: the owners' feedback stays as it was
             result, averaged = self.fallback.reduce_owned(owned, weight if participate else 0.0, meta,
                                                           round_id, participate, pending.buckets)
             if self.backend == "auto":
@@ -238,9 +246,14 @@ class ShardedAverager:
         def run(b: int) -> None:
             try:
                 encoded = self._encode(pending, b) if self.codec is not None else None
+                carry = None
+                if self.carry is not None:
+                    carry = self.carry.get(b, torch.zeros(self.layout.buckets[b].numel))
                 res, avg = self.averagers[b].average([pending.owned[b]], pending.weight, pending.meta,
                                                      pending.round_id, on_stage, matchmaking_timeout,
-                                                     expected_group_size, encoded)
+                                                     expected_group_size, encoded, carry)
+                if res.ok and res.carry is not None:
+                    pending.carry[b] = res.carry
                 pending.outcomes[b] = (res, avg[0] if avg is not None else None)
             except Exception as e:  # never let one bucket's thread take the island's round down silently
                 log.exception("bucket %d: averaging raised", b)
@@ -269,6 +282,8 @@ class ShardedAverager:
     def commit(self, pending: PendingRound) -> None:
         """The island committed ``pending``'s round: what the codec dropped from it goes into the next one."""
         self.buffers.update(pending.feedback)
+        if self.carry is not None:
+            self.carry.update(pending.carry)
 
     def _island_verdict(self, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str
                         ) -> tuple[ShardedRoundResult, bool, bool]:

@@ -15,7 +15,7 @@ from diloco.simulate import simulate
 from outer_optim.codecs import ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager
 from peers.dht import NetworkSettings, start_dht, visible_maddrs
-from peers.encoded import weighted_mean
+from peers.encoded import part_bounds, weighted_mean
 from peers.layout import CanonicalLayout
 from peers.sharded import ShardedAverager
 from tests.conftest import tiny_config
@@ -56,7 +56,7 @@ def _together(calls) -> list:
     return out
 
 
-@pytest.mark.parametrize("compression", ["int8", "int4", "topk"])
+@pytest.mark.parametrize("compression", ["int8", "int4", "sign", "topk"])
 def test_members_decode_the_same_average_of_what_each_sent(dhts, compression):
     """3 members: top-k all-gathers (each sends its payload to the 2 others); the dense codecs
     reduce-scatter (each sends 2 of 3 parts, then its averaged part to 2: about 4/3 of a payload, not 2),
@@ -80,12 +80,46 @@ def test_members_decode_the_same_average_of_what_each_sent(dhts, compression):
     if compression == "topk":
         assert torch.equal(averages[0], decoded)
         assert all(r.bytes_sent == 2 * codec.nbytes(NUMEL) for r, _ in results)
+    elif compression == "sign":  # the owner's second quantization keeps the sign of every averaged value
+        assert torch.equal(averages[0] >= 0, decoded >= 0)
     else:  # the owner's second quantization of the averaged part: within half a step of its block scale
         step = decoded.abs().max() / codec.qmax
         assert (averages[0] - decoded).abs().max() <= step
         assert all(1.2 * codec.nbytes(NUMEL) < r.bytes_sent < 1.45 * codec.nbytes(NUMEL) for r, _ in results)
     exact = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
     assert (averages[0] - exact).norm() < exact.norm()  # the codec kept the bulk of it
+
+
+@pytest.mark.parametrize("group", [3, 2])
+def test_owners_carry_what_re_encoding_the_average_dropped(dhts, group):
+    """Owner feedback: in a reduce-scatter (3 members) each owner adds its carry to the average of its part
+    before encoding it and keeps what that encoding dropped, on its part only, so that nothing is lost:
+    applied average + the new carries == the exact average of what was sent + the old carries.  An
+    all-gather (2 members) re-encodes nothing and hands each carry back untouched."""
+    make, made = dhts
+    settings = AveragerSettings(prefix=f"o{group}", compression="sign", target_group_size=group, **FAST)
+    avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings) for d in make(group)]
+    made.extend(avgs)
+    codec = make_codec("sign")
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(group)]
+    carries = [0.3 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(10 + i)) for i in range(group)]
+    payloads = [codec.encode(d) for d in deltas]
+    results = _together([lambda i=i: avgs[i].average([deltas[i]], 1.0, {"config_fingerprint": "x"}, "0",
+                                                     encoded=payloads[i], carry=carries[i]) for i in range(group)])
+    assert all(r.ok for r, _ in results), [r.reason for r, _ in results]
+    applied = results[0][1][0]
+    sent = sum(codec.decode(p, NUMEL) for p in payloads) / group
+    if group == 2:
+        assert torch.equal(applied, sent.float())
+        assert all(torch.equal(r.carry, c) for (r, _), c in zip(results, carries))
+        return
+    bounds = dict(zip(sorted(a.peer_id for a in avgs), part_bounds(NUMEL, group, codec.block)))
+    owned = torch.zeros(NUMEL)  # what each owner added: its carry on its part (the rest of a carry is dropped)
+    for a, c, (r, _) in zip(avgs, carries, results):
+        lo, hi = bounds[a.peer_id]
+        owned[lo:hi] = c[lo:hi]
+        assert not r.carry[:lo].any() and not r.carry[hi:].any()  # an owner carries its own part only
+    torch.testing.assert_close(applied + sum(r.carry for r, _ in results), sent + owned, rtol=0, atol=1e-5)
 
 
 def test_a_wrong_payload_size_is_refused_and_the_round_fails_for_everyone(dhts):
@@ -135,12 +169,12 @@ def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
         torch.testing.assert_close(sent + rest, part)
 
 
-@pytest.mark.parametrize("kept_in", ["buffer", "params"])
-def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_daemons, kept_in):
-    """End to end over the all-gather (the reduce-scatter's end to end is the int4 kill test in test_faults).
-    The part of Δ the codec left unsent waits in the buffer, the island training on from θ_global; or in
-    the island's parameters, which then sit exactly at θ_global − e after every committed round."""
-    compression = "topk"
+@pytest.mark.parametrize("compression,kept_in", [("topk", "buffer"), ("topk", "params"), ("sign", "params")])
+def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leaked_daemons, compression, kept_in):
+    """End to end over the all-gather (topk) and the reduce-scatter (sign: its owners' feedback is
+    checkpointed too, and never enters the parameters).  The part of Δ the codec left unsent waits in the
+    buffer, the island training on from θ_global; or in the island's parameters, which then sit exactly
+    at θ_global − e after every committed round."""
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 3,
         "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "averaging.matchmaking_time": 5.0,
@@ -164,6 +198,8 @@ def test_three_islands_with_topk_commit_every_round_in_sync(tmp_path, no_leaked_
         torch.testing.assert_close(flat[0], expected, rtol=0, atol=1e-6)
         rounds = [r for r in read_metrics(tmp_path / f"island{i}") if r.get("round_ok")]
         assert rounds[-1]["unsent_norm"] == pytest.approx(float(unsent.norm()), rel=1e-5)
+        carried = state["owner_feedback"]
+        assert (sum(float(t.abs().sum()) for t in carried.values()) > 0) == (compression == "sign")
 
 
 @pytest.mark.parametrize("args, words", [

@@ -8,11 +8,11 @@ import struct
 import pytest
 import torch
 
-from outer_optim.codecs import (LOSSY_CODECS, ErrorFeedback, make_codec, pack_bits, unpack_bits,
-                                wire_ratio)
+from outer_optim.bitpack import pack_bits, unpack_bits
+from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec, wire_ratio
 
 SIZES = (1, 7, 255, 256, 257, 4095, 4096, 4097, 10000)
-CODEC_SETTINGS = [("int8", {}), ("int4", {})] + [
+CODEC_SETTINGS = [("int8", {}), ("int4", {}), ("sign", {})] + [
     ("topk", {"topk_density": d, "topk_bits": b}) for d in (0.01, 1.0) for b in (2, 4)]
 
 
@@ -71,6 +71,26 @@ def test_int4_payload_by_hand():
     assert make_codec("int4").decode(payload, 3).tolist() == [7.0, -7.0, 4.0]
 
 
+def test_sign_payload_by_hand():
+    x = torch.tensor([1.0, -3.0, 0.0, 2.0])  # one short block: s = mean |x| = 1.5; x >= 0 -> bit 1
+    payload = make_codec("sign").encode(x)
+    assert payload == struct.pack("<H", 0x3FC0) + bytes([0b1101])  # bf16 1.5
+    assert make_codec("sign").decode(payload, 4).tolist() == [1.5, -1.5, 1.5, 1.5]
+
+
+def test_sign_keeps_every_sign_at_the_best_scale_of_each_block():
+    n = 3 * 256 + 40
+    x = randn(n, seed=4) * torch.linspace(0.01, 50.0, n)
+    decoded = make_codec("sign").decode(make_codec("sign").encode(x), n)
+    assert torch.equal(decoded >= 0, x >= 0)
+    for start in range(0, n, 256):
+        part, got = x[start:start + 256], decoded[start:start + 256]
+        assert got.abs().unique().numel() == 1
+        best = part.abs().mean()  # minimises |part - s*sign(part)|^2 over s
+        assert float(got.abs()[0]) == pytest.approx(float(best), rel=2 ** -8)  # bfloat16 rounding
+        assert float((part - got).norm()) <= float((part - got.abs()[0] * 1.01 * part.sign()).norm())
+
+
 def topk_level(lo: float, hi: float, code: int, bits: int) -> torch.Tensor:
     """What ``code`` decodes to on the grid (lo, hi), as the module docstring says, in float32."""
     m = 2 ** bits // 2
@@ -101,6 +121,11 @@ def test_decode_matches_reference_decoder(name, kwargs):
         for start, _, (lo, hi), records in parse_topk(payload, n, kwargs["topk_density"], bits):
             for index, code in records:
                 expected[start + index] = topk_level(lo, hi, code, bits)
+    elif name == "sign":
+        nblocks = -(-n // 256)
+        scales = [bf16(v) for v in struct.unpack_from(f"<{nblocks}H", payload, 0)]
+        bits = [(byte >> shift) & 1 for byte in payload[2 * nblocks:] for shift in range(8)][:n]
+        expected = torch.tensor([(2 * b - 1) * scales[i // 256] for i, b in enumerate(bits)], dtype=torch.float32)
     else:
         block = 256 if name == "int8" else 128
         scales, codes = parse_block(payload, n, 8 if name == "int8" else 4, block)
@@ -204,6 +229,9 @@ def test_all_zero_chunks_and_blocks_decode_to_zeros(name, kwargs):
     x[4296] = 2.0  # the first chunk and its blocks stay all-zero, with scale 0
     codec = make_codec(name, **kwargs)
     decoded = codec.decode(codec.encode(x), x.numel())
+    if name == "sign":  # the block holding the one value spreads its magnitude over the block
+        assert torch.equal(decoded[:4096], x[:4096]) and float(decoded.abs().sum()) == pytest.approx(2.0)
+        return
     assert torch.equal(decoded, x)  # topk: the kept zeros fit a grid with lo = 0
 
 
@@ -219,12 +247,15 @@ def test_nbytes_is_exact(name, kwargs):
             assert len(payload) == 4 * math.ceil(n / 256) + n
         elif name == "int4":
             assert len(payload) == 4 * math.ceil(n / 128) + math.ceil(n / 2)
+        elif name == "sign":
+            assert len(payload) == 2 * math.ceil(n / 256) + math.ceil(n / 8)
 
 
 def test_wire_ratios():
     assert wire_ratio(make_codec("topk", topk_density=0.02, topk_bits=2), 1_000_000) < 0.01
     assert wire_ratio(make_codec("int8"), 1_000_000) == pytest.approx(0.254, abs=1e-3)
     assert wire_ratio(make_codec("int4"), 1_000_000) == pytest.approx(0.133, abs=1e-3)
+    assert wire_ratio(make_codec("sign"), 1_000_000) == pytest.approx(1.0625 / 32, abs=1e-4)
 
 
 # ---- determinism ---------------------------------------------------------------------------------
@@ -314,6 +345,12 @@ def test_wrong_payload_length_is_refused(name):
         codec.decode(payload, 0)
 
 
+@pytest.mark.parametrize("scale", [0xBF80, 0x7F80, 0x7FC0], ids=["negative", "inf", "nan"])
+def test_corrupt_sign_payload_is_refused(scale):
+    with pytest.raises(ValueError, match="corrupt sign payload"):
+        make_codec("sign").decode(struct.pack("<H", scale) + b"\x0f", 4)
+
+
 @pytest.mark.parametrize("grid,index", [
     ((0x3F80, 0x4000), [0, 9]),  # index 9 lies past a chunk of 4
     ((0x4000, 0x3F80), [0, 1]),  # lo 2 above hi 1
@@ -337,7 +374,7 @@ def test_bad_settings_name_the_setting(kwargs, setting):
 
 
 def test_unknown_codec():
-    with pytest.raises(ValueError, match="unknown codec 'zip'; use one of int8, int4, topk"):
+    with pytest.raises(ValueError, match="unknown codec 'zip'; use one of int8, int4, sign, topk"):
         make_codec("zip")
 
 
