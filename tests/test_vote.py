@@ -165,8 +165,8 @@ def test_an_island_whose_matchmaking_missed_its_group_declines_that_groups_excha
     for t in members:
         t.join(60)
     assert time.monotonic() - t0 < 30, "the members waited out their allreduce_timeout for x"
-    for mean, missing, declined, *_ in gathered.values():
-        assert mean is None and missing == declined == [x.peer_id]
+    for got in gathered.values():
+        assert got.mean is None and got.missing == got.declined == [x.peer_id]
     looking.join(30)
     (result, averaged), = out
     assert not result.ok and averaged is None and "never learned" in result.reason, result.reason
