@@ -105,7 +105,7 @@ class ShardedAverager:
         """With a dense codec (reduce-scatter) and error feedback: by owned bucket, what the re-encoding of the
         averaged parts this island owned left out, added to its parts next round (owner feedback: see
         :func:`peers.encoded.average_encoded`); the caller's dict ``carry``, like :attr:`buffers`."""
-        if self.feedback is not None and getattr(self.codec, "block", 0) > 0:
+        if self.feedback is not None and settings.owner_feedback and getattr(self.codec, "block", 0) > 0:
             self.carry = carry if carry is not None else {}
         if backend != "torch" and dht is None:
             raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")

@@ -122,6 +122,21 @@ def test_owners_carry_what_re_encoding_the_average_dropped(dhts, group):
     torch.testing.assert_close(applied + sum(r.carry for r, _ in results), sent + owned, rtol=0, atol=1e-5)
 
 
+def test_owners_feedback_is_kept_for_dense_codecs_with_error_feedback_unless_turned_off(dhts):
+    make, made = dhts
+    dht, = make(1)
+    layout = CanonicalLayout.build([("w", (NUMEL,))], bucket_numel=4096)
+    kept = {}
+    for name, extra in [("sign", {}), ("int8", {}), ("topk", {}), ("sign", {"owner_feedback": False}),
+                        ("sign", {"error_feedback": False})]:
+        settings = AveragerSettings(prefix=f"k{len(kept)}", compression=name, **extra, **FAST)
+        avg = ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, dht, settings)
+        made.append(avg)
+        kept[(name, *extra)] = avg.carry is not None
+    assert kept == {("sign",): True, ("int8",): True, ("topk",): False, ("sign", "owner_feedback"): False,
+                    ("sign", "error_feedback"): False}
+
+
 def test_a_wrong_payload_size_is_refused_and_the_round_fails_for_everyone(dhts):
     """An island whose bucket encodes to another size (another codec setting slipped through) is never
     averaged: its payload is refused and every member rolls the round back."""
