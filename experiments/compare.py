@@ -113,8 +113,8 @@ CODECS: dict[str, dict[str, Any]] = {
     "int8": {"averaging.compression": "int8"},
     "int4": {"averaging.compression": "int4"},
     "sign": {"averaging.compression": "sign"},
-    # the same without the owners' feedback: what re-encoding each averaged part drops is lost
-    "sign-noowner": {"averaging.compression": "sign", "averaging.owner_feedback": False},
+    # the same with the owners' feedback: what re-encoding each averaged part drops goes into its next average
+    "sign-owner": {"averaging.compression": "sign", "averaging.owner_feedback": True},
     # the same with the islands' error feedback in a buffer (EF21) instead of the parameters
     "sign-buffer": {"averaging.compression": "sign", "averaging.error_feedback_in": "buffer"},
     "topk": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2},

@@ -66,7 +66,7 @@ class AveragerSettings:
     """``buffer``: e is added to the next Δ before it is encoded; ``params``: the caller keeps e in the
     island's parameters (its next Δ carries it), so each Δ is encoded alone and e is only recorded (the
     island's default: ``diloco.config.AveragingConfig.error_feedback_in``)."""
-    owner_feedback: bool = True
+    owner_feedback: bool = False
     """With error feedback and a dense codec that reduce-scatters: the owner of an averaged part carries what
     re-encoding it dropped into the part's next average (:attr:`peers.sharded.ShardedAverager.carry`)."""
     client_mode: bool = False

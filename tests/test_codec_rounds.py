@@ -97,7 +97,8 @@ def test_owners_carry_what_re_encoding_the_average_dropped(dhts, group):
     applied average + the new carries == the exact average of what was sent + the old carries.  An
     all-gather (2 members) re-encodes nothing and hands each carry back untouched."""
     make, made = dhts
-    settings = AveragerSettings(prefix=f"o{group}", compression="sign", target_group_size=group, **FAST)
+    settings = AveragerSettings(prefix=f"o{group}", compression="sign", target_group_size=group, owner_feedback=True,
+                                **FAST)
     avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings) for d in make(group)]
     made.extend(avgs)
     codec = make_codec("sign")
@@ -129,7 +130,8 @@ def test_owners_feedback_is_kept_for_dense_codecs_with_error_feedback_unless_tur
     kept = {}
     for name, extra in [("sign", {}), ("int8", {}), ("topk", {}), ("sign", {"owner_feedback": False}),
                         ("sign", {"error_feedback": False})]:
-        settings = AveragerSettings(prefix=f"k{len(kept)}", compression=name, **extra, **FAST)
+        settings = AveragerSettings(prefix=f"k{len(kept)}", compression=name, **{"owner_feedback": True, **extra},
+                                    **FAST)
         avg = ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, dht, settings)
         made.append(avg)
         kept[(name, *extra)] = avg.carry is not None
@@ -186,14 +188,15 @@ def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
 
 @pytest.mark.parametrize("compression,kept_in", [("topk", "buffer"), ("topk", "params"), ("sign", "params")])
 def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leaked_daemons, compression, kept_in):
-    """End to end over the all-gather (topk) and the reduce-scatter (sign: its owners' feedback is
-    checkpointed too, and never enters the parameters).  The part of Δ the codec left unsent waits in the
-    buffer, the island training on from θ_global; or in the island's parameters, which then sit exactly
-    at θ_global − e after every committed round."""
+    """End to end over the all-gather (topk) and the reduce-scatter (sign, with --averaging.owner_feedback:
+    the owners' feedback is checkpointed too, and never enters the parameters).  The part of Δ the codec
+    left unsent waits in the buffer, the island training on from θ_global; or in the island's parameters,
+    which then sit exactly at θ_global − e after every committed round."""
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 3,
         "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "averaging.matchmaking_time": 5.0,
         "averaging.compression": compression, "diloco.outer_steps": 3, "diloco.inner_steps": 8,
+        "averaging.owner_feedback": compression == "sign",
         "averaging.error_feedback_in": kept_in, "checkpoint.every": 3})
     result = simulate(cfg, 3)
     islands = result["islands"]

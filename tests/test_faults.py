@@ -101,13 +101,14 @@ def test_eager_fragments_in_flight_survive_a_kill_and_resume_in_sync(tmp_path, n
 
 
 def test_killed_island_with_a_low_bit_codec_rejoins_with_its_error_feedback_reset(tmp_path, no_leaked_daemons):
-    """sign with error feedback (reduce-scatter, so owners carry too): island 2 is SIGKILLed while it looks
+    """sign with error feedback and the owners' feedback (reduce-scatter, so owners carry too): island 2 is SIGKILLed while it looks
     for round 3's group, resumes from its checkpoint (both kinds of buffers included) and catches up with
     the others by adopting their θ_global, which resets its buffers as documented; all end bit-identical
     (every member decodes the same bytes)."""
     # rounds enough for the others to still be running when island 2 is back (its restart takes 7 s and more
     # on a loaded machine, the others' rounds 1-2 s each)
-    cluster = Cluster(_cfg(tmp_path, **{"averaging.compression": "sign", "diloco.outer_steps": 12}), 3,
+    cluster = Cluster(_cfg(tmp_path, **{"averaging.compression": "sign", "averaging.owner_feedback": True,
+                                        "diloco.outer_steps": 12}), 3,
                       env={2: {"DILOCO_FAULTS": "kill@matchmaking:3"}})
     summaries = _killed_and_resumed(cluster, 2)
     assert [s["outer_step"] for s in summaries] == [12] * 3
