@@ -157,7 +157,7 @@ class AveragingConfig:
     topk_bits: int = 2
     """Bits per value sent by the `topk` codec: 2 or 4."""
     error_feedback: bool = True
-    """With `int8`, `int4`, `sign` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); with the dense ones the owner of an averaged part also carries what re-encoding that average dropped into the part's next average. hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
+    """With `int8`, `int4`, `sign` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); see `owner_feedback` for what re-encoding an averaged part drops. hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
     error_feedback_decay: float = 1.0
     """β of the error feedback e ← β·e + Δ, in (0, 1] (SparseLoCo uses 0.95)."""
     error_feedback_in: str = "params"

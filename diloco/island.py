@@ -132,8 +132,9 @@ class Island:
         """Error feedback of the buckets this rank averages (a lossy codec's dropped part, see
         :class:`peers.sharded.ShardedAverager`); checkpointed, kept across reconnects."""
         self.carry: dict[int, torch.Tensor] = {}
-        """With a dense lossy codec: what re-encoding the averaged parts this rank owned left out, added to
-        them next round (:attr:`peers.sharded.ShardedAverager.carry`); checkpointed like :attr:`feedback`."""
+        """With a dense lossy codec and ``averaging.owner_feedback``: what re-encoding the averaged parts this
+        rank owned left out, added to them next round (:attr:`peers.sharded.ShardedAverager.carry`);
+        checkpointed like :attr:`feedback`."""
         self.keeps_unsent = cfg.averaging.compression in LOSSY_CODECS and cfg.averaging.error_feedback
         """Whether a codec's unsent part is carried into later rounds (:attr:`feedback` fills)."""
         self.membership: Any = None

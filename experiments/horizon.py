@@ -116,7 +116,8 @@ def _write_report(curves: dict[str, list[float]], at: list[int], islands: int, c
              f"H={cfg.diloco.inner_steps})", "",
              f"Held-out loss of θ_global after the round of H steps (in brackets: against blocking fp32 DiLoCo after "
              f"the same round; tokens differ only under a budget other than steps, as said below). Model "
-             f"`{cfg.model.preset}`, batch {cfg.inner.batch_size}×{cfg.model.seq_len} tokens per island, inner lr {cfg.inner.lr:g}, outer {cfg.diloco.outer_optimizer} lr "
+             f"`{cfg.model.preset}`, batch {cfg.inner.batch_size}×{cfg.model.seq_len} tokens per island, "
+             f"inner lr {cfg.inner.lr:g}, outer {cfg.diloco.outer_optimizer} lr "
              f"{cfg.diloco.outer_lr:g} momentum {cfg.diloco.outer_momentum:g}, on loopback; start "
              f"{cfg.checkpoint.init_from or 'the seeded initialisation'}.", "",
              markdown_table(header, rows), "", "![loss and gap per round](horizon.png)", ""]

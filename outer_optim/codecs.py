@@ -142,7 +142,6 @@ class BlockSignCodec:
 
     name = "sign"
     lossy = True
-    bits = 1
 
     def __init__(self, block: int = 256):
         self.block = block

@@ -52,7 +52,7 @@ class AveragerSettings:
     """Seconds allowed to download the global state from a peer."""
     compression: str = "none"
     """Wire format: none, fp16, scaled-fp16, uint8 (hivemind's butterfly) or int8, int4, sign, topk (encoded by
-    the caller, all-gathered: see :mod:`peers.encoded`)."""
+    the caller, all-gathered or reduce-scattered: see :mod:`peers.encoded`)."""
     topk_density: float = 0.02
     """Fraction of each chunk the ``topk`` codec keeps."""
     topk_bits: int = 2
@@ -125,7 +125,7 @@ class RoundResult:
     """This island stopped looking for a group because every other island had moved past the round
     (:attr:`peers.averager.VerifiedAverager.moved_past`): their θ_global may be ahead of ours."""
     carry: torch.Tensor | None = None
-    """With a dense codec of :mod:`outer_optim.codecs` and error feedback: what this member's re-encoding
+    """With the owners' feedback (``owner_feedback``) on a dense codec: what this member's re-encoding
     of the averaged parts it owns left out, to add to them next round (kept only if the round commits)."""
 
 

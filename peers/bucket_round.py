@@ -98,8 +98,8 @@ class PendingRound:
     """With a lossy codec and error feedback: each owned bucket's buffer after this round (kept only if the
     round commits)."""
     carry: dict[int, torch.Tensor] = field(default_factory=dict)
-    """With a dense lossy codec and error feedback: each owned bucket's owner feedback after this round
-    (:attr:`peers.sharded.ShardedAverager.carry`; kept only if the round commits)."""
+    """With a dense lossy codec, error feedback and the owners' feedback: each owned bucket's owner feedback
+    after this round (:attr:`peers.sharded.ShardedAverager.carry`; kept only if the round commits)."""
 
     def done(self) -> bool:
         """Whether this rank's part of the round has ended (no island collective)."""

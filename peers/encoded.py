@@ -19,8 +19,8 @@ encoded bucket, each member sends (and receives)
 
 so sparse codecs always gather, and dense ones gather at ``n = 2`` (equal bytes, one hop less) and
 reduce-scatter beyond (``2/n`` of the all-gather's bytes: half at ``n = 4``), at the price of a second
-quantization at each part's owner, whose error the owner carries into its next round when error feedback is
-on (``carry`` of :func:`average_encoded`).  In the reduce-scatter, member
+quantization at each part's owner, whose error the owner may carry into its next round (``carry`` of
+:func:`average_encoded`, off by default: it measured worse).  In the reduce-scatter, member
 ``j`` of the sorted ids owns the ``j``-th of ``n`` block-aligned parts: it decodes the members' parts,
 averages them, encodes the average once and sends it to all, and every member (the owner included)
 decodes the same bytes, so the averages stay bit-identical.
@@ -59,10 +59,15 @@ def allgather_bytes(payload_bytes: int, group_size: int) -> int:
     return max(0, group_size - 1) * payload_bytes
 
 
+def is_dense(codec: Any) -> bool:
+    """Whether ``codec`` sends every value in blocks (int8, int4, sign), rather than a sparse choice (topk)."""
+    return getattr(codec, "block", 0) > 0
+
+
 def reduce_scatters(codec: Any, group_size: int) -> bool:
     """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter (dense codecs from
     3 members on) rather than all-gather (see the module docstring for the byte counts)."""
-    return getattr(codec, "block", 0) > 0 and group_size > 2
+    return is_dense(codec) and group_size > 2
 
 
 def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -220,16 +225,15 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
         return out
     got[me] = parts[me]
     mine = b""
+    if carry is not None:
+        out.carry = torch.zeros(numel)
     if b > a:
         part = weighted_mean({p: dec(got[p], b - a) for p in peers}, weights)
         if carry is not None:
             part += carry[a:b]
         mine = enc(part)
-        if carry is not None:
-            out.carry = torch.zeros(numel)
+        if out.carry is not None:
             out.carry[a:b] = part - dec(mine, b - a)
-    elif carry is not None:
-        out.carry = torch.zeros(numel)
     sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
     back, out.missing, out.declined = channel.exchange(f"ag.{key}", {p: mine for p in others}, sizes, timeout)
     out.bytes_sent += len(mine) * len(others)

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider
 from peers.bucket_round import BucketOutcome, PendingRound, ShardedRoundResult
+from peers.encoded import is_dense
 from peers.exchange import BucketExchange, shape_of
 from peers.layout import CanonicalLayout, spec_tuple
 
@@ -102,10 +103,11 @@ class ShardedAverager:
         """Error feedback of this rank's owned buckets (what the codec dropped, carried into the next round):
         the caller's dict, updated in place, so that it outlives this averager (checkpoints, reconnects)."""
         self.carry: dict[int, torch.Tensor] | None = None
-        """With a dense codec (reduce-scatter) and error feedback: by owned bucket, what the re-encoding of the
-        averaged parts this island owned left out, added to its parts next round (owner feedback: see
-        :func:`peers.encoded.average_encoded`); the caller's dict ``carry``, like :attr:`buffers`."""
-        if self.feedback is not None and settings.owner_feedback and getattr(self.codec, "block", 0) > 0:
+        """With a dense codec (reduce-scatter), error feedback and ``settings.owner_feedback``: by owned bucket,
+        what the re-encoding of the averaged parts this island owned left out, added to its parts next round
+        (owner feedback: see :func:`peers.encoded.average_encoded`); the caller's dict ``carry``, like
+        :attr:`buffers`."""
+        if self.feedback is not None and settings.owner_feedback and is_dense(self.codec):
             self.carry = carry if carry is not None else {}
         if backend != "torch" and dht is None:
             raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")
@@ -248,7 +250,7 @@ class ShardedAverager:
                 encoded = self._encode(pending, b) if self.codec is not None else None
                 carry = None
                 if self.carry is not None:
-                    carry = self.carry.get(b, torch.zeros(self.layout.buckets[b].numel))
+                    carry = self.carry[b] if b in self.carry else torch.zeros(self.layout.buckets[b].numel)
                 res, avg = self.averagers[b].average([pending.owned[b]], pending.weight, pending.meta,
                                                      pending.round_id, on_stage, matchmaking_timeout,
                                                      expected_group_size, encoded, carry)
