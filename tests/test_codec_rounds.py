@@ -186,17 +186,21 @@ def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
         torch.testing.assert_close(sent + rest, part)
 
 
-@pytest.mark.parametrize("compression,kept_in", [("topk", "buffer"), ("topk", "params"), ("sign", "params")])
-def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leaked_daemons, compression, kept_in):
+@pytest.mark.parametrize("compression,kept_in,budget", [("topk", "buffer", ""), ("topk", "params", ""),
+                                                         ("sign", "params", "1.024K")])
+def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leaked_daemons, compression, kept_in,
+                                                               budget):
     """End to end over the all-gather (topk) and the reduce-scatter (sign, with --averaging.owner_feedback:
     the owners' feedback is checkpointed too, and never enters the parameters).  The part of Δ the codec
     left unsent waits in the buffer, the island training on from θ_global; or in the island's parameters,
-    which then sit exactly at θ_global − e after every committed round."""
+    which then sit exactly at θ_global − e after every committed round.  The sign case runs under a budget
+    of tokens (8 steps' worth), where Δ travels per million tokens: e, kept in the parameters, is in their
+    units (it was once in the travelling units, about 1000× too large here, and training diverged)."""
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 3,
         "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "averaging.matchmaking_time": 5.0,
         "averaging.compression": compression, "diloco.outer_steps": 3, "diloco.inner_steps": 8,
-        "averaging.owner_feedback": compression == "sign",
+        "averaging.owner_feedback": compression == "sign", "diloco.sync_every": budget,
         "averaging.error_feedback_in": kept_in, "checkpoint.every": 3})
     result = simulate(cfg, 3)
     islands = result["islands"]
@@ -216,6 +220,8 @@ def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leak
         torch.testing.assert_close(flat[0], expected, rtol=0, atol=1e-6)
         rounds = [r for r in read_metrics(tmp_path / f"island{i}") if r.get("round_ok")]
         assert rounds[-1]["unsent_norm"] == pytest.approx(float(unsent.norm()), rel=1e-5)
+        if kept_in == "params":  # e is what the codec left of Δ (which carries the e before it): never more
+            assert all(r["unsent_norm"] <= r["pseudo_grad_norm"] for r in rounds), rounds
         carried = state["owner_feedback"]
         assert (sum(float(t.abs().sum()) for t in carried.values()) > 0) == (compression == "sign")
 
