@@ -23,8 +23,8 @@ from hivemind.utils import get_dht_time
 from hivemind.compression import NoCompression
 
 from outer_optim.codecs import make_codec
-from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, AveragerSettings, RoundResult,
-                                  allreduce_bytes, as_float, check_group)
+from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, AveragerGoneError, AveragerSettings,
+                                  RoundResult, allreduce_bytes, as_float, check_group, short_error)
 from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
@@ -41,6 +41,7 @@ MOVED_PAST_POLL = 1.0
 PARTS_GRACE = 2.0
 """Seconds an island still looking for its group waits after encoded parts of its round reached it before it
 concludes that it was listed in a group it never learned of."""
+
 
 class VerifiedAverager:
     """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
@@ -105,11 +106,6 @@ class VerifiedAverager:
             self.shutdown()
             raise
 
-    @property
-    def num_bytes(self) -> int:
-        """Size of the averaged vector in fp32 bytes."""
-        return self._num_bytes
-
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
                 expected_group_size: int | None = None, encoded: bytes | None = None,
@@ -157,7 +153,7 @@ class VerifiedAverager:
                 return outcome, None
             gathered, t_allreduce = outcome
         except Exception as e:  # hivemind raises several types when no group forms or a peer fails
-            return RoundResult(False, f"averaging failed: {type(e).__name__}: {_short(e)}",
+            return RoundResult(False, f"averaging failed: {type(e).__name__}: {short_error(e)}",
                                seconds=time.perf_counter() - t0), None
         t1 = time.perf_counter()
         if not gathered:
@@ -202,11 +198,7 @@ class VerifiedAverager:
         result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
         result.allreduce_seconds += time.perf_counter() - t
         if out.mean is None:
-            result.reason = (f"{len(out.missing)} of {len(peers)} island(s) did not send their encoded "
-                             f"pseudo-gradient") + (f" ({len(out.declined)} never learned of the group)"
-                                                    if out.declined else "")
-            # one that declined is alive and goes round again with us
-            result.members_left = len(peers) - len(out.missing) + len(out.declined)
+            result.reason, result.members_left = out.failure(len(peers))
             result.retryable = result.members_left >= self.settings.min_group_size
             return []
         return [out.mean]
@@ -330,15 +322,7 @@ class VerifiedAverager:
                                  expiration)
         if tally.missing and not self.dht.is_alive():
             return "the vote on the result could not be held: the DHT process exited", 0, 0
-        if not all(torch.isfinite(torch.tensor(v, dtype=torch.float64)).all() for v in tally.votes.values()):
-            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0, 0
-        voters = len(tally.votes)
-        if tally.differ:
-            return "islands received different averages (an all-reduce part failed); discarding the round", voters, 0
-        if tally.missing:
-            return (f"{len(tally.missing)} of {len(peers)} island(s) did not confirm the result (left or failed "
-                    f"mid-round)", voters, voters + len(tally.abstained))
-        return "", voters, 0
+        return tally.verdict(len(peers))
 
     def set_state_priority(self, outer_step: int) -> None:
         """Advertise how fresh our state is: joiners download from the island with the highest outer step."""
@@ -353,7 +337,7 @@ class VerifiedAverager:
         try:
             return self._averager.load_state_from_peers(timeout=timeout)
         except Exception as e:  # TimeoutError and hivemind's own errors
-            log.warning("could not download state from peers: %s", _short(e))
+            log.warning("could not download state from peers: %s", short_error(e))
             return None
 
     def shutdown(self) -> None:
@@ -363,11 +347,3 @@ class VerifiedAverager:
                 channel.close()
         if self._averager.is_alive():
             self._averager.shutdown()
-
-
-class AveragerGoneError(RuntimeError):
-    """hivemind's averaging process is no longer running."""
-
-
-def _short(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__

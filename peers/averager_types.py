@@ -164,3 +164,12 @@ def check_group(meta: dict[str, dict], round_id: str, min_group_size: int) -> st
     if not all(math.isfinite(w) and w > 0 for w in weights):
         return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
     return ""
+
+
+class AveragerGoneError(RuntimeError):
+    """hivemind's averaging process is no longer running."""
+
+
+def short_error(e: BaseException) -> str:
+    """``e``'s message on one line, at most 300 characters (its type's name when it has none)."""
+    return " ".join(str(e).split())[:300] or type(e).__name__

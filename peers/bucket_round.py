@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -115,3 +116,52 @@ class PendingRound:
             if b not in self.outcomes:
                 self.outcomes[b] = (RoundResult(False, "the bucket's round did not finish in time"), None)
         return dict(self.outcomes)
+
+
+def island_verdict(exchange: Any, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str,
+                   rank: int, min_group_size: int, n_buckets: int) -> tuple[ShardedRoundResult, bool, bool]:
+    """Share this rank's owned buckets' ``outcomes`` with the island (collective over ``exchange``, a
+    :class:`peers.exchange.BucketExchange`) and decide, identically on every rank: (result, needs a fallback,
+    a group rejected the round).  ``n_buckets``: the buckets of the whole model."""
+    mine, lead = [], None
+    for b in sorted(outcomes):
+        res, _ = outcomes[b]
+        islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
+        mine.append(BucketOutcome(b, rank, res.ok, res.reason, res.group_size,
+                                  res.group_size < min_group_size, islands, res.total_weight,
+                                  res.bytes_sent, res.bytes_received, res.retryable, res.members_left,
+                                  res.left_behind))
+        if lead is None and res.group_size > 0:
+            lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
+    shared = exchange.all_gather_object((mine, lead))
+    buckets = sorted((o for m, _ in shared for o in m), key=lambda o: o.index)
+    leads = sorted((ld for _, ld in shared if ld is not None), key=lambda ld: ld[0])
+    mine_sent = sum(o.bytes_sent for o in mine)
+    result = ShardedRoundResult(False, refusal, "", bytes_sent=mine_sent,
+                                bytes_received=sum(o.bytes_received for o in mine),
+                                island_bytes_sent=sum(o.bytes_sent for o in buckets), buckets=buckets)
+    if leads:
+        _, result.peers, result.gathered, result.majority_peers, _ = leads[0]
+        result.in_minority = any(ld[4] for ld in leads)
+    if refusal:
+        return result, False, False
+    failed = [o for o in buckets if not o.ok]
+    result.group_size = min((o.group_size for o in buckets), default=0)
+    if failed:
+        f = failed[0]
+        more = f" ({len(failed)} of {len(buckets)} buckets failed)" if len(failed) > 1 else ""
+        # a model of one bucket fails as a whole: naming the bucket would only add noise
+        result.reason = f"bucket {f.index}: {f.reason}{more}" if n_buckets > 1 else f.reason
+        no_group = all(o.no_group for o in failed)
+        result.retryable = all(o.retryable for o in failed)
+        lefts = [o.members_left for o in failed]
+        result.members_left = min(lefts) if all(lefts) else 0
+        result.left_behind = any(o.left_behind for o in failed)
+        return result, no_group, not no_group
+    if len({o.islands for o in buckets}) > 1:
+        result.reason = ("buckets were averaged with different sets of islands "
+                         f"({sorted({len(o.islands) for o in buckets})} islands); discarding the round")
+        return result, True, False
+    result.ok, result.backend = True, "hivemind"
+    result.total_weight = buckets[0].total_weight if buckets else 0.0
+    return result, False, False

@@ -52,6 +52,8 @@ PIECE = 1 << 20
 """Bytes per streamed message (hivemind's daemon refuses messages above 4 MiB)."""
 MAX_KEYS = 16
 """Exchanges buffered for rounds not yet held here (a member may send before our matchmaking ends)."""
+MAX_DECLINED = 64
+"""Keys we declined that we still answer."""
 
 
 def allgather_bytes(payload_bytes: int, group_size: int) -> int:
@@ -99,6 +101,8 @@ class EncodedChannel:
         self.dht, self.members, self.max_bytes = dht, members, max_bytes
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)
+        self._declined: dict[str, tuple[set[str], float]] = {}
+        """Keys we declined: (whom we told, the send timeout): a part that comes later is declined at once (see :meth:`decline`)."""
         self._handler = Handler(dht, self.name, self._on_parts, Part, stream_input=True)
 
     async def _on_parts(self, requests: AsyncIterator[Any], context: P2PContext) -> Any:
@@ -116,6 +120,10 @@ class EncodedChannel:
         if key is None or len(buf) != part.total:
             return Ack(accepted=False)
         self.box.put(key, sender, bytes(buf))
+        told = self._declined.get(key)
+        if told is not None and sender not in told[0]:
+            told[0].add(sender)
+            asyncio.ensure_future(self._send(sender, key, b"", told[1]))
         return Ack(accepted=True)
 
     def exchange(self, key: str, outgoing: dict[str, bytes], expect: dict[str, int], timeout: float
@@ -137,7 +145,11 @@ class EncodedChannel:
 
     def decline(self, key: str, peers: Sequence[str], timeout: float) -> None:
         """Tell ``peers``, who sent us parts on ``key``, that we are not in their exchange (an empty payload
-        where one was expected): they stop waiting for ours at once.  Does not wait for them."""
+        where one was expected): they stop waiting for ours at once, and so do members whose parts come later.
+        Does not wait for them."""
+        while len(self._declined) >= MAX_DECLINED:
+            del self._declined[next(iter(self._declined))]
+        self._declined[key] = (set(peers), timeout)
         for p in peers:
             _submit(self._send(p, key, b"", timeout))
 
@@ -183,6 +195,14 @@ class EncodedAverage:
     bytes_received: int = 0
     carry: torch.Tensor | None = None
     """The owner's error feedback after this exchange (see :func:`average_encoded`); None without one."""
+
+    def failure(self, group_size: int) -> tuple[str, int]:
+        """Why a group of ``group_size`` got no :attr:`mean`, and how many members are left alive (those whose
+        part came, and those that declined: alive outside the group, they go round again with us)."""
+        reason = f"{len(self.missing)} of {group_size} island(s) did not send their encoded pseudo-gradient"
+        if self.declined:
+            reason += f" ({len(self.declined)} never learned of the group)"
+        return reason, group_size - len(self.missing) + len(self.declined)
 
 
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],

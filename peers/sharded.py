@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider
-from peers.bucket_round import BucketOutcome, PendingRound, ShardedRoundResult
+from peers.bucket_round import PendingRound, ShardedRoundResult, island_verdict
 from peers.encoded import is_dense
 from peers.exchange import BucketExchange, shape_of
 from peers.layout import CanonicalLayout, spec_tuple
@@ -210,7 +210,8 @@ class ShardedAverager:
         needs_fallback = veto = False
         if self.backend != "torch":
             outcomes = pending.wait(self.settings) if participate else {}
-            result, needs_fallback, veto = self._island_verdict(outcomes, refusal)
+            result, needs_fallback, veto = island_verdict(self.exchange, outcomes, refusal, self.rank,
+                                                          self.settings.min_group_size, len(self.layout.buckets))
             if result.ok:
                 averaged = {b: avg for b, (_, avg) in outcomes.items()}
         run_torch = False
@@ -286,53 +287,6 @@ class ShardedAverager:
         self.buffers.update(pending.feedback)
         if self.carry is not None:
             self.carry.update(pending.carry)
-
-    def _island_verdict(self, outcomes: dict[int, tuple[RoundResult, torch.Tensor | None]], refusal: str
-                        ) -> tuple[ShardedRoundResult, bool, bool]:
-        """Share the owned buckets' outcomes with the island (collective) and decide, identically on every
-        rank: (result, needs a fallback, a group rejected the round)."""
-        mine, lead = [], None
-        for b in sorted(outcomes):
-            res, _ = outcomes[b]
-            islands = tuple(sorted({str(m.get("island_id", p)) for p, m in res.gathered.items()}))
-            mine.append(BucketOutcome(b, self.rank, res.ok, res.reason, res.group_size,
-                                      res.group_size < self.settings.min_group_size, islands, res.total_weight,
-                                      res.bytes_sent, res.bytes_received, res.retryable, res.members_left,
-                                      res.left_behind))
-            if lead is None and res.group_size > 0:
-                lead = (b, res.peers, res.gathered, res.majority_peers, res.in_minority)
-        shared = self.exchange.all_gather_object((mine, lead))
-        buckets = sorted((o for m, _ in shared for o in m), key=lambda o: o.index)
-        leads = sorted((ld for _, ld in shared if ld is not None), key=lambda ld: ld[0])
-        mine_sent = sum(o.bytes_sent for o in mine)
-        result = ShardedRoundResult(False, refusal, "", bytes_sent=mine_sent,
-                                    bytes_received=sum(o.bytes_received for o in mine),
-                                    island_bytes_sent=sum(o.bytes_sent for o in buckets), buckets=buckets)
-        if leads:
-            _, result.peers, result.gathered, result.majority_peers, _ = leads[0]
-            result.in_minority = any(ld[4] for ld in leads)
-        if refusal:
-            return result, False, False
-        failed = [o for o in buckets if not o.ok]
-        result.group_size = min((o.group_size for o in buckets), default=0)
-        if failed:
-            f = failed[0]
-            more = f" ({len(failed)} of {len(buckets)} buckets failed)" if len(failed) > 1 else ""
-            # a model of one bucket fails as a whole: naming the bucket would only add noise
-            result.reason = f"bucket {f.index}: {f.reason}{more}" if len(self.layout.buckets) > 1 else f.reason
-            no_group = all(o.no_group for o in failed)
-            result.retryable = all(o.retryable for o in failed)
-            lefts = [o.members_left for o in failed]
-            result.members_left = min(lefts) if all(lefts) else 0
-            result.left_behind = any(o.left_behind for o in failed)
-            return result, no_group, not no_group
-        if len({o.islands for o in buckets}) > 1:
-            result.reason = ("buckets were averaged with different sets of islands "
-                             f"({sorted({len(o.islands) for o in buckets})} islands); discarding the round")
-            return result, True, False
-        result.ok, result.backend = True, "hivemind"
-        result.total_weight = buckets[0].total_weight if buckets else 0.0
-        return result, False, False
 
     def state_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
                           ) -> list[float]:

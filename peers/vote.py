@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,8 @@ GONE = object()
 that still arrives replaces it."""
 MAX_FINGERPRINT = 4096
 MAX_KEYS = 1024
+MAX_ABSTAINED = 64
+"""Keys we abstained on that we still answer."""
 """Vote keys buffered for votes not yet held here (verdicts can arrive before our all-reduce ends)."""
 
 
@@ -165,6 +168,19 @@ class Tally:
     abstained: list[str] = field(default_factory=list)
     """Members alive but without a result (their all-reduce failed), us included when we abstain."""
 
+    def verdict(self, group_size: int) -> tuple[str, int, int]:
+        """('' if the round stands, else why not; how many members voted; how many are left when only
+        missing verdicts are wrong: the voters and the members alive without a result, else 0)."""
+        if not all(math.isfinite(x) for v in self.votes.values() for x in v):
+            return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0, 0
+        voters = len(self.votes)
+        if self.differ:
+            return "islands received different averages (an all-reduce part failed); discarding the round", voters, 0
+        if self.missing:
+            return (f"{len(self.missing)} of {group_size} island(s) did not confirm the result (left or failed "
+                    f"mid-round)", voters, voters + len(self.abstained))
+        return "", voters, 0
+
 
 def _decided(t: Tally) -> bool:
     return len(t.missing) == len(t.unreachable) + len(t.abstained) or bool(t.differ)
@@ -181,6 +197,9 @@ class VoteChannel:
         self.name = f"{prefix}::diloco.verdict"
         self.box = Inbox(ttl)
         self._sends: set[asyncio.Future] = set()
+        self._abstained: dict[str, tuple[str, float, set[str]]] = {}
+        """Keys we abstained on: (us, expiration, members told); a verdict that comes later gets our abstention
+        back at once, so that a member we did not know of when we abstained stops waiting for us."""
         self._handler = Handler(dht, self.name, self._on_verdict, Verdict) if direct else None
 
     async def _on_verdict(self, request: Any, context: P2PContext) -> Any:
@@ -188,6 +207,10 @@ class VoteChannel:
         if len(request.fingerprint) > MAX_FINGERPRINT or (self.members and not await self.members.allows(sender)):
             return Verdict(accepted=False)
         self.box.put(request.key, sender, list(request.fingerprint))
+        told = self._abstained.get(request.key)
+        if told is not None and sender not in told[2]:
+            told[2].add(sender)
+            self._send_later(sender, request.key, told[0], [], told[1], SEND_TIMEOUT)
         return Verdict(accepted=True)
 
     def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
@@ -199,6 +222,10 @@ class VoteChannel:
         abstain (we have no result), telling the others not to wait for us, and learn who is left."""
         deadline = time.monotonic() + timeout
         group = set(peers)
+        if not mine:  # a group we learned of from its verdicts: members we did not hear from yet are told later
+            while len(self._abstained) >= MAX_ABSTAINED:
+                del self._abstained[next(iter(self._abstained))]
+            self._abstained[key] = (me, expiration, set(group))
         self.box.hold(key)
         fallback = _submit(self._fallback(key, me, mine, [p for p in peers if p != me], expiration, deadline))
 
@@ -223,10 +250,8 @@ class VoteChannel:
         if self.direct:
             period, failed = POLL, asyncio.Event()
             for p in others:  # not awaited: a member that decided early must still reach the slow ones
-                task = asyncio.ensure_future(self._send(p, key, me, mine, failed, expiration,
-                                                        min(SEND_TIMEOUT, deadline - time.monotonic())))
-                self._sends.add(task)
-                task.add_done_callback(self._sends.discard)
+                self._send_later(p, key, me, mine, expiration, min(SEND_TIMEOUT, deadline - time.monotonic()),
+                                 failed)
             try:  # a failed send hints that the way back fails too: look in the DHT at once then
                 await asyncio.wait_for(failed.wait(), GRACE)
             except asyncio.TimeoutError:
@@ -235,6 +260,13 @@ class VoteChannel:
             await self._store(key, me, mine, expiration)
         while await self._poll(key, me, mine, expiration):  # until the vote is decided (cancelled) or the DHT gone
             await asyncio.sleep(period)
+
+    def _send_later(self, peer: str, key: str, me: str, mine: list[float], expiration: float, timeout: float,
+                    failed: asyncio.Event | None = None) -> None:
+        """Send our verdict to ``peer`` without waiting for it (on the p2p loop; sets ``failed`` if it fails)."""
+        task = asyncio.ensure_future(self._send(peer, key, me, mine, failed or asyncio.Event(), expiration, timeout))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     async def _send(self, peer: str, key: str, me: str, mine: list[float], failed: asyncio.Event, expiration: float,
                     timeout: float) -> None:

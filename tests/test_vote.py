@@ -173,6 +173,63 @@ def test_an_island_whose_matchmaking_missed_its_group_declines_that_groups_excha
     assert result.retryable and result.members_left == 3 and result.peers == peers
 
 
+def _when(cond, timeout: float = 30.0) -> bool:
+    """Wait until ``cond()`` holds (True) or ``timeout`` passes (False)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_abstainer_answers_the_verdicts_of_members_it_had_not_heard_from(swarm):
+    """x abstains on a group's vote knowing only the members whose verdicts had reached it (here a's): a
+    member whose verdict comes later (b, still in its all-reduce when x abstained) gets x's abstention in
+    reply, so it counts x as left at once instead of waiting out its vote timeout for x (seen in CI)."""
+    a, b, x = swarm(*[_settings(vote_timeout=10.0)] * 3)
+    peers = sorted(p.peer_id for p in (a, b, x))
+    key = vote_key("v", peers, "9")
+    first = _vote_all_later([a], peers, [torch.ones(100)], "9")
+    assert _when(lambda: a.peer_id in x._votes.box.senders(key))
+    assert x._vote(None, sorted([a.peer_id, x.peer_id]), "9", key)[1:] == (1, 2)
+    lost = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
+    assert _vote_all([b], peers, [torch.ones(100)], "9") == [(lost, 2, 3)]
+    assert first() == [(lost, 2, 3)]
+
+
+def test_a_decliner_answers_the_parts_of_members_it_had_not_heard_from(swarm):
+    """The same for the exchange of encoded parts: x declined the exchange of the members whose parts had
+    reached it (a's); b's parts, coming later, are declined at once, so b stops waiting for x's part."""
+    a, b, x = swarm(*[_settings(compression="topk")] * 3)
+    payload = a.codec.encode(torch.ones(100))
+    peers = sorted(p.peer_id for p in (a, b, x))
+    key = parts_key(peers, "9")
+    gathered: dict = {}
+
+    def gather(avg) -> threading.Thread:
+        t = threading.Thread(target=lambda: gathered.__setitem__(avg.peer_id, average_encoded(
+            avg._parts, avg.codec, key, avg.peer_id, peers, {p: 1.0 for p in peers}, payload, 100, 10.0)))
+        t.start()
+        return t
+
+    first = gather(a)
+    assert _when(lambda: a.peer_id in x._parts.box.senders(key))
+    x._parts.decline(key, [a.peer_id], 5.0)
+    gather(b).join(30)
+    first.join(30)
+    for got in gathered.values():
+        assert got.mean is None and got.missing == got.declined == [x.peer_id]
+
+
+def _vote_all_later(voters: list, peers: list[str], values: list, round_id: str):
+    """:func:`_vote_all` in the background: returns a function that waits for it and gives its result."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_vote_all(voters, peers, values, round_id)))
+    t.start()
+    return lambda: (t.join(30), out[0])[1]
+
+
 def test_a_stopping_island_gives_up_looking_for_a_group_at_once(swarm):
     """Ctrl-C on an island alone in its round: it stops looking for a group instead of waiting out
     ``matchmaking_timeout``."""
