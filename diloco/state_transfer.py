@@ -191,7 +191,11 @@ class StateTransfer:
         differ, compared, alone = self.main_decides(lambda: (*isl.membership.final_disagreements(
             isl.outer_step, state, isl.cfg.averaging.vote_timeout), isl.alone.since is not None))
         if not differ and not compared:
-            return self._unconfirmed_end(alone)
+            doubt = self._unconfirmed_end(alone)
+            if doubt and isl.stopping:  # stopped, not ended: --resume compares it with the run's θ_global
+                log.warning("stopping with θ_global unconfirmed: %s", doubt)
+                return ""
+            return doubt
         if not differ:
             return ""
         return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "

@@ -219,7 +219,7 @@ def test_a_run_that_ends_out_of_sync_says_so():
 
     island = SimpleNamespace(membership=mine, outer_step=7, rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
                              cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)), stats=RunStats(),
-                             alone=SimpleNamespace(since=None))
+                             alone=SimpleNamespace(since=None), stopping=False)
     state = [1.0, 1.0, 1.0] * 4
     theirs.final = {"outer_step": 7, "state": state}
     theirs.leave()  # an island that finished before us: its record keeps what it ended with
@@ -240,6 +240,9 @@ def test_a_run_that_ends_out_of_sync_says_so():
     island.stats.behind, island.alone.since = False, 12.0
     problem = StateTransfer(island).check_in_sync(state)
     assert problem.startswith("this island ended alone: the islands of the run it knew stopped answering"), problem
+    # stopped by its user (Ctrl-C, SIGTERM) rather than at the run's end: a warning, not an error (it can resume)
+    island.stopping = True
+    assert StateTransfer(island).check_in_sync(state) == ""
 
 
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
