@@ -61,6 +61,8 @@ class RoundMetrics:
     """Seconds of the round's communication hidden under inner steps (0 for a blocking round)."""
     stall_seconds: float = 0.0
     """Seconds the island did not train because of this round (sending, waiting for it, applying it)."""
+    send_seconds: float = 0.0
+    """Of :attr:`stall_seconds`, those spent sending the round (the rest: waiting for its result, applying it)."""
     fragment: int = 0
     """The Streaming DiLoCo fragment the round averaged (0 with one fragment)."""
     inner_steps: int = 0
@@ -220,6 +222,7 @@ def end_round(island: Island, flight: InFlight) -> RoundMetrics:
                         s.bytes_received, s.payload_bytes_sent, island.outer.lr, reason, backend,
                         int(bool(getattr(result, "fallback_reason", ""))), int(retried),
                         overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
+                        send_seconds=flight.send_seconds,
                         fragment=flight.fragment, inner_steps=flight.steps, weight=flight.weight,
                         group_weight=float(getattr(result, "total_weight", 0.0)), unsent_norm=_unsent_norm(island))
 

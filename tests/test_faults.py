@@ -98,6 +98,7 @@ def test_eager_fragments_in_flight_survive_a_kill_and_resume_in_sync(tmp_path, n
         assert {r["fragment"] for r in rounds if r["round_ok"]} == {0, 1, 2}
         assert sum(r["round_ok"] for r in rounds) >= 8, [r["round_failure"] for r in rounds]
         assert any(r["overlap_seconds"] > 0 for r in rounds)  # communication ran under inner steps
+        assert all(0 < r["send_seconds"] <= r["stall_seconds"] for r in rounds if r["round_ok"])
 
 
 def test_killed_island_with_a_low_bit_codec_rejoins_with_its_error_feedback_reset(tmp_path, no_leaked_daemons):
