@@ -258,7 +258,8 @@ class Overlap:
         """θ_global moved by the round of ``f``: bring the fragment's parameters onto it (onto θ_global − β·e
         when the codec's unsent part e waits in the parameters: ``--averaging.error_feedback_in params``)."""
         isl, params = self.island, self.island.params
-        unsent = self._unsent(f.fragment, f.scale)
+        self._unscale_feedback(f)
+        unsent = self._unsent(f.fragment)
         if self.mode == "none":
             for n in f.names:
                 target = isl.outer.master[n].to(params[n].device, params[n].dtype)
@@ -273,25 +274,38 @@ class Overlap:
                 params[n].sub_(unsent[n].to(params[n].device, params[n].dtype))
         self.tokens_at_sync[f.fragment] = f.tokens_at_send
 
-    def _unsent(self, fragment: int, scale: float) -> Params:
-        """Collective: ``{name: β·e}`` of the fragment's parameters on this rank, e being what the codec left
-        unsent of the island's Δ in the round just committed; empty unless it waits in the parameters.
-        ``scale``: what that Δ was multiplied by before it was encoded (:meth:`send_scale`); e is brought
-        back to the parameters' units first, in the buffer too (checkpoints and ``unsent_norm`` say what
-        the parameters hold back).  In a buffer e stays in the units it travelled in, as it is re-sent."""
+    def _feedback_in_params(self) -> bool:
+        """Whether a codec's unsent part waits in the parameters (``--averaging.error_feedback_in params``)."""
         isl = self.island
-        a = isl.cfg.averaging
-        if a.error_feedback_in != "params" or not isl.keeps_unsent:
+        return isl.keeps_unsent and isl.cfg.averaging.error_feedback_in == "params"
+
+    def _owned(self, fragment: int) -> list[int]:
+        """The buckets of ``fragment`` this rank owns (whose error feedback it keeps)."""
+        ex, buckets = self.island.exchange, self.buckets(fragment)
+        chosen = range(len(self.island.layout.buckets)) if buckets is None else buckets
+        return [b for b in chosen if ex.owner[b] == ex.rank]
+
+    def _unscale_feedback(self, f: InFlight) -> None:
+        """The round of ``f`` committed: bring the unsent part e it left from the units Δ travelled in
+        (:meth:`send_scale`) back to the parameters' when e waits in them, so that the parameters take the
+        right amount and checkpoints and ``unsent_norm`` say what they hold back.  In a buffer e stays in the
+        travelling units, in which it is re-sent."""
+        feedback = self.island.feedback
+        if f.scale != 1.0 and self._feedback_in_params():
+            for b in self._owned(f.fragment):
+                if b in feedback:
+                    feedback[b] = feedback[b] / f.scale
+
+    def _unsent(self, fragment: int) -> Params:
+        """Collective: ``{name: β·e}`` of the fragment's parameters on this rank, e being what the codec left
+        unsent of the island's Δ in the round just committed; empty unless it waits in the parameters."""
+        isl = self.island
+        if not self._feedback_in_params():
             return {}
-        ex, buckets = isl.exchange, self.buckets(fragment)
-        chosen = range(len(isl.layout.buckets)) if buckets is None else buckets
-        if scale != 1.0:
-            for b in chosen:
-                if b in isl.feedback and ex.owner[b] == ex.rank:
-                    isl.feedback[b] = isl.feedback[b] / scale
-        mine = {b: a.error_feedback_decay * isl.feedback[b] if b in isl.feedback
-                else torch.zeros(isl.layout.buckets[b].numel) for b in chosen if ex.owner[b] == ex.rank}
-        return ex.scatter(mine, buckets)
+        beta = isl.cfg.averaging.error_feedback_decay
+        mine = {b: beta * isl.feedback[b] if b in isl.feedback else torch.zeros(isl.layout.buckets[b].numel)
+                for b in self._owned(fragment)}
+        return isl.exchange.scatter(mine, self.buckets(fragment))
 
     @torch.no_grad()
     def rolled_back(self, f: InFlight) -> None:

@@ -39,8 +39,8 @@ import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
 
-from peers.p2p_loop import Handler, _submit, message_class
-from peers.vote import Inbox, MemberCheck
+from peers.p2p_loop import Handler, _submit, message_class, spawn
+from peers.vote import Inbox, LateAnswers, MemberCheck
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,6 @@ PIECE = 1 << 20
 """Bytes per streamed message (hivemind's daemon refuses messages above 4 MiB)."""
 MAX_KEYS = 16
 """Exchanges buffered for rounds not yet held here (a member may send before our matchmaking ends)."""
-MAX_DECLINED = 64
-"""Keys we declined that we still answer."""
 
 
 def allgather_bytes(payload_bytes: int, group_size: int) -> int:
@@ -101,8 +99,9 @@ class EncodedChannel:
         self.dht, self.members, self.max_bytes = dht, members, max_bytes
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)
-        self._declined: dict[str, tuple[set[str], float]] = {}
-        """Keys we declined: (whom we told, the send timeout): a part that comes later is declined at once (see :meth:`decline`)."""
+        self._declined = LateAnswers()
+        """Exchanges we declined: a part that comes later is declined at once (see :meth:`decline`)."""
+        self._sends: set[asyncio.Future] = set()
         self._handler = Handler(dht, self.name, self._on_parts, Part, stream_input=True)
 
     async def _on_parts(self, requests: AsyncIterator[Any], context: P2PContext) -> Any:
@@ -120,10 +119,9 @@ class EncodedChannel:
         if key is None or len(buf) != part.total:
             return Ack(accepted=False)
         self.box.put(key, sender, bytes(buf))
-        told = self._declined.get(key)
-        if told is not None and sender not in told[0]:
-            told[0].add(sender)
-            asyncio.ensure_future(self._send(sender, key, b"", told[1]))
+        timeout = self._declined.newcomer(key, sender)
+        if timeout is not None:
+            spawn(self._send(sender, key, b"", timeout), self._sends)
         return Ack(accepted=True)
 
     def exchange(self, key: str, outgoing: dict[str, bytes], expect: dict[str, int], timeout: float
@@ -147,9 +145,7 @@ class EncodedChannel:
         """Tell ``peers``, who sent us parts on ``key``, that we are not in their exchange (an empty payload
         where one was expected): they stop waiting for ours at once, and so do members whose parts come later.
         Does not wait for them."""
-        while len(self._declined) >= MAX_DECLINED:
-            del self._declined[next(iter(self._declined))]
-        self._declined[key] = (set(peers), timeout)
+        self._declined.remember(key, peers, timeout)
         for p in peers:
             _submit(self._send(p, key, b"", timeout))
 

@@ -35,6 +35,15 @@ def _submit(coro: Coroutine) -> concurrent.futures.Future:
     return asyncio.run_coroutine_threadsafe(coro, _loop)
 
 
+def spawn(coro: Coroutine, tasks: set[asyncio.Future]) -> asyncio.Future:
+    """On the p2p loop: run ``coro`` without waiting for it, held in ``tasks`` until it ends (asyncio keeps
+    only weak references to tasks, so one nobody holds may vanish mid-flight)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
+
+
 _replicas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """DHT -> [its daemon's P2P replica in this process, channels using it]; touched on the loop thread only."""
 

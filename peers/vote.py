@@ -21,14 +21,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
-from peers.p2p_loop import Handler, _submit, message_class
+from peers.p2p_loop import Handler, _submit, message_class, spawn
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ GONE = object()
 that still arrives replaces it."""
 MAX_FINGERPRINT = 4096
 MAX_KEYS = 1024
-MAX_ABSTAINED = 64
-"""Keys we abstained on that we still answer."""
 """Vote keys buffered for votes not yet held here (verdicts can arrive before our all-reduce ends)."""
+MAX_ANSWERED = 64
+"""Keys we stood out of (abstained, declined) whose late messages we still answer."""
 
 
 Verdict = message_class("Verdict", [("key", "string"), ("fingerprint", "double", "repeated"),
@@ -154,6 +154,31 @@ class Inbox:
                 del self._votes[key], self._born[key]
 
 
+class LateAnswers:
+    """Keys of rounds we stood out of (abstained on a vote, declined an exchange), whom we told, and what to
+    tell the members whose messages on such a key come later: a member we did not know of when we stood out
+    must not wait for us either.  Bounded: the oldest key is forgotten first."""
+
+    def __init__(self, max_keys: int = MAX_ANSWERED):
+        self.max_keys = max_keys
+        self._keys: dict[str, tuple[set[str], Any]] = {}
+
+    def remember(self, key: str, told: Iterable[str], answer: Any) -> None:
+        """We stood out of ``key``'s round and told ``told``; ``answer``: what :meth:`newcomer` gives."""
+        while len(self._keys) >= self.max_keys:
+            del self._keys[next(iter(self._keys))]
+        self._keys[key] = (set(told), answer)
+
+    def newcomer(self, key: str, sender: str) -> Any:
+        """The answer owed to ``sender``, who just wrote on ``key``, if we stood out of that round without
+        telling it (it is told from now on); None otherwise."""
+        entry = self._keys.get(key)
+        if entry is None or sender in entry[0]:
+            return None
+        entry[0].add(sender)
+        return entry[1]
+
+
 @dataclass
 class Tally:
     """What a vote gathered: ``votes`` holds the group members' verdicts (ours included, unless we abstain)."""
@@ -197,9 +222,8 @@ class VoteChannel:
         self.name = f"{prefix}::diloco.verdict"
         self.box = Inbox(ttl)
         self._sends: set[asyncio.Future] = set()
-        self._abstained: dict[str, tuple[str, float, set[str]]] = {}
-        """Keys we abstained on: (us, expiration, members told); a verdict that comes later gets our abstention
-        back at once, so that a member we did not know of when we abstained stops waiting for us."""
+        self._abstained = LateAnswers()
+        """Votes we abstained on: a verdict that comes later gets our abstention back at once."""
         self._handler = Handler(dht, self.name, self._on_verdict, Verdict) if direct else None
 
     async def _on_verdict(self, request: Any, context: P2PContext) -> Any:
@@ -207,10 +231,10 @@ class VoteChannel:
         if len(request.fingerprint) > MAX_FINGERPRINT or (self.members and not await self.members.allows(sender)):
             return Verdict(accepted=False)
         self.box.put(request.key, sender, list(request.fingerprint))
-        told = self._abstained.get(request.key)
-        if told is not None and sender not in told[2]:
-            told[2].add(sender)
-            self._send_later(sender, request.key, told[0], [], told[1], SEND_TIMEOUT)
+        owed = self._abstained.newcomer(request.key, sender)
+        if owed is not None:
+            me, expiration = owed
+            self._send_later(sender, request.key, me, [], expiration, SEND_TIMEOUT)
         return Verdict(accepted=True)
 
     def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
@@ -223,9 +247,7 @@ class VoteChannel:
         deadline = time.monotonic() + timeout
         group = set(peers)
         if not mine:  # a group we learned of from its verdicts: members we did not hear from yet are told later
-            while len(self._abstained) >= MAX_ABSTAINED:
-                del self._abstained[next(iter(self._abstained))]
-            self._abstained[key] = (me, expiration, set(group))
+            self._abstained.remember(key, group, (me, expiration))
         self.box.hold(key)
         fallback = _submit(self._fallback(key, me, mine, [p for p in peers if p != me], expiration, deadline))
 
@@ -264,9 +286,7 @@ class VoteChannel:
     def _send_later(self, peer: str, key: str, me: str, mine: list[float], expiration: float, timeout: float,
                     failed: asyncio.Event | None = None) -> None:
         """Send our verdict to ``peer`` without waiting for it (on the p2p loop; sets ``failed`` if it fails)."""
-        task = asyncio.ensure_future(self._send(peer, key, me, mine, failed or asyncio.Event(), expiration, timeout))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        spawn(self._send(peer, key, me, mine, failed or asyncio.Event(), expiration, timeout), self._sends)
 
     async def _send(self, peer: str, key: str, me: str, mine: list[float], failed: asyncio.Event, expiration: float,
                     timeout: float) -> None:

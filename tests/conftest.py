@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 
 # marks every process this test session starts (p2pd daemons inherit it), so leak checks ignore
@@ -54,13 +55,21 @@ def no_leaked_daemons():
     """Fail the test if it leaves p2pd daemons behind."""
     before = p2pd_pids()
     yield
-    import time
-
     deadline = time.time() + 10
     while time.time() < deadline and (p2pd_pids() - before):
         time.sleep(0.2)
     leaked = p2pd_pids() - before
     assert not leaked, f"test left p2pd daemons running: {sorted(leaked)}"
+
+
+def wait_until(predicate, timeout: float, every: float = 0.01) -> bool:
+    """Poll ``predicate()`` every ``every`` seconds until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
 
 
 def assert_joined(joiner, first, outer_step: int) -> None:

@@ -12,13 +12,11 @@ import math
 import os
 import re
 import signal
-import time
-
 
 from diloco.metrics import read_metrics
 from diloco.proctable import descendants
 from diloco.simulate import Cluster
-from tests.conftest import PART_LOST, real_failures, tiny_config
+from tests.conftest import PART_LOST, real_failures, tiny_config, wait_until
 
 ROUNDS = 8
 
@@ -33,10 +31,7 @@ def _cfg(tmp_path, **extra):
 
 
 def _wait_for(predicate, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out waiting for the cluster"
-        time.sleep(0.2)
+    assert wait_until(predicate, timeout, every=0.2), "timed out waiting for the cluster"
 
 
 def _assert_in_sync(cluster: Cluster, islands: list[int]) -> list[dict]:

@@ -16,6 +16,7 @@ from peers.dht import NetworkSettings, start_dht, visible_maddrs
 from peers.dht_calls import dht_get
 from peers.membership import Membership
 from peers.vote import Verdict, VoteChannel, _submit
+from tests.conftest import wait_until
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=3.0,
             allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)
@@ -62,6 +63,14 @@ def _vote_all(voters: list, peers: list[str], values: list[torch.Tensor | None],
     for t in threads:
         t.join(30)
     return out
+
+
+def _vote_all_later(voters: list, peers: list[str], values: list, round_id: str):
+    """:func:`_vote_all` in the background: returns a function that waits for it and gives its result."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_vote_all(voters, peers, values, round_id)))
+    t.start()
+    return lambda: (t.join(30), out[0])[1]
 
 
 def _no_dht_fallback(monkeypatch) -> None:
@@ -173,16 +182,6 @@ def test_an_island_whose_matchmaking_missed_its_group_declines_that_groups_excha
     assert result.retryable and result.members_left == 3 and result.peers == peers
 
 
-def _when(cond, timeout: float = 30.0) -> bool:
-    """Wait until ``cond()`` holds (True) or ``timeout`` passes (False)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_an_abstainer_answers_the_verdicts_of_members_it_had_not_heard_from(swarm):
     """x abstains on a group's vote knowing only the members whose verdicts had reached it (here a's): a
     member whose verdict comes later (b, still in its all-reduce when x abstained) gets x's abstention in
@@ -191,7 +190,7 @@ def test_an_abstainer_answers_the_verdicts_of_members_it_had_not_heard_from(swar
     peers = sorted(p.peer_id for p in (a, b, x))
     key = vote_key("v", peers, "9")
     first = _vote_all_later([a], peers, [torch.ones(100)], "9")
-    assert _when(lambda: a.peer_id in x._votes.box.senders(key))
+    assert wait_until(lambda: a.peer_id in x._votes.box.senders(key), 30)
     assert x._vote(None, sorted([a.peer_id, x.peer_id]), "9", key)[1:] == (1, 2)
     lost = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
     assert _vote_all([b], peers, [torch.ones(100)], "9") == [(lost, 2, 3)]
@@ -214,20 +213,12 @@ def test_a_decliner_answers_the_parts_of_members_it_had_not_heard_from(swarm):
         return t
 
     first = gather(a)
-    assert _when(lambda: a.peer_id in x._parts.box.senders(key))
+    assert wait_until(lambda: a.peer_id in x._parts.box.senders(key), 30)
     x._parts.decline(key, [a.peer_id], 5.0)
     gather(b).join(30)
     first.join(30)
     for got in gathered.values():
         assert got.mean is None and got.missing == got.declined == [x.peer_id]
-
-
-def _vote_all_later(voters: list, peers: list[str], values: list, round_id: str):
-    """:func:`_vote_all` in the background: returns a function that waits for it and gives its result."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(_vote_all(voters, peers, values, round_id)))
-    t.start()
-    return lambda: (t.join(30), out[0])[1]
 
 
 def test_a_stopping_island_gives_up_looking_for_a_group_at_once(swarm):
