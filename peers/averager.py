@@ -276,7 +276,7 @@ class VerifiedAverager:
         """Verdicts on our round came while we were still looking for a group: a group listed us, but our
         matchmaking never learned it (the leader's message was lost), and it averaged without our part.
         Abstain on that group's vote so that its members stop waiting for us and all go round again."""
-        peers = sorted({*self._votes.box.senders(key), self.peer_id})
+        peers = self._votes.box.group(key, self.peer_id)
         log.info("a group averaged this round without this island (its matchmaking missed the group); abstaining")
         return self._abstain(peers, round_id, "averaging failed: a group listed this island but its matchmaking "
                              "never learned of it, and the group averaged without it; abstained", key)
@@ -284,7 +284,7 @@ class VerifiedAverager:
     def _missed_exchange(self, key: str, round_id: str) -> RoundResult:
         """As :meth:`_missed_group`, earlier: the group's members sent us their encoded parts and wait for
         ours, which would keep them ``allreduce_timeout``.  Decline, so that all of us go round again now."""
-        peers = sorted({*self._parts.box.senders(key), self.peer_id})
+        peers = self._parts.box.group(key, self.peer_id)
         log.info("a group listed this island but its matchmaking never learned of it; declining its exchange")
         self._parts.decline(key, [p for p in peers if p != self.peer_id], self.settings.request_timeout + 5.0)
         return RoundResult(False, "averaging failed: a group listed this island but its matchmaking never learned "

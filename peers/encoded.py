@@ -44,7 +44,8 @@ from peers.vote import Inbox, LateAnswers, MemberCheck
 
 log = logging.getLogger(__name__)
 
-Part = message_class("Part", [("key", "string"), ("offset", "uint64"), ("total", "uint64"), ("data", "bytes")])
+Part = message_class("Part", [("key", "string"), ("offset", "uint64"), ("total", "uint64"), ("data", "bytes"),
+                              ("group", "string", "repeated")])
 """One piece of an encoded bucket: the exchange key, where the piece starts, the payload's size, its bytes."""
 Ack = message_class("Ack", [("accepted", "bool")])
 
@@ -108,9 +109,9 @@ class EncodedChannel:
         sender = str(context.remote_id)
         if self.members and not await self.members.allows(sender):
             return Ack(accepted=False)
-        key, buf = None, bytearray()
+        key, buf, group = None, bytearray(), ()
         async for part in requests:
-            key = part.key if key is None else key
+            key, group = (part.key, list(part.group)) if key is None else (key, group)
             if part.key != key or part.total > self.max_bytes or part.offset != len(buf) \
                     or len(buf) + len(part.data) > part.total:
                 log.warning("refused an encoded pseudo-gradient from %s: malformed or of the wrong size", sender)
@@ -118,22 +119,23 @@ class EncodedChannel:
             buf += part.data
         if key is None or len(buf) != part.total:
             return Ack(accepted=False)
-        self.box.put(key, sender, bytes(buf))
+        self.box.put(key, sender, bytes(buf), group)
         timeout = self._declined.newcomer(key, sender)
         if timeout is not None:
             spawn(self._send(sender, key, b"", timeout), self._sends)
         return Ack(accepted=True)
 
-    def exchange(self, key: str, outgoing: dict[str, bytes], expect: dict[str, int], timeout: float
-                 ) -> tuple[dict[str, bytes], list[str], list[str]]:
-        """Send ``outgoing[p]`` to each member ``p`` and wait (at most ``timeout`` seconds) for a payload of
-        ``expect[p]`` bytes from each member of ``expect``: returns (payloads received, members whose
-        payload never came or had another size, those of them that declined: see :meth:`decline`)."""
+    def exchange(self, key: str, group: Sequence[str], outgoing: dict[str, bytes], expect: dict[str, int],
+                 timeout: float) -> tuple[dict[str, bytes], list[str], list[str]]:
+        """Send ``outgoing[p]`` to each member ``p`` of ``group`` (sorted, us included) and wait (at most
+        ``timeout`` seconds) for a payload of ``expect[p]`` bytes from each member of ``expect``: returns
+        (payloads received, members whose payload never came or had another size, those of them that
+        declined: see :meth:`decline`)."""
         deadline = time.monotonic() + timeout
         self.box.hold(key)
         try:
             for p, payload in outgoing.items():  # not awaited: a slow member must not hold up the others
-                _submit(self._send(p, key, payload, timeout))
+                _submit(self._send(p, key, payload, timeout, group))
             got = self.box.wait_for(key, lambda received: all(p in received for p in expect), deadline)
         finally:
             self.box.release(key, drop=True)
@@ -154,15 +156,16 @@ class EncodedChannel:
         """Send ``payload`` to every member of ``peers`` but ``me`` and wait for theirs (of the same size):
         returns (payload by member, ours included; the members whose payload never came; those that declined)."""
         others = [p for p in peers if p != me]
-        got, missing, declined = self.exchange(key, {p: payload for p in others}, {p: len(payload) for p in others},
-                                               timeout)
+        got, missing, declined = self.exchange(key, peers, {p: payload for p in others},
+                                               {p: len(payload) for p in others}, timeout)
         got[me] = payload
         return got, missing, declined
 
-    async def _send(self, peer: str, key: str, payload: bytes, timeout: float) -> None:
+    async def _send(self, peer: str, key: str, payload: bytes, timeout: float, group: Sequence[str] = ()) -> None:
         async def pieces() -> AsyncIterator[Any]:
-            for start in range(0, max(1, len(payload)), PIECE):
-                yield Part(key=key, offset=start, total=len(payload), data=payload[start:start + PIECE])
+            for start in range(0, max(1, len(payload)), PIECE):  # the group goes with the first piece only
+                yield Part(key=key, offset=start, total=len(payload), data=payload[start:start + PIECE],
+                           group=() if start else group)
 
         try:
             reply = await asyncio.wait_for(self._handler.p2p.call_protobuf_handler(
@@ -233,8 +236,8 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     a, b = bounds[me]
     size = codec.nbytes(b - a) if b > a else 0
     # the stage goes first: the key must end with its round (:func:`peers.round_keys.is_on_round`)
-    got, missing, declined = channel.exchange(f"rs.{key}", {p: parts[p] for p in others}, {p: size for p in others},
-                                              timeout)
+    got, missing, declined = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others},
+                                              {p: size for p in others}, timeout)
     out = EncodedAverage(None, missing, declined, sum(len(parts[p]) for p in others),
                          sum(len(v) for v in got.values()))
     if missing:
@@ -251,7 +254,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
         if out.carry is not None:
             out.carry[a:b] = part - dec(mine, b - a)
     sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
-    back, out.missing, out.declined = channel.exchange(f"ag.{key}", {p: mine for p in others}, sizes, timeout)
+    back, out.missing, out.declined = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
     out.bytes_sent += len(mine) * len(others)
     out.bytes_received += sum(len(v) for v in back.values())
     if not out.missing:

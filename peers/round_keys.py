@@ -30,6 +30,13 @@ def parts_key(peers: list[str], round_id: str) -> str:
     return f"{group_key(peers, round_id)}{_ROUND_TAG}{round_id}"
 
 
+def names_group(key: str, peers: list[str]) -> bool:
+    """Is ``key`` (a vote or parts key, under any stage prefix) the key of the group ``peers`` (sorted)?
+    Lets a member that never learned its group trust the member list a message on the key carries."""
+    head, tag, round_id = key.rpartition(_ROUND_TAG)
+    return bool(tag) and head.endswith(group_key(peers, round_id))
+
+
 def is_on_round(key: str, round_id: str) -> bool:
     """Is ``key`` a vote or parts key of some group on round ``round_id`` (not on its retry, nor another round)?"""
     return key.endswith(_ROUND_TAG + round_id)

@@ -29,6 +29,7 @@ import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
 from peers.p2p_loop import Handler, _submit, message_class, spawn
+from peers.round_keys import names_group
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,16 @@ that still arrives replaces it."""
 MAX_FINGERPRINT = 4096
 MAX_KEYS = 1024
 """Vote keys buffered for votes not yet held here (verdicts can arrive before our all-reduce ends)."""
+MAX_GROUP = 1024
+"""Most members a message may list as its group (more: the list is ignored)."""
 MAX_ANSWERED = 64
 """Keys we stood out of (abstained, declined) whose late messages we still answer."""
 
 
 Verdict = message_class("Verdict", [("key", "string"), ("fingerprint", "double", "repeated"),
-                                     ("accepted", "bool")])
-"""Protobuf message of one verdict: the vote key, the fingerprint, and in the reply whether it was taken."""
+                                     ("accepted", "bool"), ("group", "string", "repeated")])
+"""Protobuf message of one verdict: the vote key, the fingerprint, the group's members (so that a member
+whose matchmaking missed the group learns all of it), and in the reply whether it was taken."""
 
 
 def registered(found: Any) -> set[str]:
@@ -97,11 +101,13 @@ class Inbox:
         self._changed = threading.Condition()
         self._votes: dict[str, dict[str, Any]] = {}
         self._born: dict[str, float] = {}
+        self._groups: dict[str, list[str]] = {}
         self._held: set[str] = set()
 
-    def put(self, key: str, sender: str, value: Any) -> None:
+    def put(self, key: str, sender: str, value: Any, group: Sequence[str] = ()) -> None:
         """Keep ``sender``'s message on ``key`` (its first one; a real one replaces :data:`GONE`) and wake
-        the waiters."""
+        the waiters.  ``group``: the members the message says the key's group has, kept when the key names
+        that group and ``sender`` is in it."""
         with self._changed:
             if key not in self._votes:
                 self._prune()
@@ -110,6 +116,9 @@ class Inbox:
                 self._votes[key], self._born[key] = {}, time.monotonic()
             if self._votes[key].get(sender, GONE) is GONE:
                 self._votes[key][sender] = value
+            group = sorted(group) if len(group) <= MAX_GROUP else []
+            if key not in self._groups and sender in group and names_group(key, group):
+                self._groups[key] = group
             self._changed.notify_all()
 
     def _prune(self) -> None:
@@ -119,6 +128,7 @@ class Inbox:
             if i >= excess and now - born <= self.ttl:
                 break  # oldest first: the rest is younger
             del self._votes[k], self._born[k]
+            self._groups.pop(k, None)
 
     def wait_for(self, key: str, done: Callable[[dict[str, Any]], bool], deadline: float) -> dict[str, Any]:
         """Block until ``done(messages on key)`` or ``deadline`` (``time.monotonic``); the messages then."""
@@ -141,6 +151,12 @@ class Inbox:
         with self._changed:
             return sorted(s for s, v in self._votes.get(key, {}).items() if v is not GONE)
 
+    def group(self, key: str, me: str) -> list[str]:
+        """The members of ``key``'s group: as its messages listed them, else (none did: DHT-borne verdicts)
+        those who sent a message on it, and ``me``."""
+        with self._changed:
+            return self._groups.get(key) or sorted({*self.senders(key), me})
+
     def hold(self, key: str) -> None:
         """Keep ``key``'s messages until :meth:`release` (a wait on it is under way)."""
         with self._changed:
@@ -152,6 +168,7 @@ class Inbox:
             self._held.discard(key)
             if drop and key in self._votes:
                 del self._votes[key], self._born[key]
+                self._groups.pop(key, None)
 
 
 class LateAnswers:
@@ -230,11 +247,11 @@ class VoteChannel:
         sender = str(context.remote_id)
         if len(request.fingerprint) > MAX_FINGERPRINT or (self.members and not await self.members.allows(sender)):
             return Verdict(accepted=False)
-        self.box.put(request.key, sender, list(request.fingerprint))
+        self.box.put(request.key, sender, list(request.fingerprint), request.group)
         owed = self._abstained.newcomer(request.key, sender)
         if owed is not None:
-            me, expiration = owed
-            self._send_later(sender, request.key, me, [], expiration, SEND_TIMEOUT)
+            abstention, me, expiration = owed
+            self._send_later(sender, abstention, me, expiration, SEND_TIMEOUT)
         return Verdict(accepted=True)
 
     def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
@@ -245,11 +262,11 @@ class VoteChannel:
         record either (``GONE_AFTER``) is not waited for: it counts as missing at once.  ``mine`` empty:
         abstain (we have no result), telling the others not to wait for us, and learn who is left."""
         deadline = time.monotonic() + timeout
-        group = set(peers)
+        group, verdict = set(peers), Verdict(key=key, fingerprint=mine, group=peers)
         if not mine:  # a group we learned of from its verdicts: members we did not hear from yet are told later
-            self._abstained.remember(key, group, (me, expiration))
+            self._abstained.remember(key, group, (verdict, me, expiration))
         self.box.hold(key)
-        fallback = _submit(self._fallback(key, me, mine, [p for p in peers if p != me], expiration, deadline))
+        fallback = _submit(self._fallback(verdict, me, [p for p in peers if p != me], expiration, deadline))
 
         def tally(received: dict[str, list[float]]) -> Tally:
             votes = {p: v for p, v in received.items() if p in group and p != me and v is not GONE and len(v)}
@@ -266,14 +283,12 @@ class VoteChannel:
             fallback.cancel()  # stops the polling; sends in flight finish on their own
             self.box.release(key)
 
-    async def _fallback(self, key: str, me: str, mine: list[float], others: list[str], expiration: float,
-                        deadline: float) -> None:
-        period = POLL_ONLY
+    async def _fallback(self, verdict: Any, me: str, others: list[str], expiration: float, deadline: float) -> None:
+        key, mine, period = verdict.key, list(verdict.fingerprint), POLL_ONLY
         if self.direct:
             period, failed = POLL, asyncio.Event()
             for p in others:  # not awaited: a member that decided early must still reach the slow ones
-                self._send_later(p, key, me, mine, expiration, min(SEND_TIMEOUT, deadline - time.monotonic()),
-                                 failed)
+                self._send_later(p, verdict, me, expiration, min(SEND_TIMEOUT, deadline - time.monotonic()), failed)
             try:  # a failed send hints that the way back fails too: look in the DHT at once then
                 await asyncio.wait_for(failed.wait(), GRACE)
             except asyncio.TimeoutError:
@@ -283,16 +298,18 @@ class VoteChannel:
         while await self._poll(key, me, mine, expiration):  # until the vote is decided (cancelled) or the DHT gone
             await asyncio.sleep(period)
 
-    def _send_later(self, peer: str, key: str, me: str, mine: list[float], expiration: float, timeout: float,
+    def _send_later(self, peer: str, verdict: Any, me: str, expiration: float, timeout: float,
                     failed: asyncio.Event | None = None) -> None:
-        """Send our verdict to ``peer`` without waiting for it (on the p2p loop; sets ``failed`` if it fails)."""
-        spawn(self._send(peer, key, me, mine, failed or asyncio.Event(), expiration, timeout), self._sends)
+        """Send our ``verdict`` (a :data:`Verdict`) to ``peer`` without waiting for it (on the p2p loop; sets
+        ``failed`` if it fails)."""
+        spawn(self._send(peer, verdict, me, failed or asyncio.Event(), expiration, timeout), self._sends)
 
-    async def _send(self, peer: str, key: str, me: str, mine: list[float], failed: asyncio.Event, expiration: float,
+    async def _send(self, peer: str, verdict: Any, me: str, failed: asyncio.Event, expiration: float,
                     timeout: float) -> None:
+        key, mine = verdict.key, list(verdict.fingerprint)
         try:
             reply = await asyncio.wait_for(self._handler.p2p.call_protobuf_handler(
-                PeerID.from_base58(peer), self.name, Verdict(key=key, fingerprint=mine), Verdict), max(0.1, timeout))
+                PeerID.from_base58(peer), self.name, verdict, Verdict), max(0.1, timeout))
             if reply.accepted:
                 return
             log.debug("%s refused our verdict; publishing it in the DHT", peer)
