@@ -224,7 +224,7 @@ def averager_settings(a: AveragingConfig, **extra: Any) -> AveragerSettings:
         state_download_timeout=a.state_download_timeout, compression=a.compression,
         topk_density=a.topk_density, topk_bits=a.topk_bits, error_feedback=a.error_feedback,
         error_feedback_decay=a.error_feedback_decay, error_feedback_in=a.error_feedback_in,
-        owner_feedback=a.owner_feedback,
+        owner_feedback=a.owner_feedback, entropy_coding=a.entropy_coding,
         client_mode=a.client_mode, private=not a.public, **extra)
 
 

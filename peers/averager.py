@@ -101,7 +101,8 @@ class VerifiedAverager:
                                       ttl=max(60.0, 4 * settings.vote_timeout))
             if self.codec is not None:
                 self._parts = EncodedChannel(dht, settings.prefix, self.codec.nbytes(self._numel), members,
-                                             ttl=max(60.0, 4 * settings.allreduce_timeout))
+                                             ttl=max(60.0, 4 * settings.allreduce_timeout),
+                                             entropy_coding=settings.entropy_coding)
         except BaseException:
             self.shutdown()
             raise

@@ -66,6 +66,8 @@ class AveragerSettings:
     """``buffer``: e is added to the next Δ before it is encoded; ``params``: the caller keeps e in the
     island's parameters (its next Δ carries it), so each Δ is encoded alone and e is only recorded (the
     island's default: ``diloco.config.AveragingConfig.error_feedback_in``)."""
+    entropy_coding: bool = True
+    """With a codec of :mod:`outer_optim.codecs`: Huffman-code the payloads we send (:mod:`peers.deflate`)."""
     owner_feedback: bool = False
     """With error feedback and a dense codec that reduce-scatters: the owner of an averaged part carries what
     re-encoding it dropped into the part's next average (:attr:`peers.sharded.ShardedAverager.carry`)."""

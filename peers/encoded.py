@@ -39,6 +39,7 @@ import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
 
+from peers.deflate import pack, unpack
 from peers.p2p_loop import Handler, _submit, message_class, spawn
 from peers.vote import Inbox, LateAnswers, MemberCheck
 
@@ -53,11 +54,6 @@ PIECE = 1 << 20
 """Bytes per streamed message (hivemind's daemon refuses messages above 4 MiB)."""
 MAX_KEYS = 16
 """Exchanges buffered for rounds not yet held here (a member may send before our matchmaking ends)."""
-
-
-def allgather_bytes(payload_bytes: int, group_size: int) -> int:
-    """Bytes one member sends (and receives) in the all-gather of ``payload_bytes`` each."""
-    return max(0, group_size - 1) * payload_bytes
 
 
 def is_dense(codec: Any) -> bool:
@@ -88,16 +84,33 @@ def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float]) ->
     return out
 
 
+@dataclass
+class Exchanged:
+    """What :meth:`EncodedChannel.exchange` got."""
+
+    got: dict[str, bytes]
+    """The payloads received, decoded (:mod:`peers.deflate`) and of the expected size, by member."""
+    missing: list[str]
+    """Members whose payload never came or had another size."""
+    declined: list[str]
+    """Those of them that declined (see :meth:`EncodedChannel.decline`)."""
+    bytes_sent: int
+    """Bytes sent on the wire (after entropy coding)."""
+    bytes_received: int
+    """Bytes of the payloads taken, as they came on the wire."""
+
+
 class EncodedChannel:
     """Exchanges this peer's encoded buckets of one averager ``prefix`` with the group members.
 
     ``max_bytes``: the largest payload taken (the codec's size of the bucket: anything larger is refused,
     and a payload of another size than expected does not count); ``members``: in a private run, who may
-    send."""
+    send; ``entropy_coding``: Huffman-code what we send (:mod:`peers.deflate`; we read either form)."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, max_bytes: int, members: MemberCheck | None = None,
-                 ttl: float = 120.0):
-        self.dht, self.members, self.max_bytes = dht, members, max_bytes
+                 ttl: float = 120.0, entropy_coding: bool = True):
+        self.dht, self.members, self.max_bytes = dht, members, max_bytes + 1  # + the flag byte of peers.deflate
+        self.entropy_coding = entropy_coding
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)
         self._declined = LateAnswers()
@@ -126,22 +139,24 @@ class EncodedChannel:
         return Ack(accepted=True)
 
     def exchange(self, key: str, group: Sequence[str], outgoing: dict[str, bytes], expect: dict[str, int],
-                 timeout: float) -> tuple[dict[str, bytes], list[str], list[str]]:
+                 timeout: float) -> Exchanged:
         """Send ``outgoing[p]`` to each member ``p`` of ``group`` (sorted, us included) and wait (at most
-        ``timeout`` seconds) for a payload of ``expect[p]`` bytes from each member of ``expect``: returns
-        (payloads received, members whose payload never came or had another size, those of them that
-        declined: see :meth:`decline`)."""
+        ``timeout`` seconds) for a payload of ``expect[p]`` bytes from each member of ``expect``."""
         deadline = time.monotonic() + timeout
+        packed: dict[int, bytes] = {}  # one coding per distinct payload (an all-gather sends one to all)
+        wire = {p: packed.setdefault(id(b), pack(b, self.entropy_coding)) for p, b in outgoing.items()}
         self.box.hold(key)
         try:
-            for p, payload in outgoing.items():  # not awaited: a slow member must not hold up the others
-                _submit(self._send(p, key, payload, timeout, group))
+            for p, data in wire.items():  # not awaited: a slow member must not hold up the others
+                _submit(self._send(p, key, data, timeout, group))
             got = self.box.wait_for(key, lambda received: all(p in received for p in expect), deadline)
         finally:
             self.box.release(key, drop=True)
-        ok = {p: got[p] for p in expect if p in got and len(got[p]) == expect[p]}
+        payloads = {p: unpack(got[p], expect[p]) for p in expect if p in got}
+        ok = {p: b for p, b in payloads.items() if b is not None and len(b) == expect[p]}
         missing = [p for p in expect if p not in ok]
-        return ok, missing, [p for p in missing if p in got and not got[p]]
+        return Exchanged(ok, missing, [p for p in missing if p in got and not got[p]],
+                         sum(len(b) for b in wire.values()), sum(len(got[p]) for p in ok))
 
     def decline(self, key: str, peers: Sequence[str], timeout: float) -> None:
         """Tell ``peers``, who sent us parts on ``key``, that we are not in their exchange (an empty payload
@@ -151,15 +166,13 @@ class EncodedChannel:
         for p in peers:
             _submit(self._send(p, key, b"", timeout))
 
-    def all_gather(self, key: str, me: str, peers: Sequence[str], payload: bytes, timeout: float
-                   ) -> tuple[dict[str, bytes], list[str], list[str]]:
-        """Send ``payload`` to every member of ``peers`` but ``me`` and wait for theirs (of the same size):
-        returns (payload by member, ours included; the members whose payload never came; those that declined)."""
+    def all_gather(self, key: str, me: str, peers: Sequence[str], payload: bytes, timeout: float) -> Exchanged:
+        """Send ``payload`` to every member of ``peers`` but ``me`` and wait for theirs (of the same size);
+        ``got`` then holds ours too."""
         others = [p for p in peers if p != me]
-        got, missing, declined = self.exchange(key, peers, {p: payload for p in others},
-                                               {p: len(payload) for p in others}, timeout)
-        got[me] = payload
-        return got, missing, declined
+        out = self.exchange(key, peers, {p: payload for p in others}, {p: len(payload) for p in others}, timeout)
+        out.got[me] = payload
+        return out
 
     async def _send(self, peer: str, key: str, payload: bytes, timeout: float, group: Sequence[str] = ()) -> None:
         async def pieces() -> AsyncIterator[Any]:
@@ -216,11 +229,11 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     left out, on the owned part (zero elsewhere: a part owned before and not now is dropped); an
     all-gather re-encodes nothing and hands ``carry`` back as it was."""
     if not reduce_scatters(codec, len(peers)):
-        got, missing, declined = channel.all_gather(key, me, peers, payload, timeout)
-        out = EncodedAverage(None, missing, declined, allgather_bytes(len(payload), len(peers)),
-                             sum(len(v) for v in got.values()) - len(payload), carry)
-        if not missing:
-            out.mean = weighted_mean({p: codec.decode(got[p], numel) for p in peers}, weights)
+        gathered = channel.all_gather(key, me, peers, payload, timeout)
+        out = EncodedAverage(None, gathered.missing, gathered.declined, gathered.bytes_sent, gathered.bytes_received,
+                             carry)
+        if not out.missing:
+            out.mean = weighted_mean({p: codec.decode(gathered.got[p], numel) for p in peers}, weights)
         return out
 
     def enc(x: torch.Tensor) -> bytes:
@@ -236,13 +249,12 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     a, b = bounds[me]
     size = codec.nbytes(b - a) if b > a else 0
     # the stage goes first: the key must end with its round (:func:`peers.round_keys.is_on_round`)
-    got, missing, declined = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others},
-                                              {p: size for p in others}, timeout)
-    out = EncodedAverage(None, missing, declined, sum(len(parts[p]) for p in others),
-                         sum(len(v) for v in got.values()))
-    if missing:
+    scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
+                                 timeout)
+    out = EncodedAverage(None, scattered.missing, scattered.declined, scattered.bytes_sent, scattered.bytes_received)
+    if out.missing:
         return out
-    got[me] = parts[me]
+    got = {**scattered.got, me: parts[me]}
     mine = b""
     if carry is not None:
         out.carry = torch.zeros(numel)
@@ -254,10 +266,11 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
         if out.carry is not None:
             out.carry[a:b] = part - dec(mine, b - a)
     sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
-    back, out.missing, out.declined = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
-    out.bytes_sent += len(mine) * len(others)
-    out.bytes_received += sum(len(v) for v in back.values())
+    gathered = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
+    out.missing, out.declined = gathered.missing, gathered.declined
+    out.bytes_sent += gathered.bytes_sent
+    out.bytes_received += gathered.bytes_received
     if not out.missing:
-        back[me] = mine
+        back = {**gathered.got, me: mine}
         out.mean = torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()])
     return out

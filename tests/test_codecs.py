@@ -392,3 +392,37 @@ def test_pack_bits_round_trip(widths):
         assert torch.equal(got.long(), want)
     with pytest.raises(ValueError, match="fit"):
         pack_bits([(torch.tensor([1 << widths[0]]), widths[0])])
+
+
+# ---- entropy coding on the wire (peers.deflate) -----------------------------------------------------
+
+@pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
+def test_entropy_coding_is_lossless_and_never_costs_more_than_a_byte(name, kwargs):
+    from peers.deflate import pack, unpack
+    codec = make_codec(name, **kwargs)
+    for n in (1, 4097, 10000):
+        payload = codec.encode(randn(n, seed=n))
+        wire = pack(payload)
+        assert unpack(wire, len(payload)) == payload
+        assert len(wire) <= len(payload) + 1
+        assert pack(payload, entropy_coding=False) == b"\x00" + payload
+    if name == "int4":  # codes crowd around zero: Huffman coding takes a real share back
+        payload = codec.encode(randn(100_000))
+        assert len(pack(payload)) < 0.95 * len(payload)
+
+
+def test_entropy_decoding_refuses_what_is_not_exactly_the_expected_payload():
+    """A wrong size, an unknown flag, a truncated or padded stream, and a bomb (a stream that inflates far
+    beyond the expected size, which is never inflated past it) all give None; an empty wire is a decline."""
+    import zlib
+    from peers.deflate import pack, unpack
+    payload = bytes(range(16)) * 64
+    wire = pack(payload)
+    assert wire[:1] == b"\x01" and unpack(wire, len(payload)) == payload
+    assert unpack(wire, len(payload) - 1) is None and unpack(wire, len(payload) + 1) is None
+    assert unpack(b"\x02" + payload, len(payload)) is None
+    assert unpack(wire[:-3], len(payload)) is None and unpack(wire + b"\x00", len(payload)) is None
+    coder = zlib.compressobj(9, zlib.DEFLATED, -15)
+    bomb = b"\x01" + coder.compress(bytes(10**8)) + coder.flush()
+    assert len(bomb) < 10**6 and unpack(bomb, 1000) is None
+    assert unpack(b"", 1000) == b""
