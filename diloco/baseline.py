@@ -1,7 +1,7 @@
 """The synchronous data-parallel baseline DiLoCo is compared against.
 
 ``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run: worker
-``r`` reads shard ``r`` of ``k`` (:class:`~diloco.data.ShardedBatches`) with the same per-worker
+``r`` reads shard ``r`` of ``k`` (:class:`~diloco.batches.ShardedBatches`) with the same per-worker
 batch (``inner.batch_size`` × ``inner.grad_accum``), the same inner AdamW and schedule
 (:func:`~diloco.inner.build_inner_optimizer`) and the same number of steps
 (``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers
@@ -91,7 +91,8 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
-    from diloco.data import ShardedBatches, heldout_batches, load_corpus
+    from diloco.batches import ShardedBatches, heldout_batches
+    from diloco.data import load_corpus
     from diloco.inner import build_inner_optimizer, inner_step
     from diloco.metrics import MetricsLogger
     from diloco.model import build_initial_model, lm_loss

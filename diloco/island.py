@@ -31,7 +31,8 @@ import torch
 
 from diloco import island_state, peer_setup, training_loop
 from diloco.config import Config, config_fingerprint, to_dict
-from diloco.data import ShardedBatches, heldout_batches, load_corpus
+from diloco.batches import ShardedBatches, heldout_batches
+from diloco.data import load_corpus
 from diloco.errors import TrainingError
 from diloco.faults import FaultPlan
 from diloco.inner import build_inner_optimizer, inner_step

@@ -44,7 +44,6 @@ import math
 import os
 import re
 import secrets
-import select
 import signal
 import subprocess
 import sys
@@ -52,6 +51,7 @@ import threading
 from dataclasses import dataclass
 
 from diloco.proctable import read_stat
+from experiments import netprobe
 from experiments.namespaces import (  # noqa: F401 (the public names are this module's API too)
     _HANDLED_SIGNALS, _REGISTRY, DEFAULT_PREFIX, NetworkSetupError, _delete_namespaces,
     _kill_namespace_processes, _owner_file, _run, available, cleanup_stale, list_namespaces, parse_rate)
@@ -72,51 +72,6 @@ class Host:
     address: str  # IPv4 address of the host's eth0 inside its namespace
     interface: str = "eth0"
     bridge_port: str = ""  # name of the peer veth in the hub namespace
-
-
-_RX_SCRIPT = r"""
-import json, socket, sys, time
-addr, limit = sys.argv[1], float(sys.argv[2])
-s = socket.socket(); s.bind((addr, 0)); s.listen(1); s.settimeout(limit)
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept(); c.settimeout(limit)
-buf = bytearray(1 << 16); n = 0; t0 = t1 = None; end = time.monotonic() + limit
-while time.monotonic() < end:
-    k = c.recv_into(buf)
-    if not k:
-        break
-    now = time.monotonic()
-    if t0 is None:
-        t0 = now          # the first chunk only starts the clock
-    else:
-        n += k
-    t1 = now
-print(json.dumps({"bytes": n, "seconds": (t1 - t0) if t0 is not None else 0.0}), flush=True)
-"""
-
-_TX_SCRIPT = r"""
-import socket, sys, time
-addr, port, seconds, max_bytes, sndbuf = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf); s.settimeout(seconds + 10)
-s.connect((addr, port))
-chunk = bytes(1 << 16); sent = 0; t = time.monotonic()
-while time.monotonic() - t < seconds and sent < max_bytes:
-    s.sendall(chunk); sent += len(chunk)
-s.shutdown(socket.SHUT_WR); s.recv(1); s.close()
-"""
-
-_PROBE_RX = r"""
-import socket, sys
-s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(float(sys.argv[2]))
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept(); c.sendall(b"ok"); c.close()
-"""
-
-_PROBE_TX = r"""
-import socket, sys
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
-assert c.recv(2) == b"ok"
-"""
 
 
 class EmulatedNetwork:
@@ -312,7 +267,8 @@ class EmulatedNetwork:
     def closed(self) -> bool:
         return self._closed
 
-    def _host(self, host: int) -> Host:
+    def host(self, host: int) -> Host:
+        """Host ``host`` (an index into :attr:`hosts`), checked."""
         if self._closed:
             raise RuntimeError("EmulatedNetwork is closed")
         if not isinstance(host, int) or not 0 <= host < self.n_hosts:
@@ -321,7 +277,7 @@ class EmulatedNetwork:
 
     def wrap(self, cmd: list[str], host: int) -> list[str]:
         """``cmd`` prefixed so that it runs inside host ``host``'s namespace."""
-        return ["ip", "netns", "exec", self._host(host).namespace, *cmd]
+        return ["ip", "netns", "exec", self.host(host).namespace, *cmd]
 
     def popen(self, cmd: list[str], host: int, **kwargs) -> subprocess.Popen:
         """``subprocess.Popen(self.wrap(cmd, host), **kwargs)``, killed by ``close()``."""
@@ -331,63 +287,14 @@ class EmulatedNetwork:
 
     def can_reach(self, src: int, dst: int, timeout: float = 3.0) -> bool:
         """Whether a TCP connection from host ``src`` to host ``dst`` succeeds."""
-        d = self._host(dst)
-        rx = self.popen([sys.executable, "-c", _PROBE_RX, d.address, str(timeout + 2)], dst,
-                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        try:
-            port = self._read_port(rx, timeout + 2)
-            tx = _run(self.wrap([sys.executable, "-c", _PROBE_TX, d.address, str(port), str(timeout)], src),
-                      check=False, timeout=timeout + 5)
-            return tx.returncode == 0
-        finally:
-            self._reap(rx)
+        return netprobe.can_reach(self, src, dst, timeout)
 
     def measure_rate(self, src: int, dst: int, seconds: float = 2) -> float:
-        """Achieved TCP goodput in bits/s from host ``src`` to host ``dst``.
+        """Achieved TCP goodput in bits/s from host ``src`` to host ``dst`` (:func:`experiments.netprobe.measure_rate`)."""
+        return netprobe.measure_rate(self, src, dst, seconds)
 
-        Sends zeros for ``seconds`` (at most ~2x the configured rate's worth of bytes)
-        and times them at the receiver. Goodput is ~4-5% under the configured rate
-        because tbf counts Ethernet/IP/TCP headers.
-        """
-        if src == dst:
-            raise ValueError("measure_rate needs two different hosts")
-        if not 0 < seconds <= 60:
-            raise ValueError(f"seconds must be in (0, 60], got {seconds!r}")
-        self._host(src)
-        d = self._host(dst)
-        limit = seconds + 15
-        rx = self.popen([sys.executable, "-c", _RX_SCRIPT, d.address, str(limit)], dst,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            port = self._read_port(rx, 10)
-            max_bytes = int(self.rate_bits / 8 * seconds * 2) + (1 << 20)
-            sndbuf = int(min(max(self.rate_bits / 8 * 0.05, 1 << 16), 4 << 20))
-            tx = _run(self.wrap([sys.executable, "-c", _TX_SCRIPT, d.address, str(port), str(seconds),
-                                 str(max_bytes), str(sndbuf)], src), check=False, timeout=limit)
-            if tx.returncode != 0:
-                raise NetworkSetupError(f"rate-measurement sender failed: {tx.stderr.strip()[-500:]}")
-            out, err = rx.communicate(timeout=limit)
-        except subprocess.TimeoutExpired as e:
-            raise NetworkSetupError(f"rate measurement from host {src} to {dst} timed out") from e
-        finally:
-            self._reap(rx)
-        try:
-            res = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError) as e:
-            raise NetworkSetupError(f"rate-measurement receiver failed: {err.strip()[-500:]}") from e
-        if res["seconds"] <= 0:
-            raise NetworkSetupError("rate measurement received too little data to time")
-        return res["bytes"] * 8 / res["seconds"]
-
-    @staticmethod
-    def _read_port(p: subprocess.Popen, timeout: float) -> int:
-        ready, _, _ = select.select([p.stdout], [], [], timeout)
-        line = p.stdout.readline() if ready else ""
-        if not line.strip().isdigit():
-            raise NetworkSetupError("helper process in namespace did not start listening")
-        return int(line)
-
-    def _reap(self, p: subprocess.Popen) -> None:
+    def reap(self, p: subprocess.Popen) -> None:
+        """Stop a process started with :meth:`popen` and forget it."""
         if p.poll() is None:
             p.kill()
         try:
@@ -418,7 +325,7 @@ class EmulatedNetwork:
                         pass
             _kill_namespace_processes(created, grace=self.kill_grace_s)
             for p in list(self._procs):
-                self._reap(p)
+                self.reap(p)
             # hosts first, then the hub: deleting a namespace deletes its veth ends
             _delete_namespaces([ns for ns in reversed(created)])
             try:

@@ -25,7 +25,7 @@ from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from diloco.metrics import read_metrics
-from experiments.compare import ARMS
+from experiments.arms import ARMS
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.compare_results import diloco_result
 from experiments.report import format_bytes, json_safe, markdown_table

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from experiments.plots import PLOTS, finite, plot_curves
+
 __all__ = [
     "RunResult",
     "format_bytes",
@@ -62,19 +64,12 @@ class RunResult:
 # --------------------------------------------------------------------------- formatting
 
 
-def _finite(x: Any) -> bool:
-    try:
-        return x is not None and math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
 def format_bytes(n: float) -> str:
     """Human-readable byte count with decimal (SI) units: ``512 B``, ``12.3 MB``, ``1.05 GB``.
 
     Three significant digits from kB up; ``n/a`` for None/NaN/inf.
     """
-    if not _finite(n):
+    if not finite(n):
         return "n/a"
     n = float(n)
     sign = "-" if n < 0 else ""
@@ -90,7 +85,7 @@ def format_bytes(n: float) -> str:
 
 def format_ratio(value: float, reference: float) -> str:
     """``value / reference`` as ``"0.25×"``; small ratios also as a fraction: ``"0.002× (1/500)"``."""
-    if not (_finite(value) and _finite(reference)):
+    if not (finite(value) and finite(reference)):
         return "n/a"
     if reference == 0:
         return "—" if value == 0 else "∞"
@@ -104,14 +99,14 @@ def format_ratio(value: float, reference: float) -> str:
 
 
 def _format_pct_change(value: float, reference: float) -> str:
-    if not (_finite(value) and _finite(reference)) or reference == 0:
+    if not (finite(value) and finite(reference)) or reference == 0:
         return "n/a"
     return f"{(float(value) - float(reference)) / abs(float(reference)) * 100:+.2f}%"
 
 
 def perplexity(loss: float) -> float:
     """``exp(loss)`` (loss in nats/token); inf on overflow, NaN for a missing loss."""
-    if not _finite(loss):
+    if not finite(loss):
         return float("nan")
     try:
         return math.exp(float(loss))
@@ -190,7 +185,7 @@ def _pick_reference(results: Sequence[RunResult], reference: str | None) -> RunR
 
 
 def _derived(r: RunResult, ref: RunResult | None) -> dict:
-    util = r.compute_seconds / r.wall_seconds if _finite(r.wall_seconds) and r.wall_seconds > 0 else float("nan")
+    util = r.compute_seconds / r.wall_seconds if finite(r.wall_seconds) and r.wall_seconds > 0 else float("nan")
     d = {
         "perplexity": perplexity(r.final_eval_loss),
         "compute_utilization": util,
@@ -203,7 +198,7 @@ def _derived(r: RunResult, ref: RunResult | None) -> dict:
         d["wall_ratio"] = r.wall_seconds / ref.wall_seconds if ref.wall_seconds else None
         d["loss_change_pct"] = (
             (r.final_eval_loss - ref.final_eval_loss) / abs(ref.final_eval_loss) * 100
-            if _finite(ref.final_eval_loss) and ref.final_eval_loss and _finite(r.final_eval_loss)
+            if finite(ref.final_eval_loss) and ref.final_eval_loss and finite(r.final_eval_loss)
             else None
         )
     return d
@@ -235,85 +230,17 @@ def summary_rows(results: Sequence[RunResult], reference: str | None = None) -> 
                 r.name + (" (ref)" if r is ref else ""),
                 r.kind,
                 str(r.workers),
-                f"{r.final_eval_loss:.4f}" if _finite(r.final_eval_loss) else "n/a",
-                (f"{ppl:.2f}" if ppl < 1e6 else f"{ppl:.3g}") if _finite(ppl) else ("inf" if ppl == math.inf else "n/a"),
+                f"{r.final_eval_loss:.4f}" if finite(r.final_eval_loss) else "n/a",
+                (f"{ppl:.2f}" if ppl < 1e6 else f"{ppl:.3g}") if finite(ppl) else ("inf" if ppl == math.inf else "n/a"),
                 format_bytes(r.bytes_per_worker),
-                f"{r.wall_seconds:.1f}" if _finite(r.wall_seconds) else "n/a",
-                f"{d['compute_utilization'] * 100:.1f}%" if _finite(d["compute_utilization"]) else "n/a",
+                f"{r.wall_seconds:.1f}" if finite(r.wall_seconds) else "n/a",
+                f"{d['compute_utilization'] * 100:.1f}%" if finite(d["compute_utilization"]) else "n/a",
                 format_ratio(r.bytes_per_worker, ref.bytes_per_worker) if ref else "n/a",
                 format_ratio(r.wall_seconds, ref.wall_seconds) if ref else "n/a",
                 _format_pct_change(r.final_eval_loss, ref.final_eval_loss) if ref else "n/a",
             ]
         )
     return headers, rows
-
-
-# --------------------------------------------------------------------------- plots
-
-_LINESTYLE = {"single": ":", "ddp": "--", "diloco": "-"}
-_MARKER = {"single": "s", "ddp": "o", "diloco": "^"}
-
-
-def _points(r: RunResult, key: str) -> tuple[list[float], list[float]]:
-    pts = []
-    for p in r.curve:
-        x, y = p.get(key), p.get("eval_loss")
-        if _finite(x) and _finite(y):
-            pts.append((float(x), float(y)))
-    pts.sort(key=lambda t: t[0])
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def plot_curves(results: Sequence[RunResult], key: str, path: Path, *, xlabel: str, title: str,
-                logx: bool = False, x_unit: str = "") -> Path:
-    """One held-out-loss line per run against ``curve[key]``; saved as a PNG at ``path``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter
-
-    fig = Figure(figsize=(8, 5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    colors = [f"C{i % 10}" for i in range(len(results))]
-    flat = []  # runs with nothing to draw on a log axis (e.g. a single worker sends 0 bytes)
-    for r, c in zip(results, colors):
-        xs, ys = _points(r, key)
-        if logx:
-            keep = [(x, y) for x, y in zip(xs, ys) if x > 0]
-            xs, ys = [k[0] for k in keep], [k[1] for k in keep]
-        label = f"{r.name} ({r.workers} worker{'s' if r.workers != 1 else ''})"
-        if xs:
-            ax.plot(xs, ys, color=c, linestyle=_LINESTYLE.get(r.kind, "-"), marker=_MARKER.get(r.kind, "."),
-                    markersize=3.5, linewidth=1.8, label=label)
-        elif _finite(r.final_eval_loss):
-            flat.append((r, c, label))
-    for r, c, label in flat:
-        ax.axhline(r.final_eval_loss, color=c, linestyle=":", linewidth=1.5,
-                   label=f"{label}: final loss, {'no communication' if logx else 'no curve'}")
-    if logx:
-        ax.set_xscale("log")
-        if x_unit:
-            ax.xaxis.set_major_formatter(EngFormatter(unit=x_unit, sep=" "))
-    else:
-        ax.xaxis.set_major_formatter(EngFormatter(unit=x_unit, sep=" "))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("held-out loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.35)
-    if logx:
-        ax.grid(True, which="minor", alpha=0.12)
-        lo, hi = ax.get_xlim()
-        if x_unit and lo > 0 and hi / lo < 20:  # too few decades for labelled major ticks
-            ax.xaxis.set_minor_formatter(EngFormatter(unit=x_unit, sep=" "))
-            ax.tick_params(axis="x", which="minor", labelsize=7.5)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
-    else:
-        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="gray")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png")
-    return path
 
 
 # --------------------------------------------------------------------------- report
@@ -337,16 +264,6 @@ def json_safe(x: Any) -> Any:
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x
     return str(x)
-
-
-PLOTS = {
-    "loss_vs_tokens.png": dict(key="tokens", xlabel="training tokens processed (all workers)",
-                               title="Held-out loss vs tokens", x_unit=""),
-    "loss_vs_bytes.png": dict(key="bytes", xlabel="bytes communicated per worker (log scale)",
-                              title="Held-out loss vs communication", logx=True, x_unit="B"),
-    "loss_vs_time.png": dict(key="seconds", xlabel="wall-clock time (s)",
-                             title="Held-out loss vs wall-clock time", x_unit="s"),
-}
 
 
 def write_report(

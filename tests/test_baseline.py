@@ -11,7 +11,8 @@ import torch
 
 from diloco.baseline import BaselineError, ring_allreduce_bytes
 from diloco.baseline_launch import run_baseline
-from diloco.data import ShardedBatches, load_corpus
+from diloco.batches import ShardedBatches
+from diloco.data import load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.metrics import read_metrics
 from diloco.model import build_model, lm_loss

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from diloco.config import DataConfig
+from diloco.batches import ShardedBatches, heldout_batches
 from diloco.data import (
-    SEPARATOR, DataError, HFSource, ShardedBatches, build_corpus, heldout_batches, is_heldout, load_corpus,
-    stdlib_documents,
+    SEPARATOR, DataError, HFSource, build_corpus, is_heldout, load_corpus, stdlib_documents,
 )
 
 

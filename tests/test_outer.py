@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco.data import ShardedBatches, load_corpus
+from diloco.batches import ShardedBatches
+from diloco.data import load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.model import build_model, lm_loss
 from diloco.island import Island

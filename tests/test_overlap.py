@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from diloco.config import ConfigError
-from diloco.data import ShardedBatches, load_corpus
+from diloco.batches import ShardedBatches
+from diloco.data import load_corpus
 from diloco.inner import build_inner_optimizer
 from diloco.island import Island
 from diloco.overlap import InFlight
