@@ -160,3 +160,12 @@ def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     assert main(["--arms", "delayed,fast", "--at", "40", "--rounds", "12"]) == 2
     err = capsys.readouterr().err
     assert "--arms fast is not one of" in err and "--at must list rounds between 1 and --rounds 12" in err
+
+
+def test_unsent_says_what_is_missing_when_no_round_was_checkpointed_by_every_island(tmp_path):
+    from experiments.unsent import last_common_states
+    for i in (0, 1):
+        (tmp_path / f"island{i}" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "island0" / "checkpoints" / "ckpt-000003.pt").write_bytes(b"")
+    with pytest.raises(SystemExit, match="no outer step checkpointed by every island; run with --checkpoint.every 1"):
+        last_common_states(tmp_path)
