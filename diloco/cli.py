@@ -96,7 +96,8 @@ def cmd_train(cfg: config_mod.Config) -> int:
 
 
 def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
-    from diloco.simulate import format_summary, simulate
+    from diloco.simulate import simulate
+    from diloco.simulate_summary import format_summary
 
     n = islands or 2
     if cfg.averaging.backend == "local" and n > 1:

@@ -44,6 +44,7 @@ from experiments.compare_results import (acceptance_lines, baseline_result, code
                                          curve_from_metrics, diloco_result, link_tx_bytes, overlap_lines,
                                          wall_model_line)
 from experiments.islands import CompareError, launch_islands, variant
+from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, single_worker, warm_start
 from experiments.report import RunResult, format_bytes, write_report
 
 # Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
@@ -81,37 +82,6 @@ COMPARE_DEFAULTS: dict[str, Any] = {
     "averaging.state_download_timeout": 120.0,
     "wandb.mode": "offline",
 }
-
-# The DiLoCo paper starts every run from a model pretrained for 24k steps; from scratch, 300 steps are the
-# earliest phase of training, where the k×-batch baseline gains most (measured from scratch: DiLoCo +25%
-# held-out loss).  The warm start is pretraining, at the package's default inner lr.
-WARM_START_STEPS = 600
-
-WARM_START_LR = 3e-3
-
-# ------------------------------------------------------------------------------------ results
-
-
-def _single_worker(cfg: Config, run_dir: Path, run_id: str, **items: Any) -> Config:
-    """``cfg`` as one worker training alone: plain AdamW (an island averaging with nobody, whose FedAvg
-    outer step is the identity)."""
-    return variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.backend": "local",
-                            "averaging.min_group_size": 1, "averaging.target_group_size": 0,
-                            "diloco.outer_optimizer": "avg", "averaging.run_id": run_id, **items})
-
-
-def warm_start(cfg: Config, steps: int, run_dir: Path, progress: bool = True,
-               lr: float | None = None) -> tuple[Path, RunResult]:
-    """Train one worker ``steps`` AdamW steps (peak lr ``lr``, default ``cfg.inner.lr``) from the seeded
-    initialisation; return its checkpoint directory (for ``--checkpoint.init_from``) and its result."""
-    c = _single_worker(cfg, run_dir, "warm-start", **{"diloco.inner_steps": steps, "diloco.outer_steps": 1,
-                                                      "checkpoint.every": 1, "checkpoint.keep": 1,
-                                                      "inner.lr": lr or cfg.inner.lr})
-    out = launch_islands(c, 1, progress=progress)
-    ckpt_dir = Path(out["run_dirs"][0]) / "checkpoints"
-    if not list(ckpt_dir.glob("ckpt-*.pt")):
-        raise CompareError(f"the warm-start run wrote no checkpoint in {ckpt_dir}; see its log in {run_dir}")
-    return ckpt_dir, diloco_result("warm-start", "single", out)
 
 
 def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
@@ -187,7 +157,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
 
         # (a) one worker, plain AdamW
         say("\n== (a) single worker ==", flush=True)
-        c_single = _single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
+        c_single = single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
         out_single = launch_islands(c_single, 1, progress=progress)
         single = diloco_result("single", "single", out_single)
 

@@ -29,7 +29,8 @@ from diloco import config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.arms import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
-from experiments.compare import COMPARE_DEFAULTS, WARM_START_LR, WARM_START_STEPS, warm_start
+from experiments.compare import COMPARE_DEFAULTS
+from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, warm_start
 from diloco.metrics import read_metrics
 from experiments.islands import CompareError, island_summaries, launch_islands, variant
 from experiments.report import markdown_table
