@@ -41,7 +41,8 @@ from hivemind.p2p import P2PContext, PeerID
 
 from peers.deflate import pack, unpack
 from peers.p2p_loop import Handler, _submit, message_class, spawn
-from peers.vote import Inbox, LateAnswers, MemberCheck
+from peers.inbox import Inbox, LateAnswers
+from peers.vote import MemberCheck
 
 log = logging.getLogger(__name__)
 

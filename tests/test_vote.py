@@ -340,7 +340,7 @@ def test_a_group_listed_in_a_message_counts_only_when_its_key_names_it():
     """The member list a verdict or part carries is what a member that missed its group goes by: it is
     taken only from a member of that list, and only when the key is that group's (a list that does not
     hash to the key, forged or stale, is ignored and the senders are all that is known)."""
-    from peers.vote import Inbox
+    from peers.inbox import Inbox
     group = ["a", "b", "x"]
     key = vote_key("v", group, "3")
     box = Inbox(ttl=60.0)
