@@ -165,7 +165,7 @@ class AveragingConfig:
     owner_feedback: bool = False
     """With error feedback on `int8`, `int4` or `sign` among 3 islands or more (a reduce-scatter): the owner of each averaged part carries what re-encoding that average dropped into the part's next average (checkpointed, reset with the error feedback). Off by default, as in hivemind's own butterfly: over 12 rounds it left `int4` unchanged and made `sign` worse (+6.0% against +4.4% without)."""
     entropy_coding: bool = True
-    """With `int8`, `int4`, `sign` or `topk`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926, `sign` and `topk` hardly (0.99); it costs about 8 ms of one core per MB of payload to code, less to decode."""
+    """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
     maddr_file: str = ""
     """If set, write this island's visible multiaddrs to this file once it is reachable."""
     run_key: str = ""

@@ -102,7 +102,7 @@ class VerifiedAverager:
             if self.codec is not None:
                 self._parts = EncodedChannel(dht, settings.prefix, self.codec.nbytes(self._numel), members,
                                              ttl=max(60.0, 4 * settings.allreduce_timeout),
-                                             entropy_coding=settings.entropy_coding)
+                                             entropy_coding=settings.entropy_coding and self.codec.skewed)
         except BaseException:
             self.shutdown()
             raise
