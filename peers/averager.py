@@ -28,6 +28,7 @@ from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, Av
 from peers.encoded import EncodedChannel, average_encoded
 from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
+from peers.missed_group import PARTS_GRACE, MissedGroups
 from peers.round_keys import is_on_round, parts_key, round_bits, vote_key
 from peers.vote import MemberCheck, VoteChannel
 
@@ -38,12 +39,9 @@ log = logging.getLogger(__name__)
 
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
-PARTS_GRACE = 2.0
-"""Seconds an island still looking for its group waits after encoded parts of its round reached it before it
-concludes that it was listed in a group it never learned of."""
 
 
-class VerifiedAverager:
+class VerifiedAverager(MissedGroups):
     """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
 
     ``template`` fixes the shapes of the averaged tensors (fp32, CPU); every island of a run must
@@ -154,8 +152,10 @@ class VerifiedAverager:
                 return outcome, None
             gathered, t_allreduce = outcome
         except Exception as e:  # hivemind raises several types when no group forms or a peer fails
-            return RoundResult(False, f"averaging failed: {type(e).__name__}: {short_error(e)}",
-                               seconds=time.perf_counter() - t0), None
+            missed = self._listed_meanwhile(round_id, started)
+            result = missed or RoundResult(False, f"averaging failed: {type(e).__name__}: {short_error(e)}")
+            result.seconds = time.perf_counter() - t0
+            return result, None
         t1 = time.perf_counter()
         if not gathered:
             return RoundResult(False, "averaging returned no group", seconds=t1 - t0), None
@@ -227,17 +227,10 @@ class VerifiedAverager:
             if t_allreduce is not None and given_up is None:
                 given_up = self._give_up_if_voted_without_us(round_id, started)
             elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                listed = self._votes.box.first_since(lambda key: is_on_round(key, round_id), started)
-                if listed is not None:
+                missed = self._missed(round_id, started, PARTS_GRACE)
+                if missed is not None:
                     cancel_step(control)
-                    return self._missed_group(listed[1], round_id)
-                parts = self._parts.box.first_since(lambda key: is_on_round(key, round_id), started) \
-                    if self._parts is not None else None
-                # members send their parts once their all-reduce ended: if we are still looking a moment
-                # later, it ran without us in a group that listed us and that we never learned of
-                if parts is not None and time.monotonic() > parts[0] + PARTS_GRACE:
-                    cancel_step(control)
-                    return self._missed_exchange(parts[1], round_id)
+                    return missed
                 if self.stopping is not None and self.stopping():
                     cancel_step(control)
                     return RoundResult(False, "this island is stopping: it gave up looking for a group")
@@ -272,32 +265,6 @@ class VerifiedAverager:
         if first is None or time.monotonic() - first[0] <= self.settings.vote_timeout / 2:
             return None
         return self._averager.abort_allreduce() or []
-
-    def _missed_group(self, key: str, round_id: str) -> RoundResult:
-        """Verdicts on our round came while we were still looking for a group: a group listed us, but our
-        matchmaking never learned it (the leader's message was lost), and it averaged without our part.
-        Abstain on that group's vote so that its members stop waiting for us and all go round again."""
-        peers = self._votes.box.group(key, self.peer_id)
-        log.info("a group averaged this round without this island (its matchmaking missed the group); abstaining")
-        return self._abstain(peers, round_id, "averaging failed: a group listed this island but its matchmaking "
-                             "never learned of it, and the group averaged without it; abstained", key)
-
-    def _missed_exchange(self, key: str, round_id: str) -> RoundResult:
-        """As :meth:`_missed_group`, earlier: the group's members sent us their encoded parts and wait for
-        ours, which would keep them ``allreduce_timeout``.  Decline, so that all of us go round again now."""
-        peers = self._parts.box.group(key, self.peer_id)
-        log.info("a group listed this island but its matchmaking never learned of it; declining its exchange")
-        self._parts.decline(key, [p for p in peers if p != self.peer_id], self.settings.request_timeout + 5.0)
-        return RoundResult(False, "averaging failed: a group listed this island but its matchmaking never learned "
-                           "of it; declined its exchange of encoded parts", group_size=len(peers), peers=peers,
-                           members_left=len(peers), retryable=len(peers) >= self.settings.min_group_size)
-
-    def _abstain(self, peers: list[str], round_id: str, reason: str, key: str | None = None) -> RoundResult:
-        """We have no result while others voted on ``round_id`` (``key``: their vote's key, when we cannot tell
-        the group): tell them and learn who is left."""
-        _, voters, left = self._vote(None, peers, round_id, key)
-        return RoundResult(False, reason, group_size=len(peers), peers=peers, voters=voters, members_left=left,
-                           retryable=left >= self.settings.min_group_size)
 
     def _set_target(self, expected: int | None) -> None:
         """The group size this step assembles at: the configured target, else the expected one."""
