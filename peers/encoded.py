@@ -145,7 +145,10 @@ class EncodedChannel:
         ``timeout`` seconds) for a payload of ``expect[p]`` bytes from each member of ``expect``."""
         deadline = time.monotonic() + timeout
         packed: dict[int, bytes] = {}  # one coding per distinct payload (an all-gather sends one to all)
-        wire = {p: packed.setdefault(id(b), pack(b, self.entropy_coding)) for p, b in outgoing.items()}
+        for b in outgoing.values():
+            if id(b) not in packed:
+                packed[id(b)] = pack(b, self.entropy_coding)
+        wire = {p: packed[id(b)] for p, b in outgoing.items()}
         self.box.hold(key)
         try:
             for p, data in wire.items():  # not awaited: a slow member must not hold up the others

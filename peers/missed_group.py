@@ -38,7 +38,7 @@ class MissedGroups:
     _vote: Callable[..., tuple[str, int, int]]
 
     def _missed_group(self, key: str, round_id: str) -> RoundResult:
-        """Verdicts on our round came while we were still looking for a group: a group listed us, but our
+        """Verdicts on our round came while we were in no group: a group listed us, but our
         matchmaking never learned it (the leader's message was lost), and it averaged without our part.
         Abstain on that group's vote so that its members stop waiting for us and all go round again."""
         peers = self._votes.box.group(key, self.peer_id)
