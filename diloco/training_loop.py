@@ -26,6 +26,8 @@ def run(island: Island) -> dict[str, Any]:
     t_start = island.t_start = time.perf_counter()
     if island.outer_step == 0 and math.isnan(island.stats.eval_loss_start):
         island.stats.eval_loss_start = island.evaluate()
+        # evaluation is compute, as in every round's evaluation and in the baseline's accounting
+        island.stats.compute_seconds += time.perf_counter() - t_start
         island.metrics.log({"eval/loss": island.stats.eval_loss_start,
                             "eval/perplexity": math.exp(island.stats.eval_loss_start),
                             "tokens": island.stats.tokens, "outer_step": island.outer_step})

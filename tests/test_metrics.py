@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from diloco.metrics import METRIC_NAMES, MetricsLogger, read_metrics, resolve_wandb_mode
 from diloco.island import Island
@@ -58,3 +59,33 @@ def test_a_new_run_moves_earlier_records_aside_and_a_summary_is_strict_json(tmp_
 
 def pytest_fail(constant: str):
     raise AssertionError(f"summary.json holds {constant}, which is not JSON")
+
+
+def test_compute_seconds_count_every_evaluation_and_step(tmp_path, monkeypatch):
+    """Evaluations are compute, the first one too (as in the baseline's accounting): the island's
+    compute_seconds hold at least the time measured inside every step and every evaluation."""
+    inside = {"seconds": 0.0, "evaluations": 0}
+    evaluate, train_step = Island.evaluate, Island.train_step
+
+    def slow_evaluate(self):
+        t = time.perf_counter()
+        time.sleep(0.3)  # so that leaving out one evaluation cannot hide in the slack of the others
+        try:
+            return evaluate(self)
+        finally:
+            inside["seconds"] += time.perf_counter() - t
+            inside["evaluations"] += 1
+
+    def timed_step(self):
+        t = time.perf_counter()
+        try:
+            return train_step(self)
+        finally:
+            inside["seconds"] += time.perf_counter() - t
+
+    monkeypatch.setattr(Island, "evaluate", slow_evaluate)
+    monkeypatch.setattr(Island, "train_step", timed_step)
+    summary = Island(tiny_config(tmp_path, **{"wandb.mode": "disabled", "diloco.outer_steps": 2})).run()
+    assert inside["evaluations"] >= 2
+    assert summary["compute_seconds"] >= inside["seconds"], (summary["compute_seconds"], inside)
+    assert summary["compute_seconds"] <= summary["wall_seconds"]
