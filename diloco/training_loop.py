@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -25,9 +26,8 @@ def run(island: Island) -> dict[str, Any]:
     cfg, ov = island.cfg, island.overlap
     t_start = island.t_start = time.perf_counter()
     if island.outer_step == 0 and math.isnan(island.stats.eval_loss_start):
-        island.stats.eval_loss_start = island.evaluate()
-        # evaluation is compute, as in every round's evaluation and in the baseline's accounting
-        island.stats.compute_seconds += time.perf_counter() - t_start
+        with _as_compute(island):
+            island.stats.eval_loss_start = island.evaluate()
         island.metrics.log({"eval/loss": island.stats.eval_loss_start,
                             "eval/perplexity": math.exp(island.stats.eval_loss_start),
                             "tokens": island.stats.tokens, "outer_step": island.outer_step})
@@ -61,8 +61,20 @@ def run(island: Island) -> dict[str, Any]:
     if island.stop_agreed() or (cfg.checkpoint.every and island.outer_step % (cfg.checkpoint.every * ov.n)):
         island.save_checkpoint()
     if math.isnan(island.stats.eval_loss_end):
-        island.stats.eval_loss_end = island.evaluate()
+        with _as_compute(island):
+            island.stats.eval_loss_end = island.evaluate()
     return _finish(island, time.perf_counter() - t_start)
+
+
+@contextmanager
+def _as_compute(island: Island) -> Iterator[None]:
+    """Count the time of the block as the island's compute: evaluating θ_global (and writing samples of it)
+    is compute, as in the baseline's accounting, whichever evaluation it is."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        island.stats.compute_seconds += time.perf_counter() - t
 
 
 def _log_loss(island: Island, loss: float, window: tuple[float, int]) -> tuple[float, int]:
@@ -81,10 +93,9 @@ def _after_round(island: Island, metrics: RoundMetrics, loss: float) -> None:
     total = island.overlap.total_rounds
     record = dict(metrics.record(), tokens=island.stats.tokens, outer_step=island.outer_step, loss=loss)
     if island.outer_step % (cfg.logging.eval_every * n) == 0 or island.outer_step == total:
-        t_eval = time.perf_counter()
-        ev = island.evaluate()
-        log_samples(island)
-        island.stats.compute_seconds += time.perf_counter() - t_eval
+        with _as_compute(island):
+            ev = island.evaluate()
+            log_samples(island)
         island.stats.eval_loss_end = ev
         record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
     record["compute_utilization"] = island.stats.compute_seconds / max(time.perf_counter() - island.t_start, 1e-9)
