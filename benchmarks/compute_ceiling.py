@@ -32,11 +32,11 @@ def worker(steps: int, cpu: int | None) -> None:
     import torch
     from contextlib import nullcontext
 
-    from diloco import config_load
-    from diloco.batches import ShardedBatches
-    from diloco.data import load_corpus
-    from diloco.inner import build_inner_optimizer, inner_step
-    from diloco.model import build_initial_model, lm_loss
+    from diloco.config import loader as config_load
+    from diloco.data.batches import ShardedBatches
+    from diloco.data.corpus import load_corpus
+    from diloco.model.inner import build_inner_optimizer, inner_step
+    from diloco.model.transformer import build_initial_model, lm_loss
     from experiments.compare import COMPARE_DEFAULTS
     from pipeline import ModelParts, SplitSettings
 

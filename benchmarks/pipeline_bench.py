@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from diloco.config import ModelConfig, resolve_model  # noqa: E402
-from diloco.model import build_model, count_parameters  # noqa: E402
+from diloco.model.transformer import build_model, count_parameters  # noqa: E402
 from pipeline.model_parts import ModelParts, SplitSettings  # noqa: E402
 from pipeline.mesh import destroy_island, init_island_mesh  # noqa: E402
 

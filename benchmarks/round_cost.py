@@ -40,7 +40,7 @@ from pipeline import shard_spec_of  # noqa: E402
 
 def model_shapes(preset: str, n_layers: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes of a preset (``n_layers``: other than the preset's), without weights."""
-    from diloco.model import build_model
+    from diloco.model.transformer import build_model
 
     cfg = ModelConfig(preset=preset, n_layers=n_layers)
     resolve_model(cfg)

@@ -16,8 +16,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
-from diloco import config as config_mod
-from diloco import config_load
+from diloco.config import schema as config_mod
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import ConfigError
 
@@ -83,7 +83,7 @@ def setup_logging(prefix: str = "") -> None:
 
 
 def cmd_train(cfg: config_mod.Config) -> int:
-    from diloco.island import train
+    from diloco.engine.island import train
 
     setup_logging(f"[{cfg.averaging.run_id}-island{cfg.data.shard_index}] ")
     summary = train(cfg)
@@ -96,8 +96,8 @@ def cmd_train(cfg: config_mod.Config) -> int:
 
 
 def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
-    from diloco.simulate import simulate
-    from diloco.simulate_summary import format_summary
+    from diloco.launch.simulate import simulate
+    from diloco.launch.simulate_summary import format_summary
 
     n = islands or 2
     if cfg.averaging.backend == "local" and n > 1:
@@ -116,7 +116,7 @@ def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
 
 
 def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
-    from diloco.baseline_launch import run_baseline
+    from diloco.launch.baseline_launch import run_baseline
 
     setup_logging("[baseline] ")
     summary = run_baseline(cfg, workers or 2)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _stacks_on_sigusr1()
     if argv and argv[0] in ("generate", "eval", "export"):
-        from diloco.model_commands import COMMANDS
+        from diloco.inference.commands import COMMANDS
 
         return COMMANDS[argv[0]](argv[1:])
     plugin = _plugin_command(argv[0]) if argv else None
@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.help or not ns.command:
         print(USAGE)
         return 0 if ns.help else 2
-    from diloco.baseline import BaselineError
-    from diloco.checkpoint import CheckpointError
-    from diloco.data import DataError
-    from diloco.simulate import SimulationError
+    from diloco.launch.baseline import BaselineError
+    from diloco.model.checkpoint import CheckpointError
+    from diloco.data.corpus import DataError
+    from diloco.launch.simulate import SimulationError
     from diloco.errors import TrainingError
     from peers.dht import PeerNetworkError
 

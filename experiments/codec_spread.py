@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from diloco import checkpoint
-from diloco import config as config_mod
-from diloco import config_load
+from diloco.model import checkpoint
+from diloco.config import schema as config_mod
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import ConfigError
 from experiments.islands import CompareError, launch_islands, variant
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, codecs, args.rounds, args.every, args.islands, Path(args.out))
         return 0
 
-    from diloco.simulate import SimulationError
+    from diloco.launch.simulate import SimulationError
 
     return run_command(body, (CompareError, SimulationError), "interrupted: every island was stopped")
 

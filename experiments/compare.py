@@ -6,7 +6,7 @@ same number of inner steps per worker, one after the other:
 
 (a) ``single``   one worker: an island with the ``local`` backend and the ``avg`` outer optimizer, which
                  is plain AdamW (θ_global ← θ_global − (θ_global − θ_local) = θ_local);
-(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.baseline_launch.run_baseline`),
+(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.launch.baseline_launch.run_baseline`),
                  gradients all-reduced every step: ``k`` × the tokens of (a);
 (c) ``diloco``   ``k`` DiLoCo islands averaging every ``H`` steps: the same tokens as (b).
 
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco import config as config_mod
-from diloco import config_load
+from diloco.config import schema as config_mod
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.arms import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
@@ -95,7 +95,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     lr), as the DiLoCo paper starts every run from a pretrained model; the report names the shared
     starting point.
     """
-    from diloco.baseline_launch import run_baseline
+    from diloco.launch.baseline_launch import run_baseline
     from experiments import netns
 
     if islands < 2:
@@ -246,7 +246,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
 
 
 def _param_count(cfg: Config) -> int:
-    from diloco.model import build_model
+    from diloco.model.transformer import build_model
 
     return sum(p.numel() for p in build_model(copy.deepcopy(cfg.model), seed=0).parameters())
 
@@ -286,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C / kill -INT must stop the experiment even when started from a shell that ignores SIGINT in
     # background jobs (the emulated network closes itself on SIGINT and passes it on to this handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from diloco.baseline import BaselineError
-    from diloco.data import DataError
-    from diloco.simulate import SimulationError
+    from diloco.launch.baseline import BaselineError
+    from diloco.data.corpus import DataError
+    from diloco.launch.simulate import SimulationError
     from experiments.netns import NetworkSetupError
 
     def body() -> int:

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from diloco.metrics import read_metrics
+from diloco.engine.metrics import read_metrics
 from experiments.report import RunResult, format_bytes
 
 ACCEPT_LOSS_PCT = 2.0

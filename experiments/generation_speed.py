@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from diloco.config import DataConfig, ModelConfig, resolve_model
-from diloco.data import load_corpus
-from diloco.export import export_hf
-from diloco.model import build_model
+from diloco.data.corpus import load_corpus
+from diloco.inference.export import export_hf
+from diloco.model.transformer import build_model
 from experiments.report import markdown_table
 
 ARMS = [("1 process", 1, 1), ("tp=2", 2, 1), ("pp=2", 1, 2)]

@@ -28,11 +28,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco import config as config_mod
-from diloco import config_load
+from diloco.config import schema as config_mod
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from diloco.metrics import read_metrics
+from diloco.engine.metrics import read_metrics
 from experiments.compare_results import baseline_result, diloco_result
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import RunResult, write_report
@@ -69,7 +69,7 @@ def island_lines(name: str, out: dict[str, Any]) -> tuple[list[str], list[float]
 
 def run_hetero(cfg: Config, islands: int, slow_fraction: float, out: Path) -> Path:
     """Run the four arms with the last island slowed; write the report; return ``results.md``."""
-    from diloco.baseline_launch import run_baseline
+    from diloco.launch.baseline_launch import run_baseline
     from experiments.slowdown import cpu_limit
 
     out.mkdir(parents=True, exist_ok=True)
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         run_hetero(cfg, args.islands, args.slow_fraction, Path(args.out))
         return 0
 
-    from diloco.baseline import BaselineError
-    from diloco.simulate import SimulationError
+    from diloco.launch.baseline import BaselineError
+    from diloco.launch.simulate import SimulationError
 
     return run_command(body, (CompareError, SimulationError, BaselineError),
                        "interrupted: every island and worker was stopped")

@@ -25,13 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco import config_load
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.arms import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
 from experiments.compare import COMPARE_DEFAULTS
 from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, warm_start
-from diloco.metrics import read_metrics
+from diloco.engine.metrics import read_metrics
 from experiments.islands import CompareError, island_summaries, launch_islands, variant
 from experiments.report import markdown_table
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="experiments/results/horizon", help="output directory")
     args, rest = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from diloco.simulate import SimulationError
+    from diloco.launch.simulate import SimulationError
 
     def body() -> int:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diloco import config_checks, config_load
+from diloco.config import checks as config_checks
+from diloco.config import loader as config_load
 from diloco.config import Config, ConfigError
 
 
@@ -24,11 +25,11 @@ def launch_islands(cfg: Config, n: int, network: Any = None, *,
                    startup_timeout: float = 180.0, progress: bool = True) -> dict[str, Any]:
     """Run ``n`` islands (``diloco train`` processes) to completion; return their summaries.
 
-    :func:`diloco.simulate.simulate` with, when ``network`` is given, island ``i`` listening on emulated
+    :func:`diloco.launch.simulate.simulate` with, when ``network`` is given, island ``i`` listening on emulated
     host ``i``'s address and its command wrapped with ``network.wrap(cmd, i)`` (or ``wrap``).  Every
     island is stopped on failure, Ctrl-C/SIGTERM and at the end.
     """
-    from diloco.simulate import simulate
+    from diloco.launch.simulate import simulate
 
     hosts = None
     if network is not None:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from diloco.proctable import is_running, read_stat
+from diloco.launch.proctable import is_running, read_stat
 
 DEFAULT_PREFIX = "dlc-"
 FALLBACK_NOTE = "running on loopback without a bandwidth cap"

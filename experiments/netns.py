@@ -50,7 +50,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from diloco.proctable import read_stat
+from diloco.launch.proctable import read_stat
 from experiments import netprobe
 from experiments.namespaces import (  # noqa: F401 (the public names are this module's API too)
     _HANDLED_SIGNALS, _REGISTRY, DEFAULT_PREFIX, NetworkSetupError, _delete_namespaces,

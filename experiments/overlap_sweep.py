@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco import config_load
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from diloco.metrics import read_metrics
+from diloco.engine.metrics import read_metrics
 from experiments.arms import ARMS
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.compare_results import diloco_result
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep(cfg, rates, modes, args.islands, Path(args.out))
         return 0
 
-    from diloco.simulate import SimulationError
+    from diloco.launch.simulate import SimulationError
     from experiments.netns import NetworkSetupError
 
     return run_command(body, (CompareError, SimulationError, NetworkSetupError),

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from diloco.config_load import load
-from diloco.metrics import read_metrics
-from diloco.simulate import Cluster
+from diloco.config.loader import load
+from diloco.engine.metrics import read_metrics
+from diloco.launch.simulate import Cluster
 from experiments.compare_results import link_tx_bytes
 from experiments.report import format_bytes, json_safe, markdown_table
 

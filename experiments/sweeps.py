@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco import config as config_mod
-from diloco import config_load
+from diloco.config import schema as config_mod
+from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from experiments.compare import curve_from_metrics
@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rebuild results.md and the PNG from an earlier run's results.json, train nothing")
     args, rest = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops every island, even from a background job
-    from diloco.data import DataError
-    from diloco.simulate import SimulationError
+    from diloco.data.corpus import DataError
+    from diloco.launch.simulate import SimulationError
 
     def body() -> int:
         cfg = config_load.load(args.config, rest, defaults=SWEEP_DEFAULTS)

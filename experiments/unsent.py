@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco import checkpoint
-from diloco.batches import heldout_batches
-from diloco.config_load import from_dict
-from diloco.data import load_corpus
-from diloco.model import build_model
+from diloco.model import checkpoint
+from diloco.data.batches import heldout_batches
+from diloco.config.loader import from_dict
+from diloco.data.corpus import load_corpus
+from diloco.model.transformer import build_model
 
 
 def last_common_states(run_dir: Path) -> list[dict]:

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from diloco.config import Config  # noqa: E402
-from diloco.config_load import load  # noqa: E402
+from diloco.config.loader import load  # noqa: E402
 
 
 def tiny_config(run_dir, **overrides) -> Config:

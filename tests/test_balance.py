@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from diloco.config import CHOICES, ConfigError, ModelConfig
-from diloco.config_load import load
-from diloco.model import build_model
+from diloco.config.loader import load
+from diloco.model.transformer import build_model
 from pipeline.balance import (
     BALANCES,
     PROFILE_MIN_GAIN,

@@ -9,13 +9,13 @@ import subprocess
 import pytest
 import torch
 
-from diloco.baseline import BaselineError, ring_allreduce_bytes
-from diloco.baseline_launch import run_baseline
-from diloco.batches import ShardedBatches
-from diloco.data import load_corpus
-from diloco.inner import build_inner_optimizer
-from diloco.metrics import read_metrics
-from diloco.model import build_model, lm_loss
+from diloco.launch.baseline import BaselineError, ring_allreduce_bytes
+from diloco.launch.baseline_launch import run_baseline
+from diloco.data.batches import ShardedBatches
+from diloco.data.corpus import load_corpus
+from diloco.model.inner import build_inner_optimizer
+from diloco.engine.metrics import read_metrics
+from diloco.model.transformer import build_model, lm_loss
 from tests.conftest import tiny_config
 
 

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from diloco.checkpoint import list_checkpoints, load
-from diloco.metrics import read_metrics
-from diloco.simulate import simulate
+from diloco.model.checkpoint import list_checkpoints, load
+from diloco.engine.metrics import read_metrics
+from diloco.launch.simulate import simulate
 from outer_optim.codecs import ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager
 from peers.deflate import pack

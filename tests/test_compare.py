@@ -143,7 +143,7 @@ def test_horizon_reads_a_round_of_fragments_as_its_last_sync(tmp_path):
 
 
 def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
-    from diloco import config_load
+    from diloco.config import loader as config_load
     from experiments.compare import COMPARE_DEFAULTS
     from experiments.horizon import REFERENCE, _plot, _write_report, gap, main, unknown
 

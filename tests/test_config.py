@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from diloco import config as C
-from diloco import config_load
+from diloco.config import schema as C
+from diloco.config import loader as config_load
 from diloco.config import ConfigError
-from diloco.config_load import load
+from diloco.config.loader import load
 
 
 def test_defaults_are_valid_and_presets_fill_the_model():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from diloco.config import DataConfig
-from diloco.batches import ShardedBatches, heldout_batches
-from diloco.data import (
+from diloco.data.batches import ShardedBatches, heldout_batches
+from diloco.data.corpus import (
     SEPARATOR, DataError, HFSource, build_corpus, is_heldout, load_corpus, stdlib_documents,
 )
 

@@ -13,9 +13,9 @@ import os
 import re
 import signal
 
-from diloco.metrics import read_metrics
-from diloco.proctable import descendants
-from diloco.simulate import Cluster
+from diloco.engine.metrics import read_metrics
+from diloco.launch.proctable import descendants
+from diloco.launch.simulate import Cluster
 from tests.conftest import PART_LOST, real_failures, tiny_config, wait_until
 
 ROUNDS = 8

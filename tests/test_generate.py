@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from diloco.checkpoint import CheckpointError, load_parameters
+from diloco.model.checkpoint import CheckpointError, load_parameters
 from diloco.cli import main
-from diloco.export import export_hf, load_trained
-from diloco.generate import GenerationError, Sampling, StreamDecoder, decode, encode, generate
+from diloco.inference.export import export_hf, load_trained
+from diloco.inference.generate import GenerationError, Sampling, StreamDecoder, decode, encode, generate
 from tests.conftest import tiny_config
 
 PROMPTS = ["def __init__(self", "import os\n", "    return "]
@@ -19,7 +19,7 @@ PROMPTS = ["def __init__(self", "import os\n", "    return "]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny model trained for 60 steps on the standard library's source, as a run directory."""
-    from diloco.island import train
+    from diloco.engine.island import train
 
     run_dir = tmp_path_factory.mktemp("run")
     train(tiny_config(run_dir, **{"diloco.inner_steps": 20, "checkpoint.every": 1}))
@@ -73,8 +73,8 @@ def test_generate_command_streams_text_and_reports_speed(trained, capsys):
 
 
 def test_simulate_prints_a_sample_at_the_end(trained):
-    from diloco.simulate import last_sample
-    from diloco.simulate_summary import format_summary
+    from diloco.launch.simulate import last_sample
+    from diloco.launch.simulate_summary import format_summary
 
     sample = last_sample(trained)
     assert sample["outer_step"] == 3 and sample["prompt"] and sample["continuation"]
@@ -86,8 +86,8 @@ def test_simulate_prints_a_sample_at_the_end(trained):
 
 def test_eval_matches_the_island_loss_definition_and_lists_documents(trained, tmp_path, capsys):
     from diloco.config import DataConfig
-    from diloco.evaluate import document_loss, evaluate, heldout_documents
-    from diloco.model import lm_loss
+    from diloco.inference.evaluate import document_loss, evaluate, heldout_documents
+    from diloco.model.transformer import lm_loss
 
     model, cfg, _ = load_trained(trained)
     text = (tmp_path / "a.txt")
@@ -153,7 +153,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_comes_back_lossle
     text = "class Foo:\n    def bär(self):\n"
     ids = tok(text)["input_ids"]
     assert ids == list(text.encode()) and tok.decode(ids) == text
-    from diloco.data import load_corpus
+    from diloco.data.corpus import load_corpus
 
     heldout = load_corpus(tiny_config(tmp_path).data).heldout[: 4 * cfg.seq_len]
     batch = torch.from_numpy(heldout.astype("int64")).view(4, cfg.seq_len)

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from diloco.simulate import Cluster, simulate
+from diloco.launch.simulate import Cluster, simulate
 from tests.conftest import tiny_config
 
 

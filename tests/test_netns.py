@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.proctable import is_running
+from diloco.launch.proctable import is_running
 from experiments.netns import (
     EmulatedNetwork,
     available,

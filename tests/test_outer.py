@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from diloco.batches import ShardedBatches
-from diloco.data import load_corpus
-from diloco.inner import build_inner_optimizer
-from diloco.model import build_model, lm_loss
-from diloco.island import Island
+from diloco.data.batches import ShardedBatches
+from diloco.data.corpus import load_corpus
+from diloco.model.inner import build_inner_optimizer
+from diloco.model.transformer import build_model, lm_loss
+from diloco.engine.island import Island
 from outer_optim import OuterOptimizer, checksum
 from tests.conftest import tiny_config
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from diloco.config import ConfigError
-from diloco.batches import ShardedBatches
-from diloco.data import load_corpus
-from diloco.inner import build_inner_optimizer
-from diloco.island import Island
-from diloco.overlap import InFlight
-from diloco.model import build_model, lm_loss
+from diloco.data.batches import ShardedBatches
+from diloco.data.corpus import load_corpus
+from diloco.model.inner import build_inner_optimizer
+from diloco.engine.island import Island
+from diloco.engine.overlap import InFlight
+from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments
 from peers.layout import CanonicalLayout
@@ -138,7 +138,7 @@ def test_fragments_are_synced_in_turn_with_merge_alpha(tmp_path):
     _close(theta, hand.outer.master)
     assert island.stats.rounds_ok == total
     # round 1 averaged fragment 0 and round 2 fragment 1: both appear in the metrics
-    from diloco.metrics import read_metrics
+    from diloco.engine.metrics import read_metrics
     assert [r["fragment"] for r in read_metrics(cfg.logging.run_dir) if "round_ok" in r] == [0, 1, 0, 1]
 
 
@@ -176,7 +176,7 @@ def test_fragments_that_do_not_divide_h_sync_at_rounded_steps(tmp_path):
     rounded up), each fragment once per H, and the run trains exactly outer_steps × H steps."""
     cfg = tiny_config(tmp_path, **{"model.n_layers": 3, "diloco.fragments": 3, "diloco.outer_steps": 2})
     island, _ = _run(cfg)
-    from diloco.metrics import read_metrics
+    from diloco.engine.metrics import read_metrics
     rounds = [r for r in read_metrics(cfg.logging.run_dir) if "round_ok" in r]
     assert [r["fragment"] for r in rounds] == [0, 1, 2, 0, 1, 2]
     assert island.inner_step == 10 and island.stats.rounds_ok == 6

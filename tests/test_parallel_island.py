@@ -19,11 +19,11 @@ import torch
 
 from diloco import cli
 from diloco.config import ConfigError, to_dict
-from diloco.config_load import load
-from diloco.island import Island
-from diloco.metrics import read_metrics
-from diloco.proctable import descendants
-from diloco.simulate import Cluster, SimulationError, simulate, theta_spread
+from diloco.config.loader import load
+from diloco.engine.island import Island
+from diloco.engine.metrics import read_metrics
+from diloco.launch.proctable import descendants
+from diloco.launch.simulate import Cluster, SimulationError, simulate, theta_spread
 from peers.dht import visible_maddrs
 from peers.membership import Membership
 from tests.conftest import assert_joined, real_failures, tiny_config
@@ -211,11 +211,11 @@ def test_membership_counts_islands_not_ranks():
 
 
 def test_a_run_that_ends_out_of_sync_says_so():
-    from diloco.state_transfer import StateTransfer
+    from diloco.engine.state_transfer import StateTransfer
 
     registry: dict[str, dict] = {}
     mine, theirs = Membership(_FakeDHT("A", registry), "run"), Membership(_FakeDHT("B", registry), "run")
-    from diloco.metrics import RunStats
+    from diloco.engine.metrics import RunStats
 
     island = SimpleNamespace(membership=mine, outer_step=7, rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
                              cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)), stats=RunStats(),
@@ -248,7 +248,7 @@ def test_a_run_that_ends_out_of_sync_says_so():
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     """The decisions of a catch-up (narrow unit test of the logic; the downloads are tested end to end
     above): a state that a commit overtook during its download is downloaded again, never adopted."""
-    from diloco.state_transfer import StateTransfer
+    from diloco.engine.state_transfer import StateTransfer
 
     run = SimpleNamespace(furthest=4, averaging={}, dead=0)  # outer step -> how many other islands average it
     membership = SimpleNamespace(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from diloco.config import ModelConfig
-from diloco.model import build_model, lm_loss
+from diloco.model.transformer import build_model, lm_loss
 from pipeline.model_parts import ModelParts, SplitSettings, check_split
 from pipeline.pipeline_parallel import build_stage_modules, check_schedule, model_layer_costs, stage_layer_split
 from pipeline.shards import ShardSpec, shard_spec_of

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from diloco.config import ConfigError
-from diloco.metrics import read_metrics
-from diloco.round_budget import Budget, auto_seconds, parse_budget
-from diloco.simulate import Cluster
+from diloco.engine.metrics import read_metrics
+from diloco.engine.budget import Budget, auto_seconds, parse_budget
+from diloco.launch.simulate import Cluster
 from tests.conftest import tiny_config
 
 

@@ -14,7 +14,7 @@ def test_the_longest_stall_counts_only_time_with_two_islands_in_the_run_and_says
     logs = []
     for i, lines in enumerate([
         ["10:00:01 [i0] INFO diloco: data: x", "10:00:02 [i0] INFO diloco: 2 islands registered",
-         "10:00:30 [i0] WARNING diloco.outer_round: round 5: averaging failed: peer lost",
+         "10:00:30 [i0] WARNING diloco.engine.outer_round: round 5: averaging failed: peer lost",
          "10:00:35 [i0] WARN diloco: round 5 rolled back", "10:01:00 [i0] INFO end"],
         ["10:00:01 [i1] INFO diloco: data: x", "10:00:02 [i1] INFO diloco: 2 islands registered",
          "10:00:20 [i1] INFO killed here", "10:00:40 [i1] INFO diloco: data: x",

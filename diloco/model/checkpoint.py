@@ -149,7 +149,7 @@ def load_parameters(spec: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
     ``{name: tensor}`` state dict (``torch.save(model.state_dict())``).
     """
     path = Path(spec)
-    from diloco.export import is_hf_folder, read_hf  # export reads checkpoints: import it when needed
+    from diloco.inference.export import is_hf_folder, read_hf  # export reads checkpoints: import it when needed
 
     if is_hf_folder(path):
         return read_hf(path)[0], path

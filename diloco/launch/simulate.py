@@ -23,8 +23,8 @@ import tomli_w
 import torch
 
 from diloco.config import Config, to_dict
-from diloco.metrics import read_metrics
-from diloco.proctable import descendants
+from diloco.engine.metrics import read_metrics
+from diloco.launch.proctable import descendants
 from peers.run_key import new_run_key
 
 Wrap = Callable[[list[str], int], list[str]]

@@ -1,6 +1,6 @@
 """Text generation with a trained model: a KV cache, greedy or sampled decoding, streamed output.
 
-Generation runs over the unmodified :class:`diloco.model.Transformer` (as torchtitan applies
+Generation runs over the unmodified :class:`diloco.model.transformer.Transformer` (as torchtitan applies
 parallelism: functions over the model, not a second model class): :func:`forward_cached` calls the
 model's own modules, keeping each block's keys and values of the positions seen so far, so a new
 token costs one position's work instead of the whole prefix's.  Tokens are UTF-8 bytes, as in training.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from diloco.model import Attention, Transformer, apply_rotary
+from diloco.model.transformer import Attention, Transformer, apply_rotary
 
 
 class GenerationError(ValueError):

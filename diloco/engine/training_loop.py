@@ -1,5 +1,5 @@
 """The island's training loop: inner steps, rounds sent and applied on the schedule of
-:mod:`diloco.overlap`, evaluations of θ_global, checkpoints between rounds, and the summary at the end."""
+:mod:`diloco.engine.overlap`, evaluations of θ_global, checkpoints between rounds, and the summary at the end."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from diloco import peer_setup
-from diloco.outer_round import RoundMetrics
-from diloco.samples import log_samples
+from diloco.engine import peer_node as peer_setup
+from diloco.engine.outer_round import RoundMetrics
+from diloco.inference.samples import log_samples
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 

@@ -1,5 +1,5 @@
-"""Launching the synchronous baseline: ``k`` worker processes of :mod:`diloco.baseline` (each one
-``python -m diloco.baseline ...``, so a launcher can wrap them, e.g. in ``ip netns exec``), their
+"""Launching the synchronous baseline: ``k`` worker processes of :mod:`diloco.launch.baseline` (each one
+``python -m diloco.launch.baseline ...``, so a launcher can wrap them, e.g. in ``ip netns exec``), their
 progress, and stopping all of them on failure or interrupt."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from diloco.baseline import DEFAULT_PORT, BaselineError, worker_threads
+from diloco.launch.baseline import DEFAULT_PORT, BaselineError, worker_threads
 from diloco.config import Config, to_dict
 
-log = logging.getLogger("diloco.baseline")
+log = logging.getLogger("diloco.launch.baseline")
 
 
 def free_port() -> int:
@@ -66,7 +66,7 @@ def run_baseline(cfg: Config, workers: int, network: Any = None, *,
                  progress: bool = True, timeout_s: float = 600.0) -> dict[str, Any]:
     """Train the synchronous data-parallel baseline with ``workers`` processes; return rank 0's summary.
 
-    Worker ``r`` runs ``python -m diloco.baseline --config <run_dir>/config.toml --rank r ...`` with its
+    Worker ``r`` runs ``python -m diloco.launch.baseline --config <run_dir>/config.toml --rank r ...`` with its
     log in ``<run_dir>/rank<r>.log``; rank 0 writes ``metrics.jsonl``, ``summary.json`` and the final
     parameters ``params.pt`` into ``cfg.logging.run_dir``.  With ``network`` (an
     :class:`experiments.netns.EmulatedNetwork` with at least ``workers`` hosts) worker ``r`` runs in
@@ -109,7 +109,7 @@ def run_baseline(cfg: Config, workers: int, network: Any = None, *,
     t0 = time.time()
     try:
         for r in range(workers):
-            cmd = [sys.executable, "-m", "diloco.baseline", "--config", str(cfg_path), "--rank", str(r),
+            cmd = [sys.executable, "-m", "diloco.launch.baseline", "--config", str(cfg_path), "--rank", str(r),
                    "--workers", str(workers), "--master", master, "--iface", iface, "--timeout", str(timeout_s)]
             if wrap is not None:
                 cmd = wrap(cmd, r)

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from diloco.config import ModelConfig
-from diloco.generate import Sampling, decode, generate
-from diloco.model import build_model
+from diloco.inference.generate import Sampling, decode, generate
+from diloco.model.transformer import build_model
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 SAMPLING = dict(temperature=0.8, top_k=40)
 """How samples are drawn: a little randomness keeps a small model out of loops, top-k out of noise."""

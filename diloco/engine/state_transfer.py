@@ -22,7 +22,7 @@ from peers.membership import wait_until
 from peers.sharded import ShardedAverager
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 

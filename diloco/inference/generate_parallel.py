@@ -4,7 +4,7 @@ The island is built exactly as for training (:class:`pipeline.ModelParts` over t
 ``--parallel.*`` settings): tensor parallelism shards the attention heads and the MLP of every block (each
 TP rank keeps the KV cache of its own heads), pipeline stages hold their blocks and their part of the
 cache.  One generation step walks the stages in order: the owner of a stage runs
-:func:`diloco.generate.forward_cached` on its module and sends the hidden states to the owner of the
+:func:`diloco.inference.generate.forward_cached` on its module and sends the hidden states to the owner of the
 next stage (same TP rank); the last stage's ranks hold the full logits (the output layer all-gathers
 them) and choose the token, which is broadcast to every rank.  No pipeline schedule: one sequence
 fills one stage at a time.
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from diloco.config import ModelConfig
-from diloco.generate import Generated, KVCache, Sampling, decode_loop, forward_cached
-from diloco.model import Transformer
+from diloco.inference.generate import Generated, KVCache, Sampling, decode_loop, forward_cached
+from diloco.model.transformer import Transformer
 from pipeline import ModelParts, SplitSettings, check_split, init_island_mesh
 
 

@@ -1,5 +1,5 @@
 """Batches of the byte-level token stream: disjoint shards of the training windows, one per island, and
-the fixed held-out batches every island evaluates on (the corpus itself: :mod:`diloco.data`)."""
+the fixed held-out batches every island evaluates on (the corpus itself: :mod:`diloco.data.corpus`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from diloco.data import DataError
+from diloco.data.corpus import DataError
 
 
 def _windows_to_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

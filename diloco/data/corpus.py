@@ -10,7 +10,7 @@ Every token is one UTF-8 byte (vocabulary 256), so no tokenizer is needed.  A co
 
 Each document (a file or a dataset row) goes wholly to the training or the held-out stream,
 chosen by a SHA-1 of its name, so the split is the same on every machine.  The training stream is
-cut into windows of ``seq_len + 1`` tokens that :class:`diloco.batches.ShardedBatches` divides into
+cut into windows of ``seq_len + 1`` tokens that :class:`diloco.data.batches.ShardedBatches` divides into
 disjoint contiguous shards, one per island.
 """
 

@@ -172,10 +172,10 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
 def build_initial_model(cfg: ModelConfig, seed: int, init_from: str = "") -> Transformer:
     """The model every island and every baseline worker starts from: the seeded initialisation, or
-    the parameters of ``init_from`` (a warm start, see :func:`diloco.checkpoint.init_parameters`)."""
+    the parameters of ``init_from`` (a warm start, see :func:`diloco.model.checkpoint.init_parameters`)."""
     model = build_model(cfg, seed=seed)
     if init_from:
-        from diloco.checkpoint import init_parameters
+        from diloco.model.checkpoint import init_parameters
 
         init_parameters(model, init_from)
     return model

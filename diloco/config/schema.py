@@ -2,7 +2,7 @@
 
 Each section is a dataclass whose fields carry a docstring (the string literal right after the
 field).  A TOML file fills the tree (``--config FILE``) and any key can be overridden on the
-command line as ``--section.key VALUE`` (:mod:`diloco.config_load`); :mod:`diloco.config_checks` reports
+command line as ``--section.key VALUE`` (:mod:`diloco.config.loader`); :mod:`diloco.config.checks` reports
 every problem as one line.
 """
 

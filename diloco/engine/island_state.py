@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco import checkpoint
-from diloco.checkpoint import CheckpointError
+from diloco.model import checkpoint
+from diloco.model.checkpoint import CheckpointError
 from diloco.config import config_fingerprint, to_dict
-from diloco.config_load import from_dict
+from diloco.config.loader import from_dict
 from diloco.errors import TrainingError
 from outer_optim import checksum
 from peers.layout import spec_tuple
 from pipeline import local_state, restore_dtensor_state
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from diloco import checkpoint
-from diloco.checkpoint import CheckpointError
+from diloco.model import checkpoint
+from diloco.model.checkpoint import CheckpointError
 from diloco.config import ModelConfig, resolve_model
-from diloco.config_load import from_dict
-from diloco.model import Transformer, build_model
+from diloco.config.loader import from_dict
+from diloco.model.transformer import Transformer, build_model
 
 HF_WEIGHTS = "model.safetensors"
 _BLOCK_NAMES = {  # ours (inside layers.{i}.) -> transformers' (inside model.layers.{i}.)

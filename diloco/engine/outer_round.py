@@ -1,6 +1,6 @@
 """The outer round as one transaction (as torchft's DiLoCo sync), begun and ended apart
 (:func:`begin_round` sends, :func:`end_round` applies) so that it can be in flight while the island
-trains on (:mod:`diloco.overlap`):
+trains on (:mod:`diloco.engine.overlap`):
 
 pseudo-gradient → average with the group → validate (the averager's vote and finiteness checks, the
 norm guard, a θ_global that stays finite) → commit the outer step, or roll back.  A group that lost a
@@ -8,7 +8,7 @@ member mid-round averages the same pseudo-gradients once more among the members 
 round of its own in the DHT) before anyone rolls back.  Rolling back means
 θ_global stays as it was and the island keeps training from its own parameters, so the next round
 carries the pseudo-gradient of both rounds.  Catching up with a run that moved on happens before the
-round (:meth:`diloco.island.Island.outer_round`); an island whose θ_global the others outvote leaves
+round (:meth:`diloco.engine.island.Island.outer_round`); an island whose θ_global the others outvote leaves
 the round out and takes their result; fault injection and membership announcements hang off the
 round as :class:`RoundHook` objects; what the round did is one :class:`RoundMetrics`.
 """
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco.faults import FaultPlan
-from diloco.overlap import InFlight
-from diloco.peer_setup import count_bytes, remember_peers, round_id
+from diloco.engine.faults import FaultPlan
+from diloco.engine.overlap import InFlight
+from diloco.engine.peer_node import count_bytes, remember_peers, round_id
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 CAUGHT_UP = "caught-up"

@@ -29,7 +29,7 @@ from peers.sharded import ShardedAverager
 from peers.wire import WireCounter
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.config import Config, to_dict
-from diloco.config_load import from_dict
+from diloco.config.loader import from_dict
 from diloco.errors import TrainingError
 from pipeline import init_island_mesh
 

@@ -1,9 +1,9 @@
 """The synchronous data-parallel baseline DiLoCo is compared against.
 
 ``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run: worker
-``r`` reads shard ``r`` of ``k`` (:class:`~diloco.batches.ShardedBatches`) with the same per-worker
+``r`` reads shard ``r`` of ``k`` (:class:`~diloco.data.batches.ShardedBatches`) with the same per-worker
 batch (``inner.batch_size`` × ``inner.grad_accum``), the same inner AdamW and schedule
-(:func:`~diloco.inner.build_inner_optimizer`) and the same number of steps
+(:func:`~diloco.model.inner.build_inner_optimizer`) and the same number of steps
 (``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers
 after **every** step, as torch DDP does.
 
@@ -29,8 +29,8 @@ all workers, ``tokens_per_second``, ``payload_bytes_sent``, ``allreduce_seconds`
 step // inner_steps) to ``<run_dir>/metrics.jsonl`` and W&B, and ``<run_dir>/summary.json`` with the
 island summary's keys where they apply.
 
-Entry points: :func:`diloco.baseline_launch.run_baseline` launches the ``k`` workers as separate
-processes (each one ``python -m diloco.baseline --config FILE --rank R --workers K --master ADDR:PORT``,
+Entry points: :func:`diloco.launch.baseline_launch.run_baseline` launches the ``k`` workers as separate
+processes (each one ``python -m diloco.launch.baseline --config FILE --rank R --workers K --master ADDR:PORT``,
 so a launcher can wrap them, e.g. in ``ip netns exec``), and :func:`baseline_main` is the worker itself.
 """
 
@@ -56,7 +56,7 @@ from diloco.command import run_command
 from diloco.config import Config, to_dict
 from pipeline.mesh import exit_worker
 
-log = logging.getLogger("diloco.baseline")
+log = logging.getLogger("diloco.launch.baseline")
 
 DEFAULT_PORT = 29517
 """Port of the rendezvous store on worker 0 when it runs on its own (emulated) host."""
@@ -91,11 +91,11 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
-    from diloco.batches import ShardedBatches, heldout_batches
-    from diloco.data import load_corpus
-    from diloco.inner import build_inner_optimizer, inner_step
-    from diloco.metrics import MetricsLogger
-    from diloco.model import build_initial_model, lm_loss
+    from diloco.data.batches import ShardedBatches, heldout_batches
+    from diloco.data.corpus import load_corpus
+    from diloco.model.inner import build_inner_optimizer, inner_step
+    from diloco.engine.metrics import MetricsLogger
+    from diloco.model.transformer import build_initial_model, lm_loss
     from outer_optim import checksum
     from peers.wire import WireCounter
     from pipeline import ModelParts, SplitSettings
@@ -263,15 +263,15 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
 
 
 def baseline_main(argv: list[str] | None = None) -> int:
-    """Worker entry point: ``python -m diloco.baseline --config FILE --rank R --workers K --master ADDR:PORT``.
+    """Worker entry point: ``python -m diloco.launch.baseline --config FILE --rank R --workers K --master ADDR:PORT``.
 
-    Without ``--rank`` it launches all ``--workers`` workers on loopback (:func:`diloco.baseline_launch.run_baseline`), with
+    Without ``--rank`` it launches all ``--workers`` workers on loopback (:func:`diloco.launch.baseline_launch.run_baseline`), with
     any ``--section.key VALUE`` overrides.
     """
-    from diloco import config_load
+    from diloco.config import loader as config_load
     from diloco.config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="python -m diloco.baseline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m diloco.launch.baseline", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="TOML config file (the launcher writes one)")
     parser.add_argument("--rank", type=int, help="this worker's rank (omit to launch all workers)")
     parser.add_argument("--workers", type=int, default=2, help="number of data-parallel workers k")
@@ -289,7 +289,7 @@ def baseline_main(argv: list[str] | None = None) -> int:
         if args.workers < 1:
             raise ConfigError([f"--workers must be at least 1, got {args.workers}"])
         if args.rank is None:
-            from diloco.baseline_launch import run_baseline
+            from diloco.launch.baseline_launch import run_baseline
 
             signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops every worker
             summary = run_baseline(cfg, args.workers)
@@ -306,7 +306,7 @@ def baseline_main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: v for k, v in summary.items() if k != "losses"}), flush=True)
         return 0
 
-    from diloco.checkpoint import CheckpointError
+    from diloco.model.checkpoint import CheckpointError
 
     return run_command(body, (BaselineError, CheckpointError))
 

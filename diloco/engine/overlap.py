@@ -2,8 +2,8 @@
 
 A round is sent every H / P inner steps, rounded to whole steps (``--diloco.fragments P``: Streaming
 DiLoCo; round ``r`` averages fragment ``r mod P``, P = 1 is the whole model), or every 1/P of another
-budget (``--diloco.sync_every``: seconds of compute, tokens, auto; :mod:`diloco.round_budget`).  At most one round is in flight: it is
-applied (committed or rolled back, :func:`diloco.outer_round.end_round`) at the latest when the next one
+budget (``--diloco.sync_every``: seconds of compute, tokens, auto; :mod:`diloco.engine.budget`).  At most one round is in flight: it is
+applied (committed or rolled back, :func:`diloco.engine.outer_round.end_round`) at the latest when the next one
 is due, and earlier as ``--diloco.overlap`` says:
 
 - ``none``: exactly τ = ``overlap_steps`` inner steps after sending, waiting for the result if it has
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco.round_budget import Budget, auto_seconds, parse_budget
+from diloco.engine.budget import Budget, auto_seconds, parse_budget
 
 if TYPE_CHECKING:
-    from diloco.island import Island
+    from diloco.engine.island import Island
 
 Params = dict[str, torch.Tensor]
 PER_TOKENS = 1e6
@@ -175,7 +175,7 @@ class Overlap:
 
     def send_scale(self, weight: float) -> float:
         """What Δ is multiplied by before sending: 1 by steps; per million tokens otherwise (see
-        :mod:`diloco.round_budget`)."""
+        :mod:`diloco.engine.budget`)."""
         return 1.0 if self.budget.by_steps else PER_TOKENS / max(weight, 1.0)
 
     def applied_scale(self, flight: InFlight, result: Any) -> float:
@@ -197,7 +197,7 @@ class Overlap:
         """A round this island took part in ended after keeping it from training ``stall`` seconds: remember
         that, and under ``auto`` set the budget from the group's reports (identical on every member: they
         all hold the same reports): after the first round, H steps of the fastest member; from then on
-        :func:`~diloco.round_budget.auto_seconds` of the stalls."""
+        :func:`~diloco.engine.budget.auto_seconds` of the stalls."""
         self.last_comm_seconds = float(stall)
         if self.budget.kind != "auto" or not getattr(result, "ok", False):
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from diloco.config import CHOICES, Config, DilocoConfig, flatten
+from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
 from outer_optim.codecs import LOSSY_CODECS
 
 
@@ -152,7 +152,7 @@ def parallel_problems(cfg: Config) -> list[str]:
 
 def budget_problems(dl: DilocoConfig) -> list[str]:
     """What is wrong with ``--diloco.sync_every`` and ``--diloco.max_comm_fraction``."""
-    from diloco.round_budget import parse_budget
+    from diloco.engine.budget import parse_budget
 
     try:
         budget = parse_budget(dl.sync_every, max(dl.inner_steps, 1))

@@ -11,8 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from diloco.config import Config, ConfigError, is_section, field_docs, flatten, resolve_model
-from diloco.config_checks import validate
+from diloco.config.schema import Config, ConfigError, is_section, field_docs, flatten, resolve_model
+from diloco.config.checks import validate
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from diloco.config import InnerOptimConfig
-from diloco.batches import ShardedBatches
+from diloco.data.batches import ShardedBatches
 from pipeline import ModelParts
 
 

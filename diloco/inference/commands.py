@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from diloco.checkpoint import CheckpointError
+from diloco.model.checkpoint import CheckpointError
 from diloco.command import run_command
 from diloco.config import ConfigError, DataConfig
-from diloco.data import DataError
-from diloco.generate import GenerationError, Sampling, StreamDecoder, encode, generate
+from diloco.data.corpus import DataError
+from diloco.inference.generate import GenerationError, Sampling, StreamDecoder, encode, generate
 
 
 def _device(name: str) -> torch.device:
@@ -69,7 +69,7 @@ def generate_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        from diloco.export import load_trained
+        from diloco.inference.export import load_trained
 
         if args.max_new_tokens < 1:
             raise ConfigError([f"--max-new-tokens {args.max_new_tokens} must be at least 1"])
@@ -117,7 +117,7 @@ def _runner(model, args: argparse.Namespace, device: torch.device):
     if args.tp * args.pp == 1 and world == 1:
         model.to(device)
         return (lambda *a, **k: generate(model, *a, **k)), True, ""
-    from diloco.generate_parallel import IslandGenerator, check_island, start_island
+    from diloco.inference.generate_parallel import IslandGenerator, check_island, start_island
 
     try:
         layers = [int(n) for n in args.layers_per_stage.split(",") if n.strip()]
@@ -147,7 +147,7 @@ def export_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        from diloco.export import export_hf, load_trained
+        from diloco.inference.export import export_hf, load_trained
 
         if args.format != "hf":
             raise ConfigError([f"--format {args.format!r} is not supported; use --format hf"])
@@ -178,8 +178,8 @@ def eval_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        from diloco.evaluate import evaluate, heldout_documents
-        from diloco.export import load_trained
+        from diloco.inference.evaluate import evaluate, heldout_documents
+        from diloco.inference.export import load_trained
 
         if args.batch_size < 1:
             raise ConfigError([f"--batch-size {args.batch_size} must be at least 1"])

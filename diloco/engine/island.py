@@ -2,7 +2,7 @@
 
 An island is the training process group of one server: ``tp * pp`` processes under ``torchrun``
 (tensor parallelism inside, pipeline stages outside, see :mod:`pipeline`), or one process, which is
-simply the ``tp = pp = 1`` case (:class:`diloco.runtime.Runtime` with no process group).  Every rank
+simply the ``tp = pp = 1`` case (:class:`diloco.engine.runtime.Runtime` with no process group).  Every rank
 builds the same :class:`Island` and takes every decision together with the others.
 
 - the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this
@@ -10,9 +10,9 @@ builds the same :class:`Island` and takes every decision together with the other
 - the pseudo-gradient is averaged over the canonical layout (:mod:`peers.layout`): buckets of
   ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
   (:mod:`peers.sharded`), so islands of any shape average together;
-- the outer round is a transaction (:mod:`diloco.outer_round`); catching up with the run, serving
-  θ_global to joiners and resynchronizing live in :mod:`diloco.state_transfer`; checkpoints (one per
-  rank) in :mod:`diloco.island_state`; the peer network in :mod:`diloco.peer_setup`;
+- the outer round is a transaction (:mod:`diloco.engine.outer_round`); catching up with the run, serving
+  θ_global to joiners and resynchronizing live in :mod:`diloco.engine.state_transfer`; checkpoints (one per
+  rank) in :mod:`diloco.engine.island_state`; the peer network in :mod:`diloco.engine.peer_node`;
 - rank 0 alone writes metrics, ``summary.json``, the multiaddrs and ``theta_global.pt`` and prints.
 """
 
@@ -29,20 +29,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco import island_state, peer_setup, training_loop
+from diloco.engine import island_state
+from diloco.engine import peer_node as peer_setup
+from diloco.engine import training_loop
 from diloco.config import Config, config_fingerprint, to_dict
-from diloco.batches import ShardedBatches, heldout_batches
-from diloco.data import load_corpus
+from diloco.data.batches import ShardedBatches, heldout_batches
+from diloco.data.corpus import load_corpus
 from diloco.errors import TrainingError
-from diloco.faults import FaultPlan
-from diloco.inner import build_inner_optimizer, inner_step
-from diloco.metrics import MetricsLogger, NullMetrics, RunStats
-from diloco.model import build_initial_model, lm_loss
-from diloco.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
-from diloco.overlap import Overlap
-from diloco.runtime import Runtime, pick_device
-from diloco.samples import Sampler
-from diloco.state_transfer import StateTransfer
+from diloco.engine.faults import FaultPlan
+from diloco.model.inner import build_inner_optimizer, inner_step
+from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
+from diloco.model.transformer import build_initial_model, lm_loss
+from diloco.engine.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
+from diloco.engine.overlap import Overlap
+from diloco.engine.runtime import Runtime, pick_device
+from diloco.inference.samples import Sampler
+from diloco.engine.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
@@ -182,7 +184,7 @@ class Island:
 
     def rejoin_if_alone(self) -> None:
         """Collective: an island alone in the run although it knew live islands restarts its peer node
-        through their addresses, from time to time (see :class:`diloco.peer_setup.AloneWatch`)."""
+        through their addresses, from time to time (see :class:`diloco.engine.peer_node.AloneWatch`)."""
         known = self.transfer.main_decides(lambda: self.alone.due(self))
         if known:
             self.connect(rejoin=known)
@@ -222,7 +224,7 @@ class Island:
 
     def send_round(self) -> RoundMetrics | None:
         """Collective: catch up if the run moved on without us (the round's metrics), else send the
-        round's pseudo-gradient (None: it is in flight, see :mod:`diloco.overlap`)."""
+        round's pseudo-gradient (None: it is in flight, see :mod:`diloco.engine.overlap`)."""
         self.rejoin_if_alone()
         rnd = self.outer_step + 1
         if self.transfer.catch_up(counted=1):
