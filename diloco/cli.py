@@ -97,7 +97,7 @@ def cmd_train(cfg: config_mod.Config) -> int:
 
 def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
     from diloco.launch.simulate import simulate
-    from diloco.launch.simulate_summary import format_summary
+    from diloco.launch.simulate import format_summary
 
     n = islands or 2
     if cfg.averaging.backend == "local" and n > 1:
@@ -116,7 +116,7 @@ def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
 
 
 def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
-    from diloco.launch.baseline_launch import run_baseline
+    from diloco.launch.baseline import run_baseline
 
     setup_logging("[baseline] ")
     summary = run_baseline(cfg, workers or 2)

@@ -6,7 +6,7 @@ same number of inner steps per worker, one after the other:
 
 (a) ``single``   one worker: an island with the ``local`` backend and the ``avg`` outer optimizer, which
                  is plain AdamW (θ_global ← θ_global − (θ_global − θ_local) = θ_local);
-(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.launch.baseline_launch.run_baseline`),
+(b) ``baseline`` synchronous data parallelism over ``k`` workers (:func:`diloco.launch.baseline.run_baseline`),
                  gradients all-reduced every step: ``k`` × the tokens of (a);
 (c) ``diloco``   ``k`` DiLoCo islands averaging every ``H`` steps: the same tokens as (b).
 
@@ -34,31 +34,19 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
 from diloco.config import schema as config_mod
 from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.arms import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
 from experiments.compare_results import (acceptance_lines, baseline_result, codec_lines, counted_vs_link,
                                          curve_from_metrics, diloco_result, link_tx_bytes, overlap_lines,
                                          wall_model_line)
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, single_worker, warm_start
 from experiments.report import RunResult, format_bytes, write_report
+from experiments.islands import island_summaries
 
-# Defaults of the compare command, chosen so that the acceptance run (k=4, 20 Mbit/s) finishes on 2 CPU
-# cores in under 30 minutes: the `small` model (918,656 parameters = 3.67 MB of fp32 gradients) makes one
-# ring all-reduce among 4 workers cost 5.5 MB per worker ≈ 2.3 s at 20 Mbit/s, so the baseline is
-# link-bound while DiLoCo communicates once every H = 50 steps.  Any of them can be overridden.
-#
-# The three runs continue from a warm start (below), as the DiLoCo paper continues from a pretrained model,
-# with the continued-training inner lr 1e-3 for every arm.  With only 6 outer steps Nesterov momentum 0.9
-# never builds up (its sum reaches 1 + 0.9 + … ≈ 4.7 only after many rounds), so the paper's outer lr 0.7
-# under-applies the averaged update; outer lr 1.0 applies the round's full average plus momentum.
-# Measured in-process at these settings (k=4, 300 steps per worker after a 600-step warm start): baseline
-# 1.4505, DiLoCo outer lr 1.0 1.4695 (+1.3%), outer lr 0.7 1.488 (+2.6%), FedAvg 1.509 (+4.0%); at inner lr
-# 3e-3 both reach lower loss (baseline 1.375, DiLoCo outer lr 0.7 1.467, +6.7%).
+
 COMPARE_DEFAULTS: dict[str, Any] = {
     "model.preset": "small",
     "inner.batch_size": 16,
@@ -95,7 +83,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     lr), as the DiLoCo paper starts every run from a pretrained model; the report names the shared
     starting point.
     """
-    from diloco.launch.baseline_launch import run_baseline
+    from diloco.launch.baseline import run_baseline
     from experiments import netns
 
     if islands < 2:
@@ -330,3 +318,76 @@ __all__ = ["run_compare", "launch_islands", "curve_from_metrics", "COMPARE_DEFAU
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())
+
+
+MATCHED = "matched"
+"""``diloco.sync_every`` of a timed arm, replaced before it runs by the seconds of compute per round the blocking
+DiLoCo run of the same command took (:func:`matched_budget`)."""
+
+# DiLoCo arms whose rounds do not stop the inner steps (``--arms``), each against blocking DiLoCo (c)
+ARMS: dict[str, dict[str, Any]] = {
+    "delayed": {"diloco.overlap": "delayed"},
+    "eager": {"diloco.overlap": "eager"},
+    # the same, every island sending when it has trained as long as a blocking round took rather than after
+    # H steps: islands of different speed (4 sharing 2 cores) then send at once, and their rounds stay in
+    # flight for the transfer alone instead of the time the slowest island takes to catch up
+    "delayed-timed": {"diloco.overlap": "delayed", "diloco.sync_every": MATCHED},
+    "eager-timed": {"diloco.overlap": "eager", "diloco.sync_every": MATCHED},
+    # Streaming DiLoCo's setting: 4 fragments (the `small` model has 4 blocks), τ = 1, α = 0.5
+    "streaming": {"diloco.fragments": 4, "diloco.overlap_steps": 1, "diloco.merge_alpha": 0.5},
+    # the same 4 fragments in flight under the timed budget: each sync carries a quarter of the bytes, so it
+    # is in flight (stale) a quarter as long, and the last one, which nothing hides, takes a quarter as long
+    "streaming-timed": {"diloco.fragments": 4, "diloco.overlap": "delayed", "diloco.sync_every": MATCHED},
+}
+
+# DiLoCo arms with low-bit pseudo-gradients (``--compression``), each against fp32 DiLoCo (c)
+CODECS: dict[str, dict[str, Any]] = {
+    "fp16": {"averaging.compression": "fp16"},
+    "int8": {"averaging.compression": "int8"},
+    "int4": {"averaging.compression": "int4"},
+    "sign": {"averaging.compression": "sign"},
+    # the same with the owners' feedback: what re-encoding each averaged part drops goes into its next average
+    "sign-owner": {"averaging.compression": "sign", "averaging.owner_feedback": True},
+    # the same with the islands' error feedback in a buffer (EF21) instead of the parameters
+    "sign-buffer": {"averaging.compression": "sign", "averaging.error_feedback_in": "buffer"},
+    "topk": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2},
+    # the same top-k with the unsent part re-sent from a buffer (EF21) instead of kept in the parameters
+    "topk-buffer": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                    "averaging.error_feedback_in": "buffer"},
+    # the same top-k without error feedback
+    "topk-noef": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                  "averaging.error_feedback": False},
+    # SparseLoCo: the same top-k, its error-feedback buffer (β = 0.95) in place of the outer Nesterov momentum
+    "sparseloco": {"averaging.compression": "topk", "averaging.topk_density": 0.02, "averaging.topk_bits": 2,
+                   "diloco.outer_optimizer": "sparseloco", "averaging.error_feedback_decay": 0.95,
+                   "averaging.error_feedback_in": "buffer"},
+}
+
+
+
+def arm_settings(name: str) -> dict[str, Any]:
+    """The settings of an overlapped arm: a name of :data:`ARMS`, or one joined to a codec of
+    :data:`CODECS` by ``+`` (``delayed+int8``: rounds in flight carrying int8 pseudo-gradients)."""
+    mode, _, codec = name.partition("+")
+    return {**ARMS[mode], **(CODECS[codec] if codec else {})}
+
+
+def matched_budget(items: dict[str, Any], blocking_runs: Path) -> dict[str, Any]:
+    """``items`` with a ``diloco.sync_every`` of :data:`MATCHED` replaced by the seconds of compute per round
+    of the blocking run whose islands' logs are in ``blocking_runs`` (the median over its islands)."""
+    if items.get("diloco.sync_every") != MATCHED:
+        return items
+    per_round = sorted(s["compute_seconds"] / s["outer_step"] for s in island_summaries(blocking_runs)
+                       if s.get("outer_step"))
+    if not per_round:
+        raise CompareError(f"a timed arm needs the blocking run's compute per round, and {blocking_runs} has "
+                           f"no island summary with a round in it: run the blocking arm first")
+    return {**items, "diloco.sync_every": f"{per_round[len(per_round) // 2]:.2f}s"}
+
+
+def unknown_arms(names: list[str]) -> list[str]:
+    """The names of ``names`` that :func:`arm_settings` cannot read."""
+    def known(name: str) -> bool:
+        mode, plus, codec = name.partition("+")
+        return mode in ARMS and (not plus or codec in CODECS)
+    return [n for n in names if not known(n)]

@@ -69,7 +69,7 @@ def island_lines(name: str, out: dict[str, Any]) -> tuple[list[str], list[float]
 
 def run_hetero(cfg: Config, islands: int, slow_fraction: float, out: Path) -> Path:
     """Run the four arms with the last island slowed; write the report; return ``results.md``."""
-    from diloco.launch.baseline_launch import run_baseline
+    from diloco.launch.baseline import run_baseline
     from experiments.slowdown import cpu_limit
 
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@
 The compare command runs 6 rounds of H=50: enough to rank the arms, too few to tell a variant that is
 slower to start (rounds in flight train one round on stale parameters; top-k with error feedback sends
 2% of Δ a round and catches up through its buffer) from one that ends worse.  This command runs blocking
-fp32 DiLoCo and each arm (a name of :data:`experiments.arms.ARMS` or :data:`~experiments.arms.CODECS`,
+fp32 DiLoCo and each arm (a name of :data:`experiments.compare.ARMS` or :data:`~experiments.compare.CODECS`,
 or both joined by ``+``) for ``--rounds`` rounds on loopback (quality only: no link cap), all from the
 compare's shared warm start, and reports the held-out loss of θ_global of every arm after every round and
 its gap to blocking DiLoCo at the rounds of ``--at``.  An arm whose run in ``--out`` already went all
@@ -28,7 +28,7 @@ from typing import Any
 from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.arms import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
+from experiments.compare import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
 from experiments.compare import COMPARE_DEFAULTS
 from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, warm_start
 from diloco.engine.metrics import read_metrics

@@ -35,7 +35,6 @@ namespaces (which removes their links). ``cleanup_stale()`` removes leftovers
 of an earlier run that was SIGKILLed.
 """
 
-
 from __future__ import annotations
 
 import atexit
@@ -44,19 +43,352 @@ import math
 import os
 import re
 import secrets
+import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from diloco.launch.proctable import read_stat
-from experiments import netprobe
-from experiments.namespaces import (  # noqa: F401 (the public names are this module's API too)
-    _HANDLED_SIGNALS, _REGISTRY, DEFAULT_PREFIX, NetworkSetupError, _delete_namespaces,
-    _kill_namespace_processes, _owner_file, _run, available, cleanup_stale, list_namespaces, parse_rate)
+from diloco.launch.proctable import is_running, read_stat
 
-# --------------------------------------------------------------------------- network
+
+DEFAULT_PREFIX = "dlc-"
+FALLBACK_NOTE = "running on loopback without a bandwidth cap"
+_REGISTRY = Path("/run/diloco-netns")  # owner pid of each live network
+_HANDLED_SIGNALS = tuple(
+    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
+)
+_CMD_TIMEOUT = 15.0
+
+
+class NetworkSetupError(RuntimeError):
+    """An ``ip``/``tc`` command failed, or a requested feature is missing."""
+
+
+# --------------------------------------------------------------------------- rates
+
+_RATE_UNITS = {
+    "": 1.0,
+    "bit": 1.0,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "kibit": 2.0**10,
+    "mibit": 2.0**20,
+    "gibit": 2.0**30,
+    "tibit": 2.0**40,
+}
+_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([a-z]*)(?:/s)?\s*$")
+
+
+def parse_rate(rate: str | int | float) -> float:
+    """Parse a link rate into bits per second.
+
+    Accepts ``"20mbit"``, ``"1gbit"``, ``"500kbit"``, ``"1.5Mbit/s"``, ``"64kibit"``
+    (case-insensitive, SI prefixes are powers of 1000 as in ``tc``), a bare number of
+    bits/s (``"2e7"``, ``20_000_000``). Byte-based spellings (``"mbps"``, ``"MB"``) are
+    rejected because ``tc`` reads ``mbps`` as megaBYTES per second: spell out ``bit``.
+    """
+    if isinstance(rate, bool):
+        raise ValueError(f"invalid rate {rate!r}: expected e.g. '20mbit'")
+    if isinstance(rate, (int, float)):
+        value = float(rate)
+    elif isinstance(rate, str):
+        m = _RATE_RE.match(rate.lower())
+        if not m:
+            raise ValueError(
+                f"invalid rate {rate!r}: expected a number and a unit such as '500kbit', '20mbit', '1gbit'"
+            )
+        mant, exp, unit = m.groups()
+        if unit not in _RATE_UNITS:
+            if unit.endswith(("bps", "b", "byte", "bytes")):
+                raise ValueError(
+                    f"ambiguous rate unit in {rate!r}: byte units ('MB', 'mbps') are ambiguous "
+                    "(tc reads 'mbps' as megabytes/s); write bits explicitly, e.g. '20mbit'"
+                )
+            raise ValueError(
+                f"unknown rate unit {unit!r} in {rate!r}: use one of bit, kbit, mbit, gbit, tbit, kibit, mibit, gibit"
+            )
+        value = float(mant) * (10.0 ** int(exp) if exp else 1.0) * _RATE_UNITS[unit]
+    else:
+        raise ValueError(f"invalid rate {rate!r}: expected a string like '20mbit' or a number of bits/s")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"invalid rate {rate!r}: must be a positive, finite number of bits/s")
+    if value < 8000:
+        raise ValueError(f"rate {rate!r} is below 8 kbit/s, too slow for a usable link")
+    return value
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _run(args: list[str], check: bool = True, timeout: float = _CMD_TIMEOUT) -> subprocess.CompletedProcess:
+    try:
+        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        if check:
+            raise NetworkSetupError(f"{' '.join(args)}: {e}") from e
+        return subprocess.CompletedProcess(args, 255, "", str(e))
+    if check and res.returncode != 0:
+        raise NetworkSetupError(f"{' '.join(args)} failed: {(res.stderr or res.stdout).strip()}")
+    return res
+
+
+def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Names of the network namespaces (``ip netns list``) that start with ``prefix``."""
+    if shutil.which("ip") is None:
+        return []
+    res = _run(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix)]
+
+
+def _ns_pids(ns: str) -> list[int]:
+    res = _run(["ip", "netns", "pids", ns], check=False)
+    out = []
+    for tok in res.stdout.split():
+        if tok.isdigit() and int(tok) != os.getpid():
+            out.append(int(tok))
+    return out
+
+
+def _kill_namespace_processes(namespaces: list[str], grace: float = 3.0) -> None:
+    """SIGTERM every process inside ``namespaces``; SIGKILL whatever survives ``grace`` s."""
+    pids = {p for ns in namespaces for p in _ns_pids(ns)}
+    if not pids:
+        return
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        pids = {p for p in pids if is_running(p)}
+        if not pids:
+            return
+        time.sleep(0.05)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + 2.0
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if is_running(p)}
+        time.sleep(0.02)
+
+
+def _delete_namespaces(namespaces: list[str]) -> None:
+    existing = set(list_namespaces(""))
+    for ns in namespaces:
+        if ns in existing:
+            _run(["ip", "netns", "delete", ns], check=False)
+
+
+def _owner_file(base: str) -> Path:
+    return _REGISTRY / f"{base}.json"
+
+
+def _owner_alive(base: str) -> bool:
+    try:
+        info = json.loads(_owner_file(base).read_text())
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return is_running(pid) and (stat := read_stat(pid)) is not None and stat.start_time == info.get("start")
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX, only_dead_owners: bool = True) -> list[str]:
+    """Remove namespaces (and the processes inside them) left behind by crashed runs.
+
+    A namespace is stale when its name starts with ``prefix`` and the process that
+    created it is gone (tracked in ``/run/diloco-netns``). With
+    ``only_dead_owners=False`` every namespace with the prefix is removed, including
+    those of live runs. Returns the names of the namespaces removed.
+    """
+    if not prefix:
+        raise ValueError("cleanup_stale needs a non-empty prefix")
+    stale = []
+    for ns in list_namespaces(prefix):
+        base = re.sub(r"-(h\d+|hub)$", "", ns)
+        if only_dead_owners and _owner_alive(base):
+            continue
+        stale.append(ns)
+    if stale:
+        _kill_namespace_processes(stale)
+        _delete_namespaces(stale)
+    if _REGISTRY.is_dir():
+        for f in _REGISTRY.glob(f"{prefix}*.json"):
+            if not (only_dead_owners and _owner_alive(f.stem)):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+    return stale
+
+
+# --------------------------------------------------------------------------- availability
+
+_AVAILABLE_CACHE: dict[bool, tuple[bool, str]] = {}
+
+
+def _unavailable(detail: str) -> tuple[bool, str]:
+    return False, f"emulated links need root and iproute2 (ip, tc) [{detail}]; {FALLBACK_NOTE}"
+
+
+def _probe(delay: bool) -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return _unavailable(f"not Linux ({sys.platform})")
+    if os.geteuid() != 0:
+        return _unavailable("not running as root")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return _unavailable(f"missing {', '.join(missing)}: apt-get install -y iproute2")
+    ns = f"{DEFAULT_PREFIX}probe{os.getpid()}x{secrets.token_hex(2)}"
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+        ["ip", "-n", ns, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", ns, "link", "set", "pb", "master", "br0"],
+        ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "4096", "latency", "50ms"],
+    ]
+    if delay:
+        steps.append(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"])
+    try:
+        for cmd in steps:
+            res = _run(cmd, check=False)
+            if res.returncode != 0:
+                err = (res.stderr or res.stdout).strip().splitlines()
+                if "netem" in cmd:
+                    return False, ("latency emulation needs the kernel's netem qdisc (sch_netem), which is missing "
+                                   "here; the bandwidth cap works without it (use latency_ms=0)")
+                return _unavailable(f"'{' '.join(cmd[:6])} ...' failed: {err[-1] if err else res.returncode}")
+    finally:
+        _run(["ip", "netns", "delete", ns], check=False)
+    return True, "network namespaces, veth, bridge and tbf" + (" and netem" if delay else "") + " work"
+
+
+def available(delay: bool = False, refresh: bool = False) -> tuple[bool, str]:
+    """Whether emulated links can be built here, with a one-line reason.
+
+    Really creates (and deletes) a probe namespace with a veth pair, a bridge and a
+    tbf qdisc. ``delay=True`` additionally requires netem (for ``latency_ms > 0``).
+    The result is cached per process unless ``refresh``.
+    """
+    if refresh or delay not in _AVAILABLE_CACHE:
+        _AVAILABLE_CACHE[delay] = _probe(delay)
+    return _AVAILABLE_CACHE[delay]
+
+
+_RX_SCRIPT = r"""
+import json, socket, sys, time
+addr, limit = sys.argv[1], float(sys.argv[2])
+s = socket.socket(); s.bind((addr, 0)); s.listen(1); s.settimeout(limit)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.settimeout(limit)
+buf = bytearray(1 << 16); n = 0; t0 = t1 = None; end = time.monotonic() + limit
+while time.monotonic() < end:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    now = time.monotonic()
+    if t0 is None:
+        t0 = now          # the first chunk only starts the clock
+    else:
+        n += k
+    t1 = now
+print(json.dumps({"bytes": n, "seconds": (t1 - t0) if t0 is not None else 0.0}), flush=True)
+"""
+
+_TX_SCRIPT = r"""
+import socket, sys, time
+addr, port, seconds, max_bytes, sndbuf = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf); s.settimeout(seconds + 10)
+s.connect((addr, port))
+chunk = bytes(1 << 16); sent = 0; t = time.monotonic()
+while time.monotonic() - t < seconds and sent < max_bytes:
+    s.sendall(chunk); sent += len(chunk)
+s.shutdown(socket.SHUT_WR); s.recv(1); s.close()
+"""
+
+_PROBE_RX = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(float(sys.argv[2]))
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.sendall(b"ok"); c.close()
+"""
+
+_PROBE_TX = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+assert c.recv(2) == b"ok"
+"""
+
+
+def can_reach(net: EmulatedNetwork, src: int, dst: int, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection from host ``src`` to host ``dst`` succeeds."""
+    d = net.host(dst)
+    rx = net.popen([sys.executable, "-c", _PROBE_RX, d.address, str(timeout + 2)], dst,
+                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = _read_port(rx, timeout + 2)
+        tx = _run(net.wrap([sys.executable, "-c", _PROBE_TX, d.address, str(port), str(timeout)], src),
+                  check=False, timeout=timeout + 5)
+        return tx.returncode == 0
+    finally:
+        net.reap(rx)
+
+
+def measure_rate(net: EmulatedNetwork, src: int, dst: int, seconds: float = 2) -> float:
+    """Achieved TCP goodput in bits/s from host ``src`` to host ``dst``.
+
+    Sends zeros for ``seconds`` (at most ~2x the configured rate's worth of bytes)
+    and times them at the receiver. Goodput is ~4-5% under the configured rate
+    because tbf counts Ethernet/IP/TCP headers.
+    """
+    if src == dst:
+        raise ValueError("measure_rate needs two different hosts")
+    if not 0 < seconds <= 60:
+        raise ValueError(f"seconds must be in (0, 60], got {seconds!r}")
+    net.host(src)
+    d = net.host(dst)
+    limit = seconds + 15
+    rx = net.popen([sys.executable, "-c", _RX_SCRIPT, d.address, str(limit)], dst,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = _read_port(rx, 10)
+        max_bytes = int(net.rate_bits / 8 * seconds * 2) + (1 << 20)
+        sndbuf = int(min(max(net.rate_bits / 8 * 0.05, 1 << 16), 4 << 20))
+        tx = _run(net.wrap([sys.executable, "-c", _TX_SCRIPT, d.address, str(port), str(seconds),
+                            str(max_bytes), str(sndbuf)], src), check=False, timeout=limit)
+        if tx.returncode != 0:
+            raise NetworkSetupError(f"rate-measurement sender failed: {tx.stderr.strip()[-500:]}")
+        out, err = rx.communicate(timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        raise NetworkSetupError(f"rate measurement from host {src} to {dst} timed out") from e
+    finally:
+        net.reap(rx)
+    try:
+        res = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError) as e:
+        raise NetworkSetupError(f"rate-measurement receiver failed: {err.strip()[-500:]}") from e
+    if res["seconds"] <= 0:
+        raise NetworkSetupError("rate measurement received too little data to time")
+    return res["bytes"] * 8 / res["seconds"]
+
+
+def _read_port(p: subprocess.Popen, timeout: float) -> int:
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    line = p.stdout.readline() if ready else ""
+    if not line.strip().isdigit():
+        raise NetworkSetupError("helper process in namespace did not start listening")
+    return int(line)
 
 
 SENDER_QUEUE_MS = 1000.0
@@ -287,11 +619,11 @@ class EmulatedNetwork:
 
     def can_reach(self, src: int, dst: int, timeout: float = 3.0) -> bool:
         """Whether a TCP connection from host ``src`` to host ``dst`` succeeds."""
-        return netprobe.can_reach(self, src, dst, timeout)
+        return can_reach(self, src, dst, timeout)
 
     def measure_rate(self, src: int, dst: int, seconds: float = 2) -> float:
-        """Achieved TCP goodput in bits/s from host ``src`` to host ``dst`` (:func:`experiments.netprobe.measure_rate`)."""
-        return netprobe.measure_rate(self, src, dst, seconds)
+        """Achieved TCP goodput in bits/s from host ``src`` to host ``dst`` (:func:`experiments.netns.measure_rate`)."""
+        return measure_rate(self, src, dst, seconds)
 
     def reap(self, p: subprocess.Popen) -> None:
         """Stop a process started with :meth:`popen` and forget it."""
@@ -342,3 +674,5 @@ class EmulatedNetwork:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"EmulatedNetwork({self.n_hosts} hosts, rate={self.rate}, latency_ms={self.latency_ms:g}, {self.base}, {state})"
+
+

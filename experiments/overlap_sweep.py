@@ -25,7 +25,7 @@ from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from diloco.engine.metrics import read_metrics
-from experiments.arms import ARMS
+from experiments.compare import ARMS
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.compare_results import diloco_result
 from experiments.report import format_bytes, json_safe, markdown_table

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco.launch.baseline import BaselineError, ring_allreduce_bytes
-from diloco.launch.baseline_launch import run_baseline
+from diloco.launch.baseline import run_baseline
 from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
 from diloco.model.inner import build_inner_optimizer

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from experiments import netns
-from experiments.arms import arm_settings, matched_budget, unknown_arms
+from experiments.compare import arm_settings, matched_budget, unknown_arms
 from experiments.compare import curve_from_metrics, run_compare
 from experiments.islands import CompareError
 from tests.conftest import PART_LOST, tiny_config

@@ -74,7 +74,7 @@ def test_generate_command_streams_text_and_reports_speed(trained, capsys):
 
 def test_simulate_prints_a_sample_at_the_end(trained):
     from diloco.launch.simulate import last_sample
-    from diloco.launch.simulate_summary import format_summary
+    from diloco.launch.simulate import format_summary
 
     sample = last_sample(trained)
     assert sample["outer_step"] == 3 and sample["prompt"] and sample["continuation"]

@@ -18,14 +18,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
-
 import tomli_w
 import torch
-
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
 from diloco.launch.proctable import descendants
 from peers.run_key import new_run_key
+import math
+
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""
@@ -323,3 +323,34 @@ def theta_spread(paths: list[Path]) -> float:
         for name, t in states[0].items():
             worst = max(worst, (t - other[name]).abs().max().item())
     return worst
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """A readable table of every island's figures."""
+    head = ["island", "eval loss start", "eval loss end", "rounds ok", "rounds failed", "caught up", "sent", "received",
+            "compute s", "comm s", "stalled s", "utilization"]
+    rows = []
+    for s in result["islands"]:
+        util = s["compute_seconds"] / max(s["wall_seconds"], 1e-9)
+        rows.append([s["island"], f"{s['eval_loss_start']:.3f}", f"{s['eval_loss_end']:.3f}", str(s["rounds_ok"]),
+                     str(s["rounds_failed"]), str(s.get("rounds_caught_up", 0)),
+                     _mb(s["bytes_sent"]), _mb(s["bytes_received"]),
+                     f"{s['compute_seconds']:.1f}", f"{s['comm_seconds']:.1f}",
+                     f"{s.get('stall_seconds', s['comm_seconds']):.1f}", f"{100 * util:.0f}%"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    ppl = [math.exp(s["eval_loss_end"]) for s in result["islands"]]
+    lines.append("")
+    lines.append(f"held-out perplexity at the end: {', '.join(f'{p:.2f}' for p in ppl)}")
+    lines.append(f"θ_global max |difference| between islands: {result['theta_global_max_abs_diff']:.3g}")
+    lines.append(f"wall-clock: {result['wall_seconds']:.0f} s")
+    sample = result.get("sample")
+    if sample:
+        lines.append(f"sample of θ_global after round {sample['outer_step']} (prompt, then → what the model wrote):")
+        lines.append(f"  {sample['prompt']!r} → {sample['continuation']!r}")
+    return "\n".join(lines)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
