@@ -35,7 +35,7 @@ def worker(steps: int, cpu: int | None) -> None:
     from diloco.config import loader as config_load
     from diloco.data.batches import ShardedBatches
     from diloco.data.corpus import load_corpus
-    from diloco.model.inner import build_inner_optimizer, inner_step
+    from diloco.model.inner import build_inner_optimizer, take_inner_step
     from diloco.model.transformer import build_initial_model, lm_loss
     from experiments.compare import COMPARE_DEFAULTS
     from pipeline import ModelParts, SplitSettings
@@ -51,7 +51,7 @@ def worker(steps: int, cpu: int | None) -> None:
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        inner_step(model, batches, opt, sched, cfg.inner, nullcontext())
+        take_inner_step(model, batches, opt, sched, cfg.inner, nullcontext())
         times.append(time.perf_counter() - t)
     times = sorted(times[len(times) // 5:])  # the first steps warm the allocator and caches
     print(json.dumps({"median_s": times[len(times) // 2]}), flush=True)

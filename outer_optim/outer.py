@@ -9,6 +9,7 @@ pipeline parallelism), so it never needs to know how the model is split.
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Mapping
 
 import torch
@@ -20,13 +21,15 @@ class OuterOptimizer:
     def __init__(self, params: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9,
                  nesterov: bool = True, device: str | torch.device = "cpu"):
         self.names = list(params)
-        self.master: dict[str, torch.Tensor] = {
+        self.theta_global: dict[str, torch.Tensor] = {
             n: p.detach().to(device=device, dtype=torch.float32, copy=True) for n, p in params.items()}
-        for t in self.master.values():
+        for t in self.theta_global.values():
             t.requires_grad_(True)
-        self.optimizer = torch.optim.SGD(list(self.master.values()), lr=lr, momentum=momentum,
+        self.optimizer = torch.optim.SGD(list(self.theta_global.values()), lr=lr, momentum=momentum,
                                          nesterov=nesterov and momentum > 0)
         self.step_count = 0
+        self.lock = threading.Lock()
+        """Held while θ_global or the outer momentum change, so that a thread serving them reads one state."""
 
     @classmethod
     def from_config(cls, params: Mapping[str, torch.Tensor], kind: str, lr: float, momentum: float,
@@ -49,7 +52,7 @@ class OuterOptimizer:
     def pseudo_gradient(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None
                         ) -> dict[str, torch.Tensor]:
         """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device (of ``names``, None: all)."""
-        return {n: self.master[n].detach() - local[n].detach().to(self.master[n].device, torch.float32)
+        return {n: self.theta_global[n].detach() - local[n].detach().to(self.theta_global[n].device, torch.float32)
                 for n in (self.names if names is None else names)}
 
     @torch.no_grad()
@@ -59,8 +62,8 @@ class OuterOptimizer:
         for n in self.names:
             if n not in averaged_delta:
                 continue
-            self.master[n].grad = averaged_delta[n].to(self.master[n].device, torch.float32).reshape(
-                self.master[n].shape)
+            self.theta_global[n].grad = averaged_delta[n].to(self.theta_global[n].device, torch.float32).reshape(
+                self.theta_global[n].shape)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -81,7 +84,7 @@ class OuterOptimizer:
         """θ_global[name] after an outer step with ``delta`` (torch's SGD update, on copies)."""
         group = self.optimizer.param_groups[0]
         lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        p = self.master[name]
+        p = self.theta_global[name]
         d = delta.to(p.device, torch.float32).reshape(p.shape)
         update = d
         if mu:
@@ -95,26 +98,26 @@ class OuterOptimizer:
         """Overwrite the island's parameters with θ_global (cast to their dtype and device; of ``names``,
         None: all)."""
         for n in (self.names if names is None else names):
-            local[n].copy_(self.master[n])
+            local[n].copy_(self.theta_global[n])
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """Momentum of each parameter (zeros before the first step), same order as :attr:`names`."""
         out = []
         for n in self.names:
-            buf = self.optimizer.state.get(self.master[n], {}).get("momentum_buffer")
-            out.append(buf.detach() if buf is not None else torch.zeros_like(self.master[n]))
+            buf = self.optimizer.state.get(self.theta_global[n], {}).get("momentum_buffer")
+            out.append(buf.detach() if buf is not None else torch.zeros_like(self.theta_global[n]))
         return out
 
     @torch.no_grad()
     def set_momentum_buffers(self, buffers: list[torch.Tensor]) -> None:
         """Install momentum downloaded from a peer."""
         for n, b in zip(self.names, buffers):
-            p = self.master[n]
+            p = self.theta_global[n]
             self.optimizer.state[p]["momentum_buffer"] = b.to(p.device, torch.float32).reshape(p.shape).clone()
 
     def state_dict(self) -> dict:
         """θ_global, momentum and step count (for checkpoints)."""
-        return {"master": {n: t.detach().clone() for n, t in self.master.items()},
+        return {"master": {n: t.detach().clone() for n, t in self.theta_global.items()},
                 "momentum": self.momentum_buffers(), "step_count": self.step_count,
                 "lr": self.lr}
 
@@ -125,7 +128,7 @@ class OuterOptimizer:
         if missing:
             raise ValueError(f"outer optimizer state does not match the model (differing names: {sorted(missing)[:3]})")
         for n in self.names:
-            self.master[n].copy_(state["master"][n])
+            self.theta_global[n].copy_(state["master"][n])
         self.set_momentum_buffers(list(state["momentum"]))
         self.step_count = int(state["step_count"])
 

@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import hivemind
@@ -299,6 +299,12 @@ class ShardedAverager:
         """Advertise the freshness of this rank's state on every owned bucket's averager."""
         for avg in self.averagers.values():
             avg.set_state_priority(outer_step)
+
+    def download_states(self) -> Iterator[tuple[int, tuple[dict, list[torch.Tensor]] | None]]:
+        """``(bucket, (metadata, tensors) or None)`` of every owned bucket, downloaded from the freshest island
+        of the run that serves it (see :meth:`peers.averager.VerifiedAverager.download_state`)."""
+        for b, avg in self.averagers.items():
+            yield b, avg.download_state()
 
     def watch_rounds(self, moved_past: Callable[[str], bool], stopping: Callable[[], bool]) -> None:
         """Let every owned bucket's averager stop looking for a group once ``moved_past(round_id)`` says the

@@ -76,9 +76,9 @@ def assert_joined(joiner, first, outer_step: int) -> None:
     """``joiner`` joins the run and ends up with ``first``'s outer step, θ_global (in its master copy and
     its parameters) and non-zero outer momentum, bit for bit."""
     assert joiner.transfer.join_from_peers()
-    assert joiner.outer_step == outer_step
-    for name, t in first.outer.master.items():
-        assert torch.equal(joiner.outer.master[name], t)
+    assert joiner.stats.outer_step == outer_step
+    for name, t in first.outer.theta_global.items():
+        assert torch.equal(joiner.outer.theta_global[name], t)
         assert torch.equal(joiner.params[name].detach(), t.detach())
     for a, b in zip(first.outer.momentum_buffers(), joiner.outer.momentum_buffers()):
         assert torch.equal(a, b) and a.abs().sum() > 0

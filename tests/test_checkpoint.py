@@ -114,7 +114,7 @@ def test_init_from_starts_every_kind_of_run_from_the_same_parameters(tmp_path):
                                                      "diloco.outer_optimizer": "nesterov"}))
     donor.run()
     donor.close()
-    theta = {n: t.clone() for n, t in donor.outer.master.items()}
+    theta = {n: t.clone() for n, t in donor.outer.theta_global.items()}
     ckpt_dir = tmp_path / "donor" / "checkpoints"
     plain = tmp_path / "plain.pt"
     torch.save(theta, plain)
@@ -126,8 +126,8 @@ def test_init_from_starts_every_kind_of_run_from_the_same_parameters(tmp_path):
         try:
             for n, t in theta.items():
                 assert torch.equal(island.params[n].detach(), t), (spec, n)
-                assert torch.equal(island.outer.master[n], t)
-            assert island.outer_step == 0 and island.inner_step == 0
+                assert torch.equal(island.outer.theta_global[n], t)
+            assert island.stats.outer_step == 0 and island.stats.inner_step == 0
         finally:
             island.close()
 

@@ -110,18 +110,22 @@ def test_known_peers_keep_islands_that_are_restarting(tmp_path):
     the remembered list keeps it (after the live ones), one address per peer id, a moved peer's newest."""
     from types import SimpleNamespace
 
-    from diloco.engine.peer_node import KNOWN_PEERS, remember_peers
+    from diloco.engine.peer_node import KNOWN_PEERS, PeerNode
 
     a, b, c = (f"/ip4/10.0.0.{i}/tcp/400{i}/p2p/Qm{i}" for i in (1, 2, 3))
     moved = "/ip4/10.0.0.2/tcp/5002/p2p/Qm2"
     live = [a, b, c]
-    island = SimpleNamespace(is_main=True, run_dir=tmp_path, membership=SimpleNamespace(addresses=lambda: live))
-    remember_peers(island)
+    node = SimpleNamespace(rt=SimpleNamespace(is_main=True), run_dir=tmp_path,
+                           membership=SimpleNamespace(addresses=lambda: live))
+
+    def remember_peers(node):
+        PeerNode.remember_peers(node)  # the method alone, on a stand-in with the pieces it reads
+    remember_peers(node)
     live = [a]  # b and c restarting
-    remember_peers(island)
+    remember_peers(node)
     assert (tmp_path / KNOWN_PEERS).read_text().split() == [a, b, c]
     live = [moved, a]  # b came back on another port: its old address is dropped
-    remember_peers(island)
+    remember_peers(node)
     assert (tmp_path / KNOWN_PEERS).read_text().split() == [moved, a, c]
 
 
@@ -144,23 +148,24 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
     now = [100.0]
     monkeypatch.setattr(peer_setup.time, "monotonic", lambda: now[0])
     others: list = ["someone"]
-    island = SimpleNamespace(run_dir=tmp_path, membership=SimpleNamespace(others=lambda: others))
+    membership = SimpleNamespace(others=lambda: others)
+    known = (tmp_path / KNOWN_PEERS).read_text().split()
     watch = AloneWatch(rejoin_after=3.0)
     try:
-        assert watch.due(island) == []  # not alone
+        assert watch.due(membership, known) == []  # not alone
         others.clear()
-        assert watch.due(island) == []  # alone: the clock starts
+        assert watch.due(membership, known) == []  # alone: the clock starts
         now[0] += 2.9
-        assert watch.due(island) == []
+        assert watch.due(membership, known) == []
         now[0] += 0.2
-        assert watch.due(island) == [live]  # the dead address is left out
+        assert watch.due(membership, known) == [live]  # the dead address is left out
         assert 2 * 3.0 * 0.8 <= watch.wait <= 2 * 3.0 * 1.2
         server.close()
         now[0] += watch.wait + 0.1
-        assert watch.due(island) == []  # nothing answers: try again later, for longer
+        assert watch.due(membership, known) == []  # nothing answers: try again later, for longer
         assert watch.wait <= 10 * 3.0 * 1.2 and watch.wait >= 2 * 2 * 3.0 * 0.8 * 0.8
         others.append("back")
-        assert watch.due(island) == [] and watch.since is None and watch.wait == 3.0
+        assert watch.due(membership, known) == [] and watch.since is None and watch.wait == 3.0
     finally:
         server.close()
 

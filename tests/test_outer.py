@@ -20,7 +20,7 @@ def _island_losses(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     for _ in range(cfg.diloco.outer_steps):
         for _ in range(cfg.diloco.inner_steps):
             losses.append(island.train_step())
-        assert island.outer_round().round_ok == 1
+        assert island.rounds.round().round_ok == 1
     island.close()
     return losses, {n: p.detach().clone() for n, p in island.model.named_parameters()}
 
@@ -78,11 +78,11 @@ def test_nesterov_matches_the_formula():
     opt.step(d1)
     v = d1["w"]
     expected = torch.tensor([1.0, -2.0]) - 0.7 * (d1["w"] + 0.9 * v)
-    torch.testing.assert_close(opt.master["w"].detach(), expected)
+    torch.testing.assert_close(opt.theta_global["w"].detach(), expected)
     d2 = {"w": torch.tensor([0.1, 0.1])}
     opt.step(d2)
     v2 = 0.9 * v + d2["w"]
-    torch.testing.assert_close(opt.master["w"].detach(), expected - 0.7 * (d2["w"] + 0.9 * v2))
+    torch.testing.assert_close(opt.theta_global["w"].detach(), expected - 0.7 * (d2["w"] + 0.9 * v2))
 
 
 def test_outer_state_round_trip():
@@ -90,11 +90,11 @@ def test_outer_state_round_trip():
     opt.step({"w": torch.randn(3, 4)})
     other = OuterOptimizer({"w": torch.zeros(3, 4)}, lr=0.7, momentum=0.9)
     other.load_state_dict(opt.state_dict())
-    assert checksum(opt.master) == checksum(other.master)
+    assert checksum(opt.theta_global) == checksum(other.theta_global)
     d = {"w": torch.randn(3, 4)}
     opt.step(d)
     other.step(d)
-    assert torch.equal(opt.master["w"], other.master["w"])
+    assert torch.equal(opt.theta_global["w"], other.theta_global["w"])
 
 
 def test_a_step_that_would_overflow_theta_is_told_before_it_is_taken():
@@ -102,10 +102,10 @@ def test_a_step_that_would_overflow_theta_is_told_before_it_is_taken():
     assert opt.step_is_finite({"w": torch.tensor([0.1, 0.1])})
     assert not opt.step_is_finite({"w": torch.tensor([10.0, 0.1])})  # 1e38 * 19 overflows fp32
     opt.step({"w": torch.tensor([0.1, 0.1])})
-    assert torch.isfinite(opt.master["w"]).all()
+    assert torch.isfinite(opt.theta_global["w"]).all()
     # the prediction agrees with taking the step, momentum included
     for d in (torch.tensor([0.5, 0.1]), torch.tensor([3.0, 0.1])):
         twin = OuterOptimizer({"w": torch.zeros(2)}, lr=1e38, momentum=0.9)
         twin.load_state_dict(opt.state_dict())
         twin.step({"w": d})
-        assert opt.step_is_finite({"w": d}) == bool(torch.isfinite(twin.master["w"]).all())
+        assert opt.step_is_finite({"w": d}) == bool(torch.isfinite(twin.theta_global["w"]).all())

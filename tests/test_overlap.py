@@ -11,7 +11,7 @@ from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
 from diloco.model.inner import build_inner_optimizer
 from diloco.engine.island import Island
-from diloco.engine.overlap import InFlight
+from diloco.engine.rounds import InFlight
 from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments
@@ -23,7 +23,7 @@ def _run(cfg) -> tuple[Island, dict[str, torch.Tensor]]:
     """Train one island through its real loop; returns it and θ_global."""
     island = Island(cfg)
     island.run()
-    return island, {n: t.detach().clone() for n, t in island.outer.master.items()}
+    return island, {n: t.detach().clone() for n, t in island.outer.theta_global.items()}
 
 
 class HandLoop:
@@ -72,7 +72,7 @@ def test_blocking_loop_equals_send_then_apply_by_hand(tmp_path):
                 hand.step()
             hand.outer.step(hand.outer.pseudo_gradient(hand.params))
             hand.outer.copy_to(hand.params)
-    _close(theta, hand.outer.master)
+    _close(theta, hand.outer.theta_global)
 
 
 @pytest.mark.parametrize("mode, tau", [("delayed", 0), ("delayed", 2), ("eager", 2)])
@@ -101,8 +101,8 @@ def test_rounds_in_flight_equal_the_delayed_and_eager_updates_by_hand(tmp_path, 
                 hand.step()
             hand.outer.step(delta)
             for n, p in hand.params.items():
-                p.add_(hand.outer.master[n] - anchor[n])
-    _close(theta, hand.outer.master)
+                p.add_(hand.outer.theta_global[n] - anchor[n])
+    _close(theta, hand.outer.theta_global)
     assert island.stats.rounds_ok == rounds
 
 
@@ -134,8 +134,8 @@ def test_fragments_are_synced_in_turn_with_merge_alpha(tmp_path):
                 hand.step()
             hand.outer.step(delta)
             for n in names:
-                hand.params[n].mul_(0.5).add_(0.5 * hand.outer.master[n])
-    _close(theta, hand.outer.master)
+                hand.params[n].mul_(0.5).add_(0.5 * hand.outer.theta_global[n])
+    _close(theta, hand.outer.theta_global)
     assert island.stats.rounds_ok == total
     # round 1 averaged fragment 0 and round 2 fragment 1: both appear in the metrics
     from diloco.engine.metrics import read_metrics
@@ -179,7 +179,7 @@ def test_fragments_that_do_not_divide_h_sync_at_rounded_steps(tmp_path):
     from diloco.engine.metrics import read_metrics
     rounds = [r for r in read_metrics(cfg.logging.run_dir) if "round_ok" in r]
     assert [r["fragment"] for r in rounds] == [0, 1, 2, 0, 1, 2]
-    assert island.inner_step == 10 and island.stats.rounds_ok == 6
+    assert island.stats.inner_step == 10 and island.stats.rounds_ok == 6
 
 
 def test_an_island_that_adopts_a_state_sends_its_next_round_with_the_island_that_served_it(tmp_path):
@@ -187,13 +187,13 @@ def test_an_island_that_adopts_a_state_sends_its_next_round_with_the_island_that
     next round falls due 27 steps later, when the server's does, not H steps later (it would trail the
     run by 23 steps round after round); the phase survives a checkpoint."""
     island = Island(tiny_config(tmp_path, **{"diloco.inner_steps": 50, "diloco.outer_steps": 10}))
-    ov = island.overlap
-    island.inner_step = 200
+    ov = island.schedule
+    island.stats.inner_step = 200
     ov.adopted(phase=23)
 
     def steps_to_next_round() -> int:
         for n in range(1, 200):
-            island.inner_step += 1
+            island.stats.inner_step += 1
             if ov.sync_due():
                 return n
         raise AssertionError("no round fell due")
@@ -202,10 +202,10 @@ def test_an_island_that_adopts_a_state_sends_its_next_round_with_the_island_that
     assert steps_to_next_round() == 27 and ov.phase() == 0
     assert steps_to_next_round() == 50  # and every H steps from then on
     restored = Island(tiny_config(tmp_path / "b", **{"diloco.inner_steps": 50, "diloco.outer_steps": 10}))
-    restored.overlap.load_state_dict(ov.state_dict(), 0)
-    restored.inner_step = island.inner_step + 10
-    assert restored.overlap.phase() == 10
-    island.inner_step = 300
+    restored.schedule.load_state_dict(ov.state_dict(), 0)
+    restored.stats.inner_step = island.stats.inner_step + 10
+    assert restored.schedule.phase() == 10
+    island.stats.inner_step = 300
     ov.adopted()  # no phase served (a peer of an older version): the island keeps its own schedule
     assert ov.phase() == 23 and steps_to_next_round() == 27
 
@@ -215,24 +215,24 @@ def test_a_budget_of_seconds_counts_from_when_the_group_formed(tmp_path):
     its next one a budget of compute after the group formed, not after its own send: otherwise it would
     send that early again every round and wait as long, its rounds in flight staying stale."""
     island = Island(tiny_config(tmp_path, **{"diloco.sync_every": "10s", "diloco.overlap": "delayed"}))
-    ov, stats = island.overlap, island.stats
+    ov, stats = island.schedule, island.stats
 
     def due_at(compute: float) -> bool:
-        island.inner_step += 1
+        island.stats.inner_step += 1
         stats.compute_seconds = compute
         return ov.sync_due()
 
-    island.inner_step, stats.compute_seconds = 20, 100.0
-    ov._restart_budget()  # the island sends at 100 s of compute
+    island.stats.inner_step, stats.compute_seconds = 20, 100.0
+    ov.restart_budget()  # the island sends at 100 s of compute
     flight = InFlight(0, 0, [], {}, 1.0, {}, None, 20, 0, 0.0, compute_at_formed=104.0)
     stats.compute_seconds = 106.0  # the result arrives and is applied
     ov.aligned(flight)
     assert not due_at(112.0) and due_at(114.0)
     restored = Island(tiny_config(tmp_path / "b", **{"diloco.sync_every": "10s", "diloco.overlap": "delayed"}))
-    restored.overlap.load_state_dict(ov.state_dict(), 0)
-    assert restored.overlap.skew == 4.0
-    ov._restart_budget()  # the next round is sent: it counts from its own group again
+    restored.schedule.load_state_dict(ov.state_dict(), 0)
+    assert restored.schedule.skew == 4.0
+    ov.restart_budget()  # the next round is sent: it counts from its own group again
     assert ov.skew == 0.0
-    late = InFlight(1, 0, [], {}, 1.0, {}, None, island.inner_step, 0, 0.0, compute_at_formed=None)
+    late = InFlight(1, 0, [], {}, 1.0, {}, None, island.stats.inner_step, 0, 0.0, compute_at_formed=None)
     ov.aligned(late)  # the island was the group's last (or saw no stage): nothing to skip
     assert ov.skew == 0.0 and due_at(124.5)

@@ -119,20 +119,20 @@ def test_late_sharded_joiner_downloads_theta_bucket_by_bucket(tmp_path, no_leake
     first = Island(tiny_config(tmp_path / "a", **common))
     first.connect()
     try:
-        assert len(first.averager.averagers) == 3  # one process owns all three buckets
+        assert len(first.peers.averager.averagers) == 3  # one process owns all three buckets
         for _ in range(3):  # pretend the run has made progress
-            first.outer.step({n: torch.randn_like(t) * 0.01 for n, t in first.outer.master.items()})
-        first.outer_step = 3
+            first.outer.step({n: torch.randn_like(t) * 0.01 for n, t in first.outer.theta_global.items()})
+        first.stats.outer_step = 3
         first.transfer.after_commit()  # serve the new state
-        first.membership.announce(3, averaging=False)
+        first.peers.membership.announce(3, averaging=False)
         joiner = Island(tiny_config(tmp_path / "b", **common,
-                                            **{"averaging.initial_peers": visible_maddrs(first.dht)}))
+                                            **{"averaging.initial_peers": visible_maddrs(first.peers.dht)}))
         joiner.connect()
         try:
             assert_joined(joiner, first, outer_step=3)
             # resync downloads only a state matching the majority's fingerprint
-            target = first.state_fingerprint()
-            assert joiner.state_fingerprint() == target
+            target = first.rounds.theta_fingerprint()
+            assert joiner.rounds.theta_fingerprint() == target
             assert joiner.transfer.download(target) is not None
             wrong = list(target)
             wrong[3 * 4 * 2] += 1.0  # bucket 2's first sum
@@ -217,32 +217,34 @@ def test_a_run_that_ends_out_of_sync_says_so():
     mine, theirs = Membership(_FakeDHT("A", registry), "run"), Membership(_FakeDHT("B", registry), "run")
     from diloco.engine.metrics import RunStats
 
-    island = SimpleNamespace(membership=mine, outer_step=7, rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
-                             cfg=SimpleNamespace(averaging=SimpleNamespace(vote_timeout=1.0)), stats=RunStats(),
-                             alone=SimpleNamespace(since=None), stopping=False)
+    stats = RunStats(outer_step=7)
+    peers = SimpleNamespace(membership=mine, alone=SimpleNamespace(since=None))
+    transfer = StateTransfer(SimpleNamespace(vote_timeout=1.0), stats=stats, peers=peers,
+                             rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
+                             outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
+                             forget_unsent=lambda: False, fingerprint="")
     state = [1.0, 1.0, 1.0] * 4
     theirs.final = {"outer_step": 7, "state": state}
     theirs.leave()  # an island that finished before us: its record keeps what it ended with
-    assert StateTransfer(island).check_in_sync(state) == ""
+    assert transfer.check_in_sync(state, stopping=False) == ""
     assert registry["A"]["final"] == {"outer_step": 7, "state": state}
     theirs.final = {"outer_step": 7, "state": [1.5, 1.5, 1.5] * 4}
     theirs.leave()
-    problem = StateTransfer(island).check_in_sync(state)
+    problem = transfer.check_in_sync(state, stopping=False)
     assert problem.startswith("the run ended out of sync: θ_global of 1 other island(s) differs"), problem
     theirs.final = {"outer_step": 6, "state": [9.0] * 12}  # ended earlier (stopped): not comparable
     theirs.leave()
-    assert StateTransfer(island).check_in_sync(state) == ""
+    assert transfer.check_in_sync(state, stopping=False) == ""
     # nothing to compare with, but the others averaged our last round without us: that may be a split
-    island.stats.behind = True
-    problem = StateTransfer(island).check_in_sync(state)
+    stats.behind = True
+    problem = transfer.check_in_sync(state, stopping=False)
     assert problem.startswith("the other islands averaged this island's last round without it"), problem
     # nothing to compare with because the island could not reach the live islands it knew: a split
-    island.stats.behind, island.alone.since = False, 12.0
-    problem = StateTransfer(island).check_in_sync(state)
+    stats.behind, peers.alone.since = False, 12.0
+    problem = transfer.check_in_sync(state, stopping=False)
     assert problem.startswith("this island ended alone: the islands of the run it knew stopped answering"), problem
     # stopped by its user (Ctrl-C, SIGTERM) rather than at the run's end: a warning, not an error (it can resume)
-    island.stopping = True
-    assert StateTransfer(island).check_in_sync(state) == ""
+    assert transfer.check_in_sync(state, stopping=True) == ""
 
 
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
@@ -256,8 +258,12 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
         others=lambda: [SimpleNamespace(averaging=True, outer_step=s, alive=i >= run.dead)
                         for s, n in run.averaging.items() for i in range(n)],
         beating=lambda m: m.alive)
-    settings = SimpleNamespace(averaging=SimpleNamespace(min_group_size=2))
-    transfer = StateTransfer(SimpleNamespace(membership=membership, outer_step=2, cfg=settings))
+    from diloco.engine.metrics import RunStats
+
+    transfer = StateTransfer(SimpleNamespace(min_group_size=2), stats=RunStats(outer_step=2),
+                             peers=SimpleNamespace(membership=membership), rt=None, outer=None, params={},
+                             exchange=SimpleNamespace(layout=None), schedule=None, forget_unsent=lambda: False,
+                             fingerprint="")
     later = time.monotonic() + 60
     assert transfer._verdict(3, 3, later, False) == "moving"  # round 4 committed while we downloaded step 3
     assert transfer._verdict(4, 3, later, False) == "adopt"

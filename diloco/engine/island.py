@@ -1,19 +1,25 @@
-"""One DiLoCo island: H inner AdamW steps, then a verified outer round with the other islands.
+"""One DiLoCo island rank: the wiring of its parts, the training loop, its checkpoints.
 
-An island is the training process group of one server: ``tp * pp`` processes under ``torchrun``
-(tensor parallelism inside, pipeline stages outside, see :mod:`pipeline`), or one process, which is
-simply the ``tp = pp = 1`` case (:class:`diloco.engine.runtime.Runtime` with no process group).  Every rank
-builds the same :class:`Island` and takes every decision together with the others.
+An island is the training process group of one server: ``tp * pp`` processes under ``torchrun`` (tensor
+parallelism inside, pipeline stages outside, see :mod:`pipeline`), or one process, which is simply the
+``tp = pp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process group).  Every rank builds the
+same :class:`Island` and takes every decision together with the others.  :class:`Island` only builds,
+connects and runs; each part has one job and gets the narrow pieces it needs:
 
-- the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this
-  rank's local shards (they share storage with the parameters, DTensor or not);
+- the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this rank's
+  local shards (they share storage with the parameters, DTensor or not);
 - the pseudo-gradient is averaged over the canonical layout (:mod:`peers.layout`): buckets of
   ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
   (:mod:`peers.sharded`), so islands of any shape average together;
-- the outer round is a transaction (:mod:`diloco.engine.outer_round`); catching up with the run, serving
-  θ_global to joiners and resynchronizing live in :mod:`diloco.engine.state_transfer`; checkpoints (one per
-  rank) in :mod:`diloco.engine.island_state`; the peer network in :mod:`diloco.engine.peer_node`;
+- :class:`~diloco.engine.rounds.OuterRounds` runs the outer rounds (schedule, round in flight, transaction);
+  :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners
+  and resynchronizes; :class:`~diloco.engine.peer_node.PeerNode` is the rank's place in the peer network;
 - rank 0 alone writes metrics, ``summary.json``, the multiaddrs and ``theta_global.pt`` and prints.
+
+Checkpoints are per rank: each rank writes its own shards (model, inner optimizer, θ_global and outer
+momentum) with the data position, RNG states and counters to ``<checkpoint dir>/ckpt-NNNNNN.pt`` (one
+process) or ``<checkpoint dir>/rank<r>/ckpt-NNNNNN.pt``; on resume the ranks agree on the newest outer step
+every rank has, and refuse a checkpoint of another island shape or config.
 """
 
 from __future__ import annotations
@@ -22,46 +28,52 @@ import logging
 import math
 import signal
 import threading
-from contextlib import nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from diloco.engine import island_state
-from diloco.engine import peer_node as peer_setup
-from diloco.engine import training_loop
 from diloco.config import Config, config_fingerprint, to_dict
+from diloco.config.loader import from_dict
 from diloco.data.batches import ShardedBatches, heldout_batches
 from diloco.data.corpus import load_corpus
-from diloco.errors import TrainingError
 from diloco.engine.faults import FaultPlan
-from diloco.model.inner import build_inner_optimizer, inner_step
 from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
-from diloco.model.transformer import build_initial_model, lm_loss
-from diloco.engine.outer_round import FaultHook, MembershipHook, RoundMetrics, begin_round, end_round
-from diloco.engine.overlap import Overlap
+from diloco.engine.peer_node import PeerNode
+from diloco.engine.rounds import (
+    FaultHook,
+    FeedbackBuffers,
+    IslandNorm,
+    MembershipHook,
+    OuterRounds,
+    RoundMetrics,
+    RoundSchedule,
+)
 from diloco.engine.runtime import Runtime, pick_device
-from diloco.inference.samples import Sampler
 from diloco.engine.state_transfer import StateTransfer
-from outer_optim import OuterOptimizer
+from diloco.errors import TrainingError
+from diloco.inference.samples import Sampler
+from diloco.model import checkpoint
+from diloco.model.checkpoint import CheckpointError
+from diloco.model.inner import build_inner_optimizer, take_inner_step
+from diloco.model.transformer import build_initial_model, lm_loss
+from outer_optim import OuterOptimizer, checksum
 from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
-from outer_optim.guard import NormGuard
 from peers.dht import mute_shutdown_noise
-from peers.layout import CanonicalLayout, spec_tuple
 from peers.exchange import BucketExchange
-from pipeline import ModelParts, SplitSettings
+from peers.layout import CanonicalLayout, spec_tuple
+from pipeline import ModelParts, SplitSettings, local_state, restore_dtensor_state
 
 log = logging.getLogger("diloco")
 
-CHUNKS_PER_BUCKET = 4
-"""Fingerprint chunks per bucket of the canonical θ_global fingerprint (12 floats per bucket)."""
-
 
 class Island:
-    """Everything one island rank owns: model parts, data shard, inner and outer optimizers, peers, logs."""
+    """One island rank: built from the config, then :meth:`run` (or driven step by step in tests)."""
 
     def __init__(self, cfg: Config):
         self.rt = Runtime.start(cfg, pick_device(cfg.device))
@@ -91,120 +103,75 @@ class Island:
         torch.manual_seed(cfg.seed)
         corpus = load_corpus(cfg.data)
         log.info("data: %s", corpus.description)
-        m = cfg.model
+        m, d, a, lg = cfg.model, cfg.diloco, cfg.averaging, cfg.logging
         self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
                                       cfg.data.num_shards, cfg.seed)
-        self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size,
-                                            cfg.logging.eval_batches)
-        lg = cfg.logging
+        self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, lg.eval_batches)
         self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens) if lg.samples and rt.is_main else None
-        full = build_initial_model(cfg.model, cfg.seed, cfg.checkpoint.init_from)
+
+        # the model: the layout comes from the whole model on every rank, before the island splits it
+        full = build_initial_model(m, cfg.seed, cfg.checkpoint.init_from)
         self.full_shapes = [(n, tuple(p.shape)) for n, p in full.named_parameters()]
-        # the layout comes from the whole model on every rank, before the island splits it
-        self.layout = CanonicalLayout.build(self.full_shapes, cfg.averaging.bucket_numel,
-                                            split_into_fragments([n for n, _ in self.full_shapes], cfg.diloco.fragments)
-                                            if cfg.diloco.fragments > 1 else ())
+        fragments = split_into_fragments([n for n, _ in self.full_shapes], d.fragments) if d.fragments > 1 else ()
+        self.layout = CanonicalLayout.build(self.full_shapes, a.bucket_numel, fragments)
         micro = max(1, cfg.inner.batch_size // (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
         self.model = ModelParts(full, rt.mesh, SplitSettings.from_config(cfg.parallel), loss_fn=lm_loss,
                                 device=self.device, profile_shape=(micro, m.seq_len))
         del full
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
-        d = cfg.diloco
-        self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
-                                                device=d.master_device)
-        self.exchange = BucketExchange(self.layout, self.params, self.specs, rt.group)
-        self._contributes = self._contributed_names()
-        self.outer_step = 0
-        self.inner_step = 0
-        self.stats = RunStats()
-        self.overlap = Overlap(self)
-        total_inner = cfg.diloco.outer_steps * cfg.diloco.inner_steps
-        # without a fixed H the cosine follows the run's progress
-        self.inner_opt, self.inner_sched = build_inner_optimizer(
-            list(self.model.named_parameters()), cfg.inner, total_inner,
-            None if self.overlap.budget.by_steps else self.overlap.progress)
-        self.fingerprint = config_fingerprint(cfg)
-        self.state_lock = threading.Lock()
-        """Held while θ_global, the outer momentum or the outer step change (joiners read them meanwhile)."""
-        self._stop = threading.Event()
-        self.stopping = False
-        self.dht: Any = None
-        self.averager: Any = None
-        self.feedback: dict[int, torch.Tensor] = {}
-        """Error feedback of the buckets this rank averages (a lossy codec's dropped part, see
-        :class:`peers.sharded.ShardedAverager`); checkpointed, kept across reconnects."""
-        self.carry: dict[int, torch.Tensor] = {}
-        """With a dense lossy codec and ``averaging.owner_feedback``: what re-encoding the averaged parts this
-        rank owned left out, added to them next round (:attr:`peers.sharded.ShardedAverager.carry`);
-        checkpointed like :attr:`feedback`."""
-        self.keeps_unsent = cfg.averaging.compression in LOSSY_CODECS and cfg.averaging.error_feedback
-        """Whether a codec's unsent part is carried into later rounds (:attr:`feedback` fills)."""
-        self.membership: Any = None
-        self.fallback: Any = None
-        self.wire: Any = None  # peers.wire.WireCounter of this rank's DHT daemon
-        self.alone = peer_setup.AloneWatch(cfg.averaging.rejoin_after)
-        self.metrics: MetricsLogger | NullMetrics | None = None
-        self.guard = NormGuard(cfg.averaging.max_norm_ratio)
-        self.faults = FaultPlan.from_env()
-        self.hooks = [FaultHook(self.faults)]
-        self.transfer = StateTransfer(self)
-        self.t_start = 0.0
-        """``time.perf_counter()`` when the training loop started (for compute utilization)."""
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
+
+        # the outer state and the run's counters
+        self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
+                                                device=d.master_device)
+        self.stats = RunStats()
+        self.unsent = FeedbackBuffers()
+        self.fingerprint = config_fingerprint(cfg)
+        self.exchange = BucketExchange(self.layout, self.params, self.specs, rt.group)
+        self.schedule = RoundSchedule(d, rt, self.stats, self.layout, list(self.params))
+        # without a fixed H the cosine follows the run's progress
+        self.inner_opt, self.inner_sched = build_inner_optimizer(
+            list(self.model.named_parameters()), cfg.inner, d.outer_steps * d.inner_steps,
+            None if self.schedule.budget.by_steps else self.schedule.progress)
+
+        # peers, state transfer and rounds
+        self._stop = threading.Event()
+        self.stopping = False
+        self.peers = PeerNode(a, rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
+                              layout=self.layout, params=self.params, specs=self.specs, exchange=self.exchange,
+                              unsent=self.unsent, stats=self.stats)
+        self.transfer = StateTransfer(a, rt=rt, stats=self.stats, outer=self.outer, params=self.params,
+                                      exchange=self.exchange, peers=self.peers, schedule=self.schedule,
+                                      forget_unsent=self.unsent.clear, fingerprint=self.fingerprint)
+        self.peers.serve(self.transfer.provider, self.transfer.connected, self._stop.is_set)
+        self.faults = FaultPlan.from_env()
+        hooks = [FaultHook(self.faults, self.outer, a.matchmaking_time + 3.0), MembershipHook(self.peers)]
+        self.rounds = OuterRounds(d, a, rt=rt, stats=self.stats, schedule=self.schedule, outer=self.outer,
+                                  params=self.params, exchange=self.exchange,
+                                  norm=IslandNorm(rt, self.layout, self.specs), peers=self.peers,
+                                  transfer=self.transfer, unsent=self.unsent, fingerprint=self.fingerprint,
+                                  keeps_unsent=a.compression in LOSSY_CODECS and a.error_feedback, hooks=hooks)
+        self.metrics: MetricsLogger | NullMetrics = NullMetrics()
+        self.t_start = 0.0
+        """``time.perf_counter()`` when the training loop started (for compute utilization)."""
 
     @property
     def is_main(self) -> bool:
         """Whether this process writes the island's metrics, summary and files and prints (rank 0)."""
         return self.rt.is_main
 
-    def _contributed_names(self) -> set[str]:
-        """Parameters whose local shard this rank counts in island-wide norms: a shard held alike by
-        several ranks (replicated under TP) counts on the lowest of them only."""
-        mine = {n: ("full" if self.layout.is_full(n, s) else spec_tuple(s)) for n, s in self.specs.items()}
-        seen: set[tuple] = set()
-        out: set[str] = set()
-        for r, held in enumerate(self.rt.gather_all(mine)):
-            for name, key in held.items():
-                if (name, key) not in seen:
-                    seen.add((name, key))
-                    if r == self.rt.rank:
-                        out.add(name)
-        return out
+    # ---------------------------------------------------------------------------------------- steps
+    def connect(self) -> None:
+        """Collective: join the peer network (see :meth:`PeerNode.connect`)."""
+        self.peers.connect()
 
-    # ------------------------------------------------------------------------------ peers
-    def connect(self, rejoin: list[str] | None = None) -> None:
-        """Start every rank's DHT and averager (collective); rank 0 prints how others join.
-        ``rejoin``: peer addresses to reach by restarting the peer node (an island alone in the run)."""
-        peer_setup.reconnect(self, rejoin) if rejoin else peer_setup.connect(self)
-        self.hooks = [h for h in self.hooks if not isinstance(h, MembershipHook)]
-        if self.membership is not None:
-            self.hooks.append(MembershipHook(self.membership))
-
-    def rejoin_if_alone(self) -> None:
-        """Collective: an island alone in the run although it knew live islands restarts its peer node
-        through their addresses, from time to time (see :class:`diloco.engine.peer_node.AloneWatch`)."""
-        known = self.transfer.main_decides(lambda: self.alone.due(self))
-        if known:
-            self.connect(rejoin=known)
-
-    def state_fingerprint(self) -> list[float]:
-        """Collective: fingerprint of the whole θ_global in canonical bucket order, the same on every
-        rank and on every island holding the same θ_global, whatever its shape."""
-        return self.exchange.canonical_fingerprint(self.outer.master, CHUNKS_PER_BUCKET)
-
-    def global_norm(self, tensors: dict[str, torch.Tensor]) -> float:
-        """Collective: L2 norm of the island's whole ``{name: tensor}`` (replicated shards counted once)."""
-        sq = sum(float(t.double().pow(2).sum()) for n, t in tensors.items() if n in self._contributes)
-        return math.sqrt(self.rt.reduce([sq])[0])
-
-    # ---------------------------------------------------------------------------- training
     def train_step(self) -> float:
         """One inner AdamW step over the island (with gradient accumulation); returns the mean loss."""
-        loss = inner_step(self.model, self.batches, self.inner_opt, self.inner_sched, self.cfg.inner,
-                          self.autocast)
-        self.inner_step += 1
+        loss = take_inner_step(self.model, self.batches, self.inner_opt, self.inner_sched, self.cfg.inner,
+                               self.autocast)
+        self.stats.inner_step += 1
         self.stats.tokens += self.batches.tokens_per_batch * self.cfg.inner.grad_accum
         return loss
 
@@ -222,65 +189,41 @@ class Island:
             p.copy_(own[n])
         return float(np.mean(losses))
 
-    def send_round(self) -> RoundMetrics | None:
-        """Collective: catch up if the run moved on without us (the round's metrics), else send the
-        round's pseudo-gradient (None: it is in flight, see :mod:`diloco.engine.overlap`)."""
-        self.rejoin_if_alone()
-        rnd = self.outer_step + 1
-        if self.transfer.catch_up(counted=1):
-            # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
-            self.stats.rounds_failed += 1
-            self.stats.failures.append(f"round {rnd}: behind the run, caught up from a peer")
-            return RoundMetrics.skipped(self, "behind the run; caught up from a peer")
-        flight = begin_round(self)
-        if isinstance(flight, RoundMetrics):
-            return flight
-        self.overlap.flight = flight
-        return None
+    def theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """Collective: the whole θ_global assembled on rank 0 from the ranks' shards (None on the other
+        ranks) and its checksum (on every rank), comparable between islands of any shape."""
+        rt = self.rt
+        mine = {n: (spec_tuple(self.specs[n]), t.detach().cpu()) for n, t in self.outer.theta_global.items()}
+        parts = rt.gather_to_main(mine)
+        if parts is None:
+            return None, rt.bcast(None)
+        full = {n: torch.full(shape, float("nan")) for n, shape in self.full_shapes}
+        for part in parts:
+            for n, ((dim, offset, length), t) in part.items():
+                if full[n].dim() == 0:
+                    full[n].copy_(t.reshape(()))
+                else:
+                    full[n].narrow(dim, offset, length).copy_(t)
+        return full, rt.bcast(checksum(full))
 
-    def outer_round(self) -> RoundMetrics:
-        """Collective: one whole round, blocking (catch up, or send and apply)."""
-        return self.send_round() or self.apply_round()
-
-    def apply_round(self) -> RoundMetrics:
-        """Collective: wait for the round in flight and commit it or roll it back."""
-        flight, self.overlap.flight = self.overlap.flight, None
-        return end_round(self, flight)
-
-    # ------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything this rank needs to resume exactly."""
-        return island_state.state_dict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (written by the same rank of an island of the same shape)."""
-        island_state.load_state_dict(self, state)
-
-    def save_checkpoint(self) -> Path:
-        """Write this rank's checkpoint of the current outer step."""
-        return island_state.save_checkpoint(self)
-
-    # -------------------------------------------------------------------------------- loop
+    # ------------------------------------------------------------------------------------ stopping
     def request_stop(self, *_: Any) -> None:
         """Finish the current inner step, checkpoint and leave (SIGINT/SIGTERM)."""
         if not self._stop.is_set() and self.is_main:
             print(f"[{self.name}] stopping: finishing the current step and writing a checkpoint", flush=True)
         self._stop.set()
 
-    def stop_requested(self) -> bool:
-        """Whether a stop was asked of this process (it is not yet agreed across the island's ranks)."""
-        return self._stop.is_set()
-
     def stop_agreed(self) -> bool:
-        """Whether to stop now; every rank of the island (of the world, when islands average in
-        lockstep) gets the same answer."""
+        """Whether to stop now; every rank of the island (of the world, when islands average in lockstep)
+        gets the same answer."""
         self.stopping = self.rt.reduce([float(self._stop.is_set())], op="max", world=self.rt.lockstep)[0] > 0
         return self.stopping
 
+    # ---------------------------------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         """Train until ``diloco.outer_steps`` rounds are done (or a stop is requested)."""
         cfg = self.cfg
-        island_state.maybe_resume(self)
+        self.maybe_resume()
         main_thread = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
         self.connect()
@@ -289,33 +232,251 @@ class Island:
         for sig in previous:
             signal.signal(sig, self.request_stop)
         w = cfg.wandb
-        self.metrics = MetricsLogger(self.run_dir, wandb_mode=w.mode, project=w.project,
-                                     group=w.group or cfg.averaging.run_id, name=self.name, entity=w.entity,
-                                     config=to_dict(cfg), resume=bool(cfg.checkpoint.resume)) \
-            if self.is_main else NullMetrics()
+        if self.is_main:
+            self.metrics = MetricsLogger(self.run_dir, wandb_mode=w.mode, project=w.project,
+                                         group=w.group or cfg.averaging.run_id, name=self.name, entity=w.entity,
+                                         config=to_dict(cfg), resume=bool(cfg.checkpoint.resume))
         try:
             self.transfer.join_from_peers()
-            return training_loop.run(self)
+            return self._loop()
         finally:
             self.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
-        """Collective: the whole θ_global on rank 0 (None elsewhere) and its checksum on every rank."""
-        return island_state.theta_global(self)
+    def _loop(self) -> dict[str, Any]:
+        """Inner steps; rounds sent and applied on the schedule of :class:`OuterRounds`; evaluations of
+        θ_global; checkpoints between rounds; the summary at the end."""
+        cfg, s, sched, rounds = self.cfg, self.stats, self.schedule, self.rounds
+        t_start = self.t_start = time.perf_counter()
+        if s.outer_step == 0 and math.isnan(s.eval_loss_start):
+            with self._as_compute():
+                s.eval_loss_start = self.evaluate()
+            self.metrics.log({"eval/loss": s.eval_loss_start, "eval/perplexity": math.exp(s.eval_loss_start),
+                              "tokens": s.tokens, "outer_step": s.outer_step})
+        loss, window = float("nan"), (time.perf_counter(), s.tokens)
+        while s.outer_step < sched.total_rounds and not self.stop_agreed():
+            t_step = time.perf_counter()
+            if s.inner_step % sched.interval == sched.interval // 2:
+                self.faults.at("inner", s.outer_step + 1)
+            loss = self.train_step()
+            s.compute_seconds += time.perf_counter() - t_step
+            if s.inner_step % cfg.logging.log_every == 0 or sched.sync_due():
+                window = self._log_loss(loss, window)
+            if rounds.apply_due():
+                self._after_round(rounds.apply(), loss)
+            if not sched.sync_due() or self.stop_agreed():
+                continue
+            if rounds.flight is not None:  # the next round is due: the one in flight must end first
+                self._after_round(rounds.apply(), loss)
+            if s.outer_step >= sched.total_rounds:
+                break
+            if sched.restarted_now():  # a round it was left behind in made it catch up: nothing trained to send
+                continue
+            last = s.outer_step == sched.total_rounds - 1
+            done = rounds.send()
+            if done is None and (rounds.blocking or last or rounds.apply_due()):
+                done = rounds.apply()
+            if done is not None:
+                self._after_round(done, loss)
+        if rounds.flight is not None:  # stopping with a round in flight: see it through, then checkpoint
+            self._after_round(rounds.apply(), loss)
+        if self.stopping or (cfg.checkpoint.every and s.outer_step % (cfg.checkpoint.every * sched.n)):
+            self.save_checkpoint()
+        if math.isnan(s.eval_loss_end):
+            with self._as_compute():
+                s.eval_loss_end = self.evaluate()
+        return self._finish(time.perf_counter() - t_start)
+
+    @contextmanager
+    def _as_compute(self) -> Iterator[None]:
+        """Count the time of the block as the island's compute: evaluating θ_global (and writing samples of
+        it) is compute, as in the baseline's accounting, whichever evaluation it is."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.compute_seconds += time.perf_counter() - t
+
+    def _log_loss(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
+        """Log the training loss and throughput since ``window`` (time, tokens); returns the new window."""
+        now, s = time.perf_counter(), self.stats
+        self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
+                          "lr": self.inner_sched.get_last_lr()[0], "tokens": s.tokens,
+                          "tokens_per_second": (s.tokens - window[1]) / max(now - window[0], 1e-9),
+                          "outer_step": s.outer_step, "inner_step": s.inner_step})
+        return now, s.tokens
+
+    def _after_round(self, metrics: RoundMetrics, loss: float) -> None:
+        """Record a round that ended: metrics, evaluation of θ_global when due, progress line, checkpoint."""
+        cfg, s, n, total = self.cfg, self.stats, self.schedule.n, self.schedule.total_rounds
+        record = dict(metrics.record(), tokens=s.tokens, outer_step=s.outer_step, loss=loss)
+        if s.outer_step % (cfg.logging.eval_every * n) == 0 or s.outer_step == total:
+            with self._as_compute():
+                ev = self.evaluate()
+                self._log_samples()
+            s.eval_loss_end = ev
+            record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
+        record["compute_utilization"] = s.compute_seconds / max(time.perf_counter() - self.t_start, 1e-9)
+        self.metrics.log(record)
+        if self.is_main:
+            print(f"[{self.name}] {metrics.progress_line(s.outer_step, total, loss)}"
+                  + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
+        if cfg.checkpoint.every and s.outer_step % (cfg.checkpoint.every * n) == 0:
+            self.save_checkpoint()
+
+    def _log_samples(self) -> None:
+        """Collective over the island's ranks (θ_global is assembled on the main rank): log the samples of
+        θ_global as it is now, when ``--logging.samples`` asks for them."""
+        if not self.cfg.logging.samples:
+            return
+        theta, _ = self.theta_global()
+        if self.sampler is not None and theta is not None:
+            self.metrics.log_samples(self.sampler.rows(theta, self.stats.outer_step), self.stats.tokens)
+
+    def _finish(self, wall: float) -> dict[str, Any]:
+        """After the last round: check the islands ended in sync, write θ_global and the summary."""
+        out_of_sync = self.transfer.check_in_sync(self.rounds.theta_fingerprint(), self.stopping)
+        if out_of_sync:
+            log.error("%s", out_of_sync)
+        self.peers.count_bytes(0, 0, through_torch=False)  # what moved since the last round
+        theta, theta_checksum = self.theta_global()
+        if self.is_main:
+            torch.save(theta, self.run_dir / "theta_global.pt")
+        s = self.stats
+        summary = {
+            "island": self.name, "outer_step": s.outer_step, "inner_step": s.inner_step, "tokens": s.tokens,
+            "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
+            "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed,
+            "rounds_caught_up": s.rounds_caught_up, "bytes_sent": s.bytes_sent,
+            "bytes_received": s.bytes_received, "payload_bytes_sent": s.payload_bytes_sent,
+            "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
+            "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
+            "theta_checksum": theta_checksum,
+            "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
+        }
+        self.metrics.summary(summary)
+        return summary
 
     def close(self) -> None:
         """Announce leaving, stop the averagers, the DHT, the W&B run and the process group (idempotent)."""
         if self._stop.is_set():  # Ctrl-C or SIGTERM: the process is leaving, maybe with its p2p daemons gone
             mute_shutdown_noise()
         try:
-            peer_setup.disconnect(self)
-            if self.metrics is not None:
-                self.metrics.close()
-                self.metrics = None
+            self.peers.disconnect()
+            self.metrics.close()
+            self.metrics = NullMetrics()
         finally:
             self.rt.close()
+
+    # --------------------------------------------------------------------------------- checkpoints
+    def _shape(self) -> dict[str, Any]:
+        rt = self.rt
+        return {"tp": rt.tp, "pp": rt.pp, "rank": rt.rank,
+                "specs": {n: list(spec_tuple(s)) for n, s in self.specs.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank needs to resume exactly, with the island shape it belongs to."""
+        s = self.stats
+        return {
+            "config": to_dict(self.cfg), "outer_step": s.outer_step, "inner_step": s.inner_step,
+            "model": {n: t.detach().cpu().clone() for n, t in self.params.items()},
+            "inner_optimizer": local_state(self.inner_opt.state_dict()),
+            "inner_scheduler": self.inner_sched.state_dict(),
+            "outer_optimizer": self.outer.state_dict(), "data": self.batches.state_dict(),
+            "rng": checkpoint.rng_state(), "stats": dict(s.__dict__),
+            "norm_history": list(self.rounds.guard.history), "island": self._shape(),
+            "overlap": self.schedule.state_dict(),
+            "error_feedback": {b: t.clone() for b, t in self.unsent.feedback.items()},
+            "owner_feedback": {b: t.clone() for b, t in self.unsent.carry.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (written by the same rank of an island of the same shape)."""
+        saved = state.get("island") or {"tp": 1, "pp": 1, "rank": 0, "specs": None}
+        mine = self._shape()
+        if (saved["tp"], saved["pp"], saved["rank"]) != (mine["tp"], mine["pp"], mine["rank"]) or \
+                (saved.get("specs") is not None and saved["specs"] != mine["specs"]):
+            raise TrainingError(f"the checkpoint was written by rank {saved['rank']} of a tp={saved['tp']} x "
+                                f"pp={saved['pp']} island; resume with the same --parallel.* settings")
+        with torch.no_grad():
+            for n, t in state["model"].items():
+                self.params[n].copy_(t)
+        self.inner_opt.load_state_dict(state["inner_optimizer"])
+        restore_dtensor_state(self.inner_opt)
+        self.inner_sched.load_state_dict(state["inner_scheduler"])
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.batches.load_state_dict(state["data"])
+        checkpoint.set_rng_state(state["rng"])
+        for k, v in state["stats"].items():
+            setattr(self.stats, k, v)
+        self.stats.outer_step, self.stats.inner_step = int(state["outer_step"]), int(state["inner_step"])
+        self.rounds.guard.history = [float(x) for x in state.get("norm_history", [])]
+        self.schedule.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", self.stats.tokens)))
+        for kept, key in ((self.unsent.feedback, "error_feedback"), (self.unsent.carry, "owner_feedback")):
+            kept.clear()
+            kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
+
+    def save_checkpoint(self) -> Path:
+        """Write this rank's checkpoint of the current outer step (keeping ``checkpoint.keep``)."""
+        path = checkpoint.save(self.state_dict(), checkpoint.checkpoint_path(self.ckpt_dir, self.stats.outer_step),
+                               keep=self.cfg.checkpoint.keep)
+        log.info("checkpoint written: %s", path)
+        return path
+
+    def maybe_resume(self) -> None:
+        """With ``--checkpoint.resume``: every rank loads its own checkpoint of the same outer step (the
+        newest all ranks have); any rank's problem stops every rank with the same message."""
+        spec, rt = self.cfg.checkpoint.resume, self.rt
+        if not spec:
+            aside = checkpoint.set_aside(self.ckpt_dir)
+            if aside is not None:
+                log.warning("%s held an earlier run's checkpoints: moved them to %s (pass --resume to continue that "
+                            "run instead)", self.ckpt_dir, aside)
+            return
+        world = rt.lockstep
+        path, error = None, ""
+        try:
+            mine = spec if spec == "latest" or rt.rank == 0 else str(self.ckpt_dir / Path(spec).name)
+            path = checkpoint.find_resume(mine, self.ckpt_dir)
+        except CheckpointError as e:
+            error = str(e)
+        rt.raise_if_any(error, CheckpointError, world=world)
+        steps = rt.gather_all(_step_of(path) if path is not None else None, world=world)
+        if all(s is None for s in steps):
+            log.warning("--resume: no checkpoint in %s; starting fresh", self.ckpt_dir)
+            return
+        if any(s is None for s in steps):
+            missing = [r for r, s in enumerate(steps) if s is None]
+            rt.raise_if_any(f"rank(s) {missing} have no checkpoint to resume from while others do; resume every "
+                            f"rank from the same run (checkpoints live in <checkpoint dir>/rank<r>/)",
+                            CheckpointError, world=world)
+        step = min(s for s in steps if s is not None)
+        state, error = None, ""
+        try:
+            if _step_of(path) != step:
+                path = checkpoint.checkpoint_path(self.ckpt_dir, step)
+            state = checkpoint.load(path)
+            saved = state.get("config", {})
+            if saved and config_fingerprint(from_dict(saved)) != self.fingerprint:
+                error = (f"checkpoint {path} was written with a different model or outer-optimizer config; resume "
+                         f"with the same --model.* and --diloco.outer_* settings")
+        except CheckpointError as e:
+            error = str(e)
+        rt.raise_if_any(error, CheckpointError, world=world)
+        try:
+            self.load_state_dict(state)
+        except TrainingError as e:
+            error = str(e)
+        rt.raise_if_any(error, TrainingError, world=world)
+        log.info("resumed from %s at outer step %d", path, self.stats.outer_step)
+
+
+def _step_of(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    m = checkpoint.NAME_RE.match(Path(path).name)
+    return int(m[1]) if m else -1
 
 
 def train(cfg: Config) -> dict[str, Any] | None:
@@ -324,6 +485,3 @@ def train(cfg: Config) -> dict[str, Any] | None:
     island = Island(cfg)
     summary = island.run()
     return summary if island.is_main else None
-
-
-__all__ = ["Island", "RunStats", "train", "TrainingError", "CHUNKS_PER_BUCKET"]

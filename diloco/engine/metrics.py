@@ -149,8 +149,13 @@ class NullMetrics:
 
 @dataclass
 class RunStats:
-    """Running totals of one island process (a resumed island starts them again), reported at the end."""
+    """Where one island process stands (its outer and inner step) and its running totals, reported at the
+    end (checkpointed: a resumed island carries them on)."""
 
+    outer_step: int = 0
+    """Outer rounds this island went through (committed, rolled back or caught up): the round it sends next."""
+    inner_step: int = 0
+    """Inner steps this island trained."""
     rounds_ok: int = 0
     rounds_failed: int = 0
     rounds_caught_up: int = 0

@@ -1,10 +1,11 @@
-"""An island's place in the peer network: every rank's DHT node, the bucket averagers, the member
-registry, the run key, and the line other islands join with.
+"""An island rank's place in the peer network: its DHT node, its averager, the run's member registry, the
+run key, the traffic counters and the line other islands join with.
 
-Every rank of an island runs its own hivemind DHT node (rank 0 joins the run's initial peers, the
-other ranks bootstrap from it) and averages the buckets it owns over it; every rank registers its
-peer id in the run's member registry under the island's id (rank 0's peer id), so private runs
-accept all of them and islands are counted once.
+Every rank of an island runs its own hivemind DHT node (rank 0 joins the run's initial peers, the other
+ranks bootstrap from it) and averages the buckets it owns over it; every rank registers its peer id in the
+run's member registry under the island's id (rank 0's peer id), so private runs accept all of them and
+islands are counted once.  A :class:`PeerNode` stays the same object across reconnects (an island alone in
+the run restarts its node through the addresses it remembers), so that its users keep one handle.
 """
 
 from __future__ import annotations
@@ -15,21 +16,25 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
+
+import torch
 
 from diloco.config import AveragingConfig
+from diloco.engine.metrics import RunStats
+from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
-from peers.averager import AveragerSettings
+from peers.averager import AveragerSettings, StateProvider
 from peers.dht import NetworkSettings, PeerNetworkError, PortTakenError, listens, start_dht, tcp_port, visible_maddrs
+from peers.exchange import BucketExchange
+from peers.layout import CanonicalLayout
 from peers.local import LocalAverager
 from peers.membership import Membership
 from peers.run_key import check_run_key, key_check_key, new_run_key
 from peers.sharded import ShardedAverager
 from peers.wire import WireCounter
-
-if TYPE_CHECKING:
-    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 
@@ -46,6 +51,7 @@ island resumed with ``--resume`` listens there again (a free port if it is taken
 RUN_KEY = "run.key"
 """In the run dir (mode 600): the run key, so that the first island of a private run, restarted with
 its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
+MAX_KNOWN_PEERS = 64
 
 
 def round_id(rnd: int, retry: bool = False) -> str:
@@ -59,69 +65,217 @@ def round_of(rid: str) -> int:
     return int(rid.split(".")[0])
 
 
-def connect(island: Island, rejoin: list[str] | None = None) -> None:
-    """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
-    other islands join.  Sets ``island.dht``, ``averager``, ``membership``, ``fallback`` and ``wire``.
-    ``rejoin``: addresses of islands to reach (besides the initial peers) when this island, alone in
-    the run, restarts its peer node (see :class:`AloneWatch`); each rank listens on its former port
-    (``PORT``) whenever it rejoins or resumes."""
-    a, rt = island.cfg.averaging, island.rt
-    if a.backend == "local":
-        island.averager = LocalAverager()
-        return
-    resuming = bool(island.cfg.checkpoint.resume) or rejoin is not None
-    if rt.is_main and not resuming:
-        (island.run_dir / KNOWN_PEERS).unlink(missing_ok=True)  # addresses of an earlier run, not this one
-    if resuming and not a.run_key and not a.public:
-        a = dataclasses.replace(a, run_key=_remembered(island, RUN_KEY).strip())
-    run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
-    if rt.is_main and not a.public:
-        _remember(island, RUN_KEY, run_key + "\n", private=True)
-    if a.backend != "torch":
-        remembered = rejoin if rejoin is not None else _remembered(island, KNOWN_PEERS).split() if resuming else []
-        port_file = f"{PORT}.rank{_local_rank(rt)}"
-        former = int(_remembered(island, port_file) or 0) if resuming else 0
-        # a resuming island whose peers are all down (restarting too) starts alone and keeps trying them
-        try:
-            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=resuming, port=former)
-        except PortTakenError:
-            if not former:
-                raise
-            log.warning("could not listen on port %d as before; listening on a free port", former)
-            island.dht = _start_dht(island, "" if a.public else run_key, remembered, alone_ok=resuming)
-        _remember(island, port_file, f"{tcp_port(island.dht)}\n")
-        island.wire = WireCounter(root=island.dht.pid)
-        if not a.public:
-            problem = rt.bcast(check_run_key(island.dht, a.run_id, run_key, a.startup_timeout) if rt.is_main else "")
-            if problem:
-                island.dht.shutdown()
-                island.dht = None
-                raise TrainingError(problem)
-    group = rt.group
-    if a.backend in ("torch", "auto") and rt.n_islands > 1:
-        from peers.fallback import HierarchicalAllReduce
+class PeerNode:
+    """This rank's peer network handles (collective where it says so).
 
-        island.fallback = HierarchicalAllReduce(island.layout, island.params, island.specs, rt.island_ranks(),
-                                                min_group_size=a.min_group_size)
-        group = island.fallback.island_group
-    ids = rt.gather_all(str(island.dht.peer_id) if island.dht is not None else f"{a.run_id}-island{rt.island_index}")
-    settings = averager_settings(a, members_key=f"{a.run_id}.members")
-    backend = a.backend if island.fallback is not None or a.backend == "hivemind" else "hivemind"
-    island.averager = ShardedAverager(
-        island.layout, island.params, island.specs, group, island.dht, settings, backend=backend,
-        fallback=island.fallback, state_provider_for=island.transfer.provider, island_id=ids[0],
-        exchange=island.exchange if group is rt.group else None, feedback=island.feedback,
-        carry=island.carry)
-    if island.dht is None:
-        return
-    island.membership = Membership(island.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
-    island.membership.maddrs = visible_maddrs(island.dht)
-    island.membership.start_heartbeat()
-    island.averager.watch_rounds(lambda rid: island.membership.moved_past(round_of(rid)), island.stop_requested)
-    island.transfer.refresh()
-    island.averager.set_state_priority(island.outer_step)
-    if rt.is_main:
-        announce_join(island.name, island.dht, a, run_key)
+    ``layout``, ``params``, ``specs`` and ``exchange`` describe the shards this rank averages; ``unsent`` the
+    codec's error feedback dicts the averager keeps (``feedback`` and ``carry``, updated in place); ``stats``
+    receives the traffic counts; ``resuming``: the island was started with ``--resume`` (it listens on its
+    former ports and rejoins the run it knew).  :meth:`serve` says what the averagers serve to joiners and
+    what to do once connected (wired by the island to its state transfer)."""
+
+    def __init__(self, a: AveragingConfig, rt: Runtime, run_dir: Path, name: str, *, resuming: bool,
+                 layout: CanonicalLayout, params: Mapping[str, torch.Tensor], specs: Mapping[str, Any],
+                 exchange: BucketExchange, unsent: Any, stats: RunStats):
+        self.a, self.rt, self.run_dir, self.name, self.resuming = a, rt, run_dir, name, resuming
+        self.layout, self.params, self.specs, self.exchange = layout, params, specs, exchange
+        self.unsent, self.stats = unsent, stats
+        self.dht: Any = None
+        self.averager: Any = None
+        self.membership: Membership | None = None
+        self.fallback: Any = None
+        self.wire: WireCounter | None = None
+        self.alone = AloneWatch(a.rejoin_after)
+        self._provider_for: Callable[[int], StateProvider] | None = None
+        self._connected: Callable[[], None] = lambda: None
+        self._stopping: Callable[[], bool] = lambda: False
+
+    def serve(self, provider_for: Callable[[int], StateProvider], connected: Callable[[], None],
+              stopping: Callable[[], bool]) -> None:
+        """``provider_for(bucket)``: what the bucket's averager serves to joiners; ``connected()``: called on
+        every rank after each (re)connection; ``stopping()``: whether this process is leaving."""
+        self._provider_for, self._connected, self._stopping = provider_for, connected, stopping
+
+    # ---------------------------------------------------------------------------------- connect
+    def connect(self, rejoin: list[str] | None = None) -> None:
+        """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
+        other islands join.  ``rejoin``: addresses of islands to reach (besides the initial peers) when this
+        island, alone in the run, restarts its peer node (see :class:`AloneWatch`); each rank listens on its
+        former port (``PORT``) whenever it rejoins or resumes."""
+        a, rt = self.a, self.rt
+        if a.backend == "local":
+            self.averager = LocalAverager()
+            return
+        resuming = self.resuming or rejoin is not None
+        if rt.is_main and not resuming:
+            (self.run_dir / KNOWN_PEERS).unlink(missing_ok=True)  # addresses of an earlier run, not this one
+        if resuming and not a.run_key and not a.public:
+            a = dataclasses.replace(a, run_key=remembered(self.run_dir, RUN_KEY).strip())
+        run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
+        if rt.is_main and not a.public:
+            remember(self.run_dir, RUN_KEY, run_key + "\n", private=True)
+        if a.backend != "torch":
+            known = rejoin if rejoin is not None else remembered(self.run_dir, KNOWN_PEERS).split() if resuming else []
+            port_file = f"{PORT}.rank{_local_rank(rt)}"
+            former = int(remembered(self.run_dir, port_file) or 0) if resuming else 0
+            # a resuming island whose peers are all down (restarting too) starts alone and keeps trying them
+            key = "" if a.public else run_key
+            try:
+                self.dht = self._start_dht(key, known, alone_ok=resuming, port=former)
+            except PortTakenError:
+                if not former:
+                    raise
+                log.warning("could not listen on port %d as before; listening on a free port", former)
+                self.dht = self._start_dht(key, known, alone_ok=resuming)
+            remember(self.run_dir, port_file, f"{tcp_port(self.dht)}\n")
+            self.wire = WireCounter(root=self.dht.pid)
+            if not a.public:
+                problem = rt.bcast(check_run_key(self.dht, a.run_id, run_key, a.startup_timeout) if rt.is_main else "")
+                if problem:
+                    self.dht.shutdown()
+                    self.dht = None
+                    raise TrainingError(problem)
+        group = rt.group
+        if a.backend in ("torch", "auto") and rt.n_islands > 1:
+            from peers.fallback import HierarchicalAllReduce
+
+            self.fallback = HierarchicalAllReduce(self.layout, self.params, self.specs, rt.island_ranks(),
+                                                  min_group_size=a.min_group_size)
+            group = self.fallback.island_group
+        ids = rt.gather_all(str(self.dht.peer_id) if self.dht is not None else f"{a.run_id}-island{rt.island_index}")
+        settings = averager_settings(a, members_key=f"{a.run_id}.members")
+        backend = a.backend if self.fallback is not None or a.backend == "hivemind" else "hivemind"
+        self.averager = ShardedAverager(
+            self.layout, self.params, self.specs, group, self.dht, settings, backend=backend,
+            fallback=self.fallback, state_provider_for=self._provider_for, island_id=ids[0],
+            exchange=self.exchange if group is rt.group else None, feedback=self.unsent.feedback,
+            carry=self.unsent.carry)
+        if self.dht is None:
+            return
+        self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
+        self.membership.maddrs = visible_maddrs(self.dht)
+        self.membership.start_heartbeat()
+        self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping)
+        self._connected()
+        if rt.is_main:
+            announce_join(self.name, self.dht, a, run_key)
+
+    def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any]) -> None:
+        """Collective: an island alone in the run although it knew live islands restarts its peer node
+        through their addresses, from time to time (see :class:`AloneWatch`)."""
+        known = main_decides(lambda: self.alone.due(self.membership, remembered(self.run_dir, KNOWN_PEERS).split()))
+        if known:
+            self.count_bytes(0, 0, through_torch=False)  # the daemon's counts go with it
+            self.disconnect()
+            self.connect(rejoin=known)
+
+    def disconnect(self) -> None:
+        """Announce leaving, stop the averagers and the DHT (idempotent)."""
+        if self.membership is not None:
+            self.membership.leave()
+            self.membership = None
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+        if self.wire is not None:
+            self.wire.close()
+        self.fallback = self.wire = None
+
+    # ------------------------------------------------------------------------------------ traffic
+    def count_bytes(self, payload_sent: int, payload_received: int, through_torch: bool) -> None:
+        """Collective: add the slow-link traffic since the last count, summed over the island's ranks, to the
+        run's totals.
+
+        ``bytes_*``: what the kernel counted on the connections of the ranks' DHT daemons (all of hivemind's
+        traffic: parts, votes, DHT records, state downloads; headers included).  A round that went through
+        torch.distributed (or a machine where the kernel cannot tell) adds the payload the exchange computed
+        instead.  ``payload_bytes_*``: the all-reduce payload alone."""
+        wire = self.wire.take() if self.wire is not None else None
+        sent, received = (wire.sent, wire.received) if wire is not None else (0, 0)
+        if wire is None or through_torch:
+            sent, received = sent + payload_sent, received + payload_received
+        totals = self.rt.reduce([float(sent), float(received), float(payload_sent), float(payload_received)])
+        s = self.stats
+        s.bytes_sent += int(totals[0])
+        s.bytes_received += int(totals[1])
+        s.payload_bytes_sent += int(totals[2])
+        s.payload_bytes_received += int(totals[3])
+
+    def remember_peers(self) -> None:
+        """Rank 0 keeps the addresses of the run's other islands in the run dir (after every round): the live
+        ones first, then those it knew before that are not registered right now (restarting, most likely:
+        an island comes back on the same port with the same peer id), one address per peer id."""
+        if not self.rt.is_main or self.membership is None:
+            return
+        live = self.membership.addresses()
+        if not live:
+            return
+        merged, seen = [], set()
+        for address in live + remembered(self.run_dir, KNOWN_PEERS).split():
+            peer = address.rsplit("/p2p/", 1)[-1]
+            if peer not in seen or address in live:
+                seen.add(peer)
+                merged.append(address)
+        remember(self.run_dir, KNOWN_PEERS, "\n".join(dict.fromkeys(merged[:MAX_KNOWN_PEERS])) + "\n")
+
+    def _start_dht(self, run_key: str, remembered: list[str], alone_ok: bool = False, port: int = 0) -> Any:
+        """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
+        islands it ``remembered`` from before a restart (if none answers: alone, when it has no initial
+        peers or ``alone_ok``), the other ranks bootstrap from it (and from the initial peers).  Rank ``r``
+        of a server listens on the configured port + local rank (port 0 stays 0, unless ``port`` says which
+        one this rank listened on before) and keeps its identity in ``<identity_path>.rank<r>``."""
+        a, rt = self.a, self.rt
+        local_rank = _local_rank(rt)
+        key = a.identity_path or str(self.run_dir / IDENTITY)
+        identity = f"{key}.rank{local_rank}" if local_rank else key
+
+        def network(initial: list[str]) -> NetworkSettings:
+            return NetworkSettings(
+                initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
+                announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
+                client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key,
+                open_keys=(key_check_key(a.run_id),))
+
+        dht, error, boot, kind = None, "", [], PeerNetworkError
+        if rt.global_rank == 0:
+            initial = list(a.initial_peers) + [p for p in remembered if p not in a.initial_peers]
+            try:
+                try:
+                    dht = start_dht(network(initial))
+                except PortTakenError:
+                    raise
+                except PeerNetworkError:
+                    if not remembered or (a.initial_peers and not alone_ok):
+                        raise
+                    # the first island of the run restarting: nobody it knew answers, so it starts the run anew
+                    log.warning("none of the %d peer address(es) this island knew answered; starting a new peer "
+                                "network (other islands must join it; this island keeps trying to reach them)",
+                                len(remembered))
+                    dht = start_dht(network([]))
+                if remembered:
+                    log.info("bootstrapped through --initial-peers and %d remembered peer address(es)",
+                             len(remembered))
+                boot = visible_maddrs(dht)
+            except PeerNetworkError as e:
+                error, kind = str(e), type(e)
+        boot, error, kind = rt.bcast((boot, error, kind), world=True)
+        if error:
+            raise kind(error)
+        if rt.global_rank != 0:
+            try:
+                dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]))
+            except PeerNetworkError as e:
+                error = f"rank {rt.global_rank}: {e}"
+        try:
+            rt.raise_if_any(error, PeerNetworkError, world=True)
+        except PeerNetworkError:
+            if dht is not None:
+                dht.shutdown()
+            raise
+        return dht
 
 
 class AloneWatch:
@@ -135,10 +289,10 @@ class AloneWatch:
         self.since: float | None = None
         self.wait = rejoin_after
 
-    def due(self, island: Island) -> list[str]:
-        """On rank 0: the addresses to reach now ([] if the island is not alone or it is not yet time)."""
-        known = _remembered(island, KNOWN_PEERS).split()
-        if island.membership is None or not known or island.membership.others():
+    def due(self, membership: Membership | None, known: list[str]) -> list[str]:
+        """On rank 0: the addresses of ``known`` to reach now ([] if the island is not alone or it is not
+        yet time)."""
+        if membership is None or not known or membership.others():
             self.since, self.wait = None, self.first
             return []
         now = time.monotonic()
@@ -157,48 +311,6 @@ class AloneWatch:
         log.warning("still alone in the run: restarting the peer node through %d known peer address(es) that "
                     "answer", len(answering))
         return answering
-
-
-def reconnect(island: Island, known: list[str]) -> None:
-    """Collective: restart every rank's peer node (on the ports they listened on) to join ``known``."""
-    count_bytes(island, 0, 0, through_torch=False)  # the daemon's counts go with it
-    disconnect(island)
-    connect(island, rejoin=known)
-
-
-def count_bytes(island: Island, payload_sent: int, payload_received: int, through_torch: bool) -> None:
-    """Collective: add the slow-link traffic since the last count, summed over the island's ranks, to its totals.
-
-    ``bytes_*``: what the kernel counted on the connections of the ranks' DHT daemons (all of hivemind's
-    traffic: parts, votes, DHT records, state downloads; headers included).  A round that went through
-    torch.distributed (or a machine where the kernel cannot tell) adds the payload the exchange
-    computed instead.  ``payload_bytes_*``: the all-reduce payload alone."""
-    wire = island.wire.take() if island.wire is not None else None
-    sent, received = (wire.sent, wire.received) if wire is not None else (0, 0)
-    if wire is None or through_torch:
-        sent, received = sent + payload_sent, received + payload_received
-    totals = island.rt.reduce([float(sent), float(received), float(payload_sent), float(payload_received)])
-    s = island.stats
-    s.bytes_sent += int(totals[0])
-    s.bytes_received += int(totals[1])
-    s.payload_bytes_sent += int(totals[2])
-    s.payload_bytes_received += int(totals[3])
-
-
-def disconnect(island: Island) -> None:
-    """Announce leaving, stop the averagers and the DHT (idempotent)."""
-    if island.membership is not None:
-        island.membership.leave()
-        island.membership = None
-    if island.averager is not None:
-        island.averager.shutdown()
-        island.averager = None
-    if island.dht is not None:
-        island.dht.shutdown()
-        island.dht = None
-    if island.wire is not None:
-        island.wire.close()
-    island.fallback = island.wire = None
 
 
 def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
@@ -239,33 +351,9 @@ def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None
         os.replace(tmp, a.maddr_file)
 
 
-MAX_KNOWN_PEERS = 64
-
-
-def remember_peers(island: Island) -> None:
-    """Rank 0 keeps the addresses of the run's other islands in the run dir (after every round): the live
-    ones first, then those it knew before that are not registered right now (restarting, most likely:
-    an island comes back on the same port with the same peer id), one address per peer id."""
-    if island.is_main and island.membership is not None:
-        live = island.membership.addresses()
-        if not live:
-            return
-        merged, seen = [], set()
-        for address in live + _remembered(island, KNOWN_PEERS).split():
-            peer = address.rsplit("/p2p/", 1)[-1]
-            if peer not in seen or address in live:
-                seen.add(peer)
-                merged.append(address)
-        _remember(island, KNOWN_PEERS, "\n".join(dict.fromkeys(merged[:MAX_KNOWN_PEERS])) + "\n")
-
-
-def _local_rank(rt: Any) -> int:
-    return int(os.environ.get("LOCAL_RANK", rt.global_rank))
-
-
-def _remember(island: Island, name: str, text: str, private: bool = False) -> None:
-    """Write ``text`` to ``name`` in the run dir atomically."""
-    path = island.run_dir / name
+def remember(run_dir: Path, name: str, text: str, private: bool = False) -> None:
+    """Write ``text`` to ``name`` in the run dir atomically (readable by its owner only if ``private``)."""
+    path = run_dir / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -274,65 +362,14 @@ def _remember(island: Island, name: str, text: str, private: bool = False) -> No
     os.replace(tmp, path)
 
 
-def _remembered(island: Island, name: str) -> str:
-    path = island.run_dir / name
+def remembered(run_dir: Path, name: str) -> str:
+    """What :func:`remember` wrote to ``name`` in the run dir ('' if nothing)."""
+    path = run_dir / name
     return path.read_text() if path.is_file() else ""
 
 
-def _start_dht(island: Island, run_key: str, remembered: list[str], alone_ok: bool = False, port: int = 0) -> Any:
-    """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
-    islands it ``remembered`` from before a restart (if none answers: alone, when it has no initial
-    peers or ``alone_ok``), the other ranks bootstrap from it (and from the initial peers).  Rank ``r``
-    of a server listens on the configured port + local rank (port 0 stays 0, unless ``port`` says which
-    one this rank listened on before) and keeps its identity in ``<identity_path>.rank<r>``."""
-    a, rt = island.cfg.averaging, island.rt
-    local_rank = _local_rank(rt)
-    key = a.identity_path or str(island.run_dir / IDENTITY)
-    identity = f"{key}.rank{local_rank}" if local_rank else key
-
-    def network(initial: list[str]) -> NetworkSettings:
-        return NetworkSettings(
-            initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
-            announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
-            client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key,
-            open_keys=(key_check_key(a.run_id),))
-
-    dht, error, boot, kind = None, "", [], PeerNetworkError
-    if rt.global_rank == 0:
-        initial = list(a.initial_peers) + [p for p in remembered if p not in a.initial_peers]
-        try:
-            try:
-                dht = start_dht(network(initial))
-            except PortTakenError:
-                raise
-            except PeerNetworkError:
-                if not remembered or (a.initial_peers and not alone_ok):
-                    raise
-                # the first island of the run restarting: nobody it knew answers, so it starts the run anew
-                log.warning("none of the %d peer address(es) this island knew answered; starting a new peer "
-                            "network (other islands must join it; this island keeps trying to reach them)",
-                            len(remembered))
-                dht = start_dht(network([]))
-            if remembered:
-                log.info("bootstrapped through --initial-peers and %d remembered peer address(es)", len(remembered))
-            boot = visible_maddrs(dht)
-        except PeerNetworkError as e:
-            error, kind = str(e), type(e)
-    boot, error, kind = rt.bcast((boot, error, kind), world=True)
-    if error:
-        raise kind(error)
-    if rt.global_rank != 0:
-        try:
-            dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]))
-        except PeerNetworkError as e:
-            error = f"rank {rt.global_rank}: {e}"
-    try:
-        rt.raise_if_any(error, PeerNetworkError, world=True)
-    except PeerNetworkError:
-        if dht is not None:
-            dht.shutdown()
-        raise
-    return dht
+def _local_rank(rt: Runtime) -> int:
+    return int(os.environ.get("LOCAL_RANK", rt.global_rank))
 
 
 def _shift_port(maddr: str, by: int, instead_of_0: int = 0) -> str:

@@ -11,18 +11,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable, Protocol
 
 import torch
 
+from diloco.config import AveragingConfig
+from diloco.engine.metrics import RunStats
+from diloco.engine.peer_node import PeerNode
+from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
+from outer_optim import OuterOptimizer
 from peers.averager import fingerprint, fingerprints_agree
 from peers.averager_types import as_float
+from peers.exchange import BucketExchange
 from peers.membership import wait_until
 from peers.sharded import ShardedAverager
-
-if TYPE_CHECKING:
-    from diloco.engine.island import Island
 
 log = logging.getLogger("diloco")
 
@@ -30,11 +34,29 @@ State = tuple[dict, list[torch.Tensor]]
 """(metadata, θ_global shards followed by the outer momentum shards, in the outer optimizer's order)."""
 
 
+class Schedule(Protocol):
+    """What state transfer needs of the island's round schedule (:class:`diloco.engine.rounds.RoundSchedule`)."""
+
+    def phase(self) -> int:
+        """Inner steps into the run's H-step cycle (served with the state)."""
+
+    def adopted(self, phase: int | None = None) -> None:
+        """A downloaded state was adopted; ``phase``: where the island that served it stood."""
+
+    def by_steps_now(self) -> bool:
+        """Whether rounds fall due by inner steps right now."""
+
+
 class StateTransfer:
     """Serving, downloading and adopting θ_global for one island rank (collective where it says so)."""
 
-    def __init__(self, island: Island):
-        self.island = island
+    def __init__(self, a: AveragingConfig, *, rt: Runtime, stats: RunStats, outer: OuterOptimizer,
+                 params: Mapping[str, torch.Tensor], exchange: BucketExchange, peers: PeerNode,
+                 schedule: Schedule, forget_unsent: Callable[[], bool], fingerprint: str):
+        self.a, self.rt, self.stats, self.outer, self.params = a, rt, stats, outer, params
+        self.exchange, self.layout, self.peers, self.schedule = exchange, exchange.layout, peers, schedule
+        self.forget_unsent, self.fingerprint = forget_unsent, fingerprint
+        """``forget_unsent()``: drop what a codec left unsent (True if anything was kept)."""
         self._served: dict[int, State] = {}
         self._served_step = 0
 
@@ -42,64 +64,67 @@ class StateTransfer:
     def provider(self, bucket: int) -> Callable[[], State]:
         """What bucket ``bucket``'s averager serves to joiners (runs in hivemind's fetcher thread)."""
         def provide() -> State:
-            with self.island.state_lock:
+            with self.outer.lock:
                 meta, tensors = self._served.get(bucket, ({}, []))
                 if meta:  # failed rounds move the round number on without changing θ_global
-                    meta = dict(meta, outer_step=self._served_step, phase=self.island.overlap.phase())
+                    meta = dict(meta, outer_step=self._served_step, phase=self.schedule.phase())
                 return meta, tensors
         return provide
 
     def refresh(self) -> None:
         """Collective: snapshot θ_global and the outer momentum of the buckets this rank owns."""
-        isl = self.island
-        names = isl.outer.names
-        theta = isl.exchange.gather(isl.outer.master)
-        momentum = isl.exchange.gather(dict(zip(names, isl.outer.momentum_buffers())))
+        names = self.outer.names
+        theta = self.exchange.gather(self.outer.theta_global)
+        momentum = self.exchange.gather(dict(zip(names, self.outer.momentum_buffers())))
         served = {}
         for b, values in theta.items():
-            meta = {"outer_step": isl.outer_step, "config_fingerprint": isl.fingerprint,
-                    "layout_fingerprint": isl.layout.fingerprint(), "bucket": b}
+            meta = {"outer_step": self.stats.outer_step, "config_fingerprint": self.fingerprint,
+                    "layout_fingerprint": self.layout.fingerprint(), "bucket": b}
             served[b] = (meta, [values, momentum[b]])
-        with isl.state_lock:
-            self._served, self._served_step = served, isl.outer_step
+        with self.outer.lock:
+            self._served, self._served_step = served, self.stats.outer_step
+
+    def connected(self) -> None:
+        """Collective, after every (re)connection of the peer node: serve θ_global, advertise its step."""
+        self.refresh()
+        self.peers.averager.set_state_priority(self.stats.outer_step)
 
     def after_commit(self) -> None:
         """Serve the new θ_global and advertise it as the freshest."""
-        if self.island.membership is not None:
+        if self.peers.membership is not None:
             self.refresh()
-        self.island.averager.set_state_priority(self.island.outer_step)
+        self.peers.averager.set_state_priority(self.stats.outer_step)
 
     def after_rollback(self) -> None:
         """A failed round moved the round number on (θ_global unchanged): keep advertising our state as
         current, so joiners prefer live islands to the stale records of departed ones."""
-        with self.island.state_lock:
-            self._served_step = self.island.outer_step
-        self.island.averager.set_state_priority(self.island.outer_step)
+        with self.outer.lock:
+            self._served_step = self.stats.outer_step
+        self.peers.averager.set_state_priority(self.stats.outer_step)
 
     # ------------------------------------------------------------------------ decisions
     def main_decides(self, decide: Callable[[], Any]) -> Any:
         """Rank 0 evaluates ``decide`` (membership lookups, clocks); every rank gets its answer."""
-        rt = self.island.rt
+        rt = self.rt
         return rt.bcast(decide() if rt.is_main else None)
 
     def can_download(self) -> bool:
         """Whether this island can download θ_global from peers (islands of one torch world cannot:
         they average in lockstep and never fall behind each other)."""
-        isl = self.island
-        return isl.membership is not None and isinstance(isl.averager, ShardedAverager) and not isl.rt.lockstep
+        return self.peers.membership is not None and isinstance(self.peers.averager, ShardedAverager) and not self.rt.lockstep
 
     def join_from_peers(self) -> bool:
         """Before training: wait for the expected islands, then catch up with the run if it moved on."""
-        isl, a = self.island, self.island.cfg.averaging
-        if isl.membership is None:
+        a = self.a
+        if self.peers.membership is None:
             return False
 
         def look() -> bool:
             if a.wait_for_islands > 1:
-                ok = wait_until(lambda: isl.membership.live_count() >= a.wait_for_islands, a.matchmaking_timeout)
-                log.info("%d of %d expected islands registered%s", isl.membership.live_count(), a.wait_for_islands,
+                ok = wait_until(lambda: self.peers.membership.live_count() >= a.wait_for_islands, a.matchmaking_timeout)
+                log.info("%d of %d expected islands registered%s", self.peers.membership.live_count(), a.wait_for_islands,
                          "" if ok else " (gave up waiting)")
-            return not all(m.outer_step <= isl.outer_step and not m.averaging for m in isl.membership.others())
+            return not all(m.outer_step <= self.stats.outer_step and not m.averaging for m in self.peers.membership.others())
 
         if not self.main_decides(look) or not self.can_download():
             return False  # the run has not moved past us: θ_0 comes from the shared seed (or init_from)
@@ -115,143 +140,135 @@ class StateTransfer:
         takes its result.  Our own state is not served meanwhile.  ``counted`` of the outer steps jumped
         are rounds the caller already counts as failed; the rest count as caught up.
         """
-        isl = self.island
         if not self.can_download():
             return False
-        if not self.main_decides(lambda: force_download or isl.membership.furthest_step() > isl.outer_step):
+        if not self.main_decides(lambda: force_download or self.peers.membership.furthest_step() > self.stats.outer_step):
             return False
-        a = isl.cfg.averaging
+        a = self.a
         deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
         first = None
         if wait_for_round:
-            isl.averager.set_state_priority(-1)  # nobody should download the state we are replacing
+            self.peers.averager.set_state_priority(-1)  # nobody should download the state we are replacing
         while True:
             state = self.download()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
-            first = step if first is None and step > isl.outer_step else first
+            first = step if first is None and step > self.stats.outer_step else first
             verdict = self.main_decides(lambda: self._verdict(step, first, deadline, wait_for_round))
             if verdict == "keep":
                 if step < 0:
-                    log.info("no peer served its state; keeping ours (outer step %d)", isl.outer_step)
-                isl.averager.set_state_priority(isl.outer_step)
+                    log.info("no peer served its state; keeping ours (outer step %d)", self.stats.outer_step)
+                self.peers.averager.set_state_priority(self.stats.outer_step)
                 return False
             if verdict == "adopt":
                 break
             time.sleep(1.0 if verdict == "unreachable" else 0.5)
-        before = isl.outer_step
+        before = self.stats.outer_step
         self.adopt(*state)
-        isl.stats.rounds_caught_up += max(0, isl.outer_step - before - counted)
-        isl.averager.set_state_priority(isl.outer_step)
-        isl.membership.announce(isl.outer_step, averaging=False)
-        log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", isl.outer_step,
-                 f"; {isl.overlap.phase()} of its H steps into the round, as the island that served it"
-                 if isl.overlap.by_steps_now() else "")
+        self.stats.rounds_caught_up += max(0, self.stats.outer_step - before - counted)
+        self.peers.averager.set_state_priority(self.stats.outer_step)
+        self.peers.membership.announce(self.stats.outer_step, averaging=False)
+        log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", self.stats.outer_step,
+                 f"; {self.schedule.phase()} of its H steps into the round, as the island that served it"
+                 if self.schedule.by_steps_now() else "")
         return True
 
     def _verdict(self, step: int, first: int | None, deadline: float, wait_for_round: bool) -> str:
         """What to do with a state of outer step ``step`` (-1: none came), decided on rank 0 only:
         ``adopt`` it; ``keep`` ours; ask again because the peers are ``unreachable`` or ``moving``
         (a round committed while we downloaded, or the round that state belongs to is in flight)."""
-        isl = self.island
         if time.monotonic() > deadline:
-            return "adopt" if step > isl.outer_step else "keep"
-        furthest = isl.membership.furthest_step(beating_only=True)
+            return "adopt" if step > self.stats.outer_step else "keep"
+        furthest = self.peers.membership.furthest_step(beating_only=True)
         if step < 0:
-            return "unreachable" if furthest > isl.outer_step or wait_for_round else "keep"
-        if step <= isl.outer_step:
-            return "moving" if wait_for_round and isl.membership.averaging_round(isl.outer_step) else "keep"
+            return "unreachable" if furthest > self.stats.outer_step or wait_for_round else "keep"
+        if step <= self.stats.outer_step:
+            return "moving" if wait_for_round and self.peers.membership.averaging_round(self.stats.outer_step) else "keep"
         if furthest > step:
             return "moving"  # the run committed a round while we downloaded: the state is stale already
         # wait for the round in flight when we first looked (committed or failed), not for later ones, and
         # only if it can commit without us: a lone island averaging waits for partners, and we can be one;
         # an island killed while averaging still reads "averaging" until its record expires: count the live
-        averaging = sum(m.averaging and m.outer_step == step and isl.membership.beating(m)
-                        for m in isl.membership.others())
-        return "moving" if step == first and averaging >= isl.cfg.averaging.min_group_size else "adopt"
+        averaging = sum(m.averaging and m.outer_step == step and self.peers.membership.beating(m)
+                        for m in self.peers.membership.others())
+        return "moving" if step == first and averaging >= self.a.min_group_size else "adopt"
 
-    def outvoted(self, rnd: int, state: list[float]) -> bool:
+    def outvoted(self, rnd: int, state: list[float], wait: bool) -> bool:
         """Collective: whether the θ_global we enter round ``rnd`` with (fingerprint ``state``) disagrees
         with the majority of the islands entering it (see :meth:`peers.membership.Membership.outvoted`)."""
-        isl = self.island
-        if isl.membership is None or isl.rt.lockstep:
+        if self.peers.membership is None or self.rt.lockstep:
             return False
         # a blocking round waits for the islands still training (it would wait for them in matchmaking
         # anyway); a round sent in flight must not stall the inner steps: it looks at those already
         # averaging, and a stale first-comer is caught by the group's own majority check instead
-        wait = isl.cfg.averaging.matchmaking_time if isl.overlap.blocking else 0.0
-        return bool(self.main_decides(lambda: isl.membership.outvoted(rnd, state, wait)))
+        seconds = self.a.matchmaking_time if wait else 0.0
+        return bool(self.main_decides(lambda: self.peers.membership.outvoted(rnd, state, seconds)))
 
-    def check_in_sync(self, state: list[float]) -> str:
+    def check_in_sync(self, state: list[float], stopping: bool) -> str:
         """Collective, after the last round: publish the fingerprint ``state`` of the θ_global we end
         with and compare it with the other islands that ended at the same outer step (waiting up to
         ``vote_timeout`` for them).  Returns '' or one sentence."""
-        isl = self.island
-        if isl.membership is None or isl.rt.lockstep:
+        if self.peers.membership is None or self.rt.lockstep:
             return ""
-        differ, compared, alone = self.main_decides(lambda: (*isl.membership.final_disagreements(
-            isl.outer_step, state, isl.cfg.averaging.vote_timeout), isl.alone.since is not None))
+        differ, compared, alone = self.main_decides(lambda: (*self.peers.membership.final_disagreements(
+            self.stats.outer_step, state, self.a.vote_timeout), self.peers.alone.since is not None))
         if not differ and not compared:
             doubt = self._unconfirmed_end(alone)
-            if doubt and isl.stopping:  # stopped, not ended: --resume compares it with the run's θ_global
+            if doubt and stopping:  # stopped, not ended: --resume compares it with the run's θ_global
                 log.warning("stopping with θ_global unconfirmed: %s", doubt)
                 return ""
             return doubt
         if not differ:
             return ""
         return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
-                f"outer step {isl.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
+                f"outer step {self.stats.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
                 f"--resume so the minority resynchronizes, and report the logs")
 
     def _unconfirmed_end(self, alone: bool) -> str:
         """Why an island that found no other island to compare its final θ_global with may be out of sync
         ('' when nothing says so)."""
-        isl = self.island
-        if isl.stats.behind:
+        if self.stats.behind:
             return (f"the other islands averaged this island's last round without it and none was left to take "
                     f"θ_global from or compare with, so the run may have ended out of sync (this island at outer "
-                    f"step {isl.outer_step}); resume the islands with --resume so the minority resynchronizes")
+                    f"step {self.stats.outer_step}); resume the islands with --resume so the minority resynchronizes")
         if alone:
             return (f"this island ended alone: the islands of the run it knew stopped answering before its last "
                     f"round (they finished without it, or the network between them split) and none was left to "
                     f"compare θ_global with, so the run may have ended out of sync (this island at outer step "
-                    f"{isl.outer_step}); compare the islands' theta_global.pt, or restart this island with --resume "
+                    f"{self.stats.outer_step}); compare the islands' theta_global.pt, or restart this island with --resume "
                     f"while the others run")
         return ""
 
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
         """We hold a θ_global the majority does not: download theirs, verified against the majority's
         state fingerprint."""
-        isl = self.island
         if not self.can_download():
             log.warning("θ_global differs from the majority's and this island cannot download state; "
                         "continuing with ours")
             return False
         target = gathered[majority[0]].get("state_fingerprint")
-        isl.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
+        self.peers.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
         try:
             for attempt in range(attempts):
                 state = self.download(target)
                 if state is not None:
                     self.adopt(*state)
-                    log.warning("resynchronized θ_global from the majority (outer step %d)", isl.outer_step)
+                    log.warning("resynchronized θ_global from the majority (outer step %d)", self.stats.outer_step)
                     return True
                 log.warning("resync attempt %d/%d did not get the majority's state", attempt + 1, attempts)
             return False
         finally:
-            isl.averager.set_state_priority(isl.outer_step)
+            self.peers.averager.set_state_priority(self.stats.outer_step)
 
     # ------------------------------------------------------------------ download, adopt
     def download(self, target: list[float] | None = None) -> State | None:
         """Collective: every owner downloads its buckets' θ_global and momentum; when every bucket came
         at the same outer step (and matches ``target``, a canonical fingerprint, if given) return
         ``(meta, this rank's θ shards + momentum shards)`` on every rank, else None on every rank."""
-        isl = self.island
         got: dict[int, list[torch.Tensor]] = {}
         verdict: dict[int, int] = {}
         foreign = ""
         phase = -1
-        for b, avg in isl.averager.averagers.items():
-            state = avg.download_state()
+        for b, state in self.peers.averager.download_states():
             step, why = self._check_bucket(b, state, target)
             verdict[b] = step
             foreign = foreign or why
@@ -260,41 +277,40 @@ class StateTransfer:
                 served = as_float(state[0].get("phase"))  # a peer's metadata: anything may come
                 phase = max(phase, int(served) if math.isfinite(served) else -1)
         merged: dict[int, int] = {}
-        for part, why, p in isl.rt.gather_all((verdict, foreign, phase)):
+        for part, why, p in self.rt.gather_all((verdict, foreign, phase)):
             merged.update(part)
             foreign = foreign or why
             phase = max(phase, p)
         if foreign:
             raise TrainingError(foreign)
         steps = set(merged.values())
-        if len(merged) != len(isl.layout.buckets) or len(steps) != 1 or min(steps) < 0:
+        if len(merged) != len(self.layout.buckets) or len(steps) != 1 or min(steps) < 0:
             return None
-        theta = isl.exchange.scatter({b: t[0] for b, t in got.items()})
-        momentum = isl.exchange.scatter({b: t[1] for b, t in got.items()})
-        names = isl.outer.names
-        meta = {"outer_step": steps.pop(), "config_fingerprint": isl.fingerprint, "phase": phase}
+        theta = self.exchange.scatter({b: t[0] for b, t in got.items()})
+        momentum = self.exchange.scatter({b: t[1] for b, t in got.items()})
+        names = self.outer.names
+        meta = {"outer_step": steps.pop(), "config_fingerprint": self.fingerprint, "phase": phase}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
     def _check_bucket(self, b: int, state: Any, target: list[float] | None) -> tuple[int, str]:
         """(outer step of a downloaded bucket state, or -1 if unusable; a reason to stop, if any)."""
-        isl = self.island
         if state is None:
             return -1, ""
         meta, tensors = state
         if not isinstance(meta, dict) or not meta:
             return -1, ""
-        if meta.get("config_fingerprint") != isl.fingerprint:
+        if meta.get("config_fingerprint") != self.fingerprint:
             return -1, (f"the run you joined uses a different model or outer-optimizer config (fingerprint "
-                        f"{meta.get('config_fingerprint')} vs ours {isl.fingerprint}); use the same --model.*, --seed "
+                        f"{meta.get('config_fingerprint')} vs ours {self.fingerprint}); use the same --model.*, --seed "
                         f"and --diloco.outer_* settings as the other islands")
-        if meta.get("layout_fingerprint") != isl.layout.fingerprint():
+        if meta.get("layout_fingerprint") != self.layout.fingerprint():
             return -1, ("the run you joined cuts the model into other buckets; use the same --averaging.bucket_numel "
                         "as the other islands")
-        numel = isl.layout.buckets[b].numel
+        numel = self.layout.buckets[b].numel
         if len(tensors) != 2 or any(t.numel() != numel or not bool(torch.isfinite(t).all()) for t in tensors):
             return -1, ""
         if target is not None:
-            per_bucket = len(target) // len(isl.layout.buckets)
+            per_bucket = len(target) // len(self.layout.buckets)
             mine = fingerprint([tensors[0].reshape(-1)], per_bucket // 3)
             if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
                 return -1, ""
@@ -304,25 +320,22 @@ class StateTransfer:
         """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective),
         restart inner training from θ_global, on the round schedule of the island that served it, and
         serve the new state from now on."""
-        isl = self.island
-        isl.stats.behind = False
-        n = len(isl.outer.names)
+        self.stats.behind = False
+        n = len(self.outer.names)
         shapes_ok = len(tensors) == 2 * n and all(
-            t.shape == p.shape for t, p in zip(tensors[:n], isl.outer.master.values()))
+            t.shape == p.shape for t, p in zip(tensors[:n], self.outer.theta_global.values()))
         if not shapes_ok or not all(torch.isfinite(t).all() for t in tensors):
             raise TrainingError("the state downloaded from a peer does not match this model's parameter shapes "
                                 "or is not finite; use the same --model.* settings as the other islands")
-        with isl.state_lock, torch.no_grad():
-            for t, m in zip(tensors[:n], isl.outer.master.values()):
+        with self.outer.lock, torch.no_grad():
+            for t, m in zip(tensors[:n], self.outer.theta_global.values()):
                 m.copy_(t)
-            isl.outer.set_momentum_buffers(tensors[n:])
-            isl.outer.step_count = int(meta.get("outer_step", 0))
-            isl.outer_step = int(meta.get("outer_step", 0))
-        isl.outer.copy_to(isl.params)
+            self.outer.set_momentum_buffers(tensors[n:])
+            self.outer.step_count = int(meta.get("outer_step", 0))
+            self.stats.outer_step = int(meta.get("outer_step", 0))
+        self.outer.copy_to(self.params)
         # the inner steps since the last sync were dropped with the state; the round schedule is the server's
-        isl.overlap.adopted(meta["phase"] if meta.get("phase", -1) >= 0 else None)
-        if isl.feedback or isl.carry:  # what our codec dropped belongs to our own past, not to the adopted state
+        self.schedule.adopted(meta["phase"] if meta.get("phase", -1) >= 0 else None)
+        if self.forget_unsent():  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
-            isl.feedback.clear()
-            isl.carry.clear()
         self.refresh()

@@ -8,17 +8,12 @@ island's main rank, on a copy of θ_global, so training memory and state are unt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from diloco.config import ModelConfig
 from diloco.inference.generate import Sampling, decode, generate
 from diloco.model.transformer import build_model
-
-if TYPE_CHECKING:
-    from diloco.engine.island import Island
 
 SAMPLING = dict(temperature=0.8, top_k=40)
 """How samples are drawn: a little randomness keeps a small model out of loops, top-k out of noise."""
@@ -60,13 +55,3 @@ class Sampler:
             tokens = generate(self.model, prompt, self.new_tokens, Sampling(**SAMPLING, seed=outer_step)).tokens
             out.append({"outer_step": outer_step, "prompt": decode(prompt), "continuation": decode(tokens)})
         return out
-
-
-def log_samples(island: Island) -> None:
-    """Collective over the island's ranks (θ_global is assembled on the main rank): log the samples of
-    θ_global as it is now, when ``--logging.samples`` asks for them."""
-    if not island.cfg.logging.samples:
-        return
-    theta, _ = island.theta_global()
-    if island.sampler is not None and theta is not None:
-        island.metrics.log_samples(island.sampler.rows(theta, island.outer_step), island.stats.tokens)

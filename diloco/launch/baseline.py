@@ -96,7 +96,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
     from diloco.data.batches import ShardedBatches, heldout_batches
     from diloco.data.corpus import load_corpus
-    from diloco.model.inner import build_inner_optimizer, inner_step
+    from diloco.model.inner import build_inner_optimizer, take_inner_step
     from diloco.engine.metrics import MetricsLogger
     from diloco.model.transformer import build_initial_model, lm_loss
     from outer_optim import checksum
@@ -205,7 +205,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         window_t, window_tokens = time.perf_counter(), 0
         for step in range(total_steps):
             t0, comm_before = time.perf_counter(), comm
-            step_loss = inner_step(model, batches, opt, sched, cfg.inner, autocast,
+            step_loss = take_inner_step(model, batches, opt, sched, cfg.inner, autocast,
                                    sync_grads=all_reduce_grads if workers > 1 else None)
             compute += time.perf_counter() - t0 - (comm - comm_before)
             tokens += tokens_per_step

@@ -41,7 +41,7 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
     return opt, sched
 
 
-def inner_step(model: ModelParts, batches: ShardedBatches, optimizer: torch.optim.Optimizer,
+def take_inner_step(model: ModelParts, batches: ShardedBatches, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: InnerOptimConfig, autocast: Any,
                sync_grads: Callable[[float], float] | None = None) -> float:
     """One inner AdamW step of an island or a baseline worker: ``grad_accum`` micro-batches forward
