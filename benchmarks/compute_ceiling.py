@@ -29,8 +29,9 @@ RESULTS = REPO / "experiments" / "results" / "compare-timed-sign" / "results.jso
 
 def worker(steps: int, cpu: int | None) -> None:
     """Time ``steps`` inner steps of the compare's island and print the median seconds as JSON."""
-    import torch
     from contextlib import nullcontext
+
+    import torch
 
     from diloco.config import loader as config_load
     from diloco.data.batches import ShardedBatches
@@ -38,7 +39,7 @@ def worker(steps: int, cpu: int | None) -> None:
     from diloco.model.inner import build_inner_optimizer, take_inner_step
     from diloco.model.transformer import build_initial_model, lm_loss
     from experiments.compare import COMPARE_DEFAULTS
-    from pipeline import ModelParts, SplitSettings
+    from pipeline import ModelParts, ParallelSettings
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -46,7 +47,7 @@ def worker(steps: int, cpu: int | None) -> None:
     cfg = config_load.load(None, [], defaults=COMPARE_DEFAULTS)
     corpus = load_corpus(cfg.data)
     batches = ShardedBatches(corpus.train, cfg.model.seq_len, cfg.inner.batch_size, 0, 1, cfg.seed)
-    model = ModelParts(build_initial_model(cfg.model, cfg.seed), None, SplitSettings(), loss_fn=lm_loss)
+    model = ModelParts(build_initial_model(cfg.model, cfg.seed), None, ParallelSettings(), loss_fn=lm_loss)
     opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, steps)
     times = []
     for _ in range(steps):

@@ -32,8 +32,9 @@ import torch.distributed as dist  # noqa: E402
 
 from diloco.config import ModelConfig, resolve_model  # noqa: E402
 from diloco.model.transformer import build_model, count_parameters  # noqa: E402
-from pipeline.model_parts import ModelParts, SplitSettings  # noqa: E402
 from pipeline.mesh import destroy_island, init_island_mesh  # noqa: E402
+from pipeline.model_parts import ModelParts  # noqa: E402
+from pipeline.settings import ParallelSettings  # noqa: E402
 
 H100_BF16_PEAK = 989e12
 
@@ -71,7 +72,7 @@ def _time_stage_methods(island: ModelParts, busy: list[float]) -> None:
 
 def run_job(job: dict, args: argparse.Namespace) -> dict:
     """Train an island for a few steps; return tokens/s and (with pp > 1) the measured idle fraction."""
-    settings = SplitSettings(tp=job["tp"], pp=job["pp"], schedule=job.get("schedule", "1f1b"),
+    settings = ParallelSettings(tp=job["tp"], pp=job["pp"], schedule=job.get("schedule", "1f1b"),
                               microbatches=job.get("m", 1), virtual_stages=job.get("v", 1))
     cfg = bench_model_config(args)
     world = job["tp"] * job["pp"]
@@ -209,7 +210,7 @@ def mfu_table(args: argparse.Namespace, device: str = "cuda", preset: str = "150
     model = build_model(cfg)
     n_non_embedding = count_parameters(model, exclude_embeddings=True)
     flops_per_token = 6 * n_non_embedding + 6 * cfg.n_layers * cfg.dim * cfg.seq_len
-    island = ModelParts(model, None, SplitSettings(activation_checkpointing=args.gpu_checkpointing),
+    island = ModelParts(model, None, ParallelSettings(activation_checkpointing=args.gpu_checkpointing),
                     device=torch.device(device))
     opt = torch.optim.AdamW(island.parameters(), lr=3e-4, fused=True)
     x = torch.randint(0, cfg.vocab_size, (args.gpu_batch, cfg.seq_len + 1), device=device)

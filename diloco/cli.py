@@ -16,10 +16,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
-from diloco.config import schema as config_mod
-from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import ConfigError
+from diloco.config import loader as config_load
+from diloco.config import schema as config_mod
 
 USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
 
@@ -96,8 +96,7 @@ def cmd_train(cfg: config_mod.Config) -> int:
 
 
 def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
-    from diloco.launch.simulate import simulate
-    from diloco.launch.simulate import format_summary
+    from diloco.launch.simulate import format_summary, simulate
 
     n = islands or 2
     if cfg.averaging.backend == "local" and n > 1:
@@ -139,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.help or not ns.command:
         print(USAGE)
         return 0 if ns.help else 2
-    from diloco.launch.baseline import BaselineError
-    from diloco.model.checkpoint import CheckpointError
     from diloco.data.corpus import DataError
-    from diloco.launch.simulate import SimulationError
     from diloco.errors import TrainingError
+    from diloco.launch.baseline import BaselineError
+    from diloco.launch.simulate import SimulationError
+    from diloco.model.checkpoint import CheckpointError
     from peers.dht import PeerNetworkError
 
     def body() -> int:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from diloco.model import checkpoint
-from diloco.config import schema as config_mod
-from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import ConfigError
+from diloco.config import loader as config_load
+from diloco.config import schema as config_mod
+from diloco.model import checkpoint
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import markdown_table
 

@@ -34,18 +34,30 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from diloco.config import schema as config_mod
-from diloco.config import loader as config_load
+
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.compare_results import (acceptance_lines, baseline_result, codec_lines, counted_vs_link,
-                                         curve_from_metrics, diloco_result, link_tx_bytes, overlap_lines,
-                                         wall_model_line)
-from experiments.islands import CompareError, launch_islands, variant
-from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, single_worker, warm_start
+from diloco.config import loader as config_load
+from diloco.config import schema as config_mod
+from experiments.compare_results import (
+    acceptance_lines,
+    baseline_result,
+    codec_lines,
+    counted_vs_link,
+    curve_from_metrics,
+    diloco_result,
+    link_tx_bytes,
+    overlap_lines,
+    wall_model_line,
+)
+from experiments.islands import CompareError, island_summaries, launch_islands, variant
 from experiments.report import RunResult, format_bytes, write_report
-from experiments.islands import island_summaries
-
+from experiments.warm_start import (
+    WARM_START_LR,
+    WARM_START_STEPS,
+    single_worker,
+    warm_start,
+)
 
 COMPARE_DEFAULTS: dict[str, Any] = {
     "model.preset": "small",
@@ -274,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C / kill -INT must stop the experiment even when started from a shell that ignores SIGINT in
     # background jobs (the emulated network closes itself on SIGINT and passes it on to this handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from diloco.launch.baseline import BaselineError
     from diloco.data.corpus import DataError
+    from diloco.launch.baseline import BaselineError
     from diloco.launch.simulate import SimulationError
     from experiments.netns import NetworkSetupError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from diloco.config import DataConfig, ModelConfig, resolve_model
 from diloco.data.corpus import load_corpus
-from diloco.inference.export import export_hf
+from diloco.model.hf import export_hf
 from diloco.model.transformer import build_model
 from experiments.report import markdown_table
 

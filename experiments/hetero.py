@@ -28,10 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.config import schema as config_mod
-from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
+from diloco.config import loader as config_load
+from diloco.config import schema as config_mod
 from diloco.engine.metrics import read_metrics
 from experiments.compare_results import baseline_result, diloco_result
 from experiments.islands import CompareError, launch_islands, variant

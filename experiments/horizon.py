@@ -25,15 +25,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
-from experiments.compare import ARMS, CODECS, arm_settings, matched_budget, unknown_arms
-from experiments.compare import COMPARE_DEFAULTS
-from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, warm_start
+from diloco.config import loader as config_load
 from diloco.engine.metrics import read_metrics
+from experiments.compare import (
+    ARMS,
+    CODECS,
+    COMPARE_DEFAULTS,
+    arm_settings,
+    matched_budget,
+    unknown_arms,
+)
 from experiments.islands import CompareError, island_summaries, launch_islands, variant
 from experiments.report import markdown_table
+from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, warm_start
 
 REFERENCE = "blocking"
 
@@ -92,7 +98,7 @@ def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: lis
         items = matched_budget(settings_of(arm), out / "runs" / REFERENCE)
         c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"horizon-{arm.replace('+', '-')}",
                             **items})
-        done = launch_islands(c, islands)
+        launch_islands(c, islands)
         curves[arm], tokens[arm] = losses_per_round(run_dir, fragments), tokens_of(run_dir)
         print(f"{arm}: held-out loss per round " + " ".join(f"{x:.4f}" for x in curves[arm]), flush=True)
     (out / "results.json").write_text(json.dumps({"islands": islands, "rounds": rounds, "H": cfg.diloco.inner_steps,

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from diloco.config import Config, ConfigError
 from diloco.config import checks as config_checks
 from diloco.config import loader as config_load
-from diloco.config import Config, ConfigError
 
 
 class CompareError(RuntimeError):

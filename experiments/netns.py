@@ -55,7 +55,6 @@ from pathlib import Path
 
 from diloco.launch.proctable import is_running, read_stat
 
-
 DEFAULT_PREFIX = "dlc-"
 FALLBACK_NOTE = "running on loopback without a bandwidth cap"
 _REGISTRY = Path("/run/diloco-netns")  # owner pid of each live network

@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
+from diloco.config import loader as config_load
 from diloco.engine.metrics import read_metrics
 from experiments.compare import ARMS
-from experiments.islands import CompareError, launch_islands, variant
 from experiments.compare_results import diloco_result
+from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import format_bytes, json_safe, markdown_table
 
 MODES: dict[str, dict[str, Any]] = {"blocking": {}, **ARMS}

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco.config import schema as config_mod
-from diloco.config import loader as config_load
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
+from diloco.config import loader as config_load
+from diloco.config import schema as config_mod
 from experiments.compare import curve_from_metrics
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import format_bytes, markdown_table

@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco.model import checkpoint
-from diloco.data.batches import heldout_batches
 from diloco.config.loader import from_dict
+from diloco.data.batches import heldout_batches
 from diloco.data.corpus import load_corpus
+from diloco.model import checkpoint
 from diloco.model.transformer import build_model
+from diloco.model.weights import load_parameters
 
 
 def last_common_states(run_dir: Path) -> list[dict]:
@@ -44,7 +45,7 @@ def losses(run_dir: Path) -> dict[str, float]:
     """Held-out loss of θ_global, of the islands' mean parameters, and of each island's parameters."""
     states = last_common_states(run_dir)
     cfg = from_dict(states[0]["config"])
-    theta, _ = checkpoint.load_parameters(run_dir / "island0" / "checkpoints")
+    theta, _ = load_parameters(run_dir / "island0" / "checkpoints")
     model = build_model(cfg.model, seed=0).eval()
     batches = heldout_batches(load_corpus(cfg.data).heldout, cfg.model.seq_len, cfg.inner.batch_size,
                               cfg.logging.eval_batches)

@@ -41,7 +41,14 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from outer_optim.bitpack import from_bytes, from_le, pack_rows, to_bytes, to_le, unpack_rows
+from outer_optim.bitpack import (
+    from_bytes,
+    from_le,
+    pack_rows,
+    to_bytes,
+    to_le,
+    unpack_rows,
+)
 
 LOSSY_CODECS = ("int8", "int4", "sign", "topk")
 TOPK_CHUNK = 4096

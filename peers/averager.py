@@ -19,14 +19,29 @@ from typing import Any, Callable, Sequence
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
-from hivemind.utils import get_dht_time
 from hivemind.compression import NoCompression
+from hivemind.utils import get_dht_time
 
 from outer_optim.codecs import make_codec
-from peers.averager_types import (BUTTERFLY, COMPRESSIONS, ENCODED_VOTE_RTOL, AveragerGoneError, AveragerSettings,
-                                  RoundResult, allreduce_bytes, as_float, check_group, short_error)
+from peers.averager_types import (
+    BUTTERFLY,
+    COMPRESSIONS,
+    ENCODED_VOTE_RTOL,
+    AveragerGoneError,
+    AveragerSettings,
+    RoundResult,
+    allreduce_bytes,
+    as_float,
+    check_group,
+    short_error,
+)
 from peers.encoded import EncodedChannel, average_encoded
-from peers.fingerprints import FINGERPRINT_CHUNKS, fingerprint, fingerprints_agree, majority_by_state
+from peers.fingerprints import (
+    FINGERPRINT_CHUNKS,
+    fingerprint,
+    fingerprints_agree,
+    majority_by_state,
+)
 from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
 from peers.missed_group import PARTS_GRACE, MissedGroups
 from peers.round_keys import is_on_round, parts_key, round_bits, vote_key

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression, Uniform8BitQuantization
+from hivemind.compression import (
+    Float16Compression,
+    NoCompression,
+    ScaledFloat16Compression,
+    Uniform8BitQuantization,
+)
 
 from outer_optim.codecs import LOSSY_CODECS
 

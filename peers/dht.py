@@ -10,12 +10,12 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from peers.run_key import RunKeyValidator
+from peers.settings import NetworkSettings
 
 log = logging.getLogger(__name__)
 
@@ -26,28 +26,6 @@ class PeerNetworkError(RuntimeError):
 
 class PortTakenError(PeerNetworkError):
     """The port to listen on is in use (by another process, or a daemon of ours not yet gone)."""
-
-
-@dataclass
-class NetworkSettings:
-    """Where an island listens, what it announces and whom it joins."""
-
-    initial_peers: list[str] = field(default_factory=list)
-    """Multiaddrs ending in /p2p/PEER_ID of islands already in the run (empty: start a new run)."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    """Multiaddrs to listen on."""
-    announce_maddrs: list[str] = field(default_factory=list)
-    """Multiaddrs to advertise instead of the listening ones (public address behind port forwarding)."""
-    identity_path: str = ""
-    """Private key file for a stable peer id (created if missing)."""
-    client_mode: bool = False
-    """Accept no incoming connections."""
-    startup_timeout: float = 20.0
-    """Seconds allowed to start the daemon and reach the initial peers."""
-    run_key: str = ""
-    """Shared secret of a private run: every DHT record is signed with it (empty: a public run)."""
-    open_keys: tuple[str, ...] = ()
-    """DHT keys left unsigned in a private run (see :class:`peers.membership.RunKeyValidator`)."""
 
 
 def check_multiaddr(addr: str, what: str, need_peer_id: bool = False) -> None:
@@ -102,8 +80,9 @@ def mute_shutdown_noise() -> None:
     threading.excepthook = hook
 
 
-def start_dht(settings: NetworkSettings) -> hivemind.DHT:
-    """Start this island's DHT node and join ``settings.initial_peers``.
+def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hivemind.DHT:
+    """Start this island's DHT node and join ``settings.initial_peers``; in a private run (``settings.run_key``)
+    every record is signed with the key, but for ``open_keys`` (see :class:`peers.run_key.RunKeyValidator`).
 
     Raises PeerNetworkError with one actionable sentence when an address is malformed, a port is
     taken or no initial peer answers within ``startup_timeout`` seconds.
@@ -120,7 +99,7 @@ def start_dht(settings: NetworkSettings) -> hivemind.DHT:
         startup_timeout=settings.startup_timeout,
     )
     if settings.run_key:
-        kwargs["record_validators"] = [RunKeyValidator(settings.run_key, settings.open_keys)]
+        kwargs["record_validators"] = [RunKeyValidator(settings.run_key, open_keys)]
     if settings.announce_maddrs:
         kwargs["announce_maddrs"] = settings.announce_maddrs
     if settings.identity_path:

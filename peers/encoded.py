@@ -40,8 +40,8 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from peers.deflate import pack, unpack
-from peers.p2p_loop import Handler, _submit, message_class, spawn
 from peers.inbox import Inbox, LateAnswers
+from peers.p2p_loop import Handler, _submit, message_class, spawn
 from peers.vote import MemberCheck
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from peers.averager import allreduce_bytes, majority_by_state
 from peers.averager_types import check_group
-from peers.layout import CanonicalLayout
-from peers.exchange import BucketExchange
 from peers.bucket_round import ShardedRoundResult
+from peers.exchange import BucketExchange
+from peers.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-import torch
 
+import torch
 
 __all__ = ["LAYOUT_VERSION", "Bucket", "CanonicalLayout", "ParamEntry", "Segment", "Spec", "spec_tuple"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 import torch
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import hivemind
 from hivemind.utils import get_dht_time
-from peers.fingerprints import fingerprints_agree, majority_by_state
+
 from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
+from peers.fingerprints import fingerprints_agree, majority_by_state
 
 log = logging.getLogger(__name__)
 

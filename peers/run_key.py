@@ -16,6 +16,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
+
 from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
 
 MAC_BYTES = 32

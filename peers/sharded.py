@@ -52,7 +52,12 @@ import torch
 import torch.distributed as dist
 
 from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec
-from peers.averager import AveragerSettings, VerifiedAverager, RoundResult, StateProvider
+from peers.averager import (
+    AveragerSettings,
+    RoundResult,
+    StateProvider,
+    VerifiedAverager,
+)
 from peers.bucket_round import PendingRound, ShardedRoundResult, island_verdict
 from peers.encoded import is_dense
 from peers.exchange import BucketExchange, shape_of

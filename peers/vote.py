@@ -27,8 +27,8 @@ from typing import Any
 import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
-from peers.p2p_loop import Handler, _submit, message_class, spawn
 from peers.inbox import GONE, Inbox, LateAnswers
+from peers.p2p_loop import Handler, _submit, message_class, spawn
 
 log = logging.getLogger(__name__)
 

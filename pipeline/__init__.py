@@ -4,6 +4,7 @@
 Functions here take the Llama-style ``Transformer`` (``tok_embeddings``, ``layers`` as a ModuleDict,
 ``norm``, ``output``) as a plain ``nn.Module`` and never import the trainer package.
 
+- :mod:`pipeline.settings`: :class:`ParallelSettings`, how an island is split (plain data, no torch).
 - :mod:`pipeline.mesh`: the ``("pp", "tp")`` device mesh of an island.
 - :mod:`pipeline.tensor_parallel`: the Megatron TP plan and its divisibility checks.
 - :mod:`pipeline.pipeline_parallel`: layer split, stage modules and schedules.
@@ -12,31 +13,37 @@ Functions here take the Llama-style ``Transformer`` (``tok_embeddings``, ``layer
 - :mod:`pipeline.shards`: where a local shard sits in the full parameter.
 - :mod:`pipeline.grad_clip`: island-wide gradient-norm clipping.
 - :mod:`pipeline.model_parts`: :class:`ModelParts`, which puts it all together for a training loop.
+
+The names below are imported on first use, so that reading the settings (the trainer's config does) does
+not import torch.
 """
 
-from pipeline.balance import BALANCES, PartCosts, StagePlan, plan_stages, profile_part_costs
-from pipeline.grad_clip import clip_grad_norm_, island_grad_norm
-from pipeline.model_parts import ModelParts, SplitSettings, check_split, cross_entropy_loss
-from pipeline.mesh import destroy_island, init_island_mesh, island_coords, island_ranks
-from pipeline.pipeline_parallel import (
-    SCHEDULES,
-    build_pipeline_stages,
-    build_schedule,
-    build_stage_modules,
-    check_schedule,
-    model_layer_costs,
-    model_part,
-    stage_layer_split,
-)
-from pipeline.shards import ShardSpec, local_grad, local_state, restore_dtensor_state, shard_spec_of
-from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_plan
+from __future__ import annotations
 
-__all__ = [
-    "ModelParts", "SplitSettings", "check_split", "cross_entropy_loss",
-    "init_island_mesh", "destroy_island", "island_coords", "island_ranks",
-    "apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan",
-    "BALANCES", "PartCosts", "StagePlan", "plan_stages", "profile_part_costs", "model_part",
-    "stage_layer_split", "model_layer_costs", "build_stage_modules", "build_pipeline_stages", "build_schedule",
-    "check_schedule", "SCHEDULES",
-    "ShardSpec", "shard_spec_of", "local_grad", "local_state", "restore_dtensor_state", "clip_grad_norm_", "island_grad_norm",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ParallelSettings": "settings",
+    "BALANCES": "balance", "PartCosts": "balance", "StagePlan": "balance", "plan_stages": "balance",
+    "profile_part_costs": "balance",
+    "clip_grad_norm_": "grad_clip", "island_grad_norm": "grad_clip",
+    "ModelParts": "model_parts", "check_split": "model_parts", "cross_entropy_loss": "model_parts",
+    "destroy_island": "mesh", "init_island_mesh": "mesh", "island_coords": "mesh", "island_ranks": "mesh",
+    "SCHEDULES": "pipeline_parallel", "build_pipeline_stages": "pipeline_parallel",
+    "build_schedule": "pipeline_parallel", "build_stage_modules": "pipeline_parallel",
+    "check_schedule": "pipeline_parallel", "model_layer_costs": "pipeline_parallel", "model_part": "pipeline_parallel",
+    "stage_layer_split": "pipeline_parallel",
+    "ShardSpec": "shards", "local_grad": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
+    "shard_spec_of": "shards",
+    "apply_tensor_parallel": "tensor_parallel", "check_tensor_parallel": "tensor_parallel",
+    "tensor_parallel_plan": "tensor_parallel",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pipeline.{module}"), name)

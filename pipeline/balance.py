@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,10 +22,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipeline.pipeline_parallel import model_layer_costs, model_part, stage_layer_split
+from pipeline.settings import ParallelSettings
 from pipeline.tensor_parallel import apply_tensor_parallel
-
-if TYPE_CHECKING:
-    from pipeline.model_parts import SplitSettings
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +185,7 @@ def island_max(values: list[float], mesh: DeviceMesh | None, device: torch.devic
     return t.tolist()
 
 
-def plan_stages(model: nn.Module, settings: SplitSettings, mesh: DeviceMesh | None, device: torch.device,
+def plan_stages(model: nn.Module, settings: ParallelSettings, mesh: DeviceMesh | None, device: torch.device,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 sample_shape: tuple[int, int]) -> StagePlan:
     """Choose the blocks of every pipeline stage as ``settings.balance`` asks (collective with ``profile``).

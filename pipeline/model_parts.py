@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,8 +26,8 @@ from pipeline.pipeline_parallel import (
     build_schedule,
     build_stage_modules,
     check_schedule,
-    stages_per_rank,
 )
+from pipeline.settings import ParallelSettings
 from pipeline.shards import ShardSpec, local_grad, shard_spec_of
 from pipeline.stage_clock import StageClock, measured_line
 from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -43,39 +42,7 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-@dataclass
-class SplitSettings:
-    """How an island splits its model (mirrors the trainer's ``ParallelConfig``)."""
-
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    """Model chunks per rank; used only by ``interleaved-1f1b``."""
-    layers_per_stage: list[int] = field(default_factory=list)
-    activation_checkpointing: bool = False
-    balance: str = "params"
-    """How stages are cut when ``layers_per_stage`` is empty: ``params``, ``layers`` or ``profile``
-    (see :mod:`pipeline.balance`)."""
-
-    @classmethod
-    def from_config(cls, parallel: object) -> SplitSettings:
-        """Settings from any object with the trainer's ``ParallelConfig`` fields (duck-typed, so this
-        package need not import the trainer); ``layers_per_stage`` may hold strings."""
-        return cls(tp=int(parallel.tp), pp=int(parallel.pp), schedule=str(parallel.schedule),
-                   microbatches=int(parallel.microbatches), virtual_stages=int(parallel.virtual_stages),
-                   layers_per_stage=[int(n) for n in getattr(parallel, "layers_per_stage", []) or []],
-                   activation_checkpointing=bool(getattr(parallel, "activation_checkpointing", False)),
-                   balance=str(getattr(parallel, "balance", "params")))
-
-    @property
-    def local_stages(self) -> int:
-        """Stages each pipeline rank holds."""
-        return stages_per_rank(self.schedule, self.virtual_stages)
-
-
-def check_split(settings: SplitSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
+def check_split(settings: ParallelSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
                  vocab_size: int) -> list[str]:
     """One sentence per reason the model cannot be split as ``settings`` asks (empty if it can)."""
     problems = check_tensor_parallel(n_heads, dim, ffn_dim, vocab_size, settings.tp)
@@ -119,7 +86,7 @@ class ModelParts:
     few training steps, the measured idle fraction (:attr:`clock`).
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: SplitSettings,
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: ParallelSettings,
                  loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None,
                  profile_shape: tuple[int, int] | None = None):
         tp = mesh["tp"].size() if mesh is not None else 1

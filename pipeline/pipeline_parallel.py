@@ -15,15 +15,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
-
-def stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    """Model chunks each pipeline rank holds: ``virtual_stages`` for interleaved 1F1B, else 1."""
-    return virtual_stages if schedule == "interleaved-1f1b" else 1
 
 
 def model_layer_costs(model: nn.Module) -> tuple[list[int], int, int]:

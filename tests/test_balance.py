@@ -27,10 +27,11 @@ from pipeline.balance import (
     plan_stages,
     profiled_plan,
 )
-from pipeline.model_parts import ModelParts, SplitSettings, check_split, cross_entropy_loss
-from pipeline.pipeline_parallel import model_layer_costs, stage_layer_split
-from pipeline.stage_clock import MEASURED_STEPS, SKIP_STEPS
 from pipeline.mesh import exit_worker
+from pipeline.model_parts import ModelParts, check_split, cross_entropy_loss
+from pipeline.pipeline_parallel import model_layer_costs, stage_layer_split
+from pipeline.settings import ParallelSettings
+from pipeline.stage_clock import MEASURED_STEPS, SKIP_STEPS
 
 ROWS, SEQ, MICRO = 4, 16, 2
 RUN_TIMEOUT_S = 240
@@ -106,7 +107,7 @@ def test_profile_keeps_the_params_split_unless_it_gains_more_than_noise():
 
 # --------------------------------------------------------------------------- the balances, one process
 def _plan(model: torch.nn.Module, **settings) -> StagePlan:
-    return plan_stages(model, SplitSettings(microbatches=MICRO, **settings), None, torch.device("cpu"),
+    return plan_stages(model, ParallelSettings(microbatches=MICRO, **settings), None, torch.device("cpu"),
                        cross_entropy_loss, (ROWS // MICRO, SEQ))
 
 
@@ -130,7 +131,7 @@ def test_a_bad_balance_is_one_clear_config_error_line():
         load(None, ["--parallel.pp", "2", "--parallel.balance", "time"])
     assert str(e.value).splitlines() == ["--parallel.balance is 'time' but must be one of params, layers, profile"]
     assert load(None, ["--parallel.pp", "2", "--parallel.balance", "profile"]).parallel.balance == "profile"
-    assert check_split(SplitSettings(pp=2, microbatches=2, balance="time"), 4, 4, 32, 64, 256) == [
+    assert check_split(ParallelSettings(pp=2, microbatches=2, balance="time"), 4, 4, 32, 64, 256) == [
         "--parallel.balance is 'time' but must be one of params, layers, profile"]
 
 
@@ -144,7 +145,7 @@ def _worker(out_dir: str, tp: int, pp: int) -> None:
     rank = int(os.environ["RANK"])
     mesh = init_island_mesh(tp, pp, "cpu", timeout_s=60)
     try:
-        settings = SplitSettings(tp=tp, pp=pp, microbatches=MICRO, balance="profile")
+        settings = ParallelSettings(tp=tp, pp=pp, microbatches=MICRO, balance="profile")
         parts = ModelParts(build_model(heavy_output_config()), mesh, settings, profile_shape=(ROWS // MICRO, SEQ))
         gen = torch.Generator().manual_seed(0)
         x = torch.randint(0, heavy_output_config().vocab_size, (ROWS, SEQ + 1), generator=gen)

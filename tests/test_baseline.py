@@ -9,12 +9,11 @@ import subprocess
 import pytest
 import torch
 
-from diloco.launch.baseline import BaselineError, ring_allreduce_bytes
-from diloco.launch.baseline import run_baseline
 from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
-from diloco.model.inner import build_inner_optimizer
 from diloco.engine.metrics import read_metrics
+from diloco.launch.baseline import BaselineError, ring_allreduce_bytes, run_baseline
+from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
 from tests.conftest import tiny_config
 

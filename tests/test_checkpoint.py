@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from diloco.engine.island import Island
+from diloco.engine.metrics import read_metrics
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
-from diloco.engine.metrics import read_metrics
-from diloco.engine.island import Island
 from tests.conftest import tiny_config
 
 

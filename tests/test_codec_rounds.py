@@ -9,15 +9,16 @@ import threading
 import pytest
 import torch
 
-from diloco.model.checkpoint import list_checkpoints, load
 from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import simulate
+from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.codecs import ErrorFeedback, make_codec
 from peers.averager import AveragerSettings, VerifiedAverager
 from peers.deflate import pack
-from peers.dht import NetworkSettings, start_dht, visible_maddrs
+from peers.dht import start_dht, visible_maddrs
 from peers.encoded import part_bounds, weighted_mean
 from peers.layout import CanonicalLayout
+from peers.settings import NetworkSettings
 from peers.sharded import ShardedAverager
 from tests.conftest import tiny_config
 

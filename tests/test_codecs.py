@@ -415,6 +415,7 @@ def test_entropy_decoding_refuses_what_is_not_exactly_the_expected_payload():
     """A wrong size, an unknown flag, a truncated or padded stream, and a bomb (a stream that inflates far
     beyond the expected size, which is never inflated past it) all give None; an empty wire is a decline."""
     import zlib
+
     from peers.deflate import pack, unpack
     payload = bytes(range(16)) * 64
     wire = pack(payload)

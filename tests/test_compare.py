@@ -7,8 +7,13 @@ import json
 import pytest
 
 from experiments import netns
-from experiments.compare import arm_settings, matched_budget, unknown_arms
-from experiments.compare import curve_from_metrics, run_compare
+from experiments.compare import (
+    arm_settings,
+    curve_from_metrics,
+    matched_budget,
+    run_compare,
+    unknown_arms,
+)
 from experiments.islands import CompareError
 from tests.conftest import PART_LOST, tiny_config
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from diloco.config import schema as C
-from diloco.config import loader as config_load
 from diloco.config import ConfigError
+from diloco.config import loader as config_load
+from diloco.config import schema as C
 from diloco.config.loader import load
 
 
@@ -99,14 +99,12 @@ def test_cli_exit_codes():
     assert bad.stderr.strip() == "error: unknown config key --model.dimm; did you mean --model.dim?"
 
 
-def test_readme_config_reference_is_current():
+def test_config_reference_in_the_docs_is_current():
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
-    current = readme[readme.index(start) + len(start):readme.index(end)]
-    assert current == config_load.reference_markdown(), "README config reference is stale: regenerate it with " \
-        "`diloco config reference`"
+    current = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    assert current == config_load.reference_markdown(), "docs/config.md is stale: regenerate it with " \
+        "`diloco config reference > docs/config.md`"
 def test_command_defaults_under_file_under_overrides(tmp_path):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('[diloco]\ninner_steps = 7\n[model]\npreset = "tiny"\n')

@@ -13,7 +13,13 @@ import torch
 from diloco.config import DataConfig
 from diloco.data.batches import ShardedBatches, heldout_batches
 from diloco.data.corpus import (
-    SEPARATOR, DataError, HFSource, build_corpus, is_heldout, load_corpus, stdlib_documents,
+    SEPARATOR,
+    DataError,
+    HFSource,
+    build_corpus,
+    is_heldout,
+    load_corpus,
+    stdlib_documents,
 )
 
 

@@ -13,8 +13,20 @@ import pytest
 import torch
 
 from pipeline.mesh import exit_worker
-from tests.test_sharded import (BUCKET, FAST, PARAMS, WEIGHTS, Rank, check_no_leaks, expected_average, launch, load,
-                                local_delta, reassemble, save)
+from tests.test_sharded import (
+    BUCKET,
+    FAST,
+    PARAMS,
+    WEIGHTS,
+    Rank,
+    check_no_leaks,
+    expected_average,
+    launch,
+    load,
+    local_delta,
+    reassemble,
+    save,
+)
 
 ISLANDS = [[0, 1], [2]]
 

@@ -7,10 +7,19 @@ import json
 import pytest
 import torch
 
-from diloco.model.checkpoint import CheckpointError, load_parameters
 from diloco.cli import main
-from diloco.inference.export import export_hf, load_trained
-from diloco.inference.generate import GenerationError, Sampling, StreamDecoder, decode, encode, generate
+from diloco.inference.export import load_trained
+from diloco.inference.generate import (
+    GenerationError,
+    Sampling,
+    StreamDecoder,
+    decode,
+    encode,
+    generate,
+)
+from diloco.model.checkpoint import CheckpointError
+from diloco.model.hf import export_hf
+from diloco.model.weights import load_parameters
 from tests.conftest import tiny_config
 
 PROMPTS = ["def __init__(self", "import os\n", "    return "]
@@ -73,8 +82,7 @@ def test_generate_command_streams_text_and_reports_speed(trained, capsys):
 
 
 def test_simulate_prints_a_sample_at_the_end(trained):
-    from diloco.launch.simulate import last_sample
-    from diloco.launch.simulate import format_summary
+    from diloco.launch.simulate import format_summary, last_sample
 
     sample = last_sample(trained)
     assert sample["outer_step"] == 3 and sample["prompt"] and sample["continuation"]

@@ -6,12 +6,13 @@ import threading
 import time
 
 import torch
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from peers.averager import AveragerSettings, VerifiedAverager
-from peers.dht import NetworkSettings, start_dht, visible_maddrs
+from peers.dht import start_dht, visible_maddrs
 from peers.membership import Membership, is_registered, wait_until
 from peers.run_key import RunKeyValidator, check_run_key, key_check_key
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from peers.settings import NetworkSettings
 
 FAST = dict(prefix="run", matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
             allreduce_timeout=10.0, next_chunk_timeout=3.0, state_download_timeout=5.0)
@@ -84,13 +85,13 @@ def test_a_wrong_run_key_is_told_as_such(no_leaked_daemons):
     made = []
     try:
         open_keys = (key_check_key("run"),)
-        d1 = start_dht(NetworkSettings(run_key="secret", open_keys=open_keys))
+        d1 = start_dht(NetworkSettings(run_key="secret"), open_keys=open_keys)
         made.append(d1)
         assert check_run_key(d1, "run", "secret", timeout=5.0) == ""  # the first island: nobody to compare with
-        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="secret", open_keys=open_keys))
+        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="secret"), open_keys=open_keys)
         made.append(d2)
         assert check_run_key(d2, "run", "secret", timeout=5.0) == ""
-        d3 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="guess", open_keys=open_keys))
+        d3 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="guess"), open_keys=open_keys)
         made.append(d3)
         t0 = time.monotonic()
         problem = check_run_key(d3, "run", "guess", timeout=5.0)

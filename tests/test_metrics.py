@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import time
 
-from diloco.engine.metrics import METRIC_NAMES, MetricsLogger, read_metrics, resolve_wandb_mode
 from diloco.engine.island import Island
+from diloco.engine.metrics import (
+    METRIC_NAMES,
+    MetricsLogger,
+    read_metrics,
+    resolve_wandb_mode,
+)
 from tests.conftest import tiny_config
 
 

@@ -6,9 +6,9 @@ import torch
 
 from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
+from diloco.engine.island import Island
 from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
-from diloco.engine.island import Island
 from outer_optim import OuterOptimizer, checksum
 from tests.conftest import tiny_config
 

@@ -9,9 +9,9 @@ import torch
 from diloco.config import ConfigError
 from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
-from diloco.model.inner import build_inner_optimizer
 from diloco.engine.island import Island
 from diloco.engine.rounds import InFlight
+from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments

@@ -8,9 +8,16 @@ import time
 import pytest
 import torch
 
-from peers.averager import AveragerSettings, VerifiedAverager, allreduce_bytes, fingerprint, fingerprints_agree
-from peers.dht import NetworkSettings, PeerNetworkError, start_dht, visible_maddrs
+from peers.averager import (
+    AveragerSettings,
+    VerifiedAverager,
+    allreduce_bytes,
+    fingerprint,
+    fingerprints_agree,
+)
+from peers.dht import PeerNetworkError, start_dht, visible_maddrs
 from peers.round_keys import round_bits
+from peers.settings import NetworkSettings
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
             allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)

@@ -21,11 +21,17 @@ import torch
 
 from diloco.config import ModelConfig
 from diloco.model.transformer import build_model, lm_loss
-from pipeline.model_parts import ModelParts, SplitSettings, check_split
-from pipeline.pipeline_parallel import build_stage_modules, check_schedule, model_layer_costs, stage_layer_split
+from pipeline.mesh import exit_worker
+from pipeline.model_parts import ModelParts, check_split
+from pipeline.pipeline_parallel import (
+    build_stage_modules,
+    check_schedule,
+    model_layer_costs,
+    stage_layer_split,
+)
+from pipeline.settings import ParallelSettings
 from pipeline.shards import ShardSpec, shard_spec_of
 from pipeline.tensor_parallel import check_tensor_parallel
-from pipeline.mesh import exit_worker
 
 STEPS = 20
 BATCH, SEQ = 8, 16
@@ -108,35 +114,38 @@ def test_tensor_parallel_divisibility_errors():
 
 def test_island_settings_errors():
     ok = dict(n_layers=4, n_heads=4, dim=32, ffn_dim=64, vocab_size=256)
-    assert check_split(SplitSettings(tp=2, pp=2, microbatches=4), **ok) == []
-    assert check_split(SplitSettings(pp=5, microbatches=8), **ok) == [
+    assert check_split(ParallelSettings(tp=2, pp=2, microbatches=4), **ok) == []
+    assert check_split(ParallelSettings(pp=5, microbatches=8), **ok) == [
         "--parallel.pp (5) must not exceed --model.n_layers (4)"]
-    assert check_split(SplitSettings(pp=2, schedule="interleaved-1f1b", virtual_stages=3, microbatches=4), **ok) == [
+    assert check_split(ParallelSettings(pp=2, schedule="interleaved-1f1b", virtual_stages=3, microbatches=4), **ok) == [
         "--parallel.pp * --parallel.virtual_stages (6) must not exceed --model.n_layers (4) for interleaved-1f1b"]
     # virtual_stages only matters for the interleaved schedule.
-    assert check_split(SplitSettings(pp=2, schedule="1f1b", virtual_stages=3, microbatches=4), **ok) == []
-    assert check_split(SplitSettings(pp=4, schedule="1f1b", microbatches=2), **ok) == [
+    assert check_split(ParallelSettings(pp=2, schedule="1f1b", virtual_stages=3, microbatches=4), **ok) == []
+    assert check_split(ParallelSettings(pp=4, schedule="1f1b", microbatches=2), **ok) == [
         "the 1f1b schedule needs --parallel.microbatches (2) to be at least --parallel.pp (4)"]
-    assert check_split(SplitSettings(pp=2, schedule="zb"), **ok)[0].startswith("--parallel.schedule is 'zb'")
+    assert check_split(ParallelSettings(pp=2, schedule="zb"), **ok)[0].startswith("--parallel.schedule is 'zb'")
     assert check_schedule("interleaved-1f1b", 4, 10) == []
-    assert check_split(SplitSettings(tp=3), **ok) == [
+    assert check_split(ParallelSettings(tp=3), **ok) == [
         "--model.n_heads (4) must be divisible by --parallel.tp (3)",
         "--model.ffn_dim (64) must be divisible by --parallel.tp (3)",
         "--model.vocab_size (256) must be divisible by --parallel.tp (3)"]
     with pytest.raises(ValueError, match="the mesh is pp=1 x tp=1"):
-        ModelParts(build_model(tiny_model_config()), None, SplitSettings(tp=2))
+        ModelParts(build_model(tiny_model_config()), None, ParallelSettings(tp=2))
 
 
-def test_island_settings_from_the_trainer_config():
+def test_the_trainer_config_section_is_the_island_settings():
+    """One definition: ``--parallel.*`` is :class:`ParallelSettings` itself, read from the command line."""
     from diloco.config import ParallelConfig
+    from diloco.config.loader import load
 
-    cfg = ParallelConfig(tp=2, pp=2, schedule="interleaved-1f1b", microbatches=8, virtual_stages=2,
-                         layers_per_stage=["1", "1", "1", "1"], activation_checkpointing=True)
-    settings = SplitSettings.from_config(cfg)
-    assert settings == SplitSettings(tp=2, pp=2, schedule="interleaved-1f1b", microbatches=8, virtual_stages=2,
-                                      layers_per_stage=[1, 1, 1, 1], activation_checkpointing=True)
-    assert settings.local_stages == 2
-    assert SplitSettings.from_config(ParallelConfig()).local_stages == 1  # 1f1b ignores virtual_stages
+    assert ParallelConfig is ParallelSettings
+    cfg = load(None, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.schedule", "interleaved-1f1b",
+                      "--parallel.microbatches", "8", "--parallel.layers_per_stage", "1,1,1,1",
+                      "--model.n_layers", "4", "--model.preset", "tiny"]).parallel
+    assert cfg == ParallelSettings(tp=2, pp=2, schedule="interleaved-1f1b", microbatches=8, virtual_stages=2,
+                                   layers_per_stage=[1, 1, 1, 1])
+    assert cfg.local_stages == 2
+    assert ParallelSettings().local_stages == 1  # 1f1b ignores virtual_stages
 
 
 def test_build_stage_modules_keeps_names_and_copies_only_owned_parts():
@@ -188,7 +197,7 @@ def test_shard_spec_of_plain_tensor_is_the_whole_tensor():
 def test_single_process_island_matches_plain_training():
     cfg = tiny_model_config()
     ref = build_model(cfg)
-    island = ModelParts(build_model(cfg), None, SplitSettings(activation_checkpointing=True))
+    island = ModelParts(build_model(cfg), None, ParallelSettings(activation_checkpointing=True))
     opt, ref_opt = make_optimizer(island.parameters()), make_optimizer(ref.parameters())
     for x in batches(3):
         loss = island.train_step(x[:, :-1], x[:, 1:])
@@ -224,7 +233,7 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     """Train one island for STEPS steps and save what this rank sees."""
     from pipeline.mesh import init_island_mesh
 
-    settings = SplitSettings(**{k: v for k, v in case.items() if k != "name"})
+    settings = ParallelSettings(**{k: v for k, v in case.items() if k != "name"})
     mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60)
     island = ModelParts(build_model(tiny_model_config()), mesh, settings)
     opt = make_optimizer(island.parameters())

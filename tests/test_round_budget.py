@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from diloco.config import ConfigError
-from diloco.engine.metrics import read_metrics
 from diloco.engine.budget import Budget, auto_seconds, parse_budget
+from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import Cluster
 from tests.conftest import tiny_config
 

@@ -171,7 +171,8 @@ class Rank:
     def __init__(self):
         import torch.distributed as dist
 
-        from peers.dht import NetworkSettings, start_dht, visible_maddrs
+        from peers.dht import start_dht, visible_maddrs
+        from peers.settings import NetworkSettings
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -296,8 +297,8 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
 
 
 def test_single_process_island_exchange_and_its_checks():
-    from peers.layout import CanonicalLayout
     from peers.exchange import BucketExchange
+    from peers.layout import CanonicalLayout
 
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     full = full_delta("B", "0")

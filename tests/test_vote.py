@@ -11,11 +11,12 @@ import torch
 
 from peers import missed_group
 from peers.averager import AveragerSettings, VerifiedAverager, fingerprint
-from peers.encoded import average_encoded
-from peers.round_keys import parts_key, vote_key
-from peers.dht import NetworkSettings, start_dht, visible_maddrs
+from peers.dht import start_dht, visible_maddrs
 from peers.dht_calls import dht_get
+from peers.encoded import average_encoded
 from peers.membership import Membership
+from peers.round_keys import parts_key, vote_key
+from peers.settings import NetworkSettings
 from peers.vote import Verdict, VoteChannel, _submit
 from tests.conftest import wait_until
 

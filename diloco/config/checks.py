@@ -137,13 +137,11 @@ def parallel_problems(cfg: Config) -> list[str]:
         return []  # reported above
     if par.schedule not in CHOICES["parallel.schedule"] or par.balance not in CHOICES["parallel.balance"]:
         return []  # named by the choice check above; the split is checked once that is fixed
-    from pipeline.model_parts import SplitSettings, check_split  # torch-heavy: only for parallel islands
+    from pipeline.model_parts import (
+        check_split,  # torch-heavy: only for parallel islands
+    )
 
-    try:
-        settings = SplitSettings.from_config(par)
-    except ValueError:
-        return [f"--parallel.layers_per_stage must list integers, got {','.join(par.layers_per_stage)}"]
-    problems = check_split(settings, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
+    problems = check_split(par, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
     if par.pp > 1 and par.microbatches >= 1 and cfg.inner.batch_size % par.microbatches:
         problems.append(f"--inner.batch_size ({cfg.inner.batch_size}) must be divisible by "
                         f"--parallel.microbatches ({par.microbatches}) when --parallel.pp is above 1")

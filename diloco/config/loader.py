@@ -1,18 +1,26 @@
 """Reading the configuration: field defaults < a command's defaults < a TOML file < ``--section.key VALUE``
-overrides, every problem reported as one line; and writing it back (TOML with docstrings, the README's
+overrides, every problem reported as one line; and writing it back (TOML with docstrings, the config
 reference table)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import typing
 from pathlib import Path
 from typing import Any
 
-from diloco.config.schema import Config, ConfigError, is_section, field_docs, flatten, resolve_model
+import tomllib
+
 from diloco.config.checks import validate
+from diloco.config.schema import (
+    Config,
+    ConfigError,
+    field_docs,
+    flatten,
+    is_section,
+    resolve_model,
+)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -32,12 +40,20 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     """Convert a TOML value or a command-line string to the field's type, or raise ValueError."""
     origin = typing.get_origin(typ)
     if origin in (list, tuple):
+        (item,) = typing.get_args(typ) or (str,)
+        what = "integers" if item is int else "strings"
         if isinstance(raw, str):
             items = [s for s in (p.strip() for p in raw.split(",")) if s]
         elif isinstance(raw, (list, tuple)):
-            items = [str(x) for x in raw]
+            items = [x if item is int and isinstance(x, int) and not isinstance(x, bool) else str(x) for x in raw]
         else:
-            raise ValueError(f"{key} expects a list of strings (comma-separated on the command line), got {raw!r}")
+            raise ValueError(f"{key} expects a list of {what} (comma-separated on the command line), got {raw!r}")
+        if item is int:
+            try:
+                return [int(x) for x in items]
+            except ValueError:
+                raise ValueError(f"{key} expects a list of integers (comma-separated on the command line), "
+                                 f"got {raw!r}") from None
         return items
     if typ is bool:
         if isinstance(raw, bool):
@@ -180,10 +196,20 @@ def describe(cfg: Config) -> str:
     return "\n".join(lines).lstrip() + "\n"
 
 
+REFERENCE_HEADER = """# Config reference
+
+Every key of the configuration, its default and what it means, generated from the docstrings of the config
+classes (`diloco config reference > docs/config.md`; a test checks that this file is current). Set a key in
+a TOML file (`--config FILE`, sections as tables) or on the command line as `--section.key VALUE`; lists
+are comma-separated there. `diloco config show` prints the effective values of a command line.
+
+"""
+
+
 def reference_markdown() -> str:
-    """A markdown table of every key with its default and docstring (for the README)."""
+    """``docs/config.md``: a markdown table of every key with its default and docstring."""
     cfg = Config()
-    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    rows = [REFERENCE_HEADER + "| key | default | meaning |", "| --- | --- | --- |"]
 
     def walk(section: Any, prefix: str) -> None:
         docs = field_docs(type(section))

@@ -15,6 +15,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from peers.settings import NetworkSettings
+from pipeline.settings import ParallelSettings
+
 
 class ConfigError(ValueError):
     """A configuration problem; ``problems`` holds one human sentence per issue."""
@@ -115,23 +118,16 @@ class DilocoConfig:
 
 
 @dataclass
-class AveragingConfig:
+class AveragingConfig(NetworkSettings):
+    """The ``averaging`` section: the peer node's network settings (:class:`peers.settings.NetworkSettings`) and
+    how islands average."""
+
     backend: str = "hivemind"
     """`hivemind` (peer-to-peer over the internet), `local` (no peers: a group of one), `torch` (islands
     launched as one torchrun world average with a torch.distributed all-reduce) or `auto` (hivemind, falling
     back to that all-reduce when no hivemind group forms); `torch` and `auto` average shard-wise."""
     run_id: str = "diloco"
     """Name shared by all islands of one run: the DHT prefix of its averager."""
-    initial_peers: list[str] = field(default_factory=list)
-    """Multiaddrs of running islands or bootstrap nodes (ending in /p2p/PEER_ID); empty starts a new run."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    """Multiaddrs this island listens on; use /ip4/0.0.0.0/tcp/PORT to accept peers from other servers."""
-    announce_maddrs: list[str] = field(default_factory=list)
-    """Multiaddrs to advertise to peers (your public IP and forwarded port), if not the listening ones."""
-    identity_path: str = ""
-    """File holding this island's private key, so its peer id stays the same across restarts."""
-    client_mode: bool = False
-    """Accept no incoming connections (an island behind a firewall); it can still join groups."""
     min_group_size: int = 2
     """A round with fewer islands than this is rejected and the island keeps its own parameters."""
     target_group_size: int = 0
@@ -146,8 +142,6 @@ class AveragingConfig:
     """Give up on a peer that sends no data for this many seconds during an all-reduce."""
     request_timeout: float = 3.0
     """Timeout of a single matchmaking request (must be below matchmaking_time)."""
-    startup_timeout: float = 20.0
-    """Seconds to connect to initial peers before giving up with an error."""
     state_download_timeout: float = 60.0
     """Seconds a joining island spends downloading the global state from a peer."""
     compression: str = "none"
@@ -168,9 +162,6 @@ class AveragingConfig:
     """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
     maddr_file: str = ""
     """If set, write this island's visible multiaddrs to this file once it is reachable."""
-    run_key: str = ""
-    """Shared secret of the run: only islands holding it can join, average or download state. Empty on
-    the first island: a key is generated and printed; islands joining a private run must pass it."""
     public: bool = False
     """Run without a run key: anyone who reaches an island may join (not recommended over the internet)."""
     vote_timeout: float = 15.0
@@ -196,31 +187,8 @@ class AveragingConfig:
     each bucket over its own hivemind averager); must be the same on every island of a run."""
 
 
-@dataclass
-class ParallelConfig:
-    tp: int = 1
-    """Tensor-parallel degree inside an island (innermost mesh dimension, one process per GPU)."""
-    pp: int = 1
-    """Pipeline-parallel stages inside an island."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved-1f1b`."""
-    microbatches: int = 4
-    """Micro-batches per pipeline step (the batch is split into this many)."""
-    virtual_stages: int = 2
-    """Model chunks per pipeline rank for `interleaved-1f1b`."""
-    layers_per_stage: list[str] = field(default_factory=list)
-    """Explicit number of layers per (virtual) stage, e.g. 3,1; wins over `balance`."""
-    balance: str = "params"
-    """Where pipeline stages are cut when `layers_per_stage` is empty: `params` (equal parameter counts),
-    `layers` (equal block counts) or `profile`: before training every rank times each block's forward and
-    backward, the embedding's and the output projection's with the loss on one micro-batch on its own
-    device (2 untimed warm-up runs, which pay one-off allocator, kernel-selection and thread-pool costs,
-    then the fastest of 5 timed runs, since other processes only ever add time), the island takes each
-    part's largest time over its ranks and cuts where the slowest stage is fastest (keeping the `params`
-    split unless that gains over 5%, so timing noise does not move equal blocks).  Rank 0 logs the split,
-    the predicted idle fraction (1 - mean / max stage time) and, after a few steps, the measured one."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in the backward pass to save memory."""
+ParallelConfig = ParallelSettings
+"""The ``parallel`` section: how an island splits its model (:class:`pipeline.settings.ParallelSettings`)."""
 
 
 @dataclass
@@ -314,15 +282,19 @@ def is_section(value: Any) -> bool:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Return {field name: docstring} read from the string literal following each field."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Return {field name: docstring} read from the string literal following each field, of ``cls`` and of
+    the dataclasses it extends (a section may *be* another package's settings, see :class:`AveragingConfig`)."""
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

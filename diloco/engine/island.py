@@ -67,7 +67,7 @@ from outer_optim.fragments import split_into_fragments
 from peers.dht import mute_shutdown_noise
 from peers.exchange import BucketExchange
 from peers.layout import CanonicalLayout, spec_tuple
-from pipeline import ModelParts, SplitSettings, local_state, restore_dtensor_state
+from pipeline import ModelParts, local_state, restore_dtensor_state
 
 log = logging.getLogger("diloco")
 
@@ -115,7 +115,7 @@ class Island:
         fragments = split_into_fragments([n for n, _ in self.full_shapes], d.fragments) if d.fragments > 1 else ()
         self.layout = CanonicalLayout.build(self.full_shapes, a.bucket_numel, fragments)
         micro = max(1, cfg.inner.batch_size // (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
-        self.model = ModelParts(full, rt.mesh, SplitSettings.from_config(cfg.parallel), loss_fn=lm_loss,
+        self.model = ModelParts(full, rt.mesh, cfg.parallel, loss_fn=lm_loss,
                                 device=self.device, profile_shape=(micro, m.seq_len))
         del full
         self.specs = self.model.shard_specs()

@@ -27,12 +27,20 @@ from diloco.engine.metrics import RunStats
 from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
 from peers.averager import AveragerSettings, StateProvider
-from peers.dht import NetworkSettings, PeerNetworkError, PortTakenError, listens, start_dht, tcp_port, visible_maddrs
+from peers.dht import (
+    PeerNetworkError,
+    PortTakenError,
+    listens,
+    start_dht,
+    tcp_port,
+    visible_maddrs,
+)
 from peers.exchange import BucketExchange
 from peers.layout import CanonicalLayout
 from peers.local import LocalAverager
 from peers.membership import Membership
 from peers.run_key import check_run_key, key_check_key, new_run_key
+from peers.settings import NetworkSettings
 from peers.sharded import ShardedAverager
 from peers.wire import WireCounter
 
@@ -233,18 +241,19 @@ class PeerNode:
         identity = f"{key}.rank{local_rank}" if local_rank else key
 
         def network(initial: list[str]) -> NetworkSettings:
-            return NetworkSettings(
-                initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
+            return dataclasses.replace(
+                a, initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
                 announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
-                client_mode=a.client_mode, startup_timeout=a.startup_timeout, run_key=run_key,
-                open_keys=(key_check_key(a.run_id),))
+                run_key=run_key)
+
+        open_keys = (key_check_key(a.run_id),)
 
         dht, error, boot, kind = None, "", [], PeerNetworkError
         if rt.global_rank == 0:
             initial = list(a.initial_peers) + [p for p in remembered if p not in a.initial_peers]
             try:
                 try:
-                    dht = start_dht(network(initial))
+                    dht = start_dht(network(initial), open_keys)
                 except PortTakenError:
                     raise
                 except PeerNetworkError:
@@ -254,7 +263,7 @@ class PeerNode:
                     log.warning("none of the %d peer address(es) this island knew answered; starting a new peer "
                                 "network (other islands must join it; this island keeps trying to reach them)",
                                 len(remembered))
-                    dht = start_dht(network([]))
+                    dht = start_dht(network([]), open_keys)
                 if remembered:
                     log.info("bootstrapped through --initial-peers and %d remembered peer address(es)",
                              len(remembered))
@@ -266,7 +275,7 @@ class PeerNode:
             raise kind(error)
         if rt.global_rank != 0:
             try:
-                dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]))
+                dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]), open_keys)
             except PeerNetworkError as e:
                 error = f"rank {rt.global_rank}: {e}"
         try:

@@ -14,11 +14,17 @@ from pathlib import Path
 
 import torch
 
-from diloco.model.checkpoint import CheckpointError
 from diloco.command import run_command
 from diloco.config import ConfigError, DataConfig
 from diloco.data.corpus import DataError
-from diloco.inference.generate import GenerationError, Sampling, StreamDecoder, encode, generate
+from diloco.inference.generate import (
+    GenerationError,
+    Sampling,
+    StreamDecoder,
+    encode,
+    generate,
+)
+from diloco.model.checkpoint import CheckpointError
 
 
 def _device(name: str) -> torch.device:
@@ -111,20 +117,24 @@ def _runner(model, args: argparse.Namespace, device: torch.device):
     tp×pp island of torchrun processes built from the same pipeline functions as training."""
     import os
 
-    from pipeline import SplitSettings
+    from pipeline import ParallelSettings
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp * args.pp == 1 and world == 1:
         model.to(device)
         return (lambda *a, **k: generate(model, *a, **k)), True, ""
-    from diloco.inference.generate_parallel import IslandGenerator, check_island, start_island
+    from diloco.inference.generate_parallel import (
+        IslandGenerator,
+        check_island,
+        start_island,
+    )
 
     try:
         layers = [int(n) for n in args.layers_per_stage.split(",") if n.strip()]
     except ValueError:
         raise ConfigError([f"--parallel.layers_per_stage {args.layers_per_stage!r} must be numbers like 3,1"]) from None
     # one sequence walks the stages in turn: no schedule, so microbatches only satisfy the split's checks
-    settings = SplitSettings(tp=args.tp, pp=args.pp, microbatches=max(1, args.pp), layers_per_stage=layers)
+    settings = ParallelSettings(tp=args.tp, pp=args.pp, microbatches=max(1, args.pp), layers_per_stage=layers)
     problems = check_island(model, settings)
     if world != args.tp * args.pp:
         problems.append(f"--parallel.tp {args.tp} x --parallel.pp {args.pp} is {args.tp * args.pp} processes but "
@@ -147,7 +157,8 @@ def export_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        from diloco.inference.export import export_hf, load_trained
+        from diloco.inference.export import load_trained
+        from diloco.model.hf import export_hf
 
         if args.format != "hf":
             raise ConfigError([f"--format {args.format!r} is not supported; use --format hf"])

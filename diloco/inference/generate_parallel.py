@@ -16,18 +16,24 @@ import torch
 import torch.distributed as dist
 
 from diloco.config import ModelConfig
-from diloco.inference.generate import Generated, KVCache, Sampling, decode_loop, forward_cached
+from diloco.inference.generate import (
+    Generated,
+    KVCache,
+    Sampling,
+    decode_loop,
+    forward_cached,
+)
 from diloco.model.transformer import Transformer
-from pipeline import ModelParts, SplitSettings, check_split, init_island_mesh
+from pipeline import ModelParts, ParallelSettings, check_split, init_island_mesh
 
 
-def check_island(model: Transformer, settings: SplitSettings) -> list[str]:
+def check_island(model: Transformer, settings: ParallelSettings) -> list[str]:
     """Why ``model`` cannot be split over this island shape (one sentence each, as for training)."""
     c = model.cfg
     return check_split(settings, c.n_layers, c.n_heads, c.dim, c.ffn_dim, c.vocab_size)
 
 
-def start_island(model: Transformer, settings: SplitSettings, device: torch.device) -> ModelParts:
+def start_island(model: Transformer, settings: ParallelSettings, device: torch.device) -> ModelParts:
     """Join torchrun's process group and split ``model`` (the full model, on every rank) over the island."""
     mesh = init_island_mesh(settings.tp, settings.pp, device.type)
     return ModelParts(model, mesh, settings, device=device)

@@ -43,21 +43,21 @@ import logging
 import math
 import os
 import signal
+import socket
+import subprocess
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
+
 import torch
 import torch.distributed as dist
+
 from diloco.command import run_command
 from diloco.config import Config, to_dict
 from pipeline.mesh import exit_worker
-import socket
-import subprocess
-import threading
-from typing import Callable, Sequence
-
 
 log = logging.getLogger("diloco.launch.baseline")
 
@@ -96,12 +96,12 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
     from diloco.data.batches import ShardedBatches, heldout_batches
     from diloco.data.corpus import load_corpus
-    from diloco.model.inner import build_inner_optimizer, take_inner_step
     from diloco.engine.metrics import MetricsLogger
+    from diloco.model.inner import build_inner_optimizer, take_inner_step
     from diloco.model.transformer import build_initial_model, lm_loss
     from outer_optim import checksum
     from peers.wire import WireCounter
-    from pipeline import ModelParts, SplitSettings
+    from pipeline import ModelParts, ParallelSettings
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -121,7 +121,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
                         if rank == 0 else [])
         model = ModelParts(build_initial_model(m, cfg.seed, cfg.checkpoint.init_from), None,
-                           SplitSettings(activation_checkpointing=cfg.parallel.activation_checkpointing),
+                           ParallelSettings(activation_checkpointing=cfg.parallel.activation_checkpointing),
                            loss_fn=lm_loss, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, total_steps)
@@ -271,8 +271,8 @@ def baseline_main(argv: list[str] | None = None) -> int:
     Without ``--rank`` it launches all ``--workers`` workers on loopback (:func:`diloco.launch.baseline.run_baseline`), with
     any ``--section.key VALUE`` overrides.
     """
-    from diloco.config import loader as config_load
     from diloco.config import ConfigError
+    from diloco.config import loader as config_load
 
     parser = argparse.ArgumentParser(prog="python -m diloco.launch.baseline", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="TOML config file (the launcher writes one)")

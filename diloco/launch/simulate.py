@@ -11,6 +11,7 @@ islands with it, experiments wrap each island in a network namespace with ``wrap
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,14 +19,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
 import tomli_w
 import torch
+
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
 from diloco.launch.proctable import descendants
 from peers.run_key import new_run_key
-import math
-
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import ModelConfig, resolve_model
+from diloco.model.weights import init_parameters
 from pipeline import cross_entropy_loss
 
 
@@ -172,11 +173,9 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
 def build_initial_model(cfg: ModelConfig, seed: int, init_from: str = "") -> Transformer:
     """The model every island and every baseline worker starts from: the seeded initialisation, or
-    the parameters of ``init_from`` (a warm start, see :func:`diloco.model.checkpoint.init_parameters`)."""
+    the parameters of ``init_from`` (a warm start, see :func:`diloco.model.weights.init_parameters`)."""
     model = build_model(cfg, seed=seed)
     if init_from:
-        from diloco.model.checkpoint import init_parameters
-
         init_parameters(model, init_from)
     return model
 

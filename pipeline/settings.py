@@ -1,0 +1,43 @@
+"""How an island splits its model over its processes: the settings of :mod:`pipeline`.
+
+Plain data without torch, so that the trainer's config section ``parallel`` *is* this class
+(:data:`diloco.config.ParallelConfig`) rather than a copy of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParallelSettings:
+    """How an island splits its model over its ``tp * pp`` processes."""
+
+    tp: int = 1
+    """Tensor-parallel degree inside an island (innermost mesh dimension, one process per GPU)."""
+    pp: int = 1
+    """Pipeline-parallel stages inside an island."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved-1f1b`."""
+    microbatches: int = 4
+    """Micro-batches per pipeline step (the batch is split into this many)."""
+    virtual_stages: int = 2
+    """Model chunks per pipeline rank for `interleaved-1f1b`."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Explicit number of layers per (virtual) stage, e.g. 3,1; wins over `balance`."""
+    balance: str = "params"
+    """Where pipeline stages are cut when `layers_per_stage` is empty: `params` (equal parameter counts),
+    `layers` (equal block counts) or `profile`: before training every rank times each block's forward and
+    backward, the embedding's and the output projection's with the loss on one micro-batch on its own
+    device (2 untimed warm-up runs, which pay one-off allocator, kernel-selection and thread-pool costs,
+    then the fastest of 5 timed runs, since other processes only ever add time), the island takes each
+    part's largest time over its ranks and cuts where the slowest stage is fastest (keeping the `params`
+    split unless that gains over 5%, so timing noise does not move equal blocks).  Rank 0 logs the split,
+    the predicted idle fraction (1 - mean / max stage time) and, after a few steps, the measured one."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass to save memory."""
+
+    @property
+    def local_stages(self) -> int:
+        """Model chunks each pipeline rank holds: ``virtual_stages`` for interleaved 1F1B, else 1."""
+        return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1

@@ -1,0 +1,85 @@
+"""The packages depend on each other in one direction and no module imports another in a cycle, counting
+every import: at the top of a module, inside functions and under ``TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+PACKAGES = ("diloco", "outer_optim", "peers", "pipeline", "experiments", "benchmarks")
+MAY_IMPORT = {  # package -> the packages of ours it may import
+    "diloco": {"diloco", "outer_optim", "peers", "pipeline"},
+    "outer_optim": {"outer_optim"},
+    "peers": {"peers", "outer_optim"},
+    "pipeline": {"pipeline"},
+    "experiments": {"experiments", "diloco", "outer_optim", "peers", "pipeline"},
+    "benchmarks": {"benchmarks", "diloco", "outer_optim", "peers", "pipeline", "experiments"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in PACKAGES:
+            name = ".".join(rel.with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module of ours ``path`` imports, wherever the import statement is."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in modules)
+    return found
+
+
+def test_packages_import_each_other_in_one_direction():
+    modules = _modules()
+    wrong = [(m, i) for m, path in modules.items() for i in _imports(path, modules)
+             if i.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]]
+    assert not wrong, f"imports against the layering: {wrong}"
+
+
+def test_no_module_imports_another_in_a_cycle():
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"modules importing each other in a cycle: {cycles}"
