@@ -1,8 +1,13 @@
-"""Low-bit pseudo-gradient codecs with error feedback (pure math: no networking, CPU float32 only).
+"""Pseudo-gradient codecs with error feedback (pure math: no networking, CPU float32 only): every wire format
+of ``--averaging.compression``.
 
 Every codec maps a 1-D float32 tensor of N values to a payload whose size depends only on N.  All
 multi-byte numbers are little-endian; bit streams are LSB-first (bit j of the stream is bit j % 8 of
 byte j // 8) and each stream is padded with zero bits to a whole byte.
+
+none: the float32 values themselves (4N bytes), handed out as a view of the tensor, without a copy.
+
+fp16: the values as IEEE half precision, clamped to ±65504 (2N bytes).
 
 int8: blocks of B=256 values; per block a float32 scale s = absmax/127 (0 for an all-zero block) and
     codes q = round(x/s) clamped to [-127, 127], stored as two's-complement int8.
@@ -36,12 +41,13 @@ Decoding is elementwise (no reductions), so the same payload gives bit-identical
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from outer_optim.bitpack import (
+    _LITTLE_ENDIAN,
     from_bytes,
     from_le,
     pack_rows,
@@ -49,10 +55,18 @@ from outer_optim.bitpack import (
     to_le,
     unpack_rows,
 )
+from outer_optim.tensors import all_finite
 
-LOSSY_CODECS = ("int8", "int4", "sign", "topk")
+CODECS = ("none", "fp16", "int8", "int4", "sign", "topk")
+"""Every wire format of pseudo-gradients (``--averaging.compression``)."""
+LOSSY_CODECS = ("fp16", "int8", "int4", "sign", "topk")
+"""The formats that drop part of Δ (what they drop can be carried into later rounds: error feedback)."""
 TOPK_CHUNK = 4096
 TOPK_INDEX_BITS = math.ceil(math.log2(TOPK_CHUNK))
+
+
+Payload = bytes | bytearray | memoryview
+"""An encoded pseudo-gradient (``none`` and ``fp16`` hand out views of tensors rather than copies)."""
 
 
 @runtime_checkable
@@ -65,21 +79,21 @@ class Codec(Protocol):
     """Whether its payload bytes are skewed enough for entropy coding on the wire to pay for its CPU time
     (measured on a real Δ, wire ÷ codec size: int4 0.846, int8 0.926; sign 0.988, topk 0.999)."""
 
-    def encode(self, values: torch.Tensor) -> bytes: ...
+    def encode(self, values: torch.Tensor) -> Payload: ...
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor: ...
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor: ...
 
     def nbytes(self, numel: int) -> int: ...
 
 
 # ---- codecs ----------------------------------------------------------------------------------------
 
-def _check_values(values: torch.Tensor) -> None:
+def _check_values(values: torch.Tensor, check_finite: bool = True) -> None:
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float32 or values.device.type != "cpu":
         raise ValueError("codecs encode CPU float32 tensors only")
     if values.dim() != 1 or values.numel() == 0:
         raise ValueError(f"codecs encode non-empty 1-D tensors, not shape {tuple(values.shape)}")
-    if not bool(torch.isfinite(values).all()):
+    if check_finite and not all_finite(values):
         raise ValueError("cannot encode a tensor holding NaN or infinite values")
 
 
@@ -109,6 +123,64 @@ def _unpack_codes(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return torch.stack(fields, dim=-1).view(-1)[:numel]
 
 
+class Fp32Codec:
+    """The values as they are (``none``): the payload is the tensor's own bytes, without a copy."""
+
+    name = "none"
+    lossy = False
+    skewed = False
+    block = 1
+
+    def nbytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, values: torch.Tensor) -> memoryview:
+        """A view of ``values``' bytes (little-endian float32)."""
+        _check_values(values)
+        if not _LITTLE_ENDIAN:
+            values = to_le(values).reshape(-1)
+        return memoryview(values.contiguous().numpy()).cast("B")
+
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        """The values, sharing the payload's memory when it is writable (a received buffer)."""
+        _check_payload(self, payload, numel)
+        return _floats(payload, torch.float32)
+
+
+class Fp16Codec:
+    """Half precision (``fp16``): values beyond its range are clamped to ±65504."""
+
+    name = "fp16"
+    lossy = True
+    skewed = False
+    block = 1
+
+    def nbytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode(self, values: torch.Tensor) -> memoryview:
+        _check_values(values)
+        half = values.clamp(-65504.0, 65504.0).to(torch.float16)
+        if not _LITTLE_ENDIAN:
+            half = to_le(half).reshape(-1)
+        return memoryview(half.numpy()).cast("B")
+
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        _check_payload(self, payload, numel)
+        return _floats(payload, torch.float16).to(torch.float32)
+
+
+def _floats(payload: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """The payload's values as ``dtype``, without a copy when the payload is writable."""
+    view = memoryview(payload)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    raw = torch.frombuffer(view, dtype=torch.uint8)
+    if not _LITTLE_ENDIAN:
+        return from_le(raw.view(-1, torch.finfo(dtype).bits // 8), dtype)
+    return raw.view(dtype)
+
+
 class BlockAbsmaxCodec:
     """Symmetric blockwise absmax quantization to ``bits``-bit codes in [-qmax, qmax] (int8, int4)."""
 
@@ -126,26 +198,62 @@ class BlockAbsmaxCodec:
         return 4 * -(-numel // self.block) + -(-numel * self.bits // 8)
 
     def encode(self, values: torch.Tensor) -> bytes:
-        """Scales then codes; see the module docstring."""
-        _check_values(values)
-        n = values.numel()
-        blocks = F.pad(values, (0, -n % self.block)).view(-1, self.block)
-        scales = blocks.abs().amax(dim=1) / self.qmax
-        q = torch.round(blocks / _safe_divisor(scales)[:, None]).clamp_(-self.qmax, self.qmax)
-        codes = (q.view(-1)[:n].to(torch.int32) + self.offset) & ((1 << self.bits) - 1)
-        return to_bytes(to_le(scales)) + to_bytes(_pack_codes(codes, self.bits))
+        """Scales then codes; see the module docstring.  Written pass by pass into the payload itself (no
+        full-size temporary but one float32 buffer of codes): about 4x faster than padding, taking the
+        absolute value and packing bit fields."""
+        _check_values(values, check_finite=False)
+        n, block = values.numel(), self.block
+        nblocks = -(-n // block)
+        full = n // block * block
+        payload = torch.empty(self.nbytes(n), dtype=torch.uint8)
+        scales = payload[:4 * nblocks].view(torch.float32)
+        if full:  # amax and amin along rows are vectorized; abs().amax() or aminmax() are 5-10x slower
+            blocks = values[:full].view(-1, block)
+            torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_(), out=scales[:full // block])
+        if full < n:
+            scales[-1] = values[full:].abs().amax()
+        if not all_finite(scales):  # amax and amin propagate NaN: a non-finite value shows in its block's scale
+            raise ValueError("cannot encode a tensor holding NaN or infinite values")
+        scales.div_(self.qmax)
+        q = torch.empty(nblocks * block, dtype=torch.float32)
+        if full:
+            torch.div(values[:full].view(-1, block), _safe_divisor(scales[:full // block])[:, None],
+                      out=q[:full].view(-1, block))
+        if full < n:
+            torch.div(values[full:], _safe_divisor(scales[-1:]), out=q[full:n])
+            q[n:] = 0
+        q.round_().clamp_(-self.qmax, self.qmax)
+        codes = payload[4 * nblocks:]
+        if self.bits == 8:
+            codes.view(torch.int8).copy_(q[:n])
+        else:  # q + 8 as nibbles, low nibble first
+            q = q[:n + n % 2].add_(self.offset)
+            q[n:] = 0  # the pad nibble of an odd count
+            q = q.to(torch.uint8).view(-1, 2)
+            torch.bitwise_or(q[:, 0], q[:, 1].bitwise_left_shift(4), out=codes)
+        if not _LITTLE_ENDIAN:
+            payload[:4 * nblocks] = to_le(scales.clone()).reshape(-1)
+        return payload.numpy().tobytes()
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        """A new float32 tensor of ``numel`` values."""
+        """A new float32 tensor of ``numel`` values, computed in one pass over the codes."""
         _check_payload(self, payload, numel)
         data = from_bytes(payload)
-        nblocks = -(-numel // self.block)
+        block, nblocks = self.block, -(-numel // self.block)
         scales = from_le(data[:4 * nblocks].view(-1, 4), torch.float32)
-        codes = _unpack_codes(data[4 * nblocks:], numel, self.bits)
-        half, mask = 1 << (self.bits - 1), (1 << self.bits) - 1
-        q = ((codes - self.offset + half) & mask) - half
-        q = F.pad(q, (0, nblocks * self.block - numel)).view(nblocks, self.block)
-        return (q.to(torch.float32) * scales[:, None]).view(-1)[:numel].clone()
+        codes = data[4 * nblocks:]
+        if self.bits == 8:
+            q = codes.view(torch.int8)
+        else:
+            q = torch.stack([codes.bitwise_and(15), codes.bitwise_right_shift(4)], dim=1).view(-1)[:numel]
+            q = q.view(torch.int8).sub_(self.offset)
+        out = torch.empty(numel, dtype=torch.float32)
+        full = numel // block * block
+        if full:
+            torch.mul(q[:full].view(-1, block), scales[:full // block, None], out=out[:full].view(-1, block))
+        if full < numel:
+            torch.mul(q[full:], scales[-1], out=out[full:])
+        return out
 
 
 class BlockSignCodec:
@@ -299,14 +407,18 @@ class TopKCodec:
 
 
 def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> Codec:
-    """The codec called ``name`` (one of LOSSY_CODECS); the topk settings are validated for every name."""
-    if name not in LOSSY_CODECS:
-        raise ValueError(f"unknown codec {name!r}; use one of {', '.join(LOSSY_CODECS)}")
+    """The codec called ``name`` (one of :data:`CODECS`); the topk settings are validated for every name."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; use one of {', '.join(CODECS)}")
     if (isinstance(topk_density, bool) or not isinstance(topk_density, (int, float))
             or not math.isfinite(topk_density) or not 0 < topk_density <= 1):
         raise ValueError(f"--averaging.topk_density must be a finite number in (0, 1], not {topk_density!r}")
     if isinstance(topk_bits, bool) or not isinstance(topk_bits, int) or topk_bits not in (2, 4):
         raise ValueError(f"--averaging.topk_bits must be 2 or 4, not {topk_bits!r}")
+    if name == "none":
+        return Fp32Codec()
+    if name == "fp16":
+        return Fp16Codec()
     if name == "int8":
         return BlockAbsmaxCodec("int8", bits=8, block=256)
     if name == "int4":

@@ -1,16 +1,22 @@
-"""Averaging pseudo-gradients between islands over hivemind, one verified round at a time.
+"""One island's verified rounds with the other islands: hivemind forms the group, an exchange moves the bytes,
+every member votes on what it got.
 
-hivemind's all-reduce can report success while part of the vector kept local values (a peer that
-failed mid-round) and has no timeouts by default.  :class:`VerifiedAverager` closes both holes:
-every timeout is explicit, retries are off, and each round ends with a vote (:mod:`peers.vote`) in
-which every group member sends a fingerprint of what it received to the others.  A round counts only
-if the group is large enough, every member voted, and all fingerprints agree and are finite;
-otherwise the caller gets a failed :class:`RoundResult` and the averaged values are thrown away.
+hivemind's matchmaking forms each round's group (its all-reduce carries a single number); the pseudo-gradient
+goes by an *exchange*: the island's own (:class:`peers.sharded.ShardedAverager`: every rank averages the
+buckets it owns with their owners on the other islands, over :mod:`peers.transport`), or, for one tensor,
+:meth:`VerifiedAverager.average`'s.  hivemind's own all-reduce could report success while part of the vector
+kept local values (a peer that failed mid-round) and has no timeouts by default; it was also 18x slower than
+a gloo all-reduce of the same bytes.  Every timeout here is explicit, retries are off, and each round ends
+with a vote (:mod:`peers.vote`) in which every group member sends a fingerprint of what it received to the
+others.  A round counts only if the group is large enough, every member voted, and all fingerprints agree
+and are finite; otherwise the caller gets a failed :class:`RoundResult` and the averaged values are thrown
+away.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -22,33 +28,34 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
-from outer_optim.codecs import make_codec
+from outer_optim.codecs import CODECS, make_codec
+from outer_optim.tensors import all_finite
 from peers.averager_types import (
-    BUTTERFLY,
-    COMPRESSIONS,
-    ENCODED_VOTE_RTOL,
+    VOTE_RTOL,
     AveragerGoneError,
-    AveragerSettings,
+    Exchange,
     RoundResult,
-    allreduce_bytes,
+    Scope,
     as_float,
     check_group,
     short_error,
 )
-from peers.encoded import EncodedChannel, average_encoded
+from peers.encoded import DirectChannel, EncodedChannel, average_encoded
 from peers.fingerprints import (
     FINGERPRINT_CHUNKS,
     fingerprint,
     fingerprints_agree,
     majority_by_state,
 )
-from peers.hivemind_averager import StateProvider, _PseudoGradientAverager, cancel_step
+from peers.hivemind_averager import _PseudoGradientAverager, cancel_step
 from peers.missed_group import PARTS_GRACE, MissedGroups
 from peers.round_keys import is_on_round, parts_key, round_bits, vote_key
+from peers.settings import AveragerSettings
+from peers.transport import Transport
 from peers.vote import MemberCheck, VoteChannel
 
-__all__ = ["AveragerGoneError", "AveragerSettings", "COMPRESSIONS", "FINGERPRINT_CHUNKS", "RoundResult", "StateProvider",
-           "VerifiedAverager", "allreduce_bytes", "fingerprint", "fingerprints_agree", "majority_by_state"]
+__all__ = ["AveragerGoneError", "AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
+           "VerifiedAverager", "fingerprint", "fingerprints_agree", "majority_by_state"]
 
 log = logging.getLogger(__name__)
 
@@ -57,29 +64,23 @@ MOVED_PAST_POLL = 1.0
 
 
 class VerifiedAverager(MissedGroups):
-    """Averages one island's pseudo-gradient with other islands and serves its state to joiners.
+    """Verified rounds of one island with the other islands.
 
-    ``template`` fixes the shapes of the averaged tensors (fp32, CPU); every island of a run must
-    use the same shapes.  Call :meth:`average` once per outer round and :meth:`shutdown` at the end.
+    ``template`` fixes the shapes of the tensors :meth:`average` averages (fp32, CPU; the same on every
+    island of a run); an island whose exchange moves its bytes itself (:meth:`run_round`) passes none.
+    ``transport``: where this rank's exchange talks (:meth:`average` makes its own when none is given and
+    ``settings.transport`` is ``direct``).  Call :meth:`shutdown` at the end.
     """
 
     def __init__(self, dht: hivemind.DHT, template: Sequence[torch.Tensor], settings: AveragerSettings,
-                 state_provider: StateProvider | None = None):
-        if settings.compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {settings.compression!r}; use one of {', '.join(COMPRESSIONS)}")
-        self.codec = None
-        if settings.compression in BUTTERFLY:
-            codec, self._wire_ratio, self._vote_rtol = BUTTERFLY[settings.compression]
-        else:  # hivemind only forms the group: its all-reduce carries one number
-            self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
-                                    topk_bits=settings.topk_bits)
-            codec, self._wire_ratio, self._vote_rtol = NoCompression, 0.0, ENCODED_VOTE_RTOL
-        self.settings = settings
+                 scope: Scope = Scope(), transport: Transport | None = None):
+        if settings.compression not in CODECS:
+            raise ValueError(f"unknown compression {settings.compression!r}; use one of {', '.join(CODECS)}")
+        self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
+                                topk_bits=settings.topk_bits)
+        self.settings, self.scope = settings, scope
         self.dht = dht
         self._numel = sum(t.numel() for t in template)
-        self._num_bytes = self._numel * 4
-        self._buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in template] if self.codec is None \
-            else [torch.zeros(1)]
         self._lock = threading.Lock()
         self.moved_past: Callable[[str], bool] | None = None
         """Whether every other island has moved past round ``round_id`` (averaged it without us, or gave
@@ -87,21 +88,20 @@ class VerifiedAverager(MissedGroups):
         doing instead of waiting out ``matchmaking_timeout`` in a round nobody will join any more."""
         self.stopping: Callable[[], bool] | None = None
         """Whether this island is leaving (Ctrl-C, SIGTERM): a step still looking for a group is then
-        given up at once; an all-reduce under way is finished."""
+        given up at once; an exchange under way is finished."""
         # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
         # process only and give the caller its own handler back
         main = threading.current_thread() is threading.main_thread()
         previous_sigint = signal.getsignal(signal.SIGINT) if main else None
-        members = (MemberCheck(dht, settings.members_key or f"{settings.prefix}.members")
-                   if settings.private else None)
+        members = MemberCheck(dht, scope.registry) if scope.private else None
         try:  # a start that fails (its process never ready) must not leave this process deaf to Ctrl-C either
             self._averager = _PseudoGradientAverager(
-                self._buffers, dht, start=True, prefix=settings.prefix,
+                [torch.zeros(1)], dht, start=True, prefix=scope.prefix,
                 target_group_size=settings.target_group_size or None, min_group_size=settings.min_group_size,
                 min_matchmaking_time=settings.matchmaking_time, request_timeout=settings.request_timeout,
                 allreduce_timeout=settings.allreduce_timeout, next_chunk_timeout=settings.next_chunk_timeout,
-                compression=codec(), client_mode=settings.client_mode,
-                state_provider=state_provider, members=members, shutdown_timeout=5,
+                compression=NoCompression(), client_mode=scope.client_mode,
+                members=members, shutdown_timeout=5,
             )
         finally:
             if main and previous_sigint is not None:
@@ -109,55 +109,97 @@ class VerifiedAverager(MissedGroups):
         self._target: int | None = settings.target_group_size or None
         self.peer_id = str(dht.peer_id)
         self._votes = self._parts = None
+        self._own_transport = None
         try:
-            self._votes = VoteChannel(dht, settings.prefix, members, direct=settings.direct_votes,
+            self._votes = VoteChannel(dht, scope.prefix, members, direct=scope.direct_votes,
                                       ttl=max(60.0, 4 * settings.vote_timeout))
-            if self.codec is not None:
-                self._parts = EncodedChannel(dht, settings.prefix, self.codec.nbytes(self._numel), members,
-                                             ttl=max(60.0, 4 * settings.allreduce_timeout),
-                                             entropy_coding=settings.entropy_coding and self.codec.skewed)
+            if self._numel:
+                max_bytes = self.codec.nbytes(self._numel)
+                coding = settings.entropy_coding and self.codec.skewed
+                if settings.transport == "p2p":
+                    self._parts = EncodedChannel(dht, scope.prefix, max_bytes, members,
+                                                 ttl=max(60.0, 4 * settings.allreduce_timeout), entropy_coding=coding)
+                else:
+                    if transport is None:
+                        transport = self._own_transport = Transport(self.peer_id)
+                    self._parts = DirectChannel(transport, max_bytes, entropy_coding=coding)
+            self.endpoint = transport.endpoint if transport is not None else ""
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def parts(self) -> Any:
+        """The channel this rank's parts travel by (its inbox tells of groups that listed us)."""
+        return self._parts
+
+    @parts.setter
+    def parts(self, channel: Any) -> None:
+        self._parts = channel
 
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
                 expected_group_size: int | None = None, encoded: bytes | None = None,
                 carry: torch.Tensor | None = None) -> tuple[RoundResult, list[torch.Tensor] | None]:
-        """Run one verified averaging round.
+        """Run one verified round averaging ``deltas`` (shaped like the template) with the group's.
 
-        ``deltas`` are this island's pseudo-gradients, ``weight`` its share (tokens processed),
-        ``metadata`` small facts sent to every member (config fingerprint, ``state_fingerprint`` of
-        θ_global, ...), and ``round_id`` a label all islands of the round agree on (the outer step).
-        ``on_stage`` is called with "matchmaking", "allreduce" and "vote" as the round moves on
-        (used for fault injection and progress); ``matchmaking_timeout`` overrides the settings' (a
-        retry among the members left waits less).  ``expected_group_size``: how many islands (this one
-        included) are expected in the group, e.g. the live registered islands entering this round; with
-        ``target_group_size`` 0 the group then forms as soon as that many joined instead of after
-        ``matchmaking_time`` (fewer: it forms after ``matchmaking_time`` as before; more: the group is
-        capped at that size).  ``encoded``: with a codec of :mod:`outer_optim.codecs`, the payload to
-        send (``deltas`` then only serve the finiteness check), and ``carry`` the error feedback this member
-        keeps as the owner of averaged parts (:func:`peers.encoded.average_encoded`; the new one comes back
-        in the result's ``carry``).  Returns the result and, only when it
-        succeeded, the weighted average of the group's deltas.
-        """
-        t0 = time.perf_counter()
-        stage = on_stage or (lambda _: None)
-        if (encoded is None) != (self.codec is None):
-            raise ValueError("pass encoded= exactly when the averager has a codec of outer_optim.codecs")
-        if weight <= 0 or not all(torch.isfinite(d).all() for d in deltas):
+        ``weight`` is this island's share (tokens processed), ``metadata`` small facts sent to every member
+        (config fingerprint, ``state_fingerprint`` of θ_global, ...), ``round_id`` a label all islands of
+        the round agree on (the outer step); see :meth:`run_round` for the rest.  ``encoded``: the payload
+        to send (default: ``deltas`` encoded by the codec, without error feedback), and ``carry`` the error
+        feedback this member keeps as the owner of averaged parts (:func:`peers.encoded.average_encoded`;
+        the new one comes back in the result's ``carry``).  Returns the result and, only when it succeeded,
+        the weighted average of the group's deltas."""
+        if not self._numel or self._parts is None:
+            raise ValueError("this averager was made without a template: pass an exchange to run_round")
+        if weight <= 0 or not all(all_finite(d) for d in deltas):
             return RoundResult(False, "this island's pseudo-gradient is not finite or its weight is not positive; "
                                "not sending it"), None
-        if self.codec is None:
-            with self._averager.get_tensors() as bufs:
-                for buf, d in zip(bufs, deltas):
-                    buf.copy_(d.detach().reshape(buf.shape))
+        flat = torch.cat([d.detach().reshape(-1).float() for d in deltas]) if len(deltas) > 1 \
+            else deltas[0].detach().reshape(-1).float()
+        payload = encoded if encoded is not None else self.codec.encode(flat.contiguous())
+        shapes = [d.shape for d in deltas]
+
+        def exchange(meta: dict[str, dict], peers: list[str], rid: str) -> Exchange:
+            if isinstance(self._parts, DirectChannel):
+                self._parts.endpoints.update({p: str(meta[p].get("endpoint", "")) for p in peers})
+            out = average_encoded(self._parts, self.codec, parts_key(peers, rid), self.peer_id, peers,
+                                  {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
+                                  self.settings.allreduce_timeout, carry)
+            if out.mean is None:
+                reason, left = out.failure(len(peers))
+                return Exchange(None, None, out.bytes_sent, out.bytes_received, reason, left, out.carry)
+            averaged = [a.view(s) for a, s in zip(out.mean.split([math.prod(s) for s in shapes]), shapes)]
+            return Exchange(fingerprint(averaged), averaged, out.bytes_sent, out.bytes_received, "", 0, out.carry,
+                            finite=all(all_finite(a) for a in averaged))
+
+        meta = dict(metadata, endpoint=self.endpoint) if self.endpoint else metadata
+        result, averaged = self.run_round(weight, meta, round_id, exchange, on_stage, matchmaking_timeout,
+                                          expected_group_size)
+        return result, averaged
+
+    def run_round(self, weight: float, metadata: dict, round_id: str,
+                  exchange: Callable[[dict[str, dict], list[str], str], Exchange],
+                  on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+                  expected_group_size: int | None = None) -> tuple[RoundResult, Any]:
+        """One verified round: form the group, check it, ``exchange(metadata by member, members, round_id)``
+        the pseudo-gradient, vote on the fingerprint of the result.
+
+        ``on_stage`` is called with "matchmaking", "allreduce" and "vote" as the round moves on (fault
+        injection, progress); ``matchmaking_timeout`` overrides the settings' (a retry among the members left
+        waits less).  ``expected_group_size``: how many islands (this one included) are expected in the
+        group, e.g. the live registered islands entering this round; with ``target_group_size`` 0 the group
+        then forms as soon as that many joined instead of after ``matchmaking_time`` (fewer: it forms after
+        ``matchmaking_time`` as before; more: the group is capped at that size).  Returns the result and, when
+        it succeeded, what the exchange averaged."""
+        t0 = time.perf_counter()
+        stage = on_stage or (lambda _: None)
+        started = time.monotonic()
         try:
             stage("matchmaking")
             # islands at different rounds must never meet: each round matches in its own DHT bucket
             self._averager.set_group_bits(round_bits(round_id))
             self._set_target(expected_group_size)
-            started = time.monotonic()
             control = self._averager.step(
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
                 timeout=matchmaking_timeout or self.settings.matchmaking_timeout, allow_retries=False, wait=False)
@@ -177,47 +219,34 @@ class VerifiedAverager(MissedGroups):
         peers = sorted(str(p) for p in gathered)
         meta = {str(p): (m if isinstance(m, dict) else {}) for p, m in gathered.items()}
         n = len(peers)
-        nbytes = allreduce_bytes(self._num_bytes, n, self._wire_ratio)
-        result = RoundResult(False, group_size=n, peers=peers, bytes_sent=nbytes, bytes_received=nbytes,
-                             matchmaking_seconds=t1 - t0, allreduce_seconds=t1 - (t_allreduce or t1), gathered=meta,
+        result = RoundResult(False, group_size=n, peers=peers, matchmaking_seconds=t1 - t0, gathered=meta,
                              total_weight=float(sum(as_float(m.get("weight")) for m in meta.values())))
         result.reason = check_group(meta, round_id, self.settings.min_group_size)
-        if encoded is not None:
-            averaged = self._gather_encoded(encoded, meta, peers, round_id, result, carry) if not result.reason else []
-        else:
-            with self._averager.get_tensors() as bufs:
-                averaged = [b.clone() for b in bufs]
+        out = None
+        if not result.reason:
+            out = exchange(meta, peers, round_id)
+            result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
+            result.parts_resent = out.parts_resent
+            if out.reason:
+                result.reason, result.members_left = out.reason, out.members_left
+                result.retryable = result.members_left >= self.settings.min_group_size
+        result.allreduce_seconds = time.perf_counter() - (t_allreduce or t1)
         result.majority_peers, result.in_minority = majority_by_state(meta, self.peer_id)
         if not result.reason and len(result.majority_peers) < n:
             result.reason = (f"θ_global differs between islands ({n - len(result.majority_peers)} of {n} hold "
                              f"another one); the minority resynchronizes from the majority")
-        if not result.reason and not all(torch.isfinite(a).all() for a in averaged):
+        if not result.reason and not out.finite:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
+        t2 = time.perf_counter()
         stage("vote")
         if not result.reason:
-            result.reason, result.voters, result.members_left = self._vote(averaged, peers, round_id)
+            result.reason, result.voters, result.members_left = self._vote(out.fingerprint, peers, round_id)
             result.retryable = (bool(result.reason) and
                                 max(result.voters, result.members_left) >= self.settings.min_group_size)
-        result.vote_seconds = time.perf_counter() - t1
+        result.vote_seconds = time.perf_counter() - t2
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
-        return result, (averaged if result.ok else None)
-
-    def _gather_encoded(self, payload: bytes, meta: dict[str, dict], peers: list[str], round_id: str,
-                        result: RoundResult, carry: torch.Tensor | None) -> list[torch.Tensor]:
-        """Exchange the members' encoded buckets and average them (fills ``result``'s bytes and, when a
-        part is missing, its reason); the average, shaped like the template, or [] on failure."""
-        t = time.perf_counter()
-        out = average_encoded(self._parts, self.codec, parts_key(peers, round_id), self.peer_id, peers,
-                              {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
-                              self.settings.allreduce_timeout, carry)
-        result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
-        result.allreduce_seconds += time.perf_counter() - t
-        if out.mean is None:
-            result.reason, result.members_left = out.failure(len(peers))
-            result.retryable = result.members_left >= self.settings.min_group_size
-            return []
-        return [out.mean]
+        return result, (out.averaged if result.ok else None)
 
     def _await_step(self, control: Any, round_id: str, started: float, stage: Callable[[str], None]
                     ) -> tuple[dict, float] | RoundResult:
@@ -289,44 +318,30 @@ class VerifiedAverager(MissedGroups):
             self._averager.set_target_group_size(target)
             self._target = target
 
-    def _vote(self, averaged: list[torch.Tensor] | None, peers: list[str], round_id: str, key: str | None = None
+    def _vote(self, mine: list[float] | None, peers: list[str], round_id: str, key: str | None = None
               ) -> tuple[str, int, int]:
-        """Send our fingerprint of the result to the group (``averaged`` None: abstain, we have none) and wait
+        """Send our fingerprint of the result to the group (``mine`` None: abstain, we have none) and wait
         for every member's; returns ('' if all agree, else why not; how many members voted; how many are
         left when only missing verdicts are wrong: the voters and the members alive without a result, 0 when
         unknown).  A verdict that differs from ours ends the wait at once: the round is lost whatever the
         missing members say."""
         if not self.dht.is_alive():
             return "the vote on the result could not be held: the DHT process exited", 0, 0
-        key = key or vote_key(self.settings.prefix, peers, round_id)
+        key = key or vote_key(self.scope.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
-        tally = self._votes.hold(key, self.peer_id, peers, [] if averaged is None else fingerprint(averaged),
-                                 lambda a, b: fingerprints_agree(a, b, self._vote_rtol), self.settings.vote_timeout,
+        tally = self._votes.hold(key, self.peer_id, peers, list(mine or []),
+                                 lambda a, b: fingerprints_agree(a, b, VOTE_RTOL), self.settings.vote_timeout,
                                  expiration)
         if tally.missing and not self.dht.is_alive():
             return "the vote on the result could not be held: the DHT process exited", 0, 0
         return tally.verdict(len(peers))
 
-    def set_state_priority(self, outer_step: int) -> None:
-        """Advertise how fresh our state is: joiners download from the island with the highest outer step."""
-        self._averager.state_sharing_priority = float(outer_step) + 1.0
-
-    def download_state(self) -> tuple[dict, list[torch.Tensor]] | None:
-        """Download (metadata, tensors) of the freshest island of the run, or None if none answers."""
-        timeout = self.settings.state_download_timeout
-        if not self._averager.is_alive():
-            log.warning("could not download state from peers: hivemind's averaging process exited")
-            return None
-        try:
-            return self._averager.load_state_from_peers(timeout=timeout)
-        except Exception as e:  # TimeoutError and hivemind's own errors
-            log.warning("could not download state from peers: %s", short_error(e))
-            return None
-
     def shutdown(self) -> None:
-        """Stop the channels and the averager process (the DHT is the caller's)."""
+        """Stop the channels, the averager process and a transport of its own (the DHT is the caller's)."""
         for channel in (self._votes, self._parts):
             if channel is not None:
                 channel.close()
-        if self._averager.is_alive():
+        if self._own_transport is not None:
+            self._own_transport.close()
+        if getattr(self, "_averager", None) is not None and self._averager.is_alive():
             self._averager.shutdown()

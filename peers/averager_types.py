@@ -5,87 +5,58 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from hivemind.compression import (
-    Float16Compression,
-    NoCompression,
-    ScaledFloat16Compression,
-    Uniform8BitQuantization,
-)
-
-from outer_optim.codecs import LOSSY_CODECS
-
-# hivemind's butterfly codecs: name -> (codec, bytes on the wire per fp32 byte, relative tolerance of the
-# vote: the owner of a part re-encodes the average, and members add it to their own values in place)
-BUTTERFLY: dict[str, tuple[Callable[[], Any], float, float]] = {
-    "none": (NoCompression, 1.0, 1e-5),
-    "fp16": (Float16Compression, 0.5, 1e-2),
-    "scaled-fp16": (ScaledFloat16Compression, 0.5, 1e-2),
-    "uint8": (Uniform8BitQuantization, 0.25, 5e-2),
-}
-COMPRESSIONS = (*BUTTERFLY, *LOSSY_CODECS)
-"""Every wire format; the low-bit codecs of :mod:`outer_optim.codecs` travel by :mod:`peers.encoded`."""
-ENCODED_VOTE_RTOL = 1e-6
-"""Members decode the same bytes in the same order: their averages are bit-identical."""
 
 
-@dataclass
-class AveragerSettings:
-    """Group formation, timeouts and wire format of the pseudo-gradient averager."""
+
+VOTE_RTOL = 1e-6
+"""Members average the same bytes in the same order (every part's owner sends its average to all): their
+results are bit-identical, so the vote's tolerance only absorbs the fingerprint's own float64 sums."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where an averager's rounds happen and who may take part: what the island is, not how it averages
+    (that is :class:`peers.settings.AveragerSettings`)."""
 
     prefix: str = "diloco"
-    """DHT prefix shared by all islands of a run."""
-    min_group_size: int = 2
-    """Rounds with fewer islands are rejected."""
-    target_group_size: int = 0
-    """Start as soon as this many islands are ready (0: whoever arrives within matchmaking_time)."""
-    matchmaking_time: float = 5.0
-    """Seconds to gather peers before averaging."""
-    matchmaking_timeout: float = 60.0
-    """Give up forming a group after this long."""
-    allreduce_timeout: float = 120.0
-    """Give up an all-reduce after this long."""
-    next_chunk_timeout: float = 30.0
-    """Give up on a silent peer after this long."""
-    request_timeout: float = 3.0
-    """Timeout of one matchmaking request (below matchmaking_time)."""
-    vote_timeout: float = 15.0
-    """Seconds to wait for every group member's verdict after the all-reduce."""
-    state_download_timeout: float = 60.0
-    """Seconds allowed to download the global state from a peer."""
-    compression: str = "none"
-    """Wire format: none, fp16, scaled-fp16, uint8 (hivemind's butterfly) or int8, int4, sign, topk (encoded by
-    the caller, all-gathered or reduce-scattered: see :mod:`peers.encoded`)."""
-    topk_density: float = 0.02
-    """Fraction of each chunk the ``topk`` codec keeps."""
-    topk_bits: int = 2
-    """Bits per value the ``topk`` codec sends (2 or 4)."""
-    error_feedback: bool = True
-    """With a codec of :mod:`outer_optim.codecs`: the bucket owners carry what it dropped into the next round
-    (see :class:`peers.sharded.ShardedAverager`)."""
-    error_feedback_decay: float = 1.0
-    """β of the error feedback e ← β·e + Δ."""
-    error_feedback_in: str = "buffer"
-    """``buffer``: e is added to the next Δ before it is encoded; ``params``: the caller keeps e in the
-    island's parameters (its next Δ carries it), so each Δ is encoded alone and e is only recorded (the
-    island's default: ``diloco.config.AveragingConfig.error_feedback_in``)."""
-    entropy_coding: bool = True
-    """With a codec of :mod:`outer_optim.codecs`: Huffman-code the payloads we send (:mod:`peers.deflate`)."""
-    owner_feedback: bool = False
-    """With error feedback and a dense codec that reduce-scatters: the owner of an averaged part carries what
-    re-encoding it dropped into the part's next average (:attr:`peers.sharded.ShardedAverager.carry`)."""
-    client_mode: bool = False
-    """No incoming connections: this island neither reduces parts nor serves state."""
+    """DHT prefix shared by all islands of a run (the run id)."""
     private: bool = False
     """Serve only islands registered in the run's member registry (see peers.membership)."""
     members_key: str = ""
-    """DHT key of that member registry (empty: ``f"{prefix}.members"``); set it when the prefix is not
-    the run's own, e.g. for the per-bucket averagers of :mod:`peers.sharded` (prefix ``f"{run}_b{i}"``)."""
+    """DHT key of that member registry (empty: ``f"{prefix}.members"``)."""
+    client_mode: bool = False
+    """No incoming connections: this island neither forms groups for others nor takes their requests."""
     direct_votes: bool = True
     """Send verdicts straight to the group members (False: only through the DHT, polled: the vote as it
     was before, kept for benchmarks/round_cost.py and tests)."""
+
+    @property
+    def registry(self) -> str:
+        """The DHT key of the run's member registry."""
+        return self.members_key or f"{self.prefix}.members"
+
+
+@dataclass
+class Exchange:
+    """What an exchange of a round's pseudo-gradient gave (see :meth:`peers.averager.VerifiedAverager.run_round`)."""
+
+    fingerprint: list[float] | None
+    """Of the result, in the order every member uses (None: no result)."""
+    averaged: Any
+    """The result, for the caller (None: none)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reason: str = ""
+    """Why there is no result ('' when there is)."""
+    members_left: int = 0
+    """Without a result: how many members are known alive (those whose parts came, and those that declined)."""
+    carry: torch.Tensor | None = None
+    finite: bool = True
+    parts_resent: int = 0
+    """Parts sent again alone after their connection failed (the round went on)."""
 
 
 @dataclass
@@ -134,17 +105,8 @@ class RoundResult:
     carry: torch.Tensor | None = None
     """With the owners' feedback (``owner_feedback``) on a dense codec: what this member's re-encoding
     of the averaged parts it owns left out, to add to them next round (kept only if the round commits)."""
-
-
-def allreduce_bytes(num_bytes: int, group_size: int, wire_ratio: float) -> int:
-    """Bytes one peer sends (and receives) in hivemind's butterfly all-reduce with equal shares.
-
-    Each peer sends the (n-1)/n of its vector that others reduce, then returns its reduced 1/n to
-    the n-1 others: 2·(n-1)/n of the vector, times the codec's size ratio.
-    """
-    if group_size <= 1:
-        return 0
-    return int(2 * num_bytes * wire_ratio * (group_size - 1) / group_size)
+    parts_resent: int = 0
+    """Parts of this round sent again alone after their connection failed (the round went on)."""
 
 
 def as_float(x: Any) -> float:

@@ -16,7 +16,7 @@ import zlib
 RAW, HUFFMAN = b"\x00", b"\x01"
 
 
-def pack(payload: bytes, entropy_coding: bool = True) -> bytes:
+def pack(payload: bytes | bytearray | memoryview, entropy_coding: bool = True) -> bytes:
     """What travels for ``payload``: a flag byte, then the payload Huffman-coded if that is smaller, else
     as it is."""
     if not payload:
@@ -26,12 +26,19 @@ def pack(payload: bytes, entropy_coding: bool = True) -> bytes:
         coded = coder.compress(payload) + coder.flush()
         if len(coded) < len(payload):
             return HUFFMAN + coded
-    return RAW + payload
+    return RAW + bytes(payload)
 
 
 def unpack(wire: bytes, size: int) -> bytes | None:
     """The payload of ``wire`` if it is exactly ``size`` bytes (an empty ``wire``: b""), else None;
     decoding never produces more than ``size + 1`` bytes, whatever a sender wrote."""
+    payload = unpack_at_most(wire, size)
+    return payload if payload is None or len(payload) == size or not wire else None
+
+
+def unpack_at_most(wire: bytes | bytearray, size: int) -> bytes | bytearray | None:
+    """The payload of ``wire``, or None when it is malformed or longer than ``size`` bytes (decoding stops
+    there, whatever a sender wrote); an empty ``wire`` gives b""."""
     if not wire:
         return wire
     flag, body = wire[:1], wire[1:]
@@ -47,4 +54,4 @@ def unpack(wire: bytes, size: int) -> bytes | None:
             return None
     else:
         return None
-    return payload if len(payload) == size else None
+    return payload if len(payload) <= size else None

@@ -86,6 +86,11 @@ class BucketExchange:
         if problems:
             raise ValueError("the island's shards do not cover the model: " + "; ".join(problems[:5]))
 
+    def contribution(self, bucket: int) -> list[Segment]:
+        """Where the elements of ``bucket`` this rank contributes sit in its shards and in the bucket (every
+        element of a bucket is contributed by exactly one rank of the island)."""
+        return list(self._my_contrib.get(bucket, []))
+
     def names_in(self, buckets: Collection[int] | None) -> list[str]:
         """This rank's parameters with elements in ``buckets`` (all of them for None)."""
         if buckets is None:

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peers.averager import allreduce_bytes, majority_by_state
+from outer_optim.tensors import all_finite
+from peers.averager import majority_by_state
+from peers.wire import ring_allreduce_bytes
 from peers.averager_types import check_group
 from peers.bucket_round import ShardedRoundResult
 from peers.exchange import BucketExchange
@@ -160,8 +162,8 @@ class HierarchicalAllReduce:
                 if work is not None:
                     work.wait()
                 averaged[b] = t.cpu() / result.total_weight
-                nbytes += allreduce_bytes(t.numel() * 4, self.n_islands, 1.0)
-            finite = all(bool(torch.isfinite(v).all()) for v in averaged.values())
+                nbytes += ring_allreduce_bytes(t.numel() * 4, self.n_islands)
+            finite = all(all_finite(v) for v in averaged.values())
             (island_finite,) = self.exchange.all_reduce([float(finite)])
         except Exception as e:  # a collective failed or timed out: the process group may be unusable now
             log.exception("torch fallback round failed")

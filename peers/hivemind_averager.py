@@ -9,10 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import hivemind
-import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -22,29 +21,23 @@ from peers.vote import MemberCheck
 
 log = logging.getLogger(__name__)
 
-StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
-"""Returns (metadata, tensors) describing the island's global state, served to joining islands."""
 
 
 class _PseudoGradientAverager(hivemind.DecentralizedAverager):
-    """hivemind averager whose downloadable state is whatever the island's state provider returns.
+    """hivemind averager that forms an island's groups (its all-reduce carries one number) and serves no state
+    (islands download θ_global over their transports, :mod:`peers.state_share`).
 
     With ``members`` set (a private run) it serves only peers registered in the run's member registry:
-    an outsider can neither join a group, nor send parts, nor download state.  Every island of a
+    an outsider can neither join a group, nor send parts, nor download anything.  Every island of a
     run must use this class (hivemind keys groups by the class name and prefix).
     """
 
-    def __init__(self, *args: Any, state_provider: StateProvider | None = None, members: MemberCheck | None = None,
-                 **kwargs: Any):
-        self._state_provider = state_provider
+    def __init__(self, *args: Any, members: MemberCheck | None = None, **kwargs: Any):
         self._members = members
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):  # runs in this (host) process, in hivemind's fetcher thread
-        if self._state_provider is None:
-            return {}, []
-        metadata, tensors = self._state_provider()
-        return metadata, tensors, None
+        return {}, [], None
 
     async def _shutdown(self, timeout: float | None) -> None:  # runs in the averager process
         try:

@@ -51,6 +51,10 @@ class Member:
     """After its last round: ``{"outer_step": N, "state": fingerprint}`` of the θ_global it ends with."""
     expires: float = 0.0
     """DHT time at which its record expires (its last refresh plus its ttl)."""
+    endpoint: str = ""
+    """Where this peer's transport takes a round's bytes and requests for state (``host:port``)."""
+    serving: bool = True
+    """Whether the island serves its θ_global now (not while it replaces it with another island's)."""
 
 
 class Membership:
@@ -71,6 +75,10 @@ class Membership:
         self.averaging = False
         self.maddrs: list[str] = []
         """This peer's visible multiaddrs, published with every registration."""
+        self.endpoint = ""
+        """This peer's transport endpoint, published with every registration."""
+        self.serving = True
+        """Whether this island serves its θ_global to joiners now (published)."""
         self.state: Any = None
         self.final: dict | None = None
         """Set when the island has finished training (kept in its record, also after it leaves)."""
@@ -87,6 +95,10 @@ class Membership:
             value.update(island=self.island, rank=self.rank)
         if self.maddrs:
             value["maddrs"] = list(self.maddrs)
+        if self.endpoint:
+            value["endpoint"] = self.endpoint
+        if not self.serving:
+            value["serving"] = False
         if self.averaging and self.state is not None:
             value["state"] = list(self.state)
         if self.final is not None:
@@ -155,7 +167,8 @@ class Membership:
                                   bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
                                   value.get("state"), value.get("final"),
-                                  float(getattr(item, "expiration_time", 0.0) or 0.0))
+                                  float(getattr(item, "expiration_time", 0.0) or 0.0),
+                                  str(value.get("endpoint", "")), bool(value.get("serving", True)))
         return out
 
     def islands(self) -> dict[str, Member]:
@@ -169,12 +182,21 @@ class Membership:
             seen = out.get(island)
             if seen is None:
                 out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
-                                     expires=m.expires)
+                                     expires=m.expires, serving=m.serving)
             else:
                 seen.outer_step = max(seen.outer_step, m.outer_step)
                 seen.averaging = seen.averaging or m.averaging
                 seen.expires = max(seen.expires, m.expires)
+                seen.serving = seen.serving and m.serving
         return out
+
+    def endpoints(self, island: str) -> list[str]:
+        """The transport endpoints of ``island``'s live ranks, by rank ([] if a rank has none or is missing)."""
+        ranks = sorted((m.rank, m.endpoint) for m in self.members().values()
+                       if (m.island or m.peer_id) == island and not m.left)
+        if not ranks or any(not e for _, e in ranks) or [r for r, _ in ranks] != list(range(len(ranks))):
+            return []
+        return [e for _, e in ranks]
 
     def others(self) -> list[Member]:
         """Live islands other than this one (one entry per island, however many ranks it has)."""

@@ -15,7 +15,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from peers.averager_types import AveragerSettings, RoundResult
+from peers.averager_types import RoundResult
+from peers.settings import AveragerSettings
 from peers.round_keys import is_on_round
 
 log = logging.getLogger("peers.averager")

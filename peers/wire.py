@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NETLINK_SOCK_DIAG = 4
@@ -134,13 +135,16 @@ def process_sockets(pids: list[int]) -> set[int]:
 
 class WireCounter:
     """Bytes moved over the TCP connections of the ``p2pd`` daemons under process ``root`` (a hivemind
-    DHT's process), or with ``own=True`` of this process itself (gloo), since those connections opened.
+    DHT's process), or with ``own=True`` of this process itself (gloo), and over the sockets ``extra()``
+    names (a :class:`peers.transport.Transport`'s), since those connections opened.
 
     ``take()`` returns ``None`` where the kernel cannot tell (not Linux, no sock_diag): callers then
     fall back to what the exchange computed it sent, and say so."""
 
-    def __init__(self, root: int | None = None, own: bool = False, sample_every: float = 1.0):
+    def __init__(self, root: int | None = None, own: bool = False, sample_every: float = 1.0,
+                 extra: Callable[[], set[int]] | None = None):
         self.pids = (lambda: [os.getpid()]) if own else (lambda: daemons(root if root is not None else os.getpid()))
+        self.extra = extra
         self._last: dict[int, WireBytes] = {}
         self._closed = self._taken = WireBytes()
         self._lock = threading.Lock()
@@ -161,7 +165,7 @@ class WireCounter:
         self._stop.set()
 
     def _total(self) -> WireBytes:
-        mine = process_sockets(self.pids())
+        mine = process_sockets(self.pids()) | (self.extra() if self.extra is not None else set())
         now: dict[int, WireBytes] = {}
         for family in (socket.AF_INET, socket.AF_INET6):
             now.update({i: b for i, b in tcp_connections(family).items() if i in mine})
@@ -180,3 +184,10 @@ class WireCounter:
             return None
         new, self._taken = total - self._taken, total
         return new
+
+
+def ring_allreduce_bytes(num_bytes: int, workers: int) -> int:
+    """Bytes one worker sends (and receives) in a ring all-reduce of ``num_bytes``: 2·(k−1)/k of it."""
+    if workers <= 1:
+        return 0
+    return int(2 * num_bytes * (workers - 1) / workers)

@@ -13,8 +13,9 @@ from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.codecs import ErrorFeedback, make_codec
-from peers.averager import AveragerSettings, VerifiedAverager
-from peers.deflate import pack
+from peers.averager import VerifiedAverager
+from peers.averager_types import Scope
+from peers.settings import AveragerSettings
 from peers.dht import start_dht, visible_maddrs
 from peers.encoded import part_bounds, weighted_mean
 from peers.layout import CanonicalLayout
@@ -64,8 +65,8 @@ def test_members_decode_the_same_average_of_what_each_sent(dhts, compression):
     reduce-scatter (each sends 2 of 3 parts, then its averaged part to 2: about 4/3 of a payload, not 2),
     re-encoding each averaged part once at its owner.  Every member ends with the same bits."""
     make, made = dhts
-    settings = AveragerSettings(prefix="c", compression=compression, target_group_size=3, **FAST)
-    avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings) for d in make(3)]
+    settings = AveragerSettings(compression=compression, target_group_size=3, **FAST)
+    avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings, Scope(prefix="c")) for d in make(3)]
     made.extend(avgs)
     # entropy coding (on by default) runs for the codecs whose bytes it shrinks, and only for them
     assert all(a._parts.entropy_coding == (compression in ("int8", "int4")) for a in avgs)
@@ -82,8 +83,8 @@ def test_members_decode_the_same_average_of_what_each_sent(dhts, compression):
     averages = [averaged[0] for _, averaged in results]
     assert all(torch.equal(a, averages[0]) for a in averages)  # bit-identical on every member
     if compression == "topk":  # what went on the wire: the payload to each of 2, not entropy-coded (it would
-        assert torch.equal(averages[0], decoded)  # hardly shrink), behind its flag byte
-        assert [r.bytes_sent for r, _ in results] == [2 * len(pack(p, entropy_coding=False)) for p in payloads]
+        assert torch.equal(averages[0], decoded)  # hardly shrink)
+        assert [r.bytes_sent for r, _ in results] == [2 * len(p) for p in payloads]
     elif compression == "sign":  # the owner's second quantization keeps the sign of every averaged value
         assert torch.equal(averages[0] >= 0, decoded >= 0)
         assert all(1.2 * codec.nbytes(NUMEL) < r.bytes_sent < 1.45 * codec.nbytes(NUMEL) for r, _ in results)
@@ -103,9 +104,9 @@ def test_owners_carry_what_re_encoding_the_average_dropped(dhts, group):
     applied average + the new carries == the exact average of what was sent + the old carries.  An
     all-gather (2 members) re-encodes nothing and hands each carry back untouched."""
     make, made = dhts
-    settings = AveragerSettings(prefix=f"o{group}", compression="sign", target_group_size=group, owner_feedback=True,
+    settings = AveragerSettings(compression="sign", target_group_size=group, owner_feedback=True,
                                 **FAST)
-    avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings) for d in make(group)]
+    avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings, Scope(prefix=f"o{group}")) for d in make(group)]
     made.extend(avgs)
     codec = make_codec("sign")
     deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(group)]
@@ -136,9 +137,10 @@ def test_owners_feedback_is_kept_for_dense_codecs_with_error_feedback_unless_tur
     kept = {}
     for name, extra in [("sign", {}), ("int8", {}), ("topk", {}), ("sign", {"owner_feedback": False}),
                         ("sign", {"error_feedback": False})]:
-        settings = AveragerSettings(prefix=f"k{len(kept)}", compression=name, **{"owner_feedback": True, **extra},
+        settings = AveragerSettings(compression=name, **{"owner_feedback": True, **extra},
                                     **FAST)
-        avg = ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, dht, settings)
+        avg = ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, dht, settings,
+                              Scope(prefix=f"k{len(kept)}"))
         made.append(avg)
         kept[(name, *extra)] = avg.carry is not None
     assert kept == {("sign",): True, ("int8",): True, ("topk",): False, ("sign", "owner_feedback"): False,
@@ -149,7 +151,7 @@ def test_a_wrong_payload_size_is_refused_and_the_round_fails_for_everyone(dhts):
     """An island whose bucket encodes to another size (another codec setting slipped through) is never
     averaged: its payload is refused and every member rolls the round back."""
     make, made = dhts
-    settings = AveragerSettings(prefix="w", compression="topk", target_group_size=2, **FAST)
+    settings = AveragerSettings(compression="topk", target_group_size=2, **FAST)
     pair = make(2)
     avgs = [VerifiedAverager(pair[0], [torch.zeros(NUMEL)], settings),
             VerifiedAverager(pair[1], [torch.zeros(NUMEL)], AveragerSettings(**{**settings.__dict__,
@@ -168,7 +170,7 @@ def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
     enters the buffers only on commit, one buffer per bucket, and a reset forgets them."""
     make, made = dhts
     layout = CanonicalLayout.build([("w", (NUMEL,))], bucket_numel=4096)
-    settings = AveragerSettings(prefix="ef", compression="int4", target_group_size=2, **FAST)
+    settings = AveragerSettings(compression="int4", target_group_size=2, **FAST)
     feedback = [{}, {}]
     avgs = [ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, d, settings,
                             feedback=f) for d, f in zip(make(2), feedback)]

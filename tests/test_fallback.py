@@ -32,9 +32,10 @@ ISLANDS = [[0, 1], [2]]
 
 
 def run_cases(out_dir: str) -> None:
-    from peers.averager import AveragerSettings
+    from peers.averager_types import Scope
     from peers.fallback import HierarchicalAllReduce
     from peers.layout import CanonicalLayout
+    from peers.settings import AveragerSettings
     from peers.sharded import ShardedAverager
 
     t0 = time.monotonic()
@@ -56,12 +57,14 @@ def run_cases(out_dir: str) -> None:
         deltas = local_delta(me.island, me.island_rank, "0")
         har = HierarchicalAllReduce(layout, deltas, me.specs, ISLANDS, min_group_size=2)
         group = har.island_group
-        two = AveragerSettings(prefix="fb", min_group_size=2, target_group_size=2, **FAST)
-        auto = ShardedAverager(layout, deltas, me.specs, group, me.dht, two, backend="auto", fallback=har)
+        two = AveragerSettings(min_group_size=2, target_group_size=2, **FAST)
+        auto = ShardedAverager(layout, deltas, me.specs, group, me.dht, two, Scope(prefix="fb"), backend="auto",
+                               fallback=har)
         made.append(auto)
         run("auto_hivemind", auto, "0", retry=True)  # hivemind works: auto takes it
         run("torch_direct", har, "0")
-        torch_only = ShardedAverager(layout, deltas, me.specs, group, None, two, backend="torch", fallback=har)
+        torch_only = ShardedAverager(layout, deltas, me.specs, group, None, two, Scope(prefix="fb"), backend="torch",
+                                     fallback=har)
         run("torch_backend", torch_only, "0")
         # a group formed and rejected the round (islands run different configs): never retried over torch
         run("veto", auto, "1", cfg=f"cfg-{me.island}")
@@ -71,9 +74,9 @@ def run_cases(out_dir: str) -> None:
             bad["wo"][0, 0] = float("nan")
         run("nan", har, "2", deltas=bad)
         # hivemind cannot form a group of 3 from 2 islands: auto falls back to torch for this round
-        three = AveragerSettings(prefix="fbthree", min_group_size=3, target_group_size=3,
-                                 **{**FAST, "matchmaking_timeout": 3.0})
-        auto3 = ShardedAverager(layout, deltas, me.specs, group, me.dht, three, backend="auto", fallback=har)
+        three = AveragerSettings(min_group_size=3, target_group_size=3, **{**FAST, "matchmaking_timeout": 3.0})
+        auto3 = ShardedAverager(layout, deltas, me.specs, group, me.dht, three, Scope(prefix="fbthree"),
+                                backend="auto", fallback=har)
         made.append(auto3)
         run("auto_torch", auto3, "3")
     finally:

@@ -8,13 +8,14 @@ import time
 import torch
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from peers.averager import AveragerSettings, VerifiedAverager
+from peers.averager import VerifiedAverager
+from peers.averager_types import Scope
 from peers.dht import start_dht, visible_maddrs
 from peers.membership import Membership, is_registered, wait_until
 from peers.run_key import RunKeyValidator, check_run_key, key_check_key
-from peers.settings import NetworkSettings
+from peers.settings import AveragerSettings, NetworkSettings
 
-FAST = dict(prefix="run", matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
+FAST = dict(matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
             allreduce_timeout=10.0, next_chunk_timeout=3.0, state_download_timeout=5.0)
 TEMPLATE = [torch.zeros(50)]
 
@@ -36,21 +37,19 @@ def test_validator_rejects_unsigned_and_tampered_records():
 def test_outsider_is_refused_everywhere(no_leaked_daemons):
     made = []
     try:
-        settings = AveragerSettings(**FAST, private=True, target_group_size=2)
+        settings, private = AveragerSettings(**FAST, target_group_size=2), Scope(prefix="run", private=True)
         d1 = start_dht(NetworkSettings(run_key="secret"))
         d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1), run_key="secret"))
         # the outsider knows an address, the prefix and the tensor shapes, but not the run key
         d3 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
         made += [d1, d2, d3]
-        served = ({"outer_step": 5}, [torch.full((3,), 7.0)])
-        a1 = VerifiedAverager(d1, TEMPLATE, settings, state_provider=lambda: served)
-        a2 = VerifiedAverager(d2, TEMPLATE, settings)
-        outsider = VerifiedAverager(d3, TEMPLATE, AveragerSettings(**FAST, private=False, target_group_size=3))
+        a1 = VerifiedAverager(d1, TEMPLATE, settings, private)
+        a2 = VerifiedAverager(d2, TEMPLATE, settings, private)
+        outsider = VerifiedAverager(d3, TEMPLATE, AveragerSettings(**FAST, target_group_size=3), Scope(prefix="run"))
         made += [a1, a2, outsider]
         m1, m2 = Membership(d1, "run"), Membership(d2, "run")
         m1.announce(5)
         m2.announce(5)
-        a1.set_state_priority(5)
         outsider_membership = Membership(d3, "run")
         outsider_membership.announce(5)  # unsigned: members' DHT nodes must not believe it
         time.sleep(1.0)
@@ -75,7 +74,6 @@ def test_outsider_is_refused_everywhere(no_leaked_daemons):
             assert str(d3.peer_id) not in result.peers
             assert torch.allclose(averaged[0], torch.full((50,), 2.0))
         assert not out["outsider"][0].ok
-        assert outsider.download_state() is None
     finally:
         for obj in reversed(made):
             obj.shutdown()

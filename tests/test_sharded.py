@@ -205,7 +205,7 @@ def save(out_dir: str, case: str, rank: Rank, result, averaged) -> None:
                 "ok": result.ok, "reason": result.reason, "backend": result.backend,
                 "fallback_reason": result.fallback_reason, "group_size": result.group_size,
                 "bytes_sent": result.bytes_sent, "total_weight": result.total_weight,
-                "buckets": [(o.index, o.owner, o.ok, o.reason) for o in result.buckets],
+                "island_bytes_sent": result.island_bytes_sent,
                 "averaged": averaged}, Path(out_dir) / f"{case}.{rank.rank}.pt")
 
 
@@ -215,7 +215,8 @@ def load(out_dir: Path, case: str, world: int = 3) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- the cases
 def run_cases(cases: list[dict], out_dir: str) -> None:
-    from peers.averager import AveragerSettings, RoundResult
+    from peers.averager_types import Scope
+    from peers.settings import AveragerSettings
     from peers.layout import CanonicalLayout
     from peers.sharded import ShardedAverager
 
@@ -225,18 +226,16 @@ def run_cases(cases: list[dict], out_dir: str) -> None:
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     avg = None
     try:
-        settings = AveragerSettings(prefix="sharded", min_group_size=2, target_group_size=2, **FAST)
+        settings = AveragerSettings(min_group_size=2, target_group_size=2, **FAST)
         deltas0 = local_delta(me.island, me.island_rank, "0")
-        avg = ShardedAverager(layout, deltas0, me.specs, me.group, me.dht, settings)
+        avg = ShardedAverager(layout, deltas0, me.specs, me.group, me.dht, settings, Scope(prefix="sharded"))
         # the same θ held by differently shaped islands has the same canonical fingerprint
         theta = {n: shard(t, me.specs[n]) for n, t in full_delta("A", "7").items() if n in me.specs}
         torch.save(avg.state_fingerprint(theta), Path(out_dir) / f"fingerprint.{me.rank}.pt")
         for case in cases:
             rid = case["round"]
             if case.get("sabotage") is not None and me.island == "B":
-                def never_joins(*_args, **_kwargs):
-                    return RoundResult(False, "injected: island B never joins this bucket"), None
-                avg.averagers[case["sabotage"]].average = never_joins
+                avg.drop = lambda b, lost=case["sabotage"]: b == lost  # island B never sends that bucket
             result, averaged = avg.average(local_delta(me.island, me.island_rank, rid), WEIGHTS[me.island],
                                            {"config_fingerprint": "cfg"}, rid)
             save(out_dir, case["name"], me, result, averaged)
@@ -264,10 +263,11 @@ def test_islands_of_different_shapes_average_to_identical_results(runs):
         assert r["ok"], r["reason"]
         assert r["backend"] == "hivemind" and r["group_size"] == 2
         assert r["total_weight"] == pytest.approx(4.0)
-    # every rank of island A took part in the slow-link traffic (buckets 0, 2 on rank 0; 1 on rank 1)
+    # every rank of island A took part in the slow-link traffic (buckets 0, 2 on rank 0; 1 on rank 1), and each
+    # sent what island B's one rank sent it back: bucket by bucket, straight between the owners
     assert ranks[0]["bytes_sent"] > 0 and ranks[1]["bytes_sent"] > 0
-    assert {o[0]: o[1] for o in ranks[0]["buckets"]} == {0: 0, 1: 1, 2: 0}
-    assert ranks[2]["bytes_sent"] == ranks[0]["bytes_sent"] + ranks[1]["bytes_sent"]
+    assert ranks[2]["bytes_sent"] == ranks[0]["bytes_sent"] + ranks[1]["bytes_sent"] == ranks[0]["island_bytes_sent"]
+    assert ranks[0]["bytes_sent"] == 4 * (72 + 69) and ranks[1]["bytes_sent"] == 4 * 72  # fp32, all-gather of 2
     island_a = reassemble([(r["specs"], r["averaged"]) for r in ranks[:2]])
     island_b = reassemble([(ranks[2]["specs"], ranks[2]["averaged"])])
     for n, _ in PARAMS:
@@ -289,10 +289,9 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
     for r in ranks:
         assert not r["ok"] and r["averaged"] is None
         assert "bucket 1" in r["reason"], r["reason"]
-    # island A: buckets 0 and 2 did average (on rank 0), bucket 1 (rank 1's) found no group
-    outcomes = {o[0]: o[2] for o in ranks[0]["buckets"]}
-    assert outcomes == {0: True, 1: False, 2: True}
-    assert ranks[1]["buckets"] == ranks[0]["buckets"]  # the island agrees on what happened
+    # island A's rank 1 owns bucket 1 and never got island B's part: the whole island rolls back, every rank
+    # saying why; island B knows it dropped it
+    assert ranks[1]["reason"] == ranks[0]["reason"] and "did not send" in ranks[0]["reason"]
     assert "injected" in ranks[2]["reason"]
 
 

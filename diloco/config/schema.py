@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from peers.settings import NetworkSettings
+from peers.settings import AveragerSettings, NetworkSettings
 from pipeline.settings import ParallelSettings
 
 
@@ -118,9 +118,9 @@ class DilocoConfig:
 
 
 @dataclass
-class AveragingConfig(NetworkSettings):
-    """The ``averaging`` section: the peer node's network settings (:class:`peers.settings.NetworkSettings`) and
-    how islands average."""
+class AveragingConfig(NetworkSettings, AveragerSettings):
+    """The ``averaging`` section: the peer node's network settings and the averager's
+    (:class:`peers.settings.NetworkSettings`, :class:`peers.settings.AveragerSettings`), and the island's own."""
 
     backend: str = "hivemind"
     """`hivemind` (peer-to-peer over the internet), `local` (no peers: a group of one), `torch` (islands
@@ -128,44 +128,10 @@ class AveragingConfig(NetworkSettings):
     back to that all-reduce when no hivemind group forms); `torch` and `auto` average shard-wise."""
     run_id: str = "diloco"
     """Name shared by all islands of one run: the DHT prefix of its averager."""
-    min_group_size: int = 2
-    """A round with fewer islands than this is rejected and the island keeps its own parameters."""
-    target_group_size: int = 0
-    """Form a group as soon as this many islands are ready (0: as many as arrive in the matchmaking window)."""
-    matchmaking_time: float = 5.0
-    """Seconds an island waits for others to gather before averaging."""
-    matchmaking_timeout: float = 60.0
-    """Give up forming a group after this many seconds (must exceed matchmaking_time)."""
-    allreduce_timeout: float = 120.0
-    """Give up an all-reduce that has not finished after this many seconds."""
-    next_chunk_timeout: float = 30.0
-    """Give up on a peer that sends no data for this many seconds during an all-reduce."""
-    request_timeout: float = 3.0
-    """Timeout of a single matchmaking request (must be below matchmaking_time)."""
-    state_download_timeout: float = 60.0
-    """Seconds a joining island spends downloading the global state from a peer."""
-    compression: str = "none"
-    """Wire format of pseudo-gradients: `none` (fp32), `fp16`, `scaled-fp16`, `uint8` (hivemind's codecs, in its butterfly all-reduce), or `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), sent over hivemind's p2p daemon with error feedback (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers)."""
-    topk_density: float = 0.02
-    """Fraction of each chunk of 4096 values the `topk` codec sends, in (0, 1]."""
-    topk_bits: int = 2
-    """Bits per value sent by the `topk` codec: 2 or 4."""
-    error_feedback: bool = True
-    """With `int8`, `int4`, `sign` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); see `owner_feedback` for what re-encoding an averaged part drops. hivemind's codecs run without: the owner of a part re-encodes the average, so no island knows what it sent."""
-    error_feedback_decay: float = 1.0
-    """β of the error feedback e ← β·e + Δ, in (0, 1] (SparseLoCo uses 0.95)."""
-    error_feedback_in: str = "params"
-    """Where the part of Δ a codec dropped waits for later rounds: `params` (the island trains on from θ_global − β·e instead of θ_global, so its next Δ carries that part) or `buffer` (added to the next Δ before it is encoded, as EF21 and SparseLoCo do; the island restarts from θ_global, which lacks that part, and learns much of it again, so it is sent twice)."""
-    owner_feedback: bool = False
-    """With error feedback on `int8`, `int4` or `sign` among 3 islands or more (a reduce-scatter): the owner of each averaged part carries what re-encoding that average dropped into the part's next average (checkpointed, reset with the error feedback). Off by default, as in hivemind's own butterfly: over 12 rounds it left `int4` unchanged and made `sign` worse (+6.0% against +4.4% without)."""
-    entropy_coding: bool = True
-    """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
     maddr_file: str = ""
     """If set, write this island's visible multiaddrs to this file once it is reachable."""
     public: bool = False
     """Run without a run key: anyone who reaches an island may join (not recommended over the internet)."""
-    vote_timeout: float = 15.0
-    """Seconds to wait for every group member to confirm the averaged result."""
     retry_lost_member: bool = True
     """When a group member is lost mid-round (its verdict never comes, or two members received different
     results), the members left average the same pseudo-gradients once more among themselves instead of

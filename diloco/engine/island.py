@@ -145,7 +145,7 @@ class Island:
         self.transfer = StateTransfer(a, rt=rt, stats=self.stats, outer=self.outer, params=self.params,
                                       exchange=self.exchange, peers=self.peers, schedule=self.schedule,
                                       forget_unsent=self.unsent.clear, fingerprint=self.fingerprint)
-        self.peers.serve(self.transfer.provider, self.transfer.connected, self._stop.is_set)
+        self.peers.serve(self.transfer.provide, self.outer.lock, self.transfer.connected, self._stop.is_set)
         self.faults = FaultPlan.from_env()
         hooks = [FaultHook(self.faults, self.outer, a.matchmaking_time + 3.0), MembershipHook(self.peers)]
         self.rounds = OuterRounds(d, a, rt=rt, stats=self.stats, schedule=self.schedule, outer=self.outer,

@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ from diloco.config import AveragingConfig
 from diloco.engine.metrics import RunStats
 from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
-from peers.averager import AveragerSettings, StateProvider
+from peers.averager_types import Scope
 from peers.dht import (
     PeerNetworkError,
     PortTakenError,
@@ -36,12 +37,15 @@ from peers.dht import (
     visible_maddrs,
 )
 from peers.exchange import BucketExchange
+from peers.fallback import HierarchicalAllReduce
 from peers.layout import CanonicalLayout
 from peers.local import LocalAverager
 from peers.membership import Membership
 from peers.run_key import check_run_key, key_check_key, new_run_key
 from peers.settings import NetworkSettings
 from peers.sharded import ShardedAverager
+from peers.state_share import Provider, StateServer
+from peers.transport import Transport
 from peers.wire import WireCounter
 
 log = logging.getLogger("diloco")
@@ -94,15 +98,20 @@ class PeerNode:
         self.fallback: Any = None
         self.wire: WireCounter | None = None
         self.alone = AloneWatch(a.rejoin_after)
-        self._provider_for: Callable[[int], StateProvider] | None = None
+        self.transport: Transport | None = None
+        """Where this rank takes a round's bytes and requests for state (:mod:`peers.transport`)."""
+        self._server: StateServer | None = None
+        self._provide: Provider = lambda: None
+        self._lock = threading.Lock()
         self._connected: Callable[[], None] = lambda: None
         self._stopping: Callable[[], bool] = lambda: False
 
-    def serve(self, provider_for: Callable[[int], StateProvider], connected: Callable[[], None],
+    def serve(self, provide: Provider, lock: threading.Lock, connected: Callable[[], None],
               stopping: Callable[[], bool]) -> None:
-        """``provider_for(bucket)``: what the bucket's averager serves to joiners; ``connected()``: called on
-        every rank after each (re)connection; ``stopping()``: whether this process is leaving."""
-        self._provider_for, self._connected, self._stopping = provider_for, connected, stopping
+        """``provide()``: what this rank serves to joiners, read with ``lock`` held (see
+        :class:`peers.state_share.StateServer`); ``connected()``: called on every rank after each
+        (re)connection; ``stopping()``: whether this process is leaving."""
+        self._provide, self._lock, self._connected, self._stopping = provide, lock, connected, stopping
 
     # ---------------------------------------------------------------------------------- connect
     def connect(self, rejoin: list[str] | None = None) -> None:
@@ -145,23 +154,26 @@ class PeerNode:
                     raise TrainingError(problem)
         group = rt.group
         if a.backend in ("torch", "auto") and rt.n_islands > 1:
-            from peers.fallback import HierarchicalAllReduce
-
             self.fallback = HierarchicalAllReduce(self.layout, self.params, self.specs, rt.island_ranks(),
                                                   min_group_size=a.min_group_size)
             group = self.fallback.island_group
+        if self.dht is not None:
+            self.transport = self._start_transport("" if a.public else run_key)
+            self.wire.extra = self.transport.socket_inodes
         ids = rt.gather_all(str(self.dht.peer_id) if self.dht is not None else f"{a.run_id}-island{rt.island_index}")
-        settings = averager_settings(a, members_key=f"{a.run_id}.members")
+        scope = Scope(prefix=a.run_id, private=not a.public, client_mode=a.client_mode)
         backend = a.backend if self.fallback is not None or a.backend == "hivemind" else "hivemind"
         self.averager = ShardedAverager(
-            self.layout, self.params, self.specs, group, self.dht, settings, backend=backend,
-            fallback=self.fallback, state_provider_for=self._provider_for, island_id=ids[0],
+            self.layout, self.params, self.specs, group, self.dht, a, scope, backend=backend,
+            fallback=self.fallback, transport=self.transport, island_id=ids[0],
             exchange=self.exchange if group is rt.group else None, feedback=self.unsent.feedback,
             carry=self.unsent.carry)
         if self.dht is None:
             return
+        self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
         self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
         self.membership.maddrs = visible_maddrs(self.dht)
+        self.membership.endpoint = self.transport.endpoint
         self.membership.start_heartbeat()
         self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping)
         self._connected()
@@ -185,6 +197,12 @@ class PeerNode:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
@@ -228,6 +246,19 @@ class PeerNode:
                 seen.add(peer)
                 merged.append(address)
         remember(self.run_dir, KNOWN_PEERS, "\n".join(dict.fromkeys(merged[:MAX_KNOWN_PEERS])) + "\n")
+
+    def _start_transport(self, run_key: str) -> Transport:
+        """This rank's transport: on the address the DHT listens on, at ``transport_port`` + local rank (0: a
+        free port), announced at the announced address when there is one."""
+        a = self.a
+        host = _ip_of(a.host_maddrs) or "127.0.0.1"
+        advertise = _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(self.dht))
+        port = a.transport_port + _local_rank(self.rt) if a.transport_port else 0
+        try:
+            return Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise)
+        except OSError as e:
+            raise PeerNetworkError(f"could not listen for round bytes on {host}:{port} ({e.strerror or e}); free the "
+                                   f"port or pick another with --averaging.transport_port") from None
 
     def _start_dht(self, run_key: str, remembered: list[str], alone_ok: bool = False, port: int = 0) -> Any:
         """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
@@ -335,20 +366,6 @@ def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
     return generate()
 
 
-def averager_settings(a: AveragingConfig, **extra: Any) -> AveragerSettings:
-    """The averager's narrow settings from the island's averaging config (``extra``: per-island fields)."""
-    return AveragerSettings(
-        prefix=a.run_id, min_group_size=a.min_group_size, target_group_size=a.target_group_size,
-        matchmaking_time=a.matchmaking_time, matchmaking_timeout=a.matchmaking_timeout,
-        allreduce_timeout=a.allreduce_timeout, next_chunk_timeout=a.next_chunk_timeout,
-        request_timeout=a.request_timeout, vote_timeout=a.vote_timeout,
-        state_download_timeout=a.state_download_timeout, compression=a.compression,
-        topk_density=a.topk_density, topk_bits=a.topk_bits, error_feedback=a.error_feedback,
-        error_feedback_decay=a.error_feedback_decay, error_feedback_in=a.error_feedback_in,
-        owner_feedback=a.owner_feedback, entropy_coding=a.entropy_coding,
-        client_mode=a.client_mode, private=not a.public, **extra)
-
-
 def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None:
     """Print the line other islands join with; write the addresses to ``maddr_file`` (atomically) if set."""
     maddrs = visible_maddrs(dht)
@@ -375,6 +392,21 @@ def remembered(run_dir: Path, name: str) -> str:
     """What :func:`remember` wrote to ``name`` in the run dir ('' if nothing)."""
     path = run_dir / name
     return path.read_text() if path.is_file() else ""
+
+
+def _ip_of(maddrs: list[str]) -> str:
+    """The IP address of the first ``/ip4/`` or ``/ip6/`` multiaddr of ``maddrs`` ('' if none)."""
+    for m in maddrs:
+        found = re.match(r"/ip[46]/([^/]+)", m)
+        if found:
+            return found[1]
+    return ""
+
+
+def _visible_ip(dht: Any) -> str:
+    """An address other islands can reach this machine at: the DHT's first visible one that is not loopback."""
+    ips = [_ip_of([m]) for m in visible_maddrs(dht)]
+    return next((ip for ip in ips if ip and not ip.startswith("127.")), "127.0.0.1")
 
 
 def _local_rank(rt: Runtime) -> int:

@@ -1,9 +1,9 @@
 """θ_global between islands: served to joiners, downloaded to catch up, resynchronized when outvoted.
 
-Every rank serves a snapshot of θ_global and the outer momentum of the buckets it owns (refreshed
-after every committed round and adopted state) through its buckets' averagers, and downloads the
-same buckets from a peer; an island adopts a downloaded state only when every bucket came at the
-same outer step (all-or-nothing over its ranks).
+Every rank serves its pieces of θ_global and of the outer momentum, read live under the outer optimizer's
+lock (:mod:`peers.state_share`: nothing is kept aside for joiners), and downloads the buckets it owns from
+every rank of the freshest island, all at once; an island adopts a downloaded state only when every bucket
+came whole, from one outer step (all-or-nothing over its ranks).
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from diloco.engine.peer_node import PeerNode
 from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
 from outer_optim import OuterOptimizer
+from outer_optim.tensors import all_finite
 from peers.averager import fingerprint, fingerprints_agree
 from peers.averager_types import as_float
 from peers.exchange import BucketExchange
 from peers.membership import wait_until
-from peers.sharded import ShardedAverager
+from peers.state_share import Downloaded
+from peers.state_share import download as state_download
 
 log = logging.getLogger("diloco")
 
@@ -57,50 +59,38 @@ class StateTransfer:
         self.exchange, self.layout, self.peers, self.schedule = exchange, exchange.layout, peers, schedule
         self.forget_unsent, self.fingerprint = forget_unsent, fingerprint
         """``forget_unsent()``: drop what a codec left unsent (True if anything was kept)."""
-        self._served: dict[int, State] = {}
-        self._served_step = 0
+        self.serving = True
+        """Whether this island serves its θ_global now (not while it replaces it with another island's)."""
+        self._downloads = 0
 
     # ------------------------------------------------------------------------- serving
-    def provider(self, bucket: int) -> Callable[[], State]:
-        """What bucket ``bucket``'s averager serves to joiners (runs in hivemind's fetcher thread)."""
-        def provide() -> State:
-            with self.outer.lock:
-                meta, tensors = self._served.get(bucket, ({}, []))
-                if meta:  # failed rounds move the round number on without changing θ_global
-                    meta = dict(meta, outer_step=self._served_step, phase=self.schedule.phase())
-                return meta, tensors
-        return provide
+    def provide(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+        """What this rank serves to joiners, read with ``outer.lock`` held (in a transport thread): metadata,
+        θ_global and momentum shards; None while the island replaces its own θ_global.  A failed round moves
+        the outer step on without changing θ_global: the step served is the island's, the run's numbering."""
+        if not self.serving:
+            return None
+        meta = {"outer_step": self.stats.outer_step, "config_fingerprint": self.fingerprint,
+                "layout_fingerprint": self.layout.fingerprint(), "phase": self.schedule.phase()}
+        return meta, self.outer.theta_global, dict(zip(self.outer.names, self.outer.momentum_buffers()))
 
-    def refresh(self) -> None:
-        """Collective: snapshot θ_global and the outer momentum of the buckets this rank owns."""
-        names = self.outer.names
-        theta = self.exchange.gather(self.outer.theta_global)
-        momentum = self.exchange.gather(dict(zip(names, self.outer.momentum_buffers())))
-        served = {}
-        for b, values in theta.items():
-            meta = {"outer_step": self.stats.outer_step, "config_fingerprint": self.fingerprint,
-                    "layout_fingerprint": self.layout.fingerprint(), "bucket": b}
-            served[b] = (meta, [values, momentum[b]])
-        with self.outer.lock:
-            self._served, self._served_step = served, self.stats.outer_step
+    def _serve(self, on: bool) -> None:
+        """Serve θ_global (or stop while it is replaced), and tell the run's registry."""
+        self.serving = on
+        if self.peers.membership is not None and self.peers.membership.serving != on:
+            self.peers.membership.serving = on
+            self.peers.membership.announce()
 
     def connected(self) -> None:
-        """Collective, after every (re)connection of the peer node: serve θ_global, advertise its step."""
-        self.refresh()
-        self.peers.averager.set_state_priority(self.stats.outer_step)
+        """After every (re)connection of the peer node: serve θ_global."""
+        self._serve(True)
 
     def after_commit(self) -> None:
-        """Serve the new θ_global and advertise it as the freshest."""
-        if self.peers.membership is not None:
-            self.refresh()
-        self.peers.averager.set_state_priority(self.stats.outer_step)
+        """θ_global moved (served live: nothing to refresh)."""
 
     def after_rollback(self) -> None:
-        """A failed round moved the round number on (θ_global unchanged): keep advertising our state as
-        current, so joiners prefer live islands to the stale records of departed ones."""
-        with self.outer.lock:
-            self._served_step = self.stats.outer_step
-        self.peers.averager.set_state_priority(self.stats.outer_step)
+        """A failed round moved the round number on (θ_global unchanged): the step served follows it, so
+        joiners prefer live islands to the stale records of departed ones."""
 
     # ------------------------------------------------------------------------ decisions
     def main_decides(self, decide: Callable[[], Any]) -> Any:
@@ -111,7 +101,7 @@ class StateTransfer:
     def can_download(self) -> bool:
         """Whether this island can download θ_global from peers (islands of one torch world cannot:
         they average in lockstep and never fall behind each other)."""
-        return self.peers.membership is not None and isinstance(self.peers.averager, ShardedAverager) and not self.rt.lockstep
+        return self.peers.membership is not None and self.peers.transport is not None and not self.rt.lockstep
 
     def join_from_peers(self) -> bool:
         """Before training: wait for the expected islands, then catch up with the run if it moved on."""
@@ -148,7 +138,7 @@ class StateTransfer:
         deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
         first = None
         if wait_for_round:
-            self.peers.averager.set_state_priority(-1)  # nobody should download the state we are replacing
+            self._serve(False)  # nobody should download the state we are replacing
         while True:
             state = self.download()
             step = int(state[0].get("outer_step", 0)) if state is not None else -1
@@ -157,7 +147,7 @@ class StateTransfer:
             if verdict == "keep":
                 if step < 0:
                     log.info("no peer served its state; keeping ours (outer step %d)", self.stats.outer_step)
-                self.peers.averager.set_state_priority(self.stats.outer_step)
+                self._serve(True)
                 return False
             if verdict == "adopt":
                 break
@@ -165,7 +155,7 @@ class StateTransfer:
         before = self.stats.outer_step
         self.adopt(*state)
         self.stats.rounds_caught_up += max(0, self.stats.outer_step - before - counted)
-        self.peers.averager.set_state_priority(self.stats.outer_step)
+        self._serve(True)
         self.peers.membership.announce(self.stats.outer_step, averaging=False)
         log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", self.stats.outer_step,
                  f"; {self.schedule.phase()} of its H steps into the round, as the island that served it"
@@ -246,7 +236,7 @@ class StateTransfer:
                         "continuing with ours")
             return False
         target = gathered[majority[0]].get("state_fingerprint")
-        self.peers.averager.set_state_priority(-1)  # nobody should download our stale state meanwhile
+        self._serve(False)  # nobody should download our stale state meanwhile
         try:
             for attempt in range(attempts):
                 state = self.download(target)
@@ -257,24 +247,30 @@ class StateTransfer:
                 log.warning("resync attempt %d/%d did not get the majority's state", attempt + 1, attempts)
             return False
         finally:
-            self.peers.averager.set_state_priority(self.stats.outer_step)
+            self._serve(True)
 
     # ------------------------------------------------------------------ download, adopt
     def download(self, target: list[float] | None = None) -> State | None:
-        """Collective: every owner downloads its buckets' θ_global and momentum; when every bucket came
-        at the same outer step (and matches ``target``, a canonical fingerprint, if given) return
+        """Collective: every rank downloads the buckets it owns from every rank of the freshest island that
+        serves (all requests at once, :func:`peers.state_share.download`); when every bucket came whole from
+        one outer step (and matches ``target``, a canonical fingerprint, if given) return
         ``(meta, this rank's θ shards + momentum shards)`` on every rank, else None on every rank."""
-        got: dict[int, list[torch.Tensor]] = {}
+        donor = self.main_decides(self._donor)
+        got: dict[int, Downloaded] = {}
         verdict: dict[int, int] = {}
-        foreign = ""
-        phase = -1
-        for b, state in self.peers.averager.download_states():
-            step, why = self._check_bucket(b, state, target)
-            verdict[b] = step
-            foreign = foreign or why
-            if step >= 0:
-                got[b] = state[1]
-                served = as_float(state[0].get("phase"))  # a peer's metadata: anything may come
+        foreign, phase = "", -1
+        if donor:
+            self._downloads += 1
+            buckets = {b: self.layout.buckets[b].numel for b in self.exchange.owned}
+            got, why = state_download(self.peers.transport, donor, buckets, self.a.state_download_timeout,
+                                      f"{self.stats.outer_step}.{self._downloads}")
+            if why:
+                log.info("could not download θ_global: %s", why)
+            for b, piece in got.items():
+                step, problem = self._check_bucket(b, piece, target)
+                verdict[b] = step
+                foreign = foreign or problem
+                served = as_float(piece.meta.get("phase"))  # a peer's metadata: anything may come
                 phase = max(phase, int(served) if math.isfinite(served) else -1)
         merged: dict[int, int] = {}
         for part, why, p in self.rt.gather_all((verdict, foreign, phase)):
@@ -286,19 +282,26 @@ class StateTransfer:
         steps = set(merged.values())
         if len(merged) != len(self.layout.buckets) or len(steps) != 1 or min(steps) < 0:
             return None
-        theta = self.exchange.scatter({b: t[0] for b, t in got.items()})
-        momentum = self.exchange.scatter({b: t[1] for b, t in got.items()})
+        theta = self.exchange.scatter({b: d.theta for b, d in got.items()})
+        momentum = self.exchange.scatter({b: d.momentum for b, d in got.items()})
         names = self.outer.names
         meta = {"outer_step": steps.pop(), "config_fingerprint": self.fingerprint, "phase": phase}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
-    def _check_bucket(self, b: int, state: Any, target: list[float] | None) -> tuple[int, str]:
-        """(outer step of a downloaded bucket state, or -1 if unusable; a reason to stop, if any)."""
-        if state is None:
-            return -1, ""
-        meta, tensors = state
-        if not isinstance(meta, dict) or not meta:
-            return -1, ""
+    def _donor(self) -> list[str]:
+        """On rank 0: the transport endpoints of the ranks of the island to download from (the live island at
+        the highest outer step that serves; [] if none)."""
+        membership = self.peers.membership
+        live = [m for m in membership.others() if membership.beating(m) and m.serving]
+        for m in sorted(live, key=lambda m: (-m.outer_step, m.averaging, m.peer_id)):
+            endpoints = membership.endpoints(m.peer_id)
+            if endpoints:
+                return endpoints
+        return []
+
+    def _check_bucket(self, b: int, piece: Downloaded, target: list[float] | None) -> tuple[int, str]:
+        """(outer step of a downloaded bucket, or -1 if unusable; a reason to stop, if any)."""
+        meta = piece.meta
         if meta.get("config_fingerprint") != self.fingerprint:
             return -1, (f"the run you joined uses a different model or outer-optimizer config (fingerprint "
                         f"{meta.get('config_fingerprint')} vs ours {self.fingerprint}); use the same --model.*, --seed "
@@ -306,25 +309,24 @@ class StateTransfer:
         if meta.get("layout_fingerprint") != self.layout.fingerprint():
             return -1, ("the run you joined cuts the model into other buckets; use the same --averaging.bucket_numel "
                         "as the other islands")
-        numel = self.layout.buckets[b].numel
-        if len(tensors) != 2 or any(t.numel() != numel or not bool(torch.isfinite(t).all()) for t in tensors):
+        if not (all_finite(piece.theta) and all_finite(piece.momentum)):
             return -1, ""
         if target is not None:
             per_bucket = len(target) // len(self.layout.buckets)
-            mine = fingerprint([tensors[0].reshape(-1)], per_bucket // 3)
+            mine = fingerprint([piece.theta], per_bucket // 3)
             if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
                 return -1, ""
-        return int(meta.get("outer_step", -1)), ""
+        step = as_float(meta.get("outer_step", -1))
+        return (int(step) if math.isfinite(step) else -1), ""
 
     def adopt(self, meta: dict, tensors: list[torch.Tensor]) -> None:
-        """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective),
-        restart inner training from θ_global, on the round schedule of the island that served it, and
-        serve the new state from now on."""
+        """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective) and
+        restart inner training from θ_global, on the round schedule of the island that served it."""
         self.stats.behind = False
         n = len(self.outer.names)
         shapes_ok = len(tensors) == 2 * n and all(
             t.shape == p.shape for t, p in zip(tensors[:n], self.outer.theta_global.values()))
-        if not shapes_ok or not all(torch.isfinite(t).all() for t in tensors):
+        if not shapes_ok or not all(all_finite(t) for t in tensors):
             raise TrainingError("the state downloaded from a peer does not match this model's parameter shapes "
                                 "or is not finite; use the same --model.* settings as the other islands")
         with self.outer.lock, torch.no_grad():
@@ -338,4 +340,3 @@ class StateTransfer:
         self.schedule.adopted(meta["phase"] if meta.get("phase", -1) >= 0 else None)
         if self.forget_unsent():  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
-        self.refresh()

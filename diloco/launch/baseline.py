@@ -20,7 +20,7 @@ with a checksum all-reduce instead of DDP's broadcast of rank 0's parameters (ev
 the model from the same seed).
 
 ``payload_bytes_sent`` is what a ring all-reduce makes each worker send per step: ``2·(k−1)/k`` × the
-buffer size (the same accounting as the hivemind averager's ``allreduce_bytes``); the summary's
+buffer size (:func:`peers.wire.ring_allreduce_bytes`); the summary's
 ``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire`).
 
 Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from diloco.command import run_command
 from diloco.config import Config, to_dict
+from peers.wire import ring_allreduce_bytes
 from pipeline.mesh import exit_worker
 
 log = logging.getLogger("diloco.launch.baseline")
@@ -67,13 +68,6 @@ DEFAULT_PORT = 29517
 
 class BaselineError(RuntimeError):
     """A worker of the baseline failed; the message points at its log."""
-
-
-def ring_allreduce_bytes(num_bytes: int, workers: int) -> int:
-    """Bytes one worker sends (and receives) in a ring all-reduce of ``num_bytes``: 2·(k−1)/k of it."""
-    if workers <= 1:
-        return 0
-    return int(2 * num_bytes * (workers - 1) / workers)
 
 
 def worker_threads(cfg: Config, workers: int) -> int:
