@@ -9,27 +9,54 @@ pipeline parallelism), so it never needs to know how the model is split.
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from typing import Mapping
 
 import torch
 
+from outer_optim.tensors import max_abs
+
 
 class OuterOptimizer:
-    """Holds θ_global (fp32, on ``device``) and applies outer steps to it."""
+    """Holds θ_global (fp32, on ``device``) and applies outer steps to it.
+
+    θ_global and the outer momentum are each one flat buffer, allocated once, in the order of ``params`` (the
+    model's order: for an island holding every parameter whole, the canonical layout of :mod:`peers.layout`,
+    so its buckets are views, never copies); :attr:`theta_global` holds per-name views of it.  The step is
+    torch's SGD update (the same operations, in place): momentum ``buf ← μ·buf + Δ`` (from zeros), Nesterov
+    ``update = Δ + μ·buf`` (else ``buf``; without momentum ``Δ``), ``θ ← θ − lr·update``.  On CUDA hosts the
+    buffers are pinned, so that copies to and from a GPU run asynchronously."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9,
                  nesterov: bool = True, device: str | torch.device = "cpu"):
         self.names = list(params)
-        self.theta_global: dict[str, torch.Tensor] = {
-            n: p.detach().to(device=device, dtype=torch.float32, copy=True) for n, p in params.items()}
-        for t in self.theta_global.values():
-            t.requires_grad_(True)
-        self.optimizer = torch.optim.SGD(list(self.theta_global.values()), lr=lr, momentum=momentum,
-                                         nesterov=nesterov and momentum > 0)
+        self.device = torch.device(device)
+        """Where θ_global and the outer momentum live."""
+        self.lr_, self.mu, self.nesterov = float(lr), float(momentum), bool(nesterov and momentum > 0)
+        self.shapes = {n: tuple(p.shape) for n, p in params.items()}
+        total = sum(p.numel() for p in params.values())
+        pin = self.device.type == "cpu" and torch.cuda.is_available()
+        self.flat = torch.empty(total, dtype=torch.float32, device=self.device, pin_memory=pin)
+        """θ_global, flat, in the order of :attr:`names`."""
+        self.flat_momentum = torch.zeros(total, dtype=torch.float32, device=self.device, pin_memory=pin) \
+            if self.mu else torch.zeros(0)
+        self.theta_global: dict[str, torch.Tensor] = self._views(self.flat)
+        self._momentum = self._views(self.flat_momentum) if self.mu else {}
+        with torch.no_grad():
+            for n, p in params.items():
+                self.theta_global[n].copy_(p.detach())
         self.step_count = 0
         self.lock = threading.Lock()
         """Held while θ_global or the outer momentum change, so that a thread serving them reads one state."""
+
+    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, pos = {}, 0
+        for n in self.names:
+            numel = math.prod(self.shapes[n])
+            out[n] = flat[pos:pos + numel].view(self.shapes[n])
+            pos += numel
+        return out
 
     @classmethod
     def from_config(cls, params: Mapping[str, torch.Tensor], kind: str, lr: float, momentum: float,
@@ -46,52 +73,68 @@ class OuterOptimizer:
 
     @property
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.lr_
 
     @torch.no_grad()
-    def pseudo_gradient(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None
-                        ) -> dict[str, torch.Tensor]:
-        """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device (of ``names``, None: all)."""
-        return {n: self.theta_global[n].detach() - local[n].detach().to(self.theta_global[n].device, torch.float32)
-                for n in (self.names if names is None else names)}
+    def pseudo_gradient(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None,
+                        out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device (of ``names``, None: all),
+        written into ``out[name]`` when given (buffers allocated once, see :meth:`peers.exchange.BucketExchange.flat_views`)."""
+        deltas = {}
+        for n in (self.names if names is None else names):
+            theta = self.theta_global[n]
+            mine = local[n].detach().to(theta.device, torch.float32)
+            deltas[n] = torch.sub(theta, mine, out=out[n]) if out is not None else theta - mine
+        return deltas
 
     @torch.no_grad()
     def step(self, averaged_delta: Mapping[str, torch.Tensor]) -> None:
         """Apply one outer step with the group's averaged ``{name: Δ}``; parameters missing from it (other
-        Streaming DiLoCo fragments) keep their values and momentum."""
+        Streaming DiLoCo fragments) keep their values and momentum.  Works in place, one parameter at a time:
+        no temporary beyond one parameter's size."""
         for n in self.names:
             if n not in averaged_delta:
                 continue
-            self.theta_global[n].grad = averaged_delta[n].to(self.theta_global[n].device, torch.float32).reshape(
-                self.theta_global[n].shape)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            theta = self.theta_global[n]
+            d = averaged_delta[n].to(theta.device, torch.float32).reshape(theta.shape)
+            if self.mu:
+                buf = self._momentum[n]
+                buf.mul_(self.mu).add_(d)
+                update = torch.add(d, buf, alpha=self.mu) if self.nesterov else buf
+            else:
+                update = d
+            theta.add_(update, alpha=-self.lr_)
         self.step_count += 1
 
     @torch.no_grad()
     def step_is_finite(self, averaged_delta: Mapping[str, torch.Tensor]) -> bool:
-        """Whether :meth:`step` with ``averaged_delta`` leaves θ_global finite (a finite Δ can still
-        overflow with a huge learning rate): computed aside, one tensor at a time, nothing changed."""
-        return all(bool(torch.isfinite(self._stepped(n, d)).all()) for n, d in averaged_delta.items())
+        """Whether :meth:`step` with ``averaged_delta`` leaves θ_global finite (a finite Δ can still overflow
+        with a huge learning rate), from bounds on each tensor's largest magnitude (no temporary): |θ'| ≤ |θ| +
+        lr·((1+μ)·|Δ| + μ²·|buf|) with Nesterov, |θ| + lr·(|Δ| + μ·|buf|) without."""
+        limit = torch.finfo(torch.float32).max
+        for n, d in averaged_delta.items():
+            a, t = max_abs(d), max_abs(self.theta_global[n])
+            m = max_abs(self._momentum[n]) if self.mu else 0.0
+            grow = (1 + self.mu) * a + self.mu * self.mu * m if self.nesterov else a + self.mu * m
+            bound = t + self.lr_ * grow
+            if not math.isfinite(bound) or bound >= limit:
+                return False
+        return True
 
     @torch.no_grad()
     def peek(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{name: θ}``: where :meth:`step` with ``delta`` would put θ_global, computed aside (neither
         θ_global nor the momentum change)."""
-        return {n: self._stepped(n, d) for n, d in delta.items()}
-
-    def _stepped(self, name: str, delta: torch.Tensor) -> torch.Tensor:
-        """θ_global[name] after an outer step with ``delta`` (torch's SGD update, on copies)."""
-        group = self.optimizer.param_groups[0]
-        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        p = self.theta_global[name]
-        d = delta.to(p.device, torch.float32).reshape(p.shape)
-        update = d
-        if mu:
-            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            buf = d if buf is None else buf * mu + d
-            update = d + mu * buf if nesterov else buf
-        return p.detach() - lr * update
+        out = {}
+        for n, d in delta.items():
+            theta = self.theta_global[n]
+            d = d.to(theta.device, torch.float32).reshape(theta.shape)
+            update = d
+            if self.mu:
+                buf = self._momentum[n] * self.mu + d
+                update = d + self.mu * buf if self.nesterov else buf
+            out[n] = theta - self.lr_ * update
+        return out
 
     @torch.no_grad()
     def copy_to(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None) -> None:
@@ -101,24 +144,24 @@ class OuterOptimizer:
             local[n].copy_(self.theta_global[n])
 
     def momentum_buffers(self) -> list[torch.Tensor]:
-        """Momentum of each parameter (zeros before the first step), same order as :attr:`names`."""
-        out = []
-        for n in self.names:
-            buf = self.optimizer.state.get(self.theta_global[n], {}).get("momentum_buffer")
-            out.append(buf.detach() if buf is not None else torch.zeros_like(self.theta_global[n]))
-        return out
+        """Momentum of each parameter (zeros before the first step; views, not copies), same order as
+        :attr:`names`."""
+        if not self.mu:
+            return [torch.zeros(self.shapes[n]) for n in self.names]
+        return [self._momentum[n] for n in self.names]
 
     @torch.no_grad()
     def set_momentum_buffers(self, buffers: list[torch.Tensor]) -> None:
         """Install momentum downloaded from a peer."""
+        if not self.mu:
+            return
         for n, b in zip(self.names, buffers):
-            p = self.theta_global[n]
-            self.optimizer.state[p]["momentum_buffer"] = b.to(p.device, torch.float32).reshape(p.shape).clone()
+            self._momentum[n].copy_(b.reshape(self.shapes[n]))
 
     def state_dict(self) -> dict:
-        """θ_global, momentum and step count (for checkpoints)."""
+        """θ_global, momentum and step count (for checkpoints; copies)."""
         return {"master": {n: t.detach().clone() for n, t in self.theta_global.items()},
-                "momentum": self.momentum_buffers(), "step_count": self.step_count,
+                "momentum": [b.clone() for b in self.momentum_buffers()], "step_count": self.step_count,
                 "lr": self.lr}
 
     @torch.no_grad()

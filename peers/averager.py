@@ -224,7 +224,9 @@ class VerifiedAverager(MissedGroups):
         result.reason = check_group(meta, round_id, self.settings.min_group_size)
         out = None
         if not result.reason:
+            t_exchange = time.perf_counter()
             out = exchange(meta, peers, round_id)
+            result.exchange_seconds = time.perf_counter() - t_exchange
             result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
             result.parts_resent = out.parts_resent
             if out.reason:

@@ -51,10 +51,13 @@ class ShardedRoundResult:
     should take their θ_global rather than roll back (identical on all its ranks)."""
     parts_resent: int = 0
     """Parts of the round, over the whole island, sent again alone after their connection failed."""
+    exchange_seconds: float = 0.0
+    """Seconds the island's exchange of the round's bytes took (from the group formed to every rank's buckets
+    averaged; the rest of :attr:`seconds` is matchmaking, the vote and the island's own steps)."""
 
 
 SHARED = ("ok", "reason", "group_size", "total_weight", "peers", "gathered", "majority_peers", "in_minority",
-          "retryable", "members_left", "left_behind")
+          "retryable", "members_left", "left_behind", "exchange_seconds")
 """The fields of a round's result that the island's rank 0 tells its other ranks (the rest is per rank)."""
 
 

@@ -66,9 +66,11 @@ def is_dense(codec: Any) -> bool:
 
 
 def reduce_scatters(codec: Any, group_size: int) -> bool:
-    """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter (dense codecs from
-    3 members on) rather than all-gather (see the module docstring for the byte counts)."""
-    return is_dense(codec) and group_size > 2
+    """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter rather than all-gather
+    (see the module docstring for the byte counts): lossless fp32 always (half the adding of an all-gather at
+    2 members, for the same bytes), lossy dense codecs from 3 members on (at 2 the all-gather spares the
+    owner's second quantization), top-k never."""
+    return is_dense(codec) and (group_size > 2 or not codec.lossy)
 
 
 def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -78,12 +80,14 @@ def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """Σ wᵢ·vᵢ / Σ wᵢ in fp32, summed in the order of the sorted member ids: the same bits on every member."""
+def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Σ wᵢ·vᵢ / Σ wᵢ in fp32, summed in the order of the sorted member ids: the same bits on every member
+    (written into ``out`` when given)."""
     order = sorted(values)
     total = sum(weights[p] for p in order)
-    out = torch.zeros_like(values[order[0]], dtype=torch.float32)
-    for p in order:
+    out = torch.mul(values[order[0]].float(), weights[order[0]] / total, out=out)
+    for p in order[1:]:
         out.add_(values[p], alpha=weights[p] / total)
     return out
 
@@ -306,7 +310,7 @@ class EncodedAverage:
 
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
                     weights: dict[str, float], payload: bytes, numel: int, timeout: float,
-                    carry: torch.Tensor | None = None) -> EncodedAverage:
+                    carry: torch.Tensor | None = None, out: torch.Tensor | None = None) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says.
 
@@ -314,14 +318,15 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     owned here left out in earlier rounds.  In a reduce-scatter it is added to the average of the part
     this member owns before that part is encoded, and the result's ``carry`` holds what this encoding
     left out, on the owned part (zero elsewhere: a part owned before and not now is dropped); an
-    all-gather re-encodes nothing and hands ``carry`` back as it was."""
+    all-gather re-encodes nothing and hands ``carry`` back as it was.  ``out``: where to write the average
+    (``numel`` values; a new tensor when None)."""
     if not reduce_scatters(codec, len(peers)):
         gathered = channel.all_gather(key, me, peers, payload, timeout)
-        out = EncodedAverage(None, gathered.missing, gathered.declined, gathered.bytes_sent, gathered.bytes_received,
-                             carry)
-        if not out.missing:
-            out.mean = weighted_mean({p: codec.decode(gathered.got[p], numel) for p in peers}, weights)
-        return out
+        result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.bytes_sent,
+                                gathered.bytes_received, carry)
+        if not result.missing:
+            result.mean = weighted_mean({p: codec.decode(gathered.got[p], numel) for p in peers}, weights, out)
+        return result
 
     def enc(x: torch.Tensor) -> bytes:
         return codec.encode(x) if x.numel() else b""
@@ -343,9 +348,36 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     # the stage goes first: the key must end with its round (:func:`peers.round_keys.is_on_round`)
     scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
                                  timeout)
-    out = EncodedAverage(None, scattered.missing, scattered.declined, scattered.bytes_sent, scattered.bytes_received)
-    if out.missing:
-        return out
+    result = EncodedAverage(None, scattered.missing, scattered.declined, scattered.bytes_sent,
+                            scattered.bytes_received)
+    if result.missing:
+        return result
+    got = {**scattered.got, me: parts[me]}
+    mean = out if out is not None else torch.empty(numel)
+    mine = b""
+    if carry is not None:
+        result.carry = torch.zeros(numel)
+    if b > a:
+        part = weighted_mean({p: dec(got[p], b - a) for p in peers}, weights, mean[a:b])
+        if carry is not None:
+            part += carry[a:b]
+        mine = enc(part)
+        if codec.lossy:  # what every member takes for this part: the average as encoded
+            decoded = dec(mine, b - a)
+            if result.carry is not None:
+                result.carry[a:b] = part - decoded
+            part.copy_(decoded)
+    sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
+    gathered = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
+    result.missing, result.declined = gathered.missing, gathered.declined
+    result.bytes_sent += gathered.bytes_sent
+    result.bytes_received += gathered.bytes_received
+    if not result.missing:
+        for p, (lo, hi) in bounds.items():
+            if p != me and hi > lo:
+                mean[lo:hi].copy_(dec(gathered.got[p], hi - lo))
+        result.mean = mean
+    return result
     got = {**scattered.got, me: parts[me]}
     mine = b""
     if carry is not None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from outer_optim.tensors import all_finite
 from peers.averager import fingerprint
 from peers.layout import CanonicalLayout, Segment, spec_tuple
 
@@ -85,6 +86,11 @@ class BucketExchange:
         problems = [p for ps in self.all_gather_object(problems) for p in ps]
         if problems:
             raise ValueError("the island's shards do not cover the model: " + "; ".join(problems[:5]))
+        self.whole = self.size == 1 and all(layout.is_full(n, s) for n, s in self.specs.items()) and \
+            sum(numel_of(s) for s in self.local_shapes.values()) == layout.total_numel
+        """One process holding every parameter whole: its canonical layout is its parameters flattened in model
+        order, so a flat buffer in that order serves as every bucket and every parameter without a copy
+        (:meth:`flat_views`, :meth:`gather`, :meth:`scatter`)."""
 
     def contribution(self, bucket: int) -> list[Segment]:
         """Where the elements of ``bucket`` this rank contributes sit in its shards and in the bucket (every
@@ -149,7 +155,7 @@ class BucketExchange:
         names = self.names_in(buckets)
         complete = set(local_deltas) >= set(names) and all(
             local_deltas[n].numel() == numel_of(self.local_shapes[n]) for n in names)
-        finite = complete and all(bool(torch.isfinite(local_deltas[n]).all()) for n in names)
+        finite = complete and all(all_finite(local_deltas[n]) for n in names)
         w = float(weight)
         if w != w:  # NaN weight: make the MIN see it
             w = float("-inf")
@@ -179,11 +185,46 @@ class BucketExchange:
         return [x for b in sorted(merged) for x in merged[b]]
 
     # ----------------------------------------------------------------------------- gather/scatter
+    def flat_views(self, flat: torch.Tensor, names: Collection[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """``{name: view of flat}`` shaped like the parameters (of ``names``, None: all), for a flat fp32 buffer
+        in canonical order (None unless this island is :attr:`whole`): tensors written there are gathered and
+        scattered without a copy."""
+        if not self.whole:
+            return None
+        out = {}
+        for n in (self.local_shapes if names is None else names):
+            e, shape = self.layout.entry(n), self.local_shapes[n]
+            out[n] = flat[e.start:e.start + numel_of(shape)].view(shape)
+        return out
+
+    def _flat_of(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+        """The canonical flat buffer ``tensors`` are views of (see :meth:`flat_views`), or None."""
+        if not self.whole or not names:
+            return None
+        first = tensors[names[0]]
+        if first.dtype != torch.float32 or first.device.type != "cpu":
+            return None
+        base = first.data_ptr() - 4 * self.layout.entry(names[0]).start
+        if any(tensors[n].data_ptr() != base + 4 * self.layout.entry(n).start or not tensors[n].is_contiguous()
+               or tensors[n].dtype != torch.float32 for n in names):
+            return None
+        storage = first.untyped_storage()
+        if storage.data_ptr() > base or storage.data_ptr() + storage.nbytes() < base + 4 * self.layout.total_numel:
+            return None
+        return torch.empty(0).set_(storage, (base - storage.data_ptr()) // 4, (self.layout.total_numel,), (1,))
+
     def gather(self, local_deltas: Mapping[str, torch.Tensor], buckets: Collection[int] | None = None
                ) -> dict[int, torch.Tensor]:
         """Collective: every owner receives its buckets (of ``buckets``, None: all), assembled from the
-        island's pieces (fp32 CPU, one 1-D tensor per owned bucket)."""
-        flat = {n: local_deltas[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.names_in(buckets)}
+        island's pieces (fp32 CPU, one 1-D tensor per owned bucket; views of ``local_deltas`` when they are
+        views of one canonical flat buffer, see :meth:`flat_views`)."""
+        names = self.names_in(buckets)
+        whole = self._flat_of(local_deltas, names) if buckets is None or len(names) == len(self.local_shapes) \
+            else None
+        if whole is not None:
+            return {b: whole[self.layout.buckets[b].start:self.layout.buckets[b].end]
+                    for b in (self.owned if buckets is None else sorted(buckets))}
+        flat = {n: local_deltas[n].detach().to("cpu", torch.float32).reshape(-1) for n in names}
         chosen = range(len(self.layout.buckets)) if buckets is None else sorted(buckets)
         ops, recv = [], {}
         for b in chosen:
@@ -216,8 +257,23 @@ class BucketExchange:
                 ) -> dict[str, torch.Tensor]:
         """Collective: owners send each rank the averaged values of the elements it holds (of
         ``buckets``, None: all); returns ``{name: tensor}`` shaped like this rank's local shards of the
-        parameters in those buckets (fp32 CPU)."""
-        out = {n: torch.zeros(self.local_shapes[n], dtype=torch.float32) for n in self.names_in(buckets)}
+        parameters in those buckets (fp32 CPU; views of ``averaged`` when its buckets are views of one
+        canonical flat buffer)."""
+        names = self.names_in(buckets)
+        if self.whole and averaged:
+            bs = sorted(averaged)
+            first = averaged[bs[0]]
+            start = first.data_ptr() - 4 * self.layout.buckets[bs[0]].start
+            if all(averaged[b].data_ptr() == start + 4 * self.layout.buckets[b].start and averaged[b].is_contiguous()
+                   and averaged[b].dtype == torch.float32 for b in bs) and first.device.type == "cpu":
+                storage = first.untyped_storage()
+                if storage.data_ptr() <= start + 4 * min(self.layout.entry(n).start for n in names) and \
+                        start + 4 * max(self.layout.entry(n).start + numel_of(self.local_shapes[n]) for n in names) \
+                        <= storage.data_ptr() + storage.nbytes():
+                    flat = torch.empty(0).set_(storage, (start - storage.data_ptr()) // 4,
+                                               ((storage.data_ptr() + storage.nbytes() - start) // 4,), (1,))
+                    return self.flat_views(flat, names)
+        out = {n: torch.zeros(self.local_shapes[n], dtype=torch.float32) for n in names}
         flat_out = {n: t.view(-1) for n, t in out.items()}
         nb = len(self.layout.buckets)
         ops, recv = [], {}

@@ -1,43 +1,66 @@
 """Fingerprints of averaged vectors and of θ_global: what the vote and the stale-member check compare.
 
-A fingerprint is a short list of floats (per-chunk sums, absolute sums and square sums); two peers
-holding the same values up to rounding produce fingerprints equal within a small relative tolerance.
+A fingerprint is a short list of floats: per chunk of the flattened tensors, the sum, the sum of squares and
+the count of its values.  Two peers holding the same values up to rounding produce fingerprints equal within
+a small relative tolerance (the sums may be taken in another order on another machine); a vector with a part
+left unaveraged, or NaN, does not.  A chunk's sums are taken piece by piece, in float32 (the vectorized
+reductions: 2 ms for 16 MB on one core, where float64 sums of absolute values took 59 ms), without copying
+the tensors into one.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 FINGERPRINT_CHUNKS = 64
+STATS = 3
+"""Floats per chunk: sum, sum of squares, count."""
 
 
 def fingerprint(tensors: Sequence[torch.Tensor], chunks: int = FINGERPRINT_CHUNKS) -> list[float]:
-    """Per-chunk sums, absolute sums and square sums of the flattened tensors (float64).
-
-    Two peers holding the same values up to rounding produce fingerprints equal within a small
-    relative tolerance; a vector with a part left unaveraged or NaN does not.
-    """
-    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors else torch.zeros(1)
+    """Per-chunk (sum, sum of squares, count) of the flattened ``tensors``; chunks are cut as
+    ``torch.tensor_split`` cuts the concatenation into ``chunks`` pieces."""
+    flats = [t.detach().reshape(-1) for t in tensors]
+    total = sum(f.numel() for f in flats)
+    if total == 0:
+        return [0.0, 0.0, 0.0] * chunks
+    cuts = [i * (total // chunks) + min(i, total % chunks) for i in range(chunks + 1)]
     out: list[float] = []
-    for part in flat.tensor_split(chunks):
-        out += [part.sum().item(), part.abs().sum().item(), part.pow(2).sum().item()]
+    starts = []
+    pos = 0
+    for f in flats:
+        starts.append(pos)
+        pos += f.numel()
+    for lo, hi in zip(cuts, cuts[1:]):
+        s = sq = 0.0
+        for f, start in zip(flats, starts):
+            a, b = max(lo, start), min(hi, start + f.numel())
+            if a < b:
+                piece = f[a - start:b - start]
+                s += float(piece.sum())
+                sq += float(torch.linalg.vector_norm(piece)) ** 2
+        out += [s, sq, float(hi - lo)]
     return out
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
-    """True when two fingerprints are finite and equal within ``rtol`` of each chunk's magnitude."""
-    if len(a) != len(b):
+    """True when two fingerprints are finite and equal within ``rtol`` of each chunk's magnitude: a chunk's
+    sums of squares within ``rtol`` of each other, its sums within ``rtol`` of sqrt(count · sum of squares)
+    (the largest its sum can be)."""
+    if len(a) != len(b) or len(a) % STATS:
         return False
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    if not (torch.isfinite(ta).all() and torch.isfinite(tb).all()):
-        return False
-    # per chunk (sum, abs-sum, square-sum): compare each to the chunk's own scale
-    ta, tb = ta.view(-1, 3), tb.view(-1, 3)
-    scale = torch.stack([ta[:, 1], ta[:, 1], ta[:, 2]], dim=1).abs() + 1e-30
-    return bool(((ta - tb).abs() <= rtol * scale + 1e-12).all())
-
+    for i in range(0, len(a), STATS):
+        (sa, qa, na), (sb, qb, nb) = a[i:i + STATS], b[i:i + STATS]
+        if not all(math.isfinite(x) for x in (sa, qa, na, sb, qb, nb)) or na != nb:
+            return False
+        if abs(qa - qb) > rtol * max(abs(qa), abs(qb)) + 1e-30:
+            return False
+        if abs(sa - sb) > rtol * math.sqrt(max(qa, qb, 0.0) * max(na, 1.0)) + 1e-30:
+            return False
+    return True
 
 
 def majority_by_state(meta: dict[str, dict], me: str, rtol: float = 1e-5) -> tuple[list[str], bool]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -92,7 +93,8 @@ class ShardedAverager:
     :class:`peers.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
     ``backend="torch"``, optional for ``"auto"``); ``exchange``: the island's :class:`BucketExchange` if the
     caller built one already; ``feedback``: the error-feedback buffers by owned bucket (see :attr:`buffers`);
-    ``carry``: the owner feedback (see :attr:`carry`).  Construction is collective over ``group``.
+    ``carry``: the owner feedback (see :attr:`carry`); ``matcher``: rank 0's island averager if the caller
+    started it already (it is this averager's from then on).  Construction is collective over ``group``.
     """
 
     def __init__(self, layout: CanonicalLayout, local_tensors: Mapping[str, Any], specs: Mapping[str, Any],
@@ -100,7 +102,7 @@ class ShardedAverager:
                  scope: Scope = Scope(), *, backend: str = "hivemind", fallback: Any = None, transport: Transport | None = None,
                  island_id: str | None = None, device: torch.device | str | None = None,
                  exchange: BucketExchange | None = None, feedback: dict[int, torch.Tensor] | None = None,
-                 carry: dict[int, torch.Tensor] | None = None):
+                 carry: dict[int, torch.Tensor] | None = None, matcher: VerifiedAverager | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if backend == "torch" and fallback is None:
@@ -141,7 +143,7 @@ class ShardedAverager:
         self.ranks: list[list[str]] = [list(e[1]) for e in everyone]
         """Every rank of this island: [peer id, transport endpoint], by island rank."""
         self.channel: Any = None
-        self.matcher: VerifiedAverager | None = None
+        self.matcher: VerifiedAverager | None = matcher
         if backend != "torch":
             try:
                 numel = max((b.numel for b in layout.buckets), default=1)
@@ -153,7 +155,7 @@ class ShardedAverager:
                 else:
                     self.channel = DirectChannel(self.transport, self.codec.nbytes(numel), entropy_coding=coding)
                 if self.rank == 0:
-                    self.matcher = VerifiedAverager(dht, [], settings, scope)
+                    self.matcher = self.matcher or VerifiedAverager(dht, [], settings, scope)
                     self.matcher.parts = self.channel  # parts of a group that listed us arrive here
             except BaseException:
                 self.shutdown()
@@ -314,6 +316,7 @@ class ShardedAverager:
 
         result, _ = self.matcher.run_round(pending.weight, pending.meta, rid, exchange, on_stage,
                                            matchmaking_timeout, expected_group_size)
+        self._last = (result.matchmaking_seconds, result.exchange_seconds, result.vote_seconds, result.seconds)
         if not told:  # no exchange: the ranks waiting for the group learn there is none
             self._tell_ranks("group", rid, {"none": True})
         self._tell_ranks("verdict", rid, shared_fields(result))
@@ -361,6 +364,9 @@ class ShardedAverager:
                     self.channel.endpoints[peer] = endpoint
         weights = {p: as_float(group[p]["weight"]) for p in peers}
         resent_before = self.transport.stats.resent if self.transport is not None else 0
+        # one process holding the whole model: the averages land in one buffer in the layout's order, which
+        # the island's scatter hands out as views of its parameters (no copy)
+        flat = torch.empty(self.layout.total_numel) if self.exchange.whole else None
 
         def one(b: int) -> tuple[int, Any]:
             owners = {self._owner(group[p]["ranks"], b): weights[p] for p in peers}
@@ -371,9 +377,11 @@ class ShardedAverager:
             carry = None
             if self.carry is not None:
                 carry = self.carry[b] if b in self.carry else torch.zeros(self.layout.buckets[b].numel)
+            bucket = self.layout.buckets[b]
             out = average_encoded(self.channel, self.codec, f"b{b}." + parts_key(members, round_id),
-                                         self.peer_id, members, owners, payload, self.layout.buckets[b].numel,
-                                         self.settings.allreduce_timeout, carry)
+                                  self.peer_id, members, owners, payload, bucket.numel,
+                                  self.settings.allreduce_timeout, carry,
+                                  flat[bucket.start:bucket.end] if flat is not None else None)
             return b, out
 
         prints: dict[int, list[float]] = {}
@@ -394,7 +402,7 @@ class ShardedAverager:
                     pending.carry[b] = out.carry
                 pending.averaged[b] = out.mean
                 prints[b] = fingerprint([out.mean], CHUNKS_PER_BUCKET)
-                finite = finite and bool(all(abs(x) < float("inf") for x in prints[b]))
+                finite = finite and all(math.isfinite(x) for x in prints[b])
         resent = (self.transport.stats.resent - resent_before) if self.transport is not None else 0
         pending.parts_resent += resent
         return {"prints": {str(b): v for b, v in prints.items()}, "failures": failures, "finite": finite,

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from peers.inbox import Inbox
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,12 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("the connection closed mid-message")
         got += n
+
+
+def _buffer(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes, not zero-filled first (``bytearray(size)`` would write it all once
+    more before the socket does)."""
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
 
 
 def _send_frame(sock: socket.socket, key: str, extra: bytes, payload: Buffer) -> None:
@@ -179,8 +187,8 @@ class Transport:
                     return
                 meta = bytearray(klen + xlen)
                 _recv_exact(conn, memoryview(meta))
-                payload = bytearray(plen)
-                _recv_exact(conn, memoryview(payload))
+                payload = _buffer(plen)
+                _recv_exact(conn, payload)
                 conn.sendall(ACK)
                 key = meta[:klen].decode()
                 extra = json.loads(meta[klen:]) if xlen else {}

@@ -280,7 +280,7 @@ def test_islands_of_different_shapes_average_to_identical_results(runs):
 
 def test_state_fingerprint_does_not_depend_on_the_island_shape(runs):
     prints = [torch.load(runs / f"fingerprint.{r}.pt") for r in range(3)]
-    assert len(prints[0]) == 3 * 4 * 3  # buckets x chunks x (sum, abs-sum, square-sum)
+    assert len(prints[0]) == 3 * 4 * 3  # buckets x chunks x (sum, square-sum, count)
     assert prints[0] == prints[1] == prints[2]
 
 

@@ -53,7 +53,7 @@ from diloco.engine.rounds import (
     RoundMetrics,
     RoundSchedule,
 )
-from diloco.engine.runtime import Runtime, pick_device
+from diloco.engine.runtime import Runtime, pick_device, return_freed_memory
 from diloco.engine.state_transfer import StateTransfer
 from diloco.errors import TrainingError
 from diloco.inference.samples import Sampler
@@ -76,10 +76,14 @@ class Island:
     """One island rank: built from the config, then :meth:`run` (or driven step by step in tests)."""
 
     def __init__(self, cfg: Config):
+        return_freed_memory()
         self.rt = Runtime.start(cfg, pick_device(cfg.device))
+        self.peers: PeerNode | None = None
         try:
             self._build(self.rt.island_config(cfg))
         except BaseException:
+            if self.peers is not None:
+                self.peers.disconnect()
             self.rt.close()
             raise
 
@@ -100,10 +104,16 @@ class Island:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = rt.device
+        m, d, a, lg = cfg.model, cfg.diloco, cfg.averaging, cfg.logging
+        self.stats = RunStats()
+        self.unsent = FeedbackBuffers()
+        # the peer node's processes are forked from this one: before the data and the model exist
+        self.peers = PeerNode(a, rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
+                              unsent=self.unsent, stats=self.stats)
+        self.peers.start()
         torch.manual_seed(cfg.seed)
         corpus = load_corpus(cfg.data)
         log.info("data: %s", corpus.description)
-        m, d, a, lg = cfg.model, cfg.diloco, cfg.averaging, cfg.logging
         self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
                                       cfg.data.num_shards, cfg.seed)
         self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, lg.eval_batches)
@@ -126,8 +136,6 @@ class Island:
         # the outer state and the run's counters
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
-        self.stats = RunStats()
-        self.unsent = FeedbackBuffers()
         self.fingerprint = config_fingerprint(cfg)
         self.exchange = BucketExchange(self.layout, self.params, self.specs, rt.group)
         self.schedule = RoundSchedule(d, rt, self.stats, self.layout, list(self.params))
@@ -139,9 +147,7 @@ class Island:
         # peers, state transfer and rounds
         self._stop = threading.Event()
         self.stopping = False
-        self.peers = PeerNode(a, rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
-                              layout=self.layout, params=self.params, specs=self.specs, exchange=self.exchange,
-                              unsent=self.unsent, stats=self.stats)
+        self.peers.bind(self.layout, self.params, self.specs, self.exchange)
         self.transfer = StateTransfer(a, rt=rt, stats=self.stats, outer=self.outer, params=self.params,
                                       exchange=self.exchange, peers=self.peers, schedule=self.schedule,
                                       forget_unsent=self.unsent.clear, fingerprint=self.fingerprint)

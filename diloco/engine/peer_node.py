@@ -27,6 +27,7 @@ from diloco.config import AveragingConfig
 from diloco.engine.metrics import RunStats
 from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
+from peers.averager import VerifiedAverager
 from peers.averager_types import Scope
 from peers.dht import (
     PeerNetworkError,
@@ -80,18 +81,26 @@ def round_of(rid: str) -> int:
 class PeerNode:
     """This rank's peer network handles (collective where it says so).
 
-    ``layout``, ``params``, ``specs`` and ``exchange`` describe the shards this rank averages; ``unsent`` the
-    codec's error feedback dicts the averager keeps (``feedback`` and ``carry``, updated in place); ``stats``
-    receives the traffic counts; ``resuming``: the island was started with ``--resume`` (it listens on its
-    former ports and rejoins the run it knew).  :meth:`serve` says what the averagers serve to joiners and
-    what to do once connected (wired by the island to its state transfer)."""
+    :meth:`start` starts the DHT node and the island's hivemind averager: both are processes forked from this
+    one, so they start before the model exists (a process forked later keeps a copy of every page this one
+    writes afterwards: the parameters, the optimizer states, θ_global, round after round).  :meth:`bind` gives
+    the shards this rank averages (``layout``, ``params``, ``specs``, ``exchange``), :meth:`serve` what it
+    serves to joiners, and :meth:`connect` wires the rest.  ``unsent``: the codec's error feedback dicts the
+    averager keeps (``feedback`` and ``carry``, updated in place); ``stats`` receives the traffic counts;
+    ``resuming``: the island was started with ``--resume`` (it listens on its former ports and rejoins the
+    run it knew)."""
 
     def __init__(self, a: AveragingConfig, rt: Runtime, run_dir: Path, name: str, *, resuming: bool,
-                 layout: CanonicalLayout, params: Mapping[str, torch.Tensor], specs: Mapping[str, Any],
-                 exchange: BucketExchange, unsent: Any, stats: RunStats):
+                 unsent: Any, stats: RunStats):
         self.a, self.rt, self.run_dir, self.name, self.resuming = a, rt, run_dir, name, resuming
-        self.layout, self.params, self.specs, self.exchange = layout, params, specs, exchange
+        self.layout: CanonicalLayout | None = None
+        self.params: Mapping[str, torch.Tensor] = {}
+        self.specs: Mapping[str, Any] = {}
+        self.exchange: BucketExchange | None = None
         self.unsent, self.stats = unsent, stats
+        self.run_key = ""
+        self.matcher: VerifiedAverager | None = None
+        """The island's hivemind averager (rank 0), started with the DHT; the averager takes it over."""
         self.dht: Any = None
         self.averager: Any = None
         self.membership: Membership | None = None
@@ -113,15 +122,20 @@ class PeerNode:
         (re)connection; ``stopping()``: whether this process is leaving."""
         self._provide, self._lock, self._connected, self._stopping = provide, lock, connected, stopping
 
+    def bind(self, layout: CanonicalLayout, params: Mapping[str, torch.Tensor], specs: Mapping[str, Any],
+             exchange: BucketExchange) -> None:
+        """The shards this rank averages: the run's layout, this rank's parameters and their specs, the island's
+        exchange."""
+        self.layout, self.params, self.specs, self.exchange = layout, params, specs, exchange
+
     # ---------------------------------------------------------------------------------- connect
-    def connect(self, rejoin: list[str] | None = None) -> None:
-        """Collective: start this rank's DHT node and averager, register in the run; rank 0 prints how
-        other islands join.  ``rejoin``: addresses of islands to reach (besides the initial peers) when this
-        island, alone in the run, restarts its peer node (see :class:`AloneWatch`); each rank listens on its
-        former port (``PORT``) whenever it rejoins or resumes."""
+    def start(self, rejoin: list[str] | None = None) -> None:
+        """Collective: start this rank's DHT node and, on rank 0, the island's hivemind averager (the run key
+        resolved and checked first).  ``rejoin``: addresses of islands to reach (besides the initial peers)
+        when this island, alone in the run, restarts its peer node (see :class:`AloneWatch`); each rank
+        listens on its former port (``PORT``) whenever it rejoins or resumes."""
         a, rt = self.a, self.rt
-        if a.backend == "local":
-            self.averager = LocalAverager()
+        if a.backend == "local" or self.dht is not None:
             return
         resuming = self.resuming or rejoin is not None
         if rt.is_main and not resuming:
@@ -152,6 +166,23 @@ class PeerNode:
                     self.dht.shutdown()
                     self.dht = None
                     raise TrainingError(problem)
+            if rt.is_main:
+                self.matcher = VerifiedAverager(self.dht, [], a, self._scope())
+        self.run_key = run_key
+
+    def _scope(self) -> Scope:
+        a = self.a
+        return Scope(prefix=a.run_id, private=not a.public, client_mode=a.client_mode)
+
+    def connect(self, rejoin: list[str] | None = None) -> None:
+        """Collective: start this rank's peer node if :meth:`start` did not, then its averager and transport;
+        register in the run; rank 0 prints how other islands join (see :meth:`start` for ``rejoin``)."""
+        a, rt = self.a, self.rt
+        if a.backend == "local":
+            self.averager = LocalAverager()
+            return
+        self.start(rejoin)
+        run_key = self.run_key
         group = rt.group
         if a.backend in ("torch", "auto") and rt.n_islands > 1:
             self.fallback = HierarchicalAllReduce(self.layout, self.params, self.specs, rt.island_ranks(),
@@ -161,13 +192,13 @@ class PeerNode:
             self.transport = self._start_transport("" if a.public else run_key)
             self.wire.extra = self.transport.socket_inodes
         ids = rt.gather_all(str(self.dht.peer_id) if self.dht is not None else f"{a.run_id}-island{rt.island_index}")
-        scope = Scope(prefix=a.run_id, private=not a.public, client_mode=a.client_mode)
         backend = a.backend if self.fallback is not None or a.backend == "hivemind" else "hivemind"
+        matcher, self.matcher = self.matcher, None
         self.averager = ShardedAverager(
-            self.layout, self.params, self.specs, group, self.dht, a, scope, backend=backend,
+            self.layout, self.params, self.specs, group, self.dht, a, self._scope(), backend=backend,
             fallback=self.fallback, transport=self.transport, island_id=ids[0],
             exchange=self.exchange if group is rt.group else None, feedback=self.unsent.feedback,
-            carry=self.unsent.carry)
+            carry=self.unsent.carry, matcher=matcher)
         if self.dht is None:
             return
         self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
@@ -197,6 +228,9 @@ class PeerNode:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
+        if self.matcher is not None:
+            self.matcher.shutdown()
+            self.matcher = None
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -112,6 +112,13 @@ class RoundMetrics:
     unsent_norm: float = float("nan")
     """Norm of what a lossy codec has left unsent of this island's pseudo-gradients after the round (the
     error feedback e; NaN without one)."""
+    exchange_seconds: float = 0.0
+    """Of :attr:`allreduce_seconds`, those the exchange of the pseudo-gradient's bytes took (the rest: forming
+    the group, the vote, the island's own gather and scatter)."""
+    round_payload_bytes: int = 0
+    """Payload bytes the island sent in this round (all its ranks)."""
+    parts_resent: int = 0
+    """Parts of this round sent again alone after their connection failed (the round went on)."""
 
     @classmethod
     def skipped(cls, stats: RunStats, outer_lr: float, reason: str) -> RoundMetrics:
@@ -205,7 +212,7 @@ class IslandNorm:
                         self.counted.add(name)
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> float:
-        sq = sum(float(t.double().pow(2).sum()) for n, t in tensors.items() if n in self.counted)
+        sq = sum(float(torch.linalg.vector_norm(t.detach())) ** 2 for n, t in tensors.items() if n in self.counted)
         return math.sqrt(self.rt.reduce([sq])[0])
 
 
@@ -476,6 +483,9 @@ class OuterRounds:
         self.guard = NormGuard(a.max_norm_ratio)
         self.hooks = hooks
         self.flight: InFlight | None = None
+        self._delta_views: dict[str, torch.Tensor] | None = None
+        """Where Δ is written each round when the island is one process holding every parameter whole: one flat
+        buffer in the layout's order, allocated once, whose buckets the averager sends without a copy."""
 
     @property
     def blocking(self) -> bool:
@@ -519,7 +529,7 @@ class OuterRounds:
             return self._leave_out(rnd)
         fragment = sched.fragment_of(rnd)
         names = sched.fragment_names[fragment]
-        delta = self.outer.pseudo_gradient(self.params, names)
+        delta = self.outer.pseudo_gradient(self.params, names, out=self._delta_buffer())
         for h in self.hooks:
             delta = h.outgoing(rnd, delta)
         weight = float(s.tokens - sched.tokens_at_sync[fragment])
@@ -538,6 +548,11 @@ class OuterRounds:
         f.send_seconds = time.perf_counter() - t0
         self.flight = f
         return None
+
+    def _delta_buffer(self) -> dict[str, torch.Tensor] | None:
+        if self._delta_views is None and self.exchange.whole and self.outer.device.type == "cpu":
+            self._delta_views = self.exchange.flat_views(torch.empty(self.exchange.layout.total_numel))
+        return self._delta_views
 
     def round(self) -> RoundMetrics:
         """Collective: one whole round, blocking (catch up, or send and apply)."""
@@ -588,7 +603,7 @@ class OuterRounds:
         u = 1.0
         if averaged is not None and f.scale != 1.0:
             u = RoundSchedule.applied_scale(f, result)
-            averaged = {n: a * u for n, a in averaged.items()}
+            averaged = {n: a.mul_(u) for n, a in averaged.items()}  # the round's own result: scaled in place
         norm = self.norm(f.delta)
         avg_norm = self.norm(averaged) if averaged is not None else float("nan")
         # rounds of a budget other than steps differ in length (auto: H steps, then maybe 50x more): the guard
@@ -615,7 +630,10 @@ class OuterRounds:
                             overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
                             send_seconds=f.send_seconds, fragment=f.fragment, inner_steps=f.steps,
                             weight=f.weight, group_weight=float(getattr(result, "total_weight", 0.0)),
-                            unsent_norm=self._unsent_norm())
+                            unsent_norm=self._unsent_norm(),
+                            exchange_seconds=float(getattr(result, "exchange_seconds", 0.0)),
+                            round_payload_bytes=int(getattr(result, "island_bytes_sent", 0)),
+                            parts_resent=int(getattr(result, "parts_resent", 0)))
 
     def _average_again(self, f: InFlight, result: Any, averaged: Delta | None) -> tuple[Any, Delta | None, bool]:
         """Average the same Δ once more instead of rolling the round back, in two cases:
@@ -647,9 +665,9 @@ class OuterRounds:
         result, averaged = self.peers.averager.average(
             f.outgoing(), f.weight, f.meta, round_id=rid, on_stage=self._on_stage(f), matchmaking_timeout=timeout,
             buckets=self.schedule.buckets(f.fragment), expected_group_size=getattr(result, "members_left", 0) or None)
-        result.seconds += first.seconds
-        result.bytes_sent += first.bytes_sent
-        result.bytes_received += first.bytes_received
+        for counted in ("seconds", "bytes_sent", "bytes_received", "island_bytes_sent", "parts_resent"):
+            if hasattr(result, counted):
+                setattr(result, counted, getattr(result, counted) + getattr(first, counted, 0))
         if not result.ok:
             result.reason = f"{first.reason}; averaging again failed too ({result.reason})"
         return result, averaged, True

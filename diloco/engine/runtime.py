@@ -9,6 +9,7 @@ goes through the small control collectives here.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 from dataclasses import dataclass
@@ -21,6 +22,23 @@ from diloco.config import Config, to_dict
 from diloco.config.loader import from_dict
 from diloco.errors import TrainingError
 from pipeline import init_island_mesh
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's ``mallopt`` parameters (malloc.h)."""
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Have glibc serve every allocation of ``threshold`` bytes or more (a round's parts and averages, a
+    checkpoint's copies) straight from the kernel and give it back when freed.  By default glibc raises that
+    threshold to the largest block freed so far (up to 32 MB) and keeps such blocks in per-thread arenas, so an
+    island of several transport threads would keep every round's peak of buffers.  False where it cannot
+    (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def pick_device(spec: str) -> torch.device:

@@ -24,6 +24,7 @@ from diloco.errors import TrainingError
 from outer_optim import OuterOptimizer
 from outer_optim.tensors import all_finite
 from peers.averager import fingerprint, fingerprints_agree
+from peers.fingerprints import STATS
 from peers.averager_types import as_float
 from peers.exchange import BucketExchange
 from peers.membership import wait_until
@@ -313,7 +314,7 @@ class StateTransfer:
             return -1, ""
         if target is not None:
             per_bucket = len(target) // len(self.layout.buckets)
-            mine = fingerprint([piece.theta], per_bucket // 3)
+            mine = fingerprint([piece.theta], per_bucket // STATS)
             if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
                 return -1, ""
         step = as_float(meta.get("outer_step", -1))
