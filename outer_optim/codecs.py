@@ -170,6 +170,15 @@ class Fp16Codec:
         return _floats(payload, torch.float16).to(torch.float32)
 
 
+def _bytes_view(payload: Payload) -> torch.Tensor:
+    """The payload as a uint8 tensor, without a copy when the payload is writable (a received buffer, or what
+    an encoder of this module returned)."""
+    view = memoryview(payload).cast("B")
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.zeros(0, dtype=torch.uint8)
+
+
 def _floats(payload: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """The payload's values as ``dtype``, without a copy when the payload is writable."""
     view = memoryview(payload)
@@ -197,10 +206,15 @@ class BlockAbsmaxCodec:
         """Exact payload size for ``numel`` values."""
         return 4 * -(-numel // self.block) + -(-numel * self.bits // 8)
 
-    def encode(self, values: torch.Tensor) -> bytes:
+    def encode(self, values: torch.Tensor) -> memoryview:
         """Scales then codes; see the module docstring.  Written pass by pass into the payload itself (no
         full-size temporary but one float32 buffer of codes): about 4x faster than padding, taking the
         absolute value and packing bit fields."""
+        return self.encode_and_decode(values)[0]
+
+    def encode_and_decode(self, values: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
+        """The payload, and what it decodes to (the codes times their scales, computed in place from the codes
+        the encoding rounded: no second pass over the payload)."""
         _check_values(values, check_finite=False)
         n, block = values.numel(), self.block
         nblocks = -(-n // block)
@@ -227,18 +241,19 @@ class BlockAbsmaxCodec:
         if self.bits == 8:
             codes.view(torch.int8).copy_(q[:n])
         else:  # q + 8 as nibbles, low nibble first
-            q = q[:n + n % 2].add_(self.offset)
-            q[n:] = 0  # the pad nibble of an odd count
-            q = q.to(torch.uint8).view(-1, 2)
-            torch.bitwise_or(q[:, 0], q[:, 1].bitwise_left_shift(4), out=codes)
+            nibbles = (q[:n + n % 2] + self.offset)
+            nibbles[n:] = 0  # the pad nibble of an odd count
+            nibbles = nibbles.to(torch.uint8).view(-1, 2)
+            torch.bitwise_or(nibbles[:, 0], nibbles[:, 1].bitwise_left_shift(4), out=codes)
+        sent = q.view(-1, block).mul_(scales[:, None]).view(-1)[:n]
         if not _LITTLE_ENDIAN:
             payload[:4 * nblocks] = to_le(scales.clone()).reshape(-1)
-        return payload.numpy().tobytes()
+        return memoryview(payload.numpy()).cast("B"), sent
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
         """A new float32 tensor of ``numel`` values, computed in one pass over the codes."""
         _check_payload(self, payload, numel)
-        data = from_bytes(payload)
+        data = _bytes_view(payload)
         block, nblocks = self.block, -(-numel // self.block)
         scales = from_le(data[:4 * nblocks].view(-1, 4), torch.float32)
         codes = data[4 * nblocks:]
@@ -452,12 +467,15 @@ class ErrorFeedback:
         The caller commits ``new_buffer`` only if the round commits, so a failed round loses nothing.
         """
         if buffer is None:
-            residual = delta.clone()
+            residual = delta  # read only: encoded, then subtracted from
         elif buffer.shape != delta.shape:
             raise ValueError(f"error-feedback buffer of shape {tuple(buffer.shape)} does not match "
                              f"the delta's {tuple(delta.shape)}")
         else:
             residual = buffer * self.decay + delta
-        payload = self.codec.encode(residual)
-        sent = self.codec.decode(payload, residual.numel())
+        if hasattr(self.codec, "encode_and_decode"):
+            payload, sent = self.codec.encode_and_decode(residual)
+        else:
+            payload = self.codec.encode(residual)
+            sent = self.codec.decode(payload, residual.numel())
         return payload, sent, residual - sent

@@ -310,7 +310,8 @@ class EncodedAverage:
 
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
                     weights: dict[str, float], payload: bytes, numel: int, timeout: float,
-                    carry: torch.Tensor | None = None, out: torch.Tensor | None = None) -> EncodedAverage:
+                    carry: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    sent: torch.Tensor | None = None) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says.
 
@@ -319,13 +320,15 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     this member owns before that part is encoded, and the result's ``carry`` holds what this encoding
     left out, on the owned part (zero elsewhere: a part owned before and not now is dropped); an
     all-gather re-encodes nothing and hands ``carry`` back as it was.  ``out``: where to write the average
-    (``numel`` values; a new tensor when None)."""
+    (``numel`` values; a new tensor when None); ``sent``: what our ``payload`` decodes to, when the caller has
+    it already (not decoded again)."""
     if not reduce_scatters(codec, len(peers)):
         gathered = channel.all_gather(key, me, peers, payload, timeout)
         result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.bytes_sent,
                                 gathered.bytes_received, carry)
         if not result.missing:
-            result.mean = weighted_mean({p: codec.decode(gathered.got[p], numel) for p in peers}, weights, out)
+            values = {p: sent if p == me and sent is not None else codec.decode(gathered.got[p], numel) for p in peers}
+            result.mean = weighted_mean(values, weights, out)
         return result
 
     def enc(x: torch.Tensor) -> bytes:
@@ -337,7 +340,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     bounds = dict(zip(peers, part_bounds(numel, len(peers), codec.block)))
     others = [p for p in peers if p != me]
     if codec.lossy:  # parts are cut at blocks: each re-encodes to the same codes
-        sent = codec.decode(payload, numel)
+        sent = sent if sent is not None else codec.decode(payload, numel)
         parts = {p: enc(sent[a:b]) for p, (a, b) in bounds.items()}
     else:  # the payload is the values: parts are views of it
         width = len(payload) // numel

@@ -381,7 +381,8 @@ class ShardedAverager:
             out = average_encoded(self.channel, self.codec, f"b{b}." + parts_key(members, round_id),
                                   self.peer_id, members, owners, payload, bucket.numel,
                                   self.settings.allreduce_timeout, carry,
-                                  flat[bucket.start:bucket.end] if flat is not None else None)
+                                  flat[bucket.start:bucket.end] if flat is not None else None,
+                                  pending.owned[b] if self.codec.lossy else None)
             return b, out
 
         prints: dict[int, list[float]] = {}
