@@ -482,11 +482,9 @@ class ShardedAverager:
         box = self.channel.box if self.channel is not None else None
         if box is None:
             return
-        for key in box.keys_on_round(round_id):
-            if key.startswith("b"):
-                peers = box.group(key, self.peer_id)
-                self.channel.decline(key, [p for p in peers if p != self.peer_id],
-                                     self.settings.request_timeout + 5.0)
+        for key in box.keys_on_round(round_id):  # only parts keys end with their round
+            peers = box.group(key, self.peer_id)
+            self.channel.decline(key, [p for p in peers if p != self.peer_id], self.settings.request_timeout + 5.0)
 
     # ---------------------------------------------------------------------------------- the rest
     def commit(self, pending: PendingRound) -> None:

@@ -165,6 +165,10 @@ class CheckpointConfig:
     """Write a checkpoint every this many outer rounds (0 disables periodic checkpoints)."""
     keep: int = 3
     """Keep at most this many checkpoints; older ones are deleted after a new one is written."""
+    background: bool = True
+    """Write checkpoints from another thread: training stops only to copy its state in memory (about 5x the
+    parameters' bytes, held until the file is written), not for the disk; false writes in the foreground,
+    without that copy."""
     resume: str = ""
     """`latest` to continue from the newest valid checkpoint in `dir`, or a checkpoint file path."""
     init_from: str = ""

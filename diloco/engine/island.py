@@ -160,6 +160,7 @@ class Island:
                                   transfer=self.transfer, unsent=self.unsent, fingerprint=self.fingerprint,
                                   keeps_unsent=a.compression in LOSSY_CODECS and a.error_feedback, hooks=hooks)
         self.metrics: MetricsLogger | NullMetrics = NullMetrics()
+        self.writer = checkpoint.BackgroundWriter() if cfg.checkpoint.background else None
         self.t_start = 0.0
         """``time.perf_counter()`` when the training loop started (for compute utilization)."""
 
@@ -365,9 +366,16 @@ class Island:
         return summary
 
     def close(self) -> None:
-        """Announce leaving, stop the averagers, the DHT, the W&B run and the process group (idempotent)."""
+        """Finish writing a checkpoint, announce leaving, stop the averagers, the DHT, the W&B run and the
+        process group (idempotent)."""
         if self._stop.is_set():  # Ctrl-C or SIGTERM: the process is leaving, maybe with its p2p daemons gone
             mute_shutdown_noise()
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._close_peers()
+
+    def _close_peers(self) -> None:
         try:
             self.peers.disconnect()
             self.metrics.close()
@@ -387,7 +395,7 @@ class Island:
         return {
             "config": to_dict(self.cfg), "outer_step": s.outer_step, "inner_step": s.inner_step,
             "model": {n: t.detach().cpu().clone() for n, t in self.params.items()},
-            "inner_optimizer": local_state(self.inner_opt.state_dict()),
+            "inner_optimizer": _copies(local_state(self.inner_opt.state_dict())),
             "inner_scheduler": self.inner_sched.state_dict(),
             "outer_optimizer": self.outer.state_dict(), "data": self.batches.state_dict(),
             "rng": checkpoint.rng_state(), "stats": dict(s.__dict__),
@@ -424,11 +432,22 @@ class Island:
             kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
 
     def save_checkpoint(self) -> Path:
-        """Write this rank's checkpoint of the current outer step (keeping ``checkpoint.keep``)."""
-        path = checkpoint.save(self.state_dict(), checkpoint.checkpoint_path(self.ckpt_dir, self.stats.outer_step),
-                               keep=self.cfg.checkpoint.keep)
-        log.info("checkpoint written: %s", path)
+        """Write this rank's checkpoint of the current outer step (keeping ``checkpoint.keep``): from a
+        snapshot in a background thread (``--checkpoint.background``; the previous write is waited for first
+        and its error raised here), else at once."""
+        path = checkpoint.checkpoint_path(self.ckpt_dir, self.stats.outer_step)
+        keep = self.cfg.checkpoint.keep
+        if self.writer is None:
+            checkpoint.save(self.state_dict(), path, keep=keep)
+            log.info("checkpoint written: %s", path)
+        else:
+            self.writer.submit(self.state_dict(), path, keep, lambda p: log.info("checkpoint written: %s", p))
         return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background is on disk (raises its error)."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def maybe_resume(self) -> None:
         """With ``--checkpoint.resume``: every rank loads its own checkpoint of the same outer step (the
@@ -476,6 +495,17 @@ class Island:
             error = str(e)
         rt.raise_if_any(error, TrainingError, world=world)
         log.info("resumed from %s at outer step %d", path, self.stats.outer_step)
+
+
+def _copies(obj: Any) -> Any:
+    """``obj`` with every tensor copied (a snapshot the training thread may go on changing the original of)."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copies(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copies(v) for v in obj]
+    return obj
 
 
 def _step_of(path: Path | None) -> int | None:
