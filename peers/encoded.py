@@ -41,6 +41,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from outer_optim.codecs import Payload
+from outer_optim.tensors import all_finite
 from peers.deflate import pack, unpack, unpack_at_most
 from peers.inbox import Inbox, LateAnswers
 from peers.p2p_loop import Handler, _submit, message_class, spawn
@@ -331,8 +332,14 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
             result.mean = weighted_mean(values, weights, out)
         return result
 
-    def enc(x: torch.Tensor) -> bytes:
-        return codec.encode(x) if x.numel() else b""
+    def enc(x: torch.Tensor) -> Payload:
+        if not x.numel():
+            return b""
+        if not codec.lossy:  # the values as they are, finite or not: every member then sees what came
+            return memoryview(x.contiguous().numpy()).cast("B")
+        if not all_finite(x):  # a lossy code cannot carry it: send nothing, and the members fail the part
+            return b""
+        return codec.encode(x)
 
     def dec(b: bytes, n: int) -> torch.Tensor:
         return codec.decode(b, n) if n else torch.zeros(0)
@@ -365,7 +372,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
         if carry is not None:
             part += carry[a:b]
         mine = enc(part)
-        if codec.lossy:  # what every member takes for this part: the average as encoded
+        if codec.lossy and len(mine):  # what every member takes for this part: the average as encoded
             decoded = dec(mine, b - a)
             if result.carry is not None:
                 result.carry[a:b] = part - decoded
