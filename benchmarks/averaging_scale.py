@@ -139,7 +139,8 @@ class TreeSampler:
 
 
 # -------------------------------------------------------------------------------------------- one case
-def run_case(size: str, codec: str, rounds: int, inner_steps: int, out: Path, network: Any = None) -> dict:
+def run_case(size: str, codec: str, rounds: int, inner_steps: int, out: Path, network: Any = None,
+             entropy_coding: bool = True) -> dict:
     from diloco.config import loader as config_load
     from diloco.launch.simulate import simulate
     from diloco.engine.metrics import read_metrics
@@ -150,7 +151,8 @@ def run_case(size: str, codec: str, rounds: int, inner_steps: int, out: Path, ne
              "model.seq_len": 128, "logging.run_dir": str(run_dir), "logging.eval_batches": 1,
              "logging.samples": 0, "checkpoint.every": 0, "wandb.mode": "disabled",
              "averaging.compression": codec, "averaging.run_id": f"scale-{size}-{codec}",
-             "inner.warmup_steps": 1, "averaging.matchmaking_time": 2.0, "averaging.request_timeout": 1.0}
+             "inner.warmup_steps": 1, "averaging.matchmaking_time": 2.0, "averaging.request_timeout": 1.0,
+             "averaging.entropy_coding": entropy_coding}
     items.update({f"model.{k}": v for k, v in SIZES[size].items()})
     cfg = config_load.load(None, {k: v for k, v in items.items()}, defaults={"averaging.min_group_size": 2})
     numel = sum(p.numel() for p in build_model(cfg.model).parameters())
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--inner-steps", type=int, default=2)
     parser.add_argument("--link", default="", help="emulated link rate between the 2 islands (needs root)")
+    parser.add_argument("--entropy-coding", default="false", choices=("true", "false"),
+                        help="Huffman-code int8/int4 payloads (off by default here: on loopback it costs more CPU "
+                             "than the bytes it saves)")
     parser.add_argument("--out", default=str(REPO / "experiments" / "results" / "averaging-scale"))
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         gloo: dict[int, float] = {}
         for size, codec in cases:
-            r = run_case(size, codec, args.rounds, args.inner_steps, out, network)
+            r = run_case(size, codec, args.rounds, args.inner_steps, out, network, args.entropy_coding == "true")
+            r["entropy_coding"] = args.entropy_coding == "true" and codec in ("int8", "int4")
             if r["params"] not in gloo:
                 gloo[r["params"]] = gloo_seconds(r["params"])
             r["gloo_seconds"] = gloo[r["params"]]
