@@ -29,7 +29,6 @@ RESULTS = REPO / "experiments" / "results" / "compare-timed-sign" / "results.jso
 
 def worker(steps: int, cpu: int | None) -> None:
     """Time ``steps`` inner steps of the compare's island and print the median seconds as JSON."""
-    from contextlib import nullcontext
 
     import torch
 
@@ -52,7 +51,7 @@ def worker(steps: int, cpu: int | None) -> None:
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        take_inner_step(model, batches, opt, sched, cfg.inner, nullcontext())
+        take_inner_step(model, batches, opt, sched, cfg.inner)
         times.append(time.perf_counter() - t)
     times = sorted(times[len(times) // 5:])  # the first steps warm the allocator and caches
     print(json.dumps({"median_s": times[len(times) // 2]}), flush=True)

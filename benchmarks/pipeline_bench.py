@@ -4,8 +4,7 @@
    fraction per rank (1 - time inside stage forward/backward / wall time of the step) next to
    the theory, (p-1)/(m+p-1) for GPipe and 1F1B and (p-1)/(v*m+p-1) for interleaved 1F1B.
 2. Throughput (tokens/s) of tp/pp islands relative to a single process, all in this run.
-3. With CUDA: MFU of a one-GPU island training the ``150m`` model in bf16 autocast
-   (FLOPs/token = 6*N_non_embedding + 6*L*d*seq, peak 989 TFLOP/s for an H100/H200 in bf16).
+(MFU of one GPU, with bf16 and compiled blocks: benchmarks/gpu_island.py.)
 
 Run:  python benchmarks/pipeline_bench.py [--pp 2] [--microbatches 2,4,8] [--steps 4]
 Multi-process parts run on CPU/gloo in subprocesses, one thread per rank; on a machine with fewer
@@ -30,14 +29,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from diloco.config import ModelConfig, resolve_model  # noqa: E402
+from diloco.config import ModelConfig  # noqa: E402
 from diloco.model.transformer import build_model, count_parameters  # noqa: E402
 from pipeline.mesh import destroy_island, init_island_mesh  # noqa: E402
 from pipeline.model_parts import ModelParts  # noqa: E402
 from pipeline.settings import ParallelSettings  # noqa: E402
-
-H100_BF16_PEAK = 989e12
-
 
 def bench_model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(preset="custom", dim=args.dim, n_layers=args.layers, n_heads=args.heads,
@@ -200,48 +196,6 @@ def throughput_table(args: argparse.Namespace) -> None:
         print(f"{name:<34}{procs:>6}{tps:>11.0f}{tps / base:>13.2f}x{idle_s}{note}")
 
 
-def mfu_table(args: argparse.Namespace, device: str = "cuda", preset: str = "150m") -> None:
-    """MFU of a one-GPU island (tp=pp=1) on the ``preset`` model with bf16 autocast and fused AdamW.
-
-    ``device``/``preset`` exist so the code path can be smoke-tested on CPU with a tiny model."""
-    cfg = ModelConfig(preset=preset)
-    resolve_model(cfg)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    n_non_embedding = count_parameters(model, exclude_embeddings=True)
-    flops_per_token = 6 * n_non_embedding + 6 * cfg.n_layers * cfg.dim * cfg.seq_len
-    island = ModelParts(model, None, ParallelSettings(activation_checkpointing=args.gpu_checkpointing),
-                    device=torch.device(device))
-    opt = torch.optim.AdamW(island.parameters(), lr=3e-4, fused=True)
-    x = torch.randint(0, cfg.vocab_size, (args.gpu_batch, cfg.seq_len + 1), device=device)
-    inputs, targets = x[:, :-1], x[:, 1:]
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def step() -> None:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            island.train_step(inputs, targets)
-        island.clip_grad_norm_(1.0)
-        opt.step()
-        island.zero_grad()
-
-    for _ in range(3):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.gpu_steps):
-        step()
-    sync()
-    elapsed = time.perf_counter() - t0
-    tokens_per_s = args.gpu_steps * args.gpu_batch * cfg.seq_len / elapsed
-    achieved = tokens_per_s * flops_per_token
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else device
-    print(f"\nMFU, one-GPU island on {name}: {preset} model ({n_non_embedding / 1e6:.1f}M "
-          f"non-embedding parameters), batch {args.gpu_batch} x {cfg.seq_len}, bf16 autocast, fused AdamW")
-    print(f"{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}   (FLOPs/token {flops_per_token / 1e9:.3f} G, "
-          f"peak {H100_BF16_PEAK / 1e12:.0f} TFLOP/s)")
-    print(f"{tokens_per_s:>12.0f}{achieved / 1e12:>10.2f}{achieved / H100_BF16_PEAK:>8.1%}")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages for the bubble table")
@@ -258,10 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1200)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: bubble,throughput,mfu")
-    ap.add_argument("--gpu-batch", type=int, default=16)
-    ap.add_argument("--gpu-steps", type=int, default=20)
-    ap.add_argument("--gpu-checkpointing", action="store_true")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: bubble,throughput")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -278,11 +229,6 @@ def main() -> None:
         bubble_table(args)
     if "throughput" not in skip:
         throughput_table(args)
-    if "mfu" not in skip:
-        if torch.cuda.is_available():
-            mfu_table(args)
-        else:
-            print("\nMFU: skipped (no CUDA device)")
 
 
 if __name__ == "__main__":

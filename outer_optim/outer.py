@@ -80,12 +80,29 @@ class OuterOptimizer:
                         out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device (of ``names``, None: all),
         written into ``out[name]`` when given (buffers allocated once, see :meth:`peers.exchange.BucketExchange.flat_views`)."""
+        names = self.names if names is None else names
+        if out is not None and names and local[names[0]].is_cuda and out[names[0]].is_pinned():
+            return self._pseudo_gradient_from_device(local, names, out)
         deltas = {}
-        for n in (self.names if names is None else names):
+        for n in names:
             theta = self.theta_global[n]
             mine = local[n].detach().to(theta.device, torch.float32)
             deltas[n] = torch.sub(theta, mine, out=out[n]) if out is not None else theta - mine
         return deltas
+
+    def _pseudo_gradient_from_device(self, local: Mapping[str, torch.Tensor], names: list[str],
+                                     out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Δ of GPU parameters into pinned host buffers: every copy queued at once on a side stream (after the
+        work already queued on the training stream), one wait, then θ_global − θ_local in place on the host.
+        One transfer per parameter at the bus's rate, instead of a blocking ``.to("cpu")`` each."""
+        device = local[names[0]].device
+        copies = torch.cuda.Stream(device=device)
+        copies.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(copies):
+            for n in names:
+                out[n].copy_(local[n].detach().reshape(out[n].shape), non_blocking=True)
+        copies.synchronize()
+        return {n: torch.sub(self.theta_global[n], out[n], out=out[n]) for n in names}
 
     @torch.no_grad()
     def step(self, averaged_delta: Mapping[str, torch.Tensor]) -> None:
@@ -140,8 +157,12 @@ class OuterOptimizer:
     def copy_to(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None) -> None:
         """Overwrite the island's parameters with θ_global (cast to their dtype and device; of ``names``,
         None: all)."""
-        for n in (self.names if names is None else names):
-            local[n].copy_(self.theta_global[n])
+        names = self.names if names is None else names
+        asynchronous = bool(names) and local[names[0]].is_cuda and self.flat.is_pinned()
+        for n in names:
+            local[n].copy_(self.theta_global[n], non_blocking=asynchronous)
+        if asynchronous:  # θ_global may change on the host once this returns: the copies must have read it
+            torch.cuda.current_stream(local[names[0]].device).synchronize()
 
     def momentum_buffers(self) -> list[torch.Tensor]:
         """Momentum of each parameter (zeros before the first step; views, not copies), same order as

@@ -134,11 +134,12 @@ def fastest_seconds(run: Callable[[], None], device: torch.device, warmup: int =
 
 def profile_part_costs(model: nn.Module, sample_shape: tuple[int, int], device: torch.device,
                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                       activation_checkpointing: bool = False, tp_mesh: DeviceMesh | None = None) -> PartCosts:
+                       activation_checkpointing: bool = False, tp_mesh: DeviceMesh | None = None,
+                       compute_dtype: torch.dtype = torch.float32) -> PartCosts:
     """Seconds of forward + backward of each block, of the embedding and of norm + output + ``loss_fn``
     on a ``(rows, seq)`` micro-batch, each part copied alone onto ``device`` and, with ``tp_mesh``,
     sharded over it as in training, so the TP collectives are timed too (collective over ``tp_mesh``).
-    On CUDA under bf16 autocast, as the island trains.  Uses its own random generator, so the caller's
+    Under autocast to ``compute_dtype``, as the island trains.  Uses its own random generator, so the caller's
     random state is untouched."""
     rows, seq = sample_shape
     dim, vocab = model.tok_embeddings.weight.shape[1], model.output.weight.shape[0]
@@ -158,7 +159,7 @@ def profile_part_costs(model: nn.Module, sample_shape: tuple[int, int], device: 
         def run() -> None:
             part.zero_grad(set_to_none=True)
             x.grad = None
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
                 out = part(x)
                 if isinstance(out, AsyncCollectiveTensor):  # the TP embedding's all-reduce: the next stage
                     out.trigger_wait()  # would wait on it, and unwaited it would only be reported at exit
@@ -199,7 +200,7 @@ def plan_stages(model: nn.Module, settings: ParallelSettings, mesh: DeviceMesh |
         costs = PartCosts([1.0] * len(model.layers), 0.0, 0.0, "layers")
     elif settings.balance == "profile":
         mine = profile_part_costs(model, sample_shape, device, loss_fn, settings.activation_checkpointing,
-                                  mesh["tp"] if mesh is not None else None)
+                                  mesh["tp"] if mesh is not None else None, settings.compute_dtype(device.type))
         agreed = island_max([*mine.layers, mine.first, mine.last], mesh, device)
         costs = PartCosts(agreed[:-2], agreed[-2], agreed[-1], "s")
     else:

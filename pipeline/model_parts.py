@@ -42,6 +42,14 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def apply_compile(model: nn.Module) -> None:
+    """Compile each of ``model.layers`` in place (``Module.compile``: parameter names and state dicts stay as
+    they are).  Per block rather than the whole model, as torchtitan does: the blocks share one graph, and a
+    pipeline stage or a tensor-parallel shard compiles the same way."""
+    for block in model.layers.values():
+        block.compile()
+
+
 def check_split(settings: ParallelSettings, n_layers: int, n_heads: int, dim: int, ffn_dim: int,
                  vocab_size: int) -> list[str]:
     """One sentence per reason the model cannot be split as ``settings`` asks (empty if it can)."""
@@ -105,6 +113,7 @@ class ModelParts:
             device = torch.device("cuda", torch.cuda.current_device()) if mesh is not None and \
                 mesh.device_type == "cuda" else torch.device("cpu")
         self.device = torch.device(device)
+        self.compute_dtype = settings.compute_dtype(self.device.type)
         self.pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
         self.tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
         self.n_stages = pp * settings.local_stages if pp > 1 else 1
@@ -122,6 +131,8 @@ class ModelParts:
             if tp > 1:
                 apply_tensor_parallel(module, mesh["tp"])
             module.activation_checkpointing = settings.activation_checkpointing
+            if settings.compile:
+                apply_compile(module)
             module.train()
         self.stage_ids = [stage for stage, _ in owned]
         self.modules: list[nn.Module] = [module for _, module in owned]
@@ -236,8 +247,8 @@ class ModelParts:
             raise ValueError(f"loss_scale must be positive, got {loss_scale}")
         self._check_batch(inputs, targets, train=True)
         if self.schedule is None:
-            logits = self.modules[0](inputs.to(self.device))
-            loss = self.loss_fn(logits, targets.to(self.device))
+            with self.autocast():
+                loss = self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device))
             (loss * loss_scale).backward()
             self._align_grads()
             return float(loss.detach())
@@ -246,6 +257,12 @@ class ModelParts:
             losses = self._run_schedule(inputs, targets, train=True)
         self._align_grads()
         return self._broadcast_loss(losses, scale=1.0 / loss_scale)
+
+    def autocast(self) -> torch.autocast:
+        """The context the forward passes run in: autocast to :attr:`compute_dtype` (a no-op in fp32).  The
+        parameters, their gradients and the loss stay fp32."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype != torch.float32)
 
     def _align_grads(self) -> None:
         """Give every DTensor gradient its parameter's placements (see :func:`local_grad`)."""
@@ -262,7 +279,8 @@ class ModelParts:
             module.eval()
         try:
             if self.schedule is None:
-                return float(self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device)))
+                with self.autocast():
+                    return float(self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device)))
             self._loss_scale = 1.0 / self.settings.microbatches
             losses = self._run_schedule(inputs, targets, train=False)
             return self._broadcast_loss(losses, scale=1.0)
@@ -276,7 +294,8 @@ class ModelParts:
         if self.has_last_stage:
             kwargs = {"target": targets.to(self.device), "losses": []}
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, return_outputs=False, **kwargs)  # keep no logits: the losses are all we need
+        with self.autocast():  # around the whole schedule, as torchtitan does: the stages' forwards run inside it
+            run(*args, return_outputs=False, **kwargs)  # keep no logits: the losses are all we need
         return kwargs.get("losses", [])
 
     def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> float:

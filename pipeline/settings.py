@@ -7,6 +7,10 @@ Plain data without torch, so that the trainer's config section ``parallel`` *is*
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -36,6 +40,24 @@ class ParallelSettings:
     the predicted idle fraction (1 - mean / max stage time) and, after a few steps, the measured one."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass to save memory."""
+    param_dtype: str = "auto"
+    """Precision of the forward and backward compute: `bf16` (autocast: bf16 matrix products over fp32 master
+    weights, fp32 gradients, optimizer state and loss), `fp32`, or `auto` (bf16 on CUDA, fp32 on CPU, where
+    bf16 is slower).  θ_global, the outer step and what islands exchange stay fp32 either way."""
+    compile: bool = False
+    """Compile each transformer block with `torch.compile` (the first steps pay the compilation; blocks of
+    the same shape share one compiled graph)."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device, the denominator of the `mfu` metric (0: from the GPU's name for
+    known GPUs, at the compute precision; no `mfu` on CPU unless set)."""
+
+    def compute_dtype(self, device_type: str) -> torch.dtype:
+        """The dtype matrix products run in on a ``device_type`` device (see :attr:`param_dtype`)."""
+        import torch
+
+        if self.param_dtype == "bf16" or (self.param_dtype == "auto" and device_type == "cuda"):
+            return torch.bfloat16
+        return torch.float32
 
     @property
     def local_stages(self) -> int:

@@ -36,6 +36,33 @@ def test_a_run_dir_that_cannot_be_created_is_one_line_before_any_peer_starts(tmp
     assert "cannot create --logging.run_dir" in _one_error_line(capsys)
 
 
+def test_bad_data_leaves_no_run_dir_behind(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for path in (tmp_path / "missing.txt", empty):
+        run_dir = tmp_path / f"run-{path.name}"
+        assert cli.main(["train", *TINY, "--data.path", str(path), "--averaging.backend", "hivemind",
+                         "--logging.run_dir", str(run_dir)]) == 1
+        assert str(path) in _one_error_line(capsys)
+        assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
+
+
+def test_a_taken_port_leaves_no_keys_behind_and_keeps_what_was_there(tmp_path, capsys, no_leaked_daemons):
+    import socket
+
+    kept = tmp_path / "notes.txt"
+    kept.write_text("mine")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["train", *TINY, "--averaging.backend", "hivemind", "--averaging.min_group_size", "2",
+                         "--averaging.transport_port", str(port), "--logging.run_dir", str(tmp_path)])
+    assert code == 1
+    assert f"127.0.0.1:{port}" in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "identity, port and run key left behind"
+
+
 def test_resume_with_nothing_to_resume_says_so(tmp_path, caplog):
     code = cli.main(["train", *TINY, "--averaging.backend", "local", "--averaging.min_group_size", "1",
                      "--logging.run_dir", str(tmp_path), "--resume"])

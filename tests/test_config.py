@@ -114,3 +114,18 @@ def test_command_defaults_under_file_under_overrides(tmp_path):
     assert cfg.model.dim == 32  # preset resolved after the file replaced the default preset
 
 
+
+
+def test_inner_steps_zero_is_one_error_naming_only_what_the_user_set():
+    with pytest.raises(ConfigError) as e:
+        load(None, ["--diloco.inner_steps", "0"])
+    assert e.value.problems == ["--diloco.inner_steps (H) must be at least 1, got 0"]
+
+
+def test_a_wandb_mode_in_the_environment_that_wandb_refuses_is_one_line(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ConfigError) as e:
+        load(None, ["--wandb.mode", "offline"])
+    assert e.value.problems == ["the environment's WANDB_MODE='bogus' is not a W&B mode: unset it, or set it to "
+                                "online, offline or disabled"]
+    load(None, ["--wandb.mode", "disabled"])  # no W&B run: the variable does not matter

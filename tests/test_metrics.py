@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from diloco.engine.island import Island
 from diloco.engine.metrics import (
     METRIC_NAMES,
@@ -12,6 +14,7 @@ from diloco.engine.metrics import (
     read_metrics,
     resolve_wandb_mode,
 )
+from diloco.model.transformer import flops_per_token
 from tests.conftest import tiny_config
 
 
@@ -26,12 +29,15 @@ def test_online_without_key_falls_back_to_offline(monkeypatch, tmp_path):
 
 def test_island_logs_documented_metrics_to_jsonl_and_offline_wandb(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = tiny_config(tmp_path, **{"wandb.mode": "offline", "diloco.outer_steps": 2})
+    cfg = tiny_config(tmp_path, **{"wandb.mode": "offline", "diloco.outer_steps": 2, "parallel.peak_tflops": 0.5})
     summary = Island(cfg).run()
     records = read_metrics(tmp_path)
     seen = set().union(*records)
     expected = set(METRIC_NAMES)
     assert expected <= seen, expected - seen
+    for r in (r for r in records if "mfu" in r):  # per device: the island is one process here
+        assert r["tokens_per_second_per_device"] == r["tokens_per_second"]
+        assert r["mfu"] == pytest.approx(r["tokens_per_second"] * flops_per_token(cfg.model) / 0.5e12)
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
@@ -94,3 +100,11 @@ def test_compute_seconds_count_every_evaluation_and_step(tmp_path, monkeypatch):
     assert inside["evaluations"] >= 2
     assert summary["compute_seconds"] >= inside["seconds"], (summary["compute_seconds"], inside)
     assert summary["compute_seconds"] <= summary["wall_seconds"]
+
+
+def test_an_empty_wandb_mode_in_the_environment_counts_as_unset(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "")
+    logger = MetricsLogger(tmp_path, wandb_mode="offline")
+    logger.log({"loss": 1.0, "tokens": 1})
+    logger.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run"

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
 from outer_optim.codecs import LOSSY_CODECS
+
+WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+"""What W&B accepts in ``WANDB_MODE`` (an empty variable counts as unset)."""
 
 
 def validate(cfg: Config) -> list[str]:
@@ -109,6 +113,8 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"--averaging.bucket_numel must be at least 1, got {a.bucket_numel}")
     p += codec_problems(cfg)
     p += parallel_problems(cfg)
+    if cfg.parallel.peak_tflops < 0:
+        p.append(f"--parallel.peak_tflops must be 0 (from the GPU's name) or positive, got {cfg.parallel.peak_tflops}")
     c = cfg.checkpoint
     if c.every < 0:
         p.append(f"--checkpoint.every must be 0 (off) or positive, got {c.every}")
@@ -121,6 +127,10 @@ def validate(cfg: Config) -> list[str]:
     if lg.samples < 0 or lg.sample_tokens < 1:
         p.append(f"--logging.samples must be 0 (none) or positive and --logging.sample_tokens at least 1, got "
                  f"{lg.samples} and {lg.sample_tokens}")
+    env_mode = os.environ.get("WANDB_MODE", "")
+    if cfg.wandb.mode != "disabled" and env_mode and env_mode not in WANDB_ENV_MODES:
+        p.append(f"the environment's WANDB_MODE={env_mode!r} is not a W&B mode: unset it, or set it to online, "
+                 f"offline or disabled")
     if cfg.threads < 0:
         p.append(f"--threads must be 0 (default) or positive, got {cfg.threads}")
     if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
@@ -157,7 +167,7 @@ def budget_problems(dl: DilocoConfig) -> list[str]:
     except ValueError as e:
         return [str(e)]
     p = []
-    if budget.by_steps and budget.amount != dl.inner_steps:
+    if budget.by_steps and budget.amount != dl.inner_steps and dl.inner_steps >= 1:  # H < 1: named once, above
         p.append(f"--diloco.sync_every {dl.sync_every} (steps) contradicts --diloco.inner_steps {dl.inner_steps}; "
                  f"set only one of them")
     if not 0 < dl.max_comm_fraction < 1:

@@ -244,6 +244,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "parallel.balance": ("params", "layers", "profile"),
+    "parallel.param_dtype": ("auto", "fp32", "bf16"),
 }
 
 

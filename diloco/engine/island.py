@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from diloco.data.batches import ShardedBatches, heldout_batches
 from diloco.data.corpus import load_corpus
 from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
-from diloco.engine.peer_node import PeerNode
+from diloco.engine.peer_node import PeerNode, is_peer_file
 from diloco.engine.rounds import (
     FaultHook,
     FeedbackBuffers,
@@ -55,12 +55,13 @@ from diloco.engine.rounds import (
 )
 from diloco.engine.runtime import Runtime, pick_device, return_freed_memory
 from diloco.engine.state_transfer import StateTransfer
+from diloco.engine.throughput import Throughput, peak_flops
 from diloco.errors import TrainingError
 from diloco.inference.samples import Sampler
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
 from diloco.model.inner import build_inner_optimizer, take_inner_step
-from diloco.model.transformer import build_initial_model, lm_loss
+from diloco.model.transformer import build_initial_model, flops_per_token, lm_loss
 from outer_optim import OuterOptimizer, checksum
 from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
@@ -72,6 +73,22 @@ from pipeline import ModelParts, local_state, restore_dtensor_state
 log = logging.getLogger("diloco")
 
 
+def _forget_failed_start(run_dir: Path, before: set[Path] | None) -> None:
+    """Remove what an island that could not start left in ``run_dir`` (``before``: its entries beforehand, None
+    if it did not exist): the peer node's files it made, and the directory itself when it made it and it is
+    empty.  Nothing that was there before is touched."""
+    if not run_dir.is_dir():
+        return
+    for path in run_dir.iterdir():
+        if path not in (before or set()) and path.is_file() and is_peer_file(path.name):
+            path.unlink(missing_ok=True)
+    if before is None:
+        try:
+            run_dir.rmdir()
+        except OSError:
+            pass  # not empty: something worth keeping, or another rank's file not yet removed
+
+
 class Island:
     """One island rank: built from the config, then :meth:`run` (or driven step by step in tests)."""
 
@@ -79,12 +96,17 @@ class Island:
         return_freed_memory()
         self.rt = Runtime.start(cfg, pick_device(cfg.device))
         self.peers: PeerNode | None = None
+        cfg = self.rt.island_config(cfg)
+        run_dir = Path(cfg.logging.run_dir)
+        self._run_dir_before = set(run_dir.iterdir()) if run_dir.is_dir() else None
         try:
-            self._build(self.rt.island_config(cfg))
+            self._build(cfg)
         except BaseException:
+            mute_shutdown_noise()
             if self.peers is not None:
                 self.peers.disconnect()
             self.rt.close()
+            _forget_failed_start(run_dir, self._run_dir_before)
             raise
 
     def _build(self, cfg: Config) -> None:
@@ -130,8 +152,8 @@ class Island:
         del full
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else nullcontext())
+        self.throughput = Throughput(flops_per_token(m), rt.size, self.device,
+                                     peak_flops(self.device, self.model.compute_dtype, cfg.parallel.peak_tflops))
 
         # the outer state and the run's counters
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
@@ -176,8 +198,7 @@ class Island:
 
     def train_step(self) -> float:
         """One inner AdamW step over the island (with gradient accumulation); returns the mean loss."""
-        loss = take_inner_step(self.model, self.batches, self.inner_opt, self.inner_sched, self.cfg.inner,
-                               self.autocast)
+        loss = take_inner_step(self.model, self.batches, self.inner_opt, self.inner_sched, self.cfg.inner)
         self.stats.inner_step += 1
         self.stats.tokens += self.batches.tokens_per_batch * self.cfg.inner.grad_accum
         return loss
@@ -190,8 +211,7 @@ class Island:
         self.outer.copy_to(self.params)
         losses = []
         for x, y in self.eval_batches:
-            with self.autocast:
-                losses.append(self.model.eval_loss(x, y))
+            losses.append(self.model.eval_loss(x, y))
         for n, p in self.params.items():
             p.copy_(own[n])
         return float(np.mean(losses))
@@ -230,10 +250,16 @@ class Island:
     def run(self) -> dict[str, Any]:
         """Train until ``diloco.outer_steps`` rounds are done (or a stop is requested)."""
         cfg = self.cfg
-        self.maybe_resume()
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
-        self.connect()
+        try:
+            self.maybe_resume()
+            main_thread = threading.current_thread() is threading.main_thread()
+            previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+            self.connect()
+        except BaseException:  # never started: leave the run dir as it was, and no noise after the error
+            mute_shutdown_noise()
+            self.close()
+            _forget_failed_start(self.run_dir, self._run_dir_before)
+            raise
         # hivemind's averager makes this process ignore SIGINT: install ours after it started,
         # and give the previous handlers back when the island is done
         for sig in previous:
@@ -308,9 +334,10 @@ class Island:
     def _log_loss(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
         """Log the training loss and throughput since ``window`` (time, tokens); returns the new window."""
         now, s = time.perf_counter(), self.stats
+        tokens_per_second = (s.tokens - window[1]) / max(now - window[0], 1e-9)
         self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
                           "lr": self.inner_sched.get_last_lr()[0], "tokens": s.tokens,
-                          "tokens_per_second": (s.tokens - window[1]) / max(now - window[0], 1e-9),
+                          "tokens_per_second": tokens_per_second, **self.throughput.record(tokens_per_second),
                           "outer_step": s.outer_step, "inner_step": s.inner_step})
         return now, s.tokens
 

@@ -19,7 +19,7 @@ METRIC_NAMES = ("loss", "perplexity", "lr", "outer_lr", "eval/loss", "eval/perpl
                 "compute_utilization", "outer_step", "tokens", "round_ok", "round_failure",
                 "averaged_pseudo_grad_norm", "averaging_backend", "used_fallback", "overlap_seconds",
                 "stall_seconds", "send_seconds", "fragment", "unsent_norm", "exchange_seconds", "round_payload_bytes",
-                "parts_resent")
+                "parts_resent", "tokens_per_second_per_device", "mfu", "peak_memory_gb")
 
 
 def resolve_wandb_mode(mode: str) -> str:
@@ -106,6 +106,8 @@ def json_safe(value: Any) -> Any:
 
 def _start_wandb(run_dir: Path, mode: str, project: str, group: str, name: str, entity: str, config: dict):
     os.environ.setdefault("WANDB_SILENT", "true")
+    if os.environ.get("WANDB_MODE") == "":  # empty means unset, but W&B would refuse it with a traceback
+        del os.environ["WANDB_MODE"]
     import wandb
 
     run = wandb.init(mode=mode, project=project, group=group or None, name=name or None, entity=entity or None,

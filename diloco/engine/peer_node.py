@@ -67,6 +67,12 @@ its original command plus ``--resume``, rejoins its own run instead of starting 
 MAX_KNOWN_PEERS = 64
 
 
+def is_peer_file(name: str) -> bool:
+    """Whether a run dir's file of this ``name`` is one the peer node writes when it starts (its identity,
+    ports, run key, known peers): what an island that failed to start removes again, when it made them."""
+    return name in (IDENTITY, RUN_KEY, KNOWN_PEERS) or name.startswith(PORT + ".")
+
+
 def round_id(rnd: int, retry: bool = False) -> str:
     """The averaging round id of outer step ``rnd``: the step, or ``"<step>.retry"`` when the members left
     average it again after losing one."""

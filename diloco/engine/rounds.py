@@ -551,7 +551,9 @@ class OuterRounds:
 
     def _delta_buffer(self) -> dict[str, torch.Tensor] | None:
         if self._delta_views is None and self.exchange.whole and self.outer.device.type == "cpu":
-            self._delta_views = self.exchange.flat_views(torch.empty(self.exchange.layout.total_numel))
+            # pinned on a GPU host: the parameters' copies into it run asynchronously
+            self._delta_views = self.exchange.flat_views(torch.empty(self.exchange.layout.total_numel,
+                                                                     pin_memory=torch.cuda.is_available()))
         return self._delta_views
 
     def round(self) -> RoundMetrics:

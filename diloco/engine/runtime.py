@@ -42,12 +42,21 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
 
 
 def pick_device(spec: str) -> torch.device:
-    """`auto` → CUDA if available (the local rank's GPU under torchrun), else CPU."""
-    if spec == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    """`auto` → CUDA if available, else CPU; `auto` and `cuda` take the local rank's GPU under torchrun."""
+    if spec == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
+    if spec in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device(spec)
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this process's CUDA device and let fp32 matrix products use TF32 tensor cores there
+    (what torchtitan and prime do; a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 @dataclass
@@ -108,6 +117,7 @@ class Runtime:
         size = tp * pp
         a = cfg.averaging
         rt = cls(tp, pp, device)
+        use_device(device)
         # ranks wait in collectives while their island's owners run a hivemind round or a download
         rt.timeout_s = max(600.0, 2 * (a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
                                        + a.state_download_timeout) + 120.0)
@@ -134,8 +144,6 @@ class Runtime:
                                 f"--nproc-per-node {size}, or pass --averaging.backend torch (or auto) to run {n} "
                                 f"islands in one world")
         if not dist.is_initialized():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=rt.timeout_s))
             rt.owns_process_group = True

@@ -37,6 +37,7 @@ so a launcher can wrap them, e.g. in ``ip netns exec``), and :func:`baseline_mai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -48,7 +49,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -95,13 +95,15 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     from diloco.model.transformer import build_initial_model, lm_loss
     from outer_optim import checksum
     from peers.wire import WireCounter
-    from pipeline import ModelParts, ParallelSettings
+    from diloco.engine.runtime import use_device
+    from diloco.engine.throughput import Throughput, peak_flops
+    from diloco.model.transformer import flops_per_token
+    from pipeline import ModelParts
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device_for(cfg, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    use_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=workers,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -114,12 +116,11 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
         eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
                         if rank == 0 else [])
+        # a worker holds the whole model: the island's precision and compilation, none of its split
         model = ModelParts(build_initial_model(m, cfg.seed, cfg.checkpoint.init_from), None,
-                           ParallelSettings(activation_checkpointing=cfg.parallel.activation_checkpointing),
-                           loss_fn=lm_loss, device=device)
+                           dataclasses.replace(cfg.parallel, tp=1, pp=1), loss_fn=lm_loss, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, total_steps)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         accum = cfg.inner.grad_accum
 
         # every worker must start from the same parameters (DDP would broadcast rank 0's)
@@ -136,6 +137,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         step_bytes = ring_allreduce_bytes(flat.numel() * flat.element_size(), workers)
         wire = WireCounter(own=True)  # gloo's connections are this process's own
         tokens_per_step = workers * batches.tokens_per_batch * accum
+        throughput = Throughput(flops_per_token(m), workers, device,
+                                peak_flops(device, model.compute_dtype, cfg.parallel.peak_tflops))
 
         name = f"{cfg.averaging.run_id}-baseline-rank{rank}"
         if rank == 0:
@@ -148,8 +151,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         def evaluate() -> float:
             losses = []
             for x, y in eval_batches:
-                with autocast:
-                    losses.append(model.eval_loss(x, y))
+                losses.append(model.eval_loss(x, y))
             return float(sum(losses) / len(losses))
 
         def all_reduce_grads(local_loss: float) -> float:
@@ -199,8 +201,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         window_t, window_tokens = time.perf_counter(), 0
         for step in range(total_steps):
             t0, comm_before = time.perf_counter(), comm
-            step_loss = take_inner_step(model, batches, opt, sched, cfg.inner, autocast,
-                                   sync_grads=all_reduce_grads if workers > 1 else None)
+            step_loss = take_inner_step(model, batches, opt, sched, cfg.inner,
+                                        sync_grads=all_reduce_grads if workers > 1 else None)
             compute += time.perf_counter() - t0 - (comm - comm_before)
             tokens += tokens_per_step
             step_losses.append(step_loss)
@@ -209,10 +211,10 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                 continue
             if done % cfg.logging.log_every == 0 or done % H == 0 or done == total_steps:
                 now = time.perf_counter()
+                tokens_per_second = (tokens - window_tokens) / max(now - window_t, 1e-9)
                 metrics.log({"loss": step_loss, "perplexity": math.exp(min(step_loss, 50)),
-                             "lr": sched.get_last_lr()[0], "tokens": tokens,
-                             "tokens_per_second": (tokens - window_tokens) / max(now - window_t, 1e-9),
-                             "outer_step": done // H, "inner_step": done,
+                             "lr": sched.get_last_lr()[0], "tokens": tokens, "tokens_per_second": tokens_per_second,
+                             **throughput.record(tokens_per_second), "outer_step": done // H, "inner_step": done,
                              "payload_bytes_sent": bytes_sent, "num_peers": workers})
                 window_t, window_tokens = now, tokens
             if done % H == 0 or done == total_steps:

@@ -64,6 +64,37 @@ def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None)
     return out
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out: ``CUDA_VISIBLE_DEVICES`` when set, else every device torch sees."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def gpu_assignment(sizes: list[int], gpus: list[str], device: str) -> list[str | None]:
+    """Each island's ``CUDA_VISIBLE_DEVICES``: ``sizes[i]`` GPUs of its own, consecutive in ``gpus``, or None for
+    every island when they run on the CPU (``--device cpu``, or ``auto`` on a machine without GPUs).  Raises
+    SimulationError when the islands need more GPUs than there are."""
+    if device == "cpu" or (device == "auto" and not gpus):
+        return [None] * len(sizes)
+    if device.startswith("cuda:"):
+        raise SimulationError(f"simulate gives each island GPUs of its own, so --device {device} cannot hold for "
+                              f"all of them: pass --device cuda (or auto)")
+    need = sum(sizes)
+    if need > len(gpus):
+        shape = f"{len(sizes)} islands of {sizes[0]} processes" if len(set(sizes)) == 1 else f"islands of {sizes} processes"
+        raise SimulationError(f"{shape} need {need} GPUs, one per process, but this machine has {len(gpus)}: run "
+                              f"fewer islands or smaller ones (--parallel.tp, --parallel.pp), or pass --device cpu")
+    out, start = [], 0
+    for n in sizes:
+        out.append(",".join(gpus[start:start + n]))
+        start += n
+    return out
+
+
 def tail(path: Path, n: int = 15) -> str:
     """The last ``n`` lines of a log file."""
     try:
@@ -87,6 +118,8 @@ class Cluster:
         self.env = env or {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
+        self.gpus = gpu_assignment([self.island_size(i) for i in range(n)],
+                                   visible_gpus() if cfg.device != "cpu" else [], cfg.device)
         for d in self.run_dirs:
             for stale in ("maddrs.txt", "summary.json", "metrics.jsonl", "theta_global.pt"):
                 (d / stale).unlink(missing_ok=True)
@@ -105,6 +138,8 @@ class Cluster:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc-per-node", str(size), *cmd[1:]]
             parallel_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        if self.gpus[i] is not None:  # each island on GPUs of its own; its ranks take them by LOCAL_RANK
+            parallel_env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
         if self.wrap is not None:
             cmd = self.wrap(cmd, i)
         full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1", **parallel_env,

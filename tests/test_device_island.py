@@ -1,0 +1,81 @@
+"""What an island does with its devices: compute precision, compiled blocks, throughput metrics, the GPUs that
+``simulate`` hands each island.  On CPU; the GPU figures are in benchmarks/gpu_island.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.config import ModelConfig
+from diloco.engine.throughput import Throughput, peak_flops
+from diloco.launch.simulate import SimulationError, gpu_assignment
+from diloco.model.transformer import build_model, flops_per_token, lm_loss
+from pipeline import ModelParts, ParallelSettings
+
+
+def _parts(**settings) -> ModelParts:
+    return ModelParts(build_model(ModelConfig(preset="tiny"), seed=0), None, ParallelSettings(**settings),
+                      loss_fn=lm_loss, device="cpu")
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (2, 33), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_bf16_compute_runs_in_bf16_over_fp32_master_weights_gradients_and_loss():
+    x, y = _batch()
+    fp32, bf16 = _parts(param_dtype="fp32"), _parts(param_dtype="bf16")
+    assert fp32.compute_dtype == torch.float32 and bf16.compute_dtype == torch.bfloat16
+    assert _parts().compute_dtype == torch.float32, "auto is fp32 on CPU"
+    seen = []
+    hook = bf16.modules[0].layers["0"].feed_forward.w1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    loss_32, loss_16 = fp32.train_step(x, y), bf16.train_step(x, y)
+    hook.remove()
+    assert seen == [torch.bfloat16], "the matrix products ran in fp32"
+    assert abs(loss_16 - loss_32) < 0.02 * loss_32 and loss_16 != loss_32
+    for (name, p32), (_, p16) in zip(fp32.named_parameters(), bf16.named_parameters()):
+        assert p16.dtype == torch.float32 and p16.grad.dtype == torch.float32, name
+        assert torch.equal(p32, p16), "the master weights are the same fp32 tensors before the optimizer step"
+        cos = torch.nn.functional.cosine_similarity(p32.grad.flatten(), p16.grad.flatten(), dim=0)
+        assert cos > 0.99, f"{name}: bf16 gradients point elsewhere (cosine {cos:.3f})"
+    assert abs(bf16.eval_loss(x, y) - fp32.eval_loss(x, y)) < 0.02 * loss_32
+
+
+def test_compiled_blocks_keep_names_and_match_eager_gradients(monkeypatch):
+    # traced by dynamo and split into forward and backward graphs as on a GPU, run by aot_eager rather than
+    # inductor, whose C++ code generation takes minutes on 2 cores (benchmarks/gpu_island.py runs inductor)
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="aot_eager"))
+    x, y = _batch()
+    eager, compiled = _parts(), _parts(compile=True)
+    assert all(b._compiled_call_impl is not None for b in compiled.modules[0].layers.values())
+    assert [n for n, _ in eager.named_parameters()] == [n for n, _ in compiled.named_parameters()]
+    assert eager.modules[0].state_dict().keys() == compiled.modules[0].state_dict().keys()
+    assert abs(eager.train_step(x, y) - compiled.train_step(x, y)) < 1e-5
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_throughput_per_device_and_mfu_from_the_model_flops():
+    cfg = ModelConfig(preset="tiny")
+    t = Throughput(flops_per_token(cfg), devices=4, device=torch.device("cpu"), peak=2e12)
+    rec = t.record(8000.0)
+    assert rec["tokens_per_second_per_device"] == 2000.0
+    assert rec["mfu"] == pytest.approx(2000.0 * flops_per_token(cfg) / 2e12)
+    assert rec["peak_memory_gb"] > 0.05, "the peak resident set of this process"
+    assert "mfu" not in Throughput(1.0, 1, torch.device("cpu"), None).record(1.0), "no peak, no MFU"
+    assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+    assert peak_flops(torch.device("cpu"), torch.bfloat16, override_tflops=100.0) == 1e14
+
+
+def test_simulate_gives_each_island_gpus_of_its_own_or_refuses():
+    assert gpu_assignment([2, 2], ["0", "1", "2", "3"], "auto") == ["0,1", "2,3"]
+    assert gpu_assignment([1, 1, 1], ["4", "5", "6", "7"], "cuda") == ["4", "5", "6"], "CUDA_VISIBLE_DEVICES kept"
+    assert gpu_assignment([2, 2], [], "auto") == [None, None], "no GPU: CPU islands"
+    assert gpu_assignment([2, 2], ["0"], "cpu") == [None, None]
+    with pytest.raises(SimulationError, match="need 4 GPUs.*has 3"):
+        gpu_assignment([2, 2], ["0", "1", "2"], "auto")
+    with pytest.raises(SimulationError, match="--device cuda"):
+        gpu_assignment([1, 1], ["0", "1"], "cuda:1")
