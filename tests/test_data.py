@@ -259,6 +259,33 @@ def test_hf_json_loading_through_datasets(tmp_path):
         load_corpus(DataConfig(path=f"hf:json:{tmp_path / 'missing.jsonl'}"))
 
 
+def test_a_jsonl_file_is_read_as_records_not_as_json_text(tmp_path):
+    rows = [{"text": f"record {i}: " + "words of the record " * 10, "id": i} for i in range(19)]
+    path = tmp_path / "notes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = load_corpus(DataConfig(path=str(path), heldout_fraction=0.2))
+    assert corpus.num_documents == 19, "one document per record"
+    text = corpus.train.tobytes() + corpus.heldout.tobytes()
+    assert b'"id"' not in text and b"{" not in text, "the JSON syntax was trained on"
+    assert sum(text.count(f"record {i}:".encode()) for i in range(19)) == 19
+    same_as_hf = load_corpus(DataConfig(path=f"hf:json:{path}", heldout_fraction=0.2))
+    assert same_as_hf.num_documents == 19
+    assert same_as_hf.train.size + same_as_hf.heldout.size == corpus.train.size + corpus.heldout.size
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(DataError, match="line 2 is not JSON"):
+        load_corpus(DataConfig(path=str(tmp_path / "bad.jsonl")))
+    with pytest.raises(DataError, match="has no column 'body'"):
+        load_corpus(DataConfig(path=str(path), hf_text_field="body"))
+
+
+def test_max_bytes_zero_reads_a_dataset_to_its_end(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * 1000}) + "\n" for _ in range(300)))
+    corpus = load_corpus(DataConfig(path=f"hf:json:{path}", max_bytes=0))
+    assert corpus.num_documents == 300 and corpus.train.size + corpus.heldout.size >= 300_000
+
+
 def test_hf_missing_extra_message(monkeypatch):
     import builtins
 

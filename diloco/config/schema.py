@@ -54,9 +54,11 @@ class ModelConfig:
 class DataConfig:
     path: str = "stdlib"
     """Training text: `stdlib` (the running Python's standard library source, on every machine),
-    a file, a directory, a glob, or `hf:NAME[:CONFIG]` for a Hugging Face dataset (streaming)."""
+    a file, a directory, a glob (`.jsonl`, `.parquet` and `.csv` files are read as records, the rest as text),
+    `hf:NAME[:CONFIG]` for a Hugging Face dataset (streaming), or `hf:json|csv|parquet|text:FILES`."""
     hf_text_field: str = "text"
-    """Column holding the text in a Hugging Face dataset."""
+    """Field holding the text in the records of a Hugging Face dataset and of `.jsonl`, `.parquet` and `.csv`
+    files."""
     heldout_fraction: float = 0.02
     """Fraction of the documents (chosen by a hash of their name) kept out of training for evaluation."""
     shard_index: int = 0
@@ -64,7 +66,8 @@ class DataConfig:
     num_shards: int = 1
     """How many disjoint shards the training data is split into (usually the number of islands)."""
     max_bytes: int = 0
-    """Read at most this many bytes of text (0: no limit); useful for quick tests."""
+    """Read at most this many bytes of text (0: no limit: a Hugging Face dataset is read to its end, into
+    memory, so set a limit for large ones)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -32,7 +33,8 @@ from diloco.config import DataConfig
 
 SEPARATOR = b"\n\n"
 """Bytes placed between two documents of one stream."""
-HF_DEFAULT_MAX_BYTES = 256 * 2**20
+RECORD_FORMATS = {".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv"}
+"""Files of records rather than text, by extension: one document per record, its ``--data.hf_text_field``."""
 """How much of a streamed Hugging Face dataset is read when ``max_bytes`` is 0."""
 HF_PACKAGED_BUILDERS = ("json", "csv", "text", "parquet", "arrow")
 """``hf:BUILDER:FILES`` reads local (or remote) files with one of these generic builders."""
@@ -144,9 +146,14 @@ def local_files(path: str) -> list[tuple[str, Path]]:
     return files
 
 
-def local_documents(files: Iterable[tuple[str, Path]], skipped: list[str] | None = None) -> Iterator[Document]:
-    """Yield the UTF-8 text files among ``files``; binary ones are appended to ``skipped``."""
+def local_documents(files: Iterable[tuple[str, Path]], skipped: list[str] | None = None,
+                    text_field: str = "text") -> Iterator[Document]:
+    """Yield the UTF-8 text files among ``files`` (binary ones are appended to ``skipped``), and the records of
+    record files (:data:`RECORD_FORMATS`) one by one."""
     for name, p in files:
+        if p.suffix.lower() in RECORD_FORMATS:
+            yield from record_documents(name, p, text_field)
+            continue
         data = _read_text(p)
         if data is None:
             if skipped is not None:
@@ -154,6 +161,29 @@ def local_documents(files: Iterable[tuple[str, Path]], skipped: list[str] | None
             continue
         if data:
             yield name, data
+
+
+def record_documents(name: str, path: Path, text_field: str) -> Iterator[Document]:
+    """The records of a ``.jsonl``, ``.parquet`` or ``.csv`` file as documents ``name:index`` holding their
+    ``text_field`` (parquet and csv through Hugging Face ``datasets``)."""
+    kind = RECORD_FORMATS[path.suffix.lower()]
+    if kind == "json":
+        rows: Iterable[Any] = _json_lines(name, path)
+    else:
+        rows = _import_datasets().load_dataset(kind, data_files=str(path), split="train", streaming=True)
+    for index, data in hf_documents(rows, text_field, name):
+        yield f"{name}:{index}", data
+
+
+def _json_lines(name: str, path: Path) -> Iterator[Any]:
+    with path.open(encoding="utf-8", errors="strict") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{name} line {number} is not JSON ({e.msg}); a .jsonl file holds one JSON "
+                                    f"object per line (rename it to .txt to train on it as text)") from None
 
 
 @dataclass(frozen=True)
@@ -212,6 +242,9 @@ def open_hf_dataset(source: HFSource) -> Iterable[dict[str, Any]]:
 def hf_documents(rows: Iterable[dict[str, Any]], text_field: str, source: str = "the dataset") -> Iterator[Document]:
     """Yield (row index, UTF-8 bytes of ``row[text_field]``) for every non-empty row."""
     for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"record {index} of {source} is a {type(row).__name__}, not an object with a "
+                            f"{text_field!r} field")
         if text_field not in row:
             raise DataError(f"{source} has no column {text_field!r} (columns: {', '.join(map(str, row))}); "
                             f"set --data.hf_text_field to the column holding the text")
@@ -302,11 +335,10 @@ def documents(cfg: DataConfig) -> tuple[Iterable[Document], str]:
     if cfg.path.startswith("hf:"):
         source = HFSource.parse(cfg.path)
         rows = open_hf_dataset(source)
-        limit = cfg.max_bytes or HF_DEFAULT_MAX_BYTES
-        return take_bytes(hf_documents(rows, cfg.hf_text_field, str(source)), limit), str(source)
+        return take_bytes(hf_documents(rows, cfg.hf_text_field, str(source)), cfg.max_bytes), str(source)
     skipped: list[str] = []
     files = local_files(cfg.path)
-    docs = list(take_bytes(local_documents(files, skipped), cfg.max_bytes))
+    docs = list(take_bytes(local_documents(files, skipped, cfg.hf_text_field), cfg.max_bytes))
     if not docs:
         raise DataError(f"--data.path {cfg.path} holds no UTF-8 text ({len(files)} files, "
                         f"{len(skipped)} skipped as binary or not UTF-8); point it at text files")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ from diloco.engine.runtime import Runtime, pick_device, return_freed_memory
 from diloco.engine.state_transfer import StateTransfer
 from diloco.engine.throughput import Throughput, peak_flops
 from diloco.errors import TrainingError
+from diloco.progress import Progress
 from diloco.inference.samples import Sampler
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
@@ -183,6 +185,8 @@ class Island:
                                   keeps_unsent=a.compression in LOSSY_CODECS and a.error_feedback, hooks=hooks)
         self.metrics: MetricsLogger | NullMetrics = NullMetrics()
         self.writer = checkpoint.BackgroundWriter() if cfg.checkpoint.background else None
+        self.progress = Progress(None, self.name, enabled=False)
+        """The bar of :meth:`run` on a terminal (rank 0 only)."""
         self.t_start = 0.0
         """``time.perf_counter()`` when the training loop started (for compute utilization)."""
 
@@ -288,12 +292,17 @@ class Island:
             self.metrics.log({"eval/loss": s.eval_loss_start, "eval/perplexity": math.exp(s.eval_loss_start),
                               "tokens": s.tokens, "outer_step": s.outer_step})
         loss, window = float("nan"), (time.perf_counter(), s.tokens)
+        self.progress = Progress(100, self.name, percent=True, enabled=self.is_main and sys.stderr.isatty())
+        first = (time.perf_counter(), s.tokens)
         while s.outer_step < sched.total_rounds and not self.stop_agreed():
             t_step = time.perf_counter()
             if s.inner_step % sched.interval == sched.interval // 2:
                 self.faults.at("inner", s.outer_step + 1)
             loss = self.train_step()
             s.compute_seconds += time.perf_counter() - t_step
+            self.progress.set(100 * sched.progress(), round=f"{s.outer_step + 1}/{sched.total_rounds}",
+                              step=s.inner_step, loss=f"{loss:.3f}",
+                              tokens_per_s=f"{(s.tokens - first[1]) / max(time.perf_counter() - first[0], 1e-9):,.0f}")
             if s.inner_step % cfg.logging.log_every == 0 or sched.sync_due():
                 window = self._log_loss(loss, window)
             if rounds.apply_due():
@@ -316,6 +325,7 @@ class Island:
             self._after_round(rounds.apply(), loss)
         if self.stopping or (cfg.checkpoint.every and s.outer_step % (cfg.checkpoint.every * sched.n)):
             self.save_checkpoint()
+        self.progress.close()
         if math.isnan(s.eval_loss_end):
             with self._as_compute():
                 s.eval_loss_end = self.evaluate()
@@ -354,8 +364,8 @@ class Island:
         record["compute_utilization"] = s.compute_seconds / max(time.perf_counter() - self.t_start, 1e-9)
         self.metrics.log(record)
         if self.is_main:
-            print(f"[{self.name}] {metrics.progress_line(s.outer_step, total, loss)}"
-                  + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""), flush=True)
+            self.progress.write(f"[{self.name}] {metrics.progress_line(s.outer_step, total, loss)}"
+                                + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""))
         if cfg.checkpoint.every and s.outer_step % (cfg.checkpoint.every * n) == 0:
             self.save_checkpoint()
 

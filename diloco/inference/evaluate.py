@@ -8,7 +8,6 @@ predicted byte (so long documents weigh more), in nats; bits per byte = loss / l
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from diloco.config import DataConfig
 from diloco.data.corpus import DataError, Document, documents, split_documents
 from diloco.model.transformer import Transformer
+from diloco.progress import Progress
 
 
 @dataclass
@@ -70,10 +70,10 @@ def heldout_documents(cfg: DataConfig, split: str) -> tuple[list[Document], str]
 
 
 def evaluate(model: Transformer, docs: list[Document], batch_size: int = 8, progress: bool = True) -> Evaluation:
-    """The loss of ``model`` on ``docs``, with a progress line on stderr."""
+    """The loss of ``model`` on ``docs``, with a progress bar on stderr when it is a terminal (and ``progress``)."""
     model.eval()
     out = Evaluation()
-    total_bytes = sum(len(d) for _, d in docs)
+    bar = Progress(sum(len(d) for _, d in docs), "eval", unit="B", unit_scale=True, enabled=None if progress else False)
     seen = 0
     for i, (name, data) in enumerate(docs):
         loss, count = document_loss(model, data, batch_size)
@@ -82,10 +82,6 @@ def evaluate(model: Transformer, docs: list[Document], batch_size: int = 8, prog
         seen += len(data)
         if count:
             out.per_document.append((name, loss / count, count))
-        if progress:
-            bar = "#" * int(30 * seen / max(total_bytes, 1))
-            print(f"\r[{bar:<30}] {i + 1}/{len(docs)} documents, {seen / 1e6:.2f} MB, loss {out.loss:.4f}",
-                  end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+        bar.set(seen, documents=f"{i + 1}/{len(docs)}", loss=f"{out.loss:.4f}")
+    bar.close()
     return out
