@@ -26,6 +26,9 @@ from peers.fingerprints import fingerprints_agree, majority_by_state
 
 log = logging.getLogger(__name__)
 
+FINAL_RECORD_TTL = 3600.0
+"""Seconds the record of an island that finished the run lives on after it left: while a DHT node of the run
+(a bootstrap node) keeps it, an island that arrives late learns that the run ended instead of waiting alone."""
 HEARTBEAT = 3.0
 """Longest time between two refreshes of an island's registration (a third of the ttl when shorter): how
 soon an island that died without leaving can be told from one that is alive."""
@@ -140,7 +143,8 @@ class Membership:
         """Tell the run this island is gone, so nobody waits for it."""
         self._stop.set()
         try:
-            self._store(self._value(averaging=False, left=True), self.ttl + 1)
+            self._store(self._value(averaging=False, left=True),
+                        FINAL_RECORD_TTL if self.final is not None else self.ttl + 1)
         except Exception as e:
             log.debug("could not announce leaving: %s", e)
 
@@ -270,6 +274,16 @@ class Membership:
         ended = [m for m in records if isinstance(m.final, dict) and m.final.get("outer_step") == outer_step]
         return (sorted({m.island for m in ended if not fingerprints_agree(m.final.get("state") or [], state, 1e-5)}),
                 len({m.island for m in ended}))
+
+    def ended_at(self) -> int | None:
+        """The outer step the run ended at, when every other island's record says that it finished the run and
+        left; None while one of them is live or none finished (or no other island ever registered)."""
+        records = [m for m in self.members().values() if (m.island or m.peer_id) != self.island]
+        if not records or not all(m.left for m in records):
+            return None
+        steps = [m.final.get("outer_step") for m in records if isinstance(m.final, dict)]
+        steps = [int(step) for step in steps if isinstance(step, int)]
+        return max(steps) if steps else None
 
     def moved_past(self, outer_step: int) -> bool:
         """True when at least one other island is live and every one announced a later outer step than

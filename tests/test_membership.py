@@ -191,3 +191,25 @@ def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(no_leaked
     finally:
         for dht in reversed(made):
             dht.shutdown()
+
+
+def test_a_late_island_learns_that_the_run_ended(no_leaked_daemons):
+    made = []
+    try:
+        d1 = start_dht(NetworkSettings())
+        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
+        made += [d1, d2]
+        first, late = Membership(d1, "run", ttl=6.0), Membership(d2, "run", ttl=6.0)
+        assert late.ended_at() is None, "a run nobody registered in has not ended"
+        first.announce(6)
+        assert wait_until(lambda: [m.outer_step for m in late.others()] == [6], 5.0)
+        assert late.ended_at() is None, "a live island: the run goes on"
+        first.final_disagreements(6, [1.0, 2.0], wait=0.0)
+        assert late.ended_at() is None, "finished but not gone yet"
+        first.leave()
+        assert wait_until(lambda: late.ended_at() == 6, 5.0)
+        time.sleep(7.0)  # past the ttl of a live record: the final one stays
+        assert late.ended_at() == 6
+    finally:
+        for dht in reversed(made):
+            dht.shutdown()

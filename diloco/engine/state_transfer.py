@@ -109,6 +109,11 @@ class StateTransfer:
         a = self.a
         if self.peers.membership is None:
             return False
+        ended = self.main_decides(self.peers.membership.ended_at)
+        if ended is not None:
+            raise TrainingError(f"run {a.run_id} ended at outer step {ended}: every island that trained it finished "
+                                f"and left, so there is nothing to join; start a new run with another "
+                                f"--averaging.run_id")
 
         def look() -> bool:
             if a.wait_for_islands > 1:
