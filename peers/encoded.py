@@ -388,23 +388,3 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
                 mean[lo:hi].copy_(dec(gathered.got[p], hi - lo))
         result.mean = mean
     return result
-    got = {**scattered.got, me: parts[me]}
-    mine = b""
-    if carry is not None:
-        out.carry = torch.zeros(numel)
-    if b > a:
-        part = weighted_mean({p: dec(got[p], b - a) for p in peers}, weights)
-        if carry is not None:
-            part += carry[a:b]
-        mine = enc(part)
-        if out.carry is not None:
-            out.carry[a:b] = part - dec(mine, b - a)
-    sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
-    gathered = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
-    out.missing, out.declined = gathered.missing, gathered.declined
-    out.bytes_sent += gathered.bytes_sent
-    out.bytes_received += gathered.bytes_received
-    if not out.missing:
-        back = {**gathered.got, me: mine}
-        out.mean = torch.cat([dec(back[p], hi - lo) for p, (lo, hi) in bounds.items()])
-    return out
