@@ -58,8 +58,15 @@ def test_islands_meet_through_a_standalone_bootstrap_node(tmp_path, no_leaked_da
             summaries = cluster.summaries()
         finally:
             cluster.stop_all()
+        # an island that arrives after both finished learns from the bootstrap's records that the run ended
+        late = subprocess.run([sys.executable, "-m", "diloco.cli", "train", "--config", str(cluster.run_dirs[0] /
+                               "config.toml"), "--logging.run_dir", str(tmp_path / "late"),
+                               "--averaging.maddr_file", str(tmp_path / "late.maddrs")],
+                              capture_output=True, text=True, timeout=120)
     finally:
         os.killpg(boot.pid, signal.SIGTERM)
         boot.wait(30)
     assert [s["rounds_ok"] for s in summaries] == [2, 2], [s["failures"] for s in summaries]
     assert cluster.theta_spread() < 1e-6
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert f"run {cfg.averaging.run_id} ended at outer step 2" in late.stderr, late.stdout + late.stderr
