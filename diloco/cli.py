@@ -35,6 +35,7 @@ commands:
   experiment overlap    compute utilization and wall-clock against link rate, blocking vs rounds in flight
   experiment hetero     islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP
   experiment horizon    the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run
+  tokenizer train --data.path P --tokenizer.vocab_size N --out FILE   learn a byte-level BPE (--data.tokenizer FILE)
   config show           print the effective configuration (TOML, with a comment per key)
   config reference      print every key with its default and meaning (markdown)
 
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         from diloco.inference.commands import COMMANDS
 
         return COMMANDS[argv[0]](argv[1:])
+    if argv and argv[0] == "tokenizer":
+        from diloco.data import tokenizer
+
+        return tokenizer.main(argv[1:])
     plugin = _plugin_command(argv[0]) if argv else None
     if plugin is not None:
         return plugin(argv[1:])

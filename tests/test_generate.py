@@ -9,20 +9,16 @@ import torch
 
 from diloco.cli import main
 from diloco.inference.export import load_trained
-from diloco.inference.generate import (
-    GenerationError,
-    Sampling,
-    StreamDecoder,
-    decode,
-    encode,
-    generate,
-)
+from diloco.data.tokenizer import Tokenizer
+from diloco.inference.generate import GenerationError, Sampling, generate
 from diloco.model.checkpoint import CheckpointError
 from diloco.model.hf import export_hf
 from diloco.model.weights import load_parameters
 from tests.conftest import tiny_config
 
 PROMPTS = ["def __init__(self", "import os\n", "    return "]
+BYTES = Tokenizer()
+encode, decode = BYTES.encode, BYTES.decode
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +32,7 @@ def trained(tmp_path_factory):
 
 
 def test_greedy_tokens_are_the_same_with_and_without_the_cache(trained):
-    model, cfg, source = load_trained(trained)
+    model, cfg, source, _ = load_trained(trained)
     assert source.name == "ckpt-000003.pt"
     for prompt in PROMPTS:
         cached = generate(model, encode(prompt), 12, use_cache=True)
@@ -49,7 +45,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache(trained):
 
 
 def test_sampling_is_repeatable_by_seed_and_respects_top_k(trained):
-    model, _, _ = load_trained(trained)
+    model, _, _, _ = load_trained(trained)
     prompt = encode(PROMPTS[0])
     a = generate(model, prompt, 16, Sampling(temperature=1.0, seed=3)).tokens
     assert a == generate(model, prompt, 16, Sampling(temperature=1.0, seed=3)).tokens
@@ -60,7 +56,7 @@ def test_sampling_is_repeatable_by_seed_and_respects_top_k(trained):
 
 
 def test_bad_requests_say_what_to_change(trained, capsys):
-    model, cfg, _ = load_trained(trained)
+    model, cfg, _, _ = load_trained(trained)
     with pytest.raises(GenerationError, match="context is 32"):
         generate(model, encode("y" * cfg.seq_len), 5)
     for bad in (Sampling(temperature=float("nan")), Sampling(top_p=0.0), Sampling(top_k=-1)):
@@ -76,7 +72,7 @@ def test_bad_requests_say_what_to_change(trained, capsys):
 def test_generate_command_streams_text_and_reports_speed(trained, capsys):
     assert main(["generate", str(trained), "--prompt", "def ", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
-    model, _, _ = load_trained(trained)
+    model, _, _, _ = load_trained(trained)
     assert out == "def " + decode(generate(model, encode("def "), 12).tokens) + "\n"
     assert "tokens/s" in err
 
@@ -97,7 +93,7 @@ def test_eval_matches_the_island_loss_definition_and_lists_documents(trained, tm
     from diloco.inference.evaluate import document_loss, evaluate, heldout_documents
     from diloco.model.transformer import lm_loss
 
-    model, cfg, _ = load_trained(trained)
+    model, cfg, _, _ = load_trained(trained)
     text = (tmp_path / "a.txt")
     text.write_text("def f(x):\n    return x + 1\n" * 8)
     (tmp_path / "b.txt").write_text("import sys\nprint(sys.argv)\n" * 5)
@@ -114,7 +110,7 @@ def test_eval_matches_the_island_loss_definition_and_lists_documents(trained, tm
     assert main(["eval", str(trained), "--data.path", str(tmp_path / "*.txt"), "--split", "all",
                  "--per-document"]) == 0
     out, err = capsys.readouterr()
-    assert "a.txt" in out and "b.txt" in out and f"loss {result.loss:.4f} nats/byte" in out
+    assert "a.txt" in out and "b.txt" in out and f"loss {result.loss:.4f} nats/token" in out
     assert "\r" not in err and "documents=" not in err, "a progress bar in a log (stderr is not a terminal here)"
     assert main(["eval", str(trained), "--data.path", str(tmp_path / "missing.txt")]) == 1
     assert main(["eval", str(trained), "--split", "train"]) == 1
@@ -128,7 +124,7 @@ def test_a_tp2_pp2_gloo_island_generates_the_same_text(trained, tmp_path):
     import subprocess
     import sys
 
-    model, _, _ = load_trained(trained)
+    model, _, _, _ = load_trained(trained)
     want = "def " + decode(generate(model, encode("def "), 20).tokens) + "\n"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "diloco.cli",
@@ -147,14 +143,14 @@ def test_a_tp2_pp2_gloo_island_generates_the_same_text(trained, tmp_path):
 
 
 def test_stream_decoder_holds_back_incomplete_characters():
-    stream = StreamDecoder()
+    stream = BYTES.stream()
     pieces = [stream.push(b) for b in "é—x".encode()]
     assert "".join(pieces) == "é—x" and pieces[0] == "" and pieces[1] == "é"
 
 
 def test_export_loads_in_transformers_with_the_same_logits_and_comes_back_lossless(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
-    model, cfg, _ = load_trained(trained)
+    model, cfg, _, _ = load_trained(trained)
     out = tmp_path / "hf"
     assert main(["export", "--format", "hf", str(trained), str(out)]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

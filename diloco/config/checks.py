@@ -24,16 +24,19 @@ def validate(cfg: Config) -> list[str]:
         if flat[key] not in choices:
             p.append(f"--{key} is {flat[key]!r} but must be one of {', '.join(choices)}")
     m = cfg.model
-    for name in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len", "vocab_size"):
+    for name in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len"):
         if getattr(m, name) < 1:
             p.append(f"--model.{name} must be at least 1, got {getattr(m, name)}")
+    if m.vocab_size < 0:
+        p.append(f"--model.vocab_size must be 0 (the tokenizer's) or positive, got {m.vocab_size}")
     if m.dim > 0 and m.n_heads > 0 and m.dim % m.n_heads:
         p.append(f"--model.n_heads ({m.n_heads}) must divide --model.dim ({m.dim}); pick a divisor such as "
                  f"{max(d for d in range(1, m.n_heads + 1) if m.dim % d == 0)}")
     elif m.dim > 0 and m.n_heads > 0 and (m.dim // m.n_heads) % 2:
         p.append(f"the head width --model.dim / --model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-    if m.vocab_size < 256 and not cfg.data.path.startswith("hf:"):
-        p.append(f"--model.vocab_size is {m.vocab_size} but byte-level tokens need at least 256")
+    if 0 < m.vocab_size < 256 and cfg.data.tokenizer in ("", "bytes"):
+        p.append(f"--model.vocab_size is {m.vocab_size} but byte-level tokens need at least 256 (0 follows the "
+                 f"tokenizer)")
     d = cfg.data
     if not 0 < d.heldout_fraction < 1:
         p.append(f"--data.heldout_fraction must be between 0 and 1 (exclusive), got {d.heldout_fraction}")
@@ -143,7 +146,7 @@ def parallel_problems(cfg: Config) -> list[str]:
     par, m = cfg.parallel, cfg.model
     if par.tp == 1 and par.pp == 1:
         return []
-    if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size) < 1:
+    if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size or 256) < 1:
         return []  # reported above
     if par.schedule not in CHOICES["parallel.schedule"] or par.balance not in CHOICES["parallel.balance"]:
         return []  # named by the choice check above; the split is checked once that is fixed
@@ -151,7 +154,7 @@ def parallel_problems(cfg: Config) -> list[str]:
         check_split,  # torch-heavy: only for parallel islands
     )
 
-    problems = check_split(par, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size)
+    problems = check_split(par, m.n_layers, m.n_heads, m.dim, m.ffn_dim, m.vocab_size or 256)
     if par.pp > 1 and par.microbatches >= 1 and cfg.inner.batch_size % par.microbatches:
         problems.append(f"--inner.batch_size ({cfg.inner.batch_size}) must be divisible by "
                         f"--parallel.microbatches ({par.microbatches}) when --parallel.pp is above 1")

@@ -42,8 +42,8 @@ class ModelConfig:
     """Hidden width of the SwiGLU MLP (0: from preset)."""
     seq_len: int = 0
     """Tokens per training sequence (0: from preset)."""
-    vocab_size: int = 256
-    """Vocabulary size; the byte-level tokenizer needs 256."""
+    vocab_size: int = 0
+    """Vocabulary size (0: the tokenizer's, 256 for bytes; larger pads the embedding)."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
     norm_eps: float = 1e-5
@@ -65,6 +65,9 @@ class DataConfig:
     """Which disjoint shard of the training data this island reads (0-based)."""
     num_shards: int = 1
     """How many disjoint shards the training data is split into (usually the number of islands)."""
+    tokenizer: str = "bytes"
+    """How text becomes tokens: `bytes` (UTF-8, vocabulary 256) or a `tokenizer.json` (or a folder holding one):
+    a byte-level BPE trained by `diloco tokenizer train`, or one saved by `transformers`."""
     max_bytes: int = 0
     """Read at most this many bytes of text (0: no limit: a Hugging Face dataset is read to its end, into
     memory, so set a limit for large ones)."""
@@ -306,12 +309,15 @@ FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.oute
                         "averaging.compression", "averaging.topk_density", "averaging.topk_bits", "averaging.run_id")
 
 
-def config_fingerprint(cfg: Config) -> str:
-    """Hash of the settings islands must share (model shape, outer optimizer, wire format, run id)."""
+def config_fingerprint(cfg: Config, tokenizer: str = "") -> str:
+    """Hash of the settings islands must share (model shape, outer optimizer, wire format, run id) and of
+    ``tokenizer`` (a fingerprint of it; empty for bytes, whose fingerprints are as before tokenizers)."""
     import hashlib
     import json
 
     shared = {k: v for k, v in flatten(cfg).items() if k.startswith(FINGERPRINT_PREFIXES)}
+    if tokenizer:
+        shared["tokenizer"] = tokenizer
     return hashlib.sha1(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
 
 

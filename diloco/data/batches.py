@@ -1,4 +1,4 @@
-"""Batches of the byte-level token stream: disjoint shards of the training windows, one per island, and
+"""Batches of a token stream (bytes or a tokenizer's ids): disjoint shards of the training windows, one per island, and
 the fixed held-out batches every island evaluates on (the corpus itself: :mod:`diloco.data.corpus`)."""
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class ShardedBatches:
             raise DataError(f"seq_len and batch_size must be at least 1, got {seq_len} and {batch_size}")
         if not 0 <= shard_index < num_shards:
             raise DataError(f"shard index {shard_index} must be in [0, {num_shards - 1}] for {num_shards} shards")
-        self.tokens = np.asarray(tokens, dtype=np.uint8)
+        self.tokens = np.asarray(tokens)
+        if self.tokens.dtype.kind not in "ui":
+            raise DataError(f"token ids must be integers, got an array of {self.tokens.dtype}")
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.shard_index = shard_index
@@ -106,7 +108,7 @@ def heldout_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     The same on every island, so their held-out losses are comparable.  Windows overlap when the
     stream is shorter than ``n_batches * batch_size`` windows.
     """
-    tokens = np.asarray(tokens, dtype=np.uint8)
+    tokens = np.asarray(tokens)
     if tokens.size < seq_len + 1:
         raise DataError(f"the held-out text holds only {tokens.size} tokens but one sequence needs {seq_len + 1}; "
                         f"raise --data.heldout_fraction, use more data or a shorter --model.seq_len")

@@ -50,12 +50,19 @@ class DataError(ValueError):
 
 @dataclass
 class Corpus:
-    """Training and held-out byte streams (``uint8`` token arrays) of one data source."""
+    """Training and held-out token streams of one data source (``uint8`` bytes, or the ids of a tokenizer)."""
 
     train: np.ndarray
     heldout: np.ndarray
     description: str
     num_documents: int
+    heldout_bytes: int = 0
+    """UTF-8 bytes of the held-out text (0: as many as its tokens, for bytes)."""
+
+    @property
+    def heldout_bytes_per_token(self) -> float:
+        """What turns a loss per token into a loss per byte (bits per byte compare tokenizers)."""
+        return (self.heldout_bytes or self.heldout.size) / max(self.heldout.size, 1)
 
 
 
@@ -281,7 +288,8 @@ def _split_single(data: bytes, fraction: float) -> tuple[bytes, bytes]:
     return data[:cut], data[cut:]
 
 
-def _to_tokens(parts: list[bytes]) -> np.ndarray:
+def join_bytes(parts: list[bytes]) -> np.ndarray:
+    """The byte-level token stream of documents: their UTF-8 bytes joined by a blank line (uint8)."""
     return np.frombuffer(SEPARATOR.join(parts), dtype=np.uint8).copy()
 
 
@@ -306,13 +314,19 @@ def split_documents(docs: Iterable[Document], heldout_fraction: float, descripti
     return [d for h, d in labelled if not h], [d for h, d in labelled if h]
 
 
-def build_corpus(docs: Iterable[Document], heldout_fraction: float, description: str) -> Corpus:
-    """Split documents with :func:`split_documents` and join each side with blank lines."""
+def build_corpus(docs: Iterable[Document], heldout_fraction: float, description: str, tokenizer: Any = None) -> Corpus:
+    """Split documents with :func:`split_documents` and turn each side into one token stream: bytes joined by
+    blank lines, or ``tokenizer.encode_documents`` (a :class:`diloco.data.tokenizer.Tokenizer`)."""
     docs = list(docs)
     train, heldout = split_documents(docs, heldout_fraction, description)
-    corpus = Corpus(_to_tokens([d for _, d in train]), _to_tokens([d for _, d in heldout]), "", len(docs))
+    encode = tokenizer.encode_documents if tokenizer is not None else join_bytes
+    corpus = Corpus(encode([d for _, d in train]), encode([d for _, d in heldout]), "", len(docs),
+                    sum(len(d) for _, d in heldout) + len(SEPARATOR) * (len(heldout) - 1))
+    train_bytes = sum(len(d) for _, d in train) + len(SEPARATOR) * (len(train) - 1)
+    tokens = "" if tokenizer is None or tokenizer.is_bytes else \
+        f" ({corpus.train.size / 1e6:.2f}M + {corpus.heldout.size / 1e6:.2f}M tokens)"
     corpus.description = (f"{description}: {corpus.num_documents} document{'s' if corpus.num_documents != 1 else ''}, "
-                          f"{_mb(corpus.train.size)} train + {_mb(corpus.heldout.size)} held-out")
+                          f"{_mb(train_bytes)} train + {_mb(corpus.heldout_bytes)} held-out{tokens}")
     return corpus
 
 
@@ -321,10 +335,11 @@ def _mb(n: int) -> str:
 
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read the corpus named by ``cfg.path`` and split it into training and held-out streams."""
+def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
+    """Read the corpus named by ``cfg.path`` and split it into training and held-out streams of ``tokenizer``'s
+    ids (None: bytes)."""
     docs, what = documents(cfg)
-    return build_corpus(docs, cfg.heldout_fraction, what)
+    return build_corpus(docs, cfg.heldout_fraction, what, tokenizer)
 
 
 def documents(cfg: DataConfig) -> tuple[Iterable[Document], str]:
@@ -348,5 +363,5 @@ def documents(cfg: DataConfig) -> tuple[Iterable[Document], str]:
 __all__ = [
     "DataError", "Corpus", "Document", "HFSource", "load_corpus",
     "build_corpus", "split_documents", "documents", "is_heldout", "stdlib_documents", "local_files", "local_documents", "hf_documents",
-    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR",
+    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR", "join_bytes",
 ]

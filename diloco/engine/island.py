@@ -42,6 +42,7 @@ from diloco.config import Config, config_fingerprint, to_dict
 from diloco.config.loader import from_dict
 from diloco.data.batches import ShardedBatches, heldout_batches
 from diloco.data.corpus import load_corpus
+from diloco.data.tokenizer import Tokenizer, fit_vocabulary
 from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.engine.peer_node import PeerNode, is_peer_file
@@ -136,12 +137,16 @@ class Island:
                               unsent=self.unsent, stats=self.stats)
         self.peers.start()
         torch.manual_seed(cfg.seed)
-        corpus = load_corpus(cfg.data)
+        self.tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        fit_vocabulary(m, self.tokenizer)
+        corpus = load_corpus(cfg.data, self.tokenizer)
+        self.heldout_bytes_per_token = corpus.heldout_bytes_per_token
         log.info("data: %s", corpus.description)
         self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
                                       cfg.data.num_shards, cfg.seed)
         self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, lg.eval_batches)
-        self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens) if lg.samples and rt.is_main else None
+        self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens, self.tokenizer) \
+            if lg.samples and rt.is_main else None
 
         # the model: the layout comes from the whole model on every rank, before the island splits it
         full = build_initial_model(m, cfg.seed, cfg.checkpoint.init_from)
@@ -160,7 +165,7 @@ class Island:
         # the outer state and the run's counters
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
-        self.fingerprint = config_fingerprint(cfg)
+        self.fingerprint = config_fingerprint(cfg, "" if self.tokenizer.is_bytes else self.tokenizer.sha256)
         self.exchange = BucketExchange(self.layout, self.params, self.specs, rt.group)
         self.schedule = RoundSchedule(d, rt, self.stats, self.layout, list(self.params))
         # without a fixed H the cosine follows the run's progress
@@ -289,8 +294,7 @@ class Island:
         if s.outer_step == 0 and math.isnan(s.eval_loss_start):
             with self._as_compute():
                 s.eval_loss_start = self.evaluate()
-            self.metrics.log({"eval/loss": s.eval_loss_start, "eval/perplexity": math.exp(s.eval_loss_start),
-                              "tokens": s.tokens, "outer_step": s.outer_step})
+            self.metrics.log({**self._eval_record(s.eval_loss_start), "tokens": s.tokens, "outer_step": s.outer_step})
         loss, window = float("nan"), (time.perf_counter(), s.tokens)
         self.progress = Progress(100, self.name, percent=True, enabled=self.is_main and sys.stderr.isatty())
         first = (time.perf_counter(), s.tokens)
@@ -341,6 +345,12 @@ class Island:
         finally:
             self.stats.compute_seconds += time.perf_counter() - t
 
+    def _eval_record(self, loss: float) -> dict[str, float]:
+        """The held-out loss of θ_global as logged: per token, its perplexity, and in bits per byte of text (which
+        compares runs of different tokenizers)."""
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
+                "eval/bits_per_byte": loss / math.log(2) / self.heldout_bytes_per_token}
+
     def _log_loss(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
         """Log the training loss and throughput since ``window`` (time, tokens); returns the new window."""
         now, s = time.perf_counter(), self.stats
@@ -360,7 +370,7 @@ class Island:
                 ev = self.evaluate()
                 self._log_samples()
             s.eval_loss_end = ev
-            record.update({"eval/loss": ev, "eval/perplexity": math.exp(ev)})
+            record.update(self._eval_record(ev))
         record["compute_utilization"] = s.compute_seconds / max(time.perf_counter() - self.t_start, 1e-9)
         self.metrics.log(record)
         if self.is_main:
@@ -430,7 +440,8 @@ class Island:
         """Everything this rank needs to resume exactly, with the island shape it belongs to."""
         s = self.stats
         return {
-            "config": to_dict(self.cfg), "outer_step": s.outer_step, "inner_step": s.inner_step,
+            "config": to_dict(self.cfg), "tokenizer": self.tokenizer.json_text,
+            "outer_step": s.outer_step, "inner_step": s.inner_step,
             "model": {n: t.detach().cpu().clone() for n, t in self.params.items()},
             "inner_optimizer": _copies(local_state(self.inner_opt.state_dict())),
             "inner_scheduler": self.inner_sched.state_dict(),
@@ -520,9 +531,11 @@ class Island:
                 path = checkpoint.checkpoint_path(self.ckpt_dir, step)
             state = checkpoint.load(path)
             saved = state.get("config", {})
-            if saved and config_fingerprint(from_dict(saved)) != self.fingerprint:
-                error = (f"checkpoint {path} was written with a different model or outer-optimizer config; resume "
-                         f"with the same --model.* and --diloco.outer_* settings")
+            tokenizer = Tokenizer.from_json(state.get("tokenizer"))
+            if saved and config_fingerprint(from_dict(saved), "" if tokenizer.is_bytes else tokenizer.sha256) \
+                    != self.fingerprint:
+                error = (f"checkpoint {path} was written with a different model, tokenizer or outer-optimizer config; "
+                         f"resume with the same --model.*, --data.tokenizer and --diloco.outer_* settings")
         except CheckpointError as e:
             error = str(e)
         rt.raise_if_any(error, CheckpointError, world=world)

@@ -17,13 +17,7 @@ import torch
 from diloco.command import run_command
 from diloco.config import ConfigError, DataConfig
 from diloco.data.corpus import DataError
-from diloco.inference.generate import (
-    GenerationError,
-    Sampling,
-    StreamDecoder,
-    encode,
-    generate,
-)
+from diloco.inference.generate import GenerationError, Sampling, generate
 from diloco.model.checkpoint import CheckpointError
 
 
@@ -83,7 +77,7 @@ def generate_main(argv: list[str]) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         sampling.check()
         device = _device(args.device)
-        model, cfg, source = load_trained(args.model)
+        model, cfg, source, tokenizer = load_trained(args.model)
         run, speaks, shape = _runner(model, args, device)
         if speaks:
             print(f"[model {cfg.dim}d x {cfg.n_layers} layers from {source}, {device}{shape}, "
@@ -91,9 +85,9 @@ def generate_main(argv: list[str]) -> int:
         write = sys.stdout.write if speaks else (lambda _: 0)
         tokens = seconds = 0.0
         for prompt in prompts:
-            stream = StreamDecoder()
+            stream = tokenizer.stream()
             write(prompt)
-            out = run(encode(prompt), args.max_new_tokens, sampling, use_cache=not args.no_cache,
+            out = run(tokenizer.encode(prompt), args.max_new_tokens, sampling, use_cache=not args.no_cache,
                       on_token=lambda t: (write(stream.push(t)), sys.stdout.flush()))
             write(stream.flush() + "\n")
             sys.stdout.flush()
@@ -162,8 +156,8 @@ def export_main(argv: list[str]) -> int:
 
         if args.format != "hf":
             raise ConfigError([f"--format {args.format!r} is not supported; use --format hf"])
-        model, cfg, source = load_trained(args.model)
-        out = export_hf(dict(model.named_parameters()), cfg, args.out)
+        model, cfg, source, tokenizer = load_trained(args.model)
+        out = export_hf(dict(model.named_parameters()), cfg, args.out, tokenizer)
         print(f"exported {source} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained"
               f"({str(out)!r}) and AutoTokenizer)")
         return 0
@@ -195,17 +189,17 @@ def eval_main(argv: list[str]) -> int:
         if args.batch_size < 1:
             raise ConfigError([f"--batch-size {args.batch_size} must be at least 1"])
         device = _device(args.device)
-        model, _, source = load_trained(args.model)
+        model, _, source, tokenizer = load_trained(args.model)
         data = DataConfig(path=args.path, heldout_fraction=args.heldout_fraction, max_bytes=args.max_bytes,
                           hf_text_field=args.hf_text_field)
         docs, what = heldout_documents(data, args.split)
         print(f"[evaluating {source} on {len(docs)} {args.split} document(s) of {what}]", file=sys.stderr, flush=True)
-        result = evaluate(model.to(device), docs, args.batch_size)
+        result = evaluate(model.to(device), docs, args.batch_size, tokenizer=tokenizer)
         if args.per_document:
             for name, loss, count in sorted(result.per_document, key=lambda d: d[1]):
                 print(f"{loss:8.4f}  {count:>9}  {name}")
-        print(f"loss {result.loss:.4f} nats/byte, perplexity {result.perplexity:.3f}, "
-              f"{result.loss / 0.6931471805599453:.4f} bits/byte over {result.tokens} bytes of {len(docs)} document(s)")
+        print(f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, {result.bits_per_byte:.4f} "
+              f"bits/byte over {result.tokens} tokens ({result.bytes} bytes) of {len(docs)} document(s)")
         return 0
 
     return run_command(body, (CheckpointError, DataError))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from diloco.config import DataConfig
 from diloco.data.corpus import DataError, Document, documents, split_documents
 from diloco.model.transformer import Transformer
+from diloco.data.tokenizer import Tokenizer
 from diloco.progress import Progress
 
 
@@ -26,6 +27,8 @@ class Evaluation:
 
     loss_sum: float = 0.0
     tokens: int = 0
+    bytes: int = 0
+    """UTF-8 bytes of the text whose ``tokens`` were predicted."""
     per_document: list[tuple[str, float, int]] = field(default_factory=list)
     """(name, mean loss, predicted tokens) of every document, in reading order."""
 
@@ -34,15 +37,22 @@ class Evaluation:
         return self.loss_sum / self.tokens if self.tokens else float("nan")
 
     @property
+    def bits_per_byte(self) -> float:
+        """The summed loss in bits over the bytes of text: comparable across tokenizers."""
+        return self.loss_sum / math.log(2) / self.bytes if self.bytes else float("nan")
+
+    @property
     def perplexity(self) -> float:
         return math.exp(min(self.loss, 50.0))
 
 
 @torch.no_grad()
-def document_loss(model: Transformer, data: bytes, batch_size: int) -> tuple[float, int]:
-    """(summed loss in nats, predicted tokens) of one document."""
+def document_loss(model: Transformer, data: bytes, batch_size: int,
+                  tokenizer: Tokenizer | None = None) -> tuple[float, int]:
+    """(summed loss in nats, predicted tokens) of one document (its UTF-8 ``data``, read by ``tokenizer``;
+    None: bytes)."""
     seq, device = model.cfg.seq_len, next(model.parameters()).device
-    tokens = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+    tokens = torch.from_numpy((tokenizer or Tokenizer()).encode_documents([data]).astype(np.int64))
     total, count = 0.0, 0
     full = (len(tokens) - 1) // seq  # windows of seq + 1 tokens overlapping by one (the last target is the next input)
     starts = [i * seq for i in range(full)]
@@ -69,16 +79,18 @@ def heldout_documents(cfg: DataConfig, split: str) -> tuple[list[Document], str]
     return split_documents(docs, cfg.heldout_fraction, what)[1], what
 
 
-def evaluate(model: Transformer, docs: list[Document], batch_size: int = 8, progress: bool = True) -> Evaluation:
+def evaluate(model: Transformer, docs: list[Document], batch_size: int = 8, progress: bool = True,
+             tokenizer: Tokenizer | None = None) -> Evaluation:
     """The loss of ``model`` on ``docs``, with a progress bar on stderr when it is a terminal (and ``progress``)."""
     model.eval()
     out = Evaluation()
     bar = Progress(sum(len(d) for _, d in docs), "eval", unit="B", unit_scale=True, enabled=None if progress else False)
     seen = 0
     for i, (name, data) in enumerate(docs):
-        loss, count = document_loss(model, data, batch_size)
+        loss, count = document_loss(model, data, batch_size, tokenizer)
         out.loss_sum += loss
         out.tokens += count
+        out.bytes += len(data) if count else 0
         seen += len(data)
         if count:
             out.per_document.append((name, loss / count, count))

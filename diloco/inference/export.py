@@ -10,15 +10,17 @@ import torch
 
 from diloco.config import ModelConfig
 from diloco.config.loader import from_dict
+from diloco.data.tokenizer import Tokenizer
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
 from diloco.model.hf import is_hf_folder, read_hf
 from diloco.model.transformer import Transformer, build_model
 
 
-def load_trained(spec: str | Path) -> tuple[Transformer, ModelConfig, Path]:
+def load_trained(spec: str | Path) -> tuple[Transformer, ModelConfig, Path, Tokenizer]:
     """The model a run trained, from ``spec``: a diloco checkpoint file (its θ_global), a folder of them or a
-    run directory (the newest valid one), or an exported Hugging Face folder.  Returns (model, config, file)."""
+    run directory (the newest valid one), or an exported Hugging Face folder.  Returns (model, config, file,
+    the tokenizer it was trained with)."""
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"{spec} does not exist; pass a checkpoint (ckpt-*.pt), a run or checkpoint "
@@ -26,6 +28,7 @@ def load_trained(spec: str | Path) -> tuple[Transformer, ModelConfig, Path]:
     if is_hf_folder(path):
         params, cfg = read_hf(path)
         source = path
+        tokenizer = Tokenizer.load(str(path)) if (path / "tokenizer.json").is_file() else Tokenizer()
     else:
         if path.is_dir():
             found = checkpoint.find_resume("latest", path) or checkpoint.find_resume("latest", path / "checkpoints")
@@ -39,9 +42,10 @@ def load_trained(spec: str | Path) -> tuple[Transformer, ModelConfig, Path]:
                                   f"single-process island's checkpoint")
         cfg = from_dict(state["config"]).model
         params, source = dict(state["outer_optimizer"]["master"]), path
+        tokenizer = Tokenizer.from_json(state.get("tokenizer"), f"the tokenizer of {path}")
     model = build_model(cfg)
     _install(model, params, source)
-    return model, model.cfg, source
+    return model, model.cfg, source, tokenizer
 
 
 @torch.no_grad()

@@ -180,37 +180,3 @@ def decode_loop(forward: Forward, share: Callable[[int | None], int], prompt: li
         logits = forward(step, position - 1, False) if use_cache else forward(seq, 0, True)
     out.seconds = time.perf_counter() - t0
     return out
-
-
-def encode(text: str) -> list[int]:
-    """Token ids of ``text``: its UTF-8 bytes."""
-    return list(text.encode("utf-8"))
-
-
-def decode(tokens: list[int]) -> str:
-    """Text of byte tokens (an incomplete UTF-8 sequence at the end shows as U+FFFD)."""
-    return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
-
-
-class StreamDecoder:
-    """Turns byte tokens into text as they come, holding back the bytes of a character not yet complete."""
-
-    def __init__(self) -> None:
-        self._pending = b""
-
-    def push(self, token: int) -> str:
-        if not 0 <= token < 256:
-            return ""
-        self._pending += bytes([token])
-        try:
-            text, self._pending = self._pending.decode("utf-8"), b""
-            return text
-        except UnicodeDecodeError as e:
-            if e.reason == "unexpected end of data" and len(self._pending) < 4:
-                return ""
-            text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
-            return text
-
-    def flush(self) -> str:
-        text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
-        return text

@@ -12,21 +12,22 @@ import numpy as np
 import torch
 
 from diloco.config import ModelConfig
-from diloco.inference.generate import Sampling, decode, generate
+from diloco.data.tokenizer import Tokenizer
+from diloco.inference.generate import Sampling, generate
 from diloco.model.transformer import build_model
 
 SAMPLING = dict(temperature=0.8, top_k=40)
 """How samples are drawn: a little randomness keeps a small model out of loops, top-k out of noise."""
 
 
-def sample_prompts(heldout: np.ndarray, count: int, length: int) -> list[list[int]]:
-    """``count`` prompts of ``length`` byte tokens from evenly spaced places of the held-out text, each
-    starting at the beginning of a line."""
+def sample_prompts(heldout: np.ndarray, count: int, length: int, newline: int | None = ord("\n")) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens from evenly spaced places of the held-out token stream, each
+    starting after a ``newline`` token when there is one nearby (None: anywhere)."""
     prompts = []
     for i in range(count):
         at = len(heldout) * i // max(count, 1)
-        newline = np.flatnonzero(heldout[at:at + 4096] == ord("\n"))
-        start = at + int(newline[0]) + 1 if len(newline) else at
+        newline_at = np.flatnonzero(heldout[at:at + 4096] == newline) if newline is not None else []
+        start = at + int(newline_at[0]) + 1 if len(newline_at) else at
         piece = heldout[start:start + length]
         if len(piece) == length:
             prompts.append([int(t) for t in piece])
@@ -36,10 +37,13 @@ def sample_prompts(heldout: np.ndarray, count: int, length: int) -> list[list[in
 class Sampler:
     """Writes continuations of fixed prompts with a given θ_global (main rank only)."""
 
-    def __init__(self, model_cfg: ModelConfig, heldout: np.ndarray, count: int, new_tokens: int):
+    def __init__(self, model_cfg: ModelConfig, heldout: np.ndarray, count: int, new_tokens: int,
+                 tokenizer: Tokenizer | None = None):
+        self.tokenizer = tokenizer or Tokenizer()
         length = max(1, min(48, model_cfg.seq_len // 2))
         self.new_tokens = max(1, min(new_tokens, model_cfg.seq_len - length))
-        self.prompts = sample_prompts(heldout, count, length)
+        newline = self.tokenizer.encode("\n")
+        self.prompts = sample_prompts(heldout, count, length, newline[0] if len(newline) == 1 else None)
         self.model = build_model(model_cfg) if self.prompts else None
 
     @torch.no_grad()
@@ -53,5 +57,6 @@ class Sampler:
         out = []
         for prompt in self.prompts:
             tokens = generate(self.model, prompt, self.new_tokens, Sampling(**SAMPLING, seed=outer_step)).tokens
-            out.append({"outer_step": outer_step, "prompt": decode(prompt), "continuation": decode(tokens)})
+            out.append({"outer_step": outer_step, "prompt": self.tokenizer.decode(prompt),
+                        "continuation": self.tokenizer.decode(tokens)})
         return out

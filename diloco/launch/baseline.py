@@ -90,6 +90,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
     from diloco.data.batches import ShardedBatches, heldout_batches
     from diloco.data.corpus import load_corpus
+    from diloco.data.tokenizer import Tokenizer, fit_vocabulary
     from diloco.engine.metrics import MetricsLogger
     from diloco.model.inner import build_inner_optimizer, take_inner_step
     from diloco.model.transformer import build_initial_model, lm_loss
@@ -112,7 +113,9 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         torch.manual_seed(cfg.seed)
         m, H = cfg.model, cfg.diloco.inner_steps
         total_steps = cfg.diloco.outer_steps * H
-        corpus = load_corpus(cfg.data)
+        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        fit_vocabulary(m, tokenizer)
+        corpus = load_corpus(cfg.data, tokenizer)
         batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
         eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
                         if rank == 0 else [])

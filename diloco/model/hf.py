@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from diloco.config import ModelConfig, resolve_model
+from diloco.data.tokenizer import Tokenizer
 from diloco.model.checkpoint import CheckpointError
 
 HF_WEIGHTS = "model.safetensors"
@@ -96,37 +97,10 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def byte_tokenizer() -> dict[str, Any]:
-    """A ``tokenizers`` JSON whose ids are UTF-8 bytes: byte-level pre-tokenization (GPT-2's byte↔character
-    map) with a BPE of the 256 single bytes and no merges, so every byte is one token of id = its value."""
-    chars = _bytes_to_unicode()
-    return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {chars[b]: b for b in range(256)}, "merges": []},
-    }
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map of bytes to printable characters (what the ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) -> Path:
-    """Write ``params`` (our names) as a Hugging Face Llama folder at ``out``; returns it."""
+def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
+              tokenizer: Tokenizer | None = None) -> Path:
+    """Write ``params`` (our names) as a Hugging Face Llama folder at ``out``, with ``tokenizer`` (None:
+    bytes); returns the folder."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -135,7 +109,7 @@ def export_hf(params: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path
     out.mkdir(parents=True, exist_ok=True)
     save_file(to_hf_state(params, cfg), str(out / HF_WEIGHTS), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(byte_tokenizer(), ensure_ascii=False) + "\n")
+    (tokenizer or Tokenizer()).save(out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len, "clean_up_tokenization_spaces":
         False, "add_bos_token": False, "add_eos_token": False}, indent=2) + "\n")

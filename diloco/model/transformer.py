@@ -106,6 +106,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         resolve_model(cfg)
+        if cfg.vocab_size == 0:  # the tokenizer's size, when nobody fitted it: bytes
+            cfg.vocab_size = 256
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
@@ -167,7 +169,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6·N (non-embedding) + 6·L·d·seq, as torchtitan counts them."""
     resolve_model(cfg)
     n = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim) + cfg.dim
-    n += cfg.dim * cfg.vocab_size  # output projection (the embedding lookup costs no FLOPs)
+    n += cfg.dim * (cfg.vocab_size or 256)  # output projection (the embedding lookup costs no FLOPs)
     return 6.0 * n + 6.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 
