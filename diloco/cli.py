@@ -36,6 +36,7 @@ commands:
   experiment hetero     islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP
   experiment horizon    the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run
   tokenizer train --data.path P --tokenizer.vocab_size N --out FILE   learn a byte-level BPE (--data.tokenizer FILE)
+  data prepare --data.path P [--data.tokenizer FILE] --out DIR   tokenize once; train with --data.path DIR
   config show           print the effective configuration (TOML, with a comment per key)
   config reference      print every key with its default and meaning (markdown)
 
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from diloco.data import tokenizer
 
         return tokenizer.main(argv[1:])
+    if argv and argv[0] == "data":
+        from diloco.data import prepared
+
+        return prepared.main(argv[1:])
     plugin = _plugin_command(argv[0]) if argv else None
     if plugin is not None:
         return plugin(argv[1:])

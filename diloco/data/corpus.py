@@ -32,6 +32,9 @@ import numpy as np
 from diloco.config import DataConfig
 
 SEPARATOR = b"\n\n"
+FORMAT = "diloco-tokens/1"
+"""The format of a prepared folder (``diloco data prepare``), in its manifest."""
+MANIFEST = "manifest.json"
 """Bytes placed between two documents of one stream."""
 RECORD_FORMATS = {".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv"}
 """Files of records rather than text, by extension: one document per record, its ``--data.hf_text_field``."""
@@ -335,9 +338,49 @@ def _mb(n: int) -> str:
 
 
 
+def prepared_manifest(folder: Path) -> dict:
+    """The manifest of a folder written by ``diloco data prepare`` (:mod:`diloco.data.prepared`)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {folder / MANIFEST} ({e}); prepare the folder again with `diloco data "
+                        f"prepare`") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{folder} holds tokens of format {manifest.get('format')!r}, not {FORMAT!r}; prepare it "
+                        f"again with this version's `diloco data prepare`")
+    return manifest
+
+
+def load_prepared(folder: str) -> Corpus:
+    """The corpus of a prepared folder, its two streams memory-mapped read-only (nothing is read until used)."""
+    path = Path(folder).expanduser()
+    manifest = prepared_manifest(path)
+    dtype = np.dtype(manifest["dtype"])
+    streams = {}
+    for side in ("train", "heldout"):
+        file = path / manifest[side]["file"]
+        expected = manifest[side]["tokens"] * dtype.itemsize
+        if not file.is_file() or file.stat().st_size != expected:
+            raise DataError(f"{file} is missing or not the {expected} bytes its manifest says; prepare {folder} again")
+        streams[side] = np.memmap(file, dtype=dtype, mode="r")
+    docs = manifest["train"]["documents"] + manifest["heldout"]["documents"]
+    description = (f"{manifest.get('source') or folder} (prepared in {folder}): {docs} documents, "
+                   f"{manifest['train']['tokens'] / 1e6:.2f}M + {manifest['heldout']['tokens'] / 1e6:.2f}M tokens, "
+                   f"memory-mapped")
+    return Corpus(streams["train"], streams["heldout"], description, docs, manifest["heldout"]["bytes"])
+
+
+def is_prepared(path: str) -> bool:
+    """Whether ``path`` is a folder written by ``diloco data prepare``."""
+    return not path.startswith("hf:") and (Path(path).expanduser() / MANIFEST).is_file()
+
+
 def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     """Read the corpus named by ``cfg.path`` and split it into training and held-out streams of ``tokenizer``'s
-    ids (None: bytes)."""
+    ids (None: bytes); a prepared folder is memory-mapped as it was tokenized (see
+    :meth:`diloco.data.tokenizer.Tokenizer.for_data`)."""
+    if is_prepared(cfg.path):
+        return load_prepared(cfg.path)
     docs, what = documents(cfg)
     return build_corpus(docs, cfg.heldout_fraction, what, tokenizer)
 
@@ -363,5 +406,6 @@ def documents(cfg: DataConfig) -> tuple[Iterable[Document], str]:
 __all__ = [
     "DataError", "Corpus", "Document", "HFSource", "load_corpus",
     "build_corpus", "split_documents", "documents", "is_heldout", "stdlib_documents", "local_files", "local_documents", "hf_documents",
-    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR", "join_bytes",
+    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR", "join_bytes", "is_prepared",
+    "load_prepared", "prepared_manifest", "FORMAT", "MANIFEST",
 ]

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from diloco.config import ModelConfig
-from diloco.data.corpus import DataError, Document, join_bytes
+from diloco.config import DataConfig, ModelConfig
+from diloco.data.corpus import DataError, Document, is_prepared, join_bytes, prepared_manifest
 
 END_OF_TEXT = "<|endoftext|>"
 """The special token a trained BPE puts between documents."""
@@ -85,8 +85,9 @@ class Tokenizer:
 
     @property
     def sha256(self) -> str:
-        """Fingerprint of the tokenizer (of ``bytes`` for bytes)."""
-        return hashlib.sha256((self.json_text or "bytes").encode("utf-8")).hexdigest()
+        """Fingerprint of the tokenizer (of ``bytes`` for bytes), whatever the layout of its JSON."""
+        text = "bytes" if self.json_text is None else json.dumps(json.loads(self.json_text), sort_keys=True)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
@@ -136,6 +137,19 @@ class Tokenizer:
             raise DataError(f"--data.tokenizer {spec}: no such tokenizer file; pass bytes, a tokenizer.json (train "
                             f"one with `diloco tokenizer train`) or a folder holding one")
         return cls.from_json(path.read_text(encoding="utf-8"), str(spec))
+
+    @classmethod
+    def for_data(cls, cfg: DataConfig) -> "Tokenizer":
+        """The tokenizer of ``--data.tokenizer``, or of a prepared ``--data.path`` (whose tokens were written by
+        one: ``--data.tokenizer`` must then be left at ``bytes`` or name the same one)."""
+        if not is_prepared(cfg.path):
+            return cls.load(cfg.tokenizer)
+        folder = Path(cfg.path).expanduser()
+        tokenizer = cls.load(str(folder / prepared_manifest(folder)["tokenizer"]))
+        if cfg.tokenizer not in ("", "bytes") and cls.load(cfg.tokenizer).sha256 != tokenizer.sha256:
+            raise DataError(f"--data.path {cfg.path} was prepared with another tokenizer than --data.tokenizer "
+                            f"{cfg.tokenizer}; leave --data.tokenizer unset to use the folder's, or prepare it again")
+        return tokenizer
 
     @classmethod
     def from_json(cls, json_text: str | None, name: str = "") -> "Tokenizer":
@@ -219,13 +233,14 @@ def main(argv: list[str]) -> int:
         train, _ = split_documents(docs, cfg.heldout_fraction, what)  # never learn from the held-out text
         t0 = time.perf_counter()
         tokenizer = train_bpe(train, args.vocab_size)
+        seconds = time.perf_counter() - t0
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tokenizer.save(out)
         text = b"".join(d for _, d in train)
-        tokens = sum(len(tokenizer.encode_documents([d])) for _, d in train)
+        tokens = tokenizer.encode_documents([d for _, d in train]).size
         print(f"wrote {out}: {tokenizer.vocab_size} tokens learnt from {len(text) / 1e6:.2f} MB of {what} in "
-              f"{time.perf_counter() - t0:.1f} s, {len(text) / max(tokens, 1):.2f} bytes per token")
+              f"{seconds:.1f} s, {len(text) / max(tokens, 1):.2f} bytes per token")
         return 0
 
     return run_command(body, (DataError,))

@@ -137,7 +137,7 @@ class Island:
                               unsent=self.unsent, stats=self.stats)
         self.peers.start()
         torch.manual_seed(cfg.seed)
-        self.tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        self.tokenizer = Tokenizer.for_data(cfg.data)
         fit_vocabulary(m, self.tokenizer)
         corpus = load_corpus(cfg.data, self.tokenizer)
         self.heldout_bytes_per_token = corpus.heldout_bytes_per_token

@@ -113,7 +113,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         torch.manual_seed(cfg.seed)
         m, H = cfg.model, cfg.diloco.inner_steps
         total_steps = cfg.diloco.outer_steps * H
-        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        tokenizer = Tokenizer.for_data(cfg.data)
         fit_vocabulary(m, tokenizer)
         corpus = load_corpus(cfg.data, tokenizer)
         batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
