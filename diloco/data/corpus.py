@@ -291,6 +291,11 @@ def _split_single(data: bytes, fraction: float) -> tuple[bytes, bytes]:
     return data[:cut], data[cut:]
 
 
+def joined_size(parts: list[bytes]) -> int:
+    """Bytes of text in ``parts`` joined as a stream: theirs and a blank line between two."""
+    return sum(len(p) for p in parts) + len(SEPARATOR) * max(len(parts) - 1, 0)
+
+
 def join_bytes(parts: list[bytes]) -> np.ndarray:
     """The byte-level token stream of documents: their UTF-8 bytes joined by a blank line (uint8)."""
     return np.frombuffer(SEPARATOR.join(parts), dtype=np.uint8).copy()
@@ -324,8 +329,8 @@ def build_corpus(docs: Iterable[Document], heldout_fraction: float, description:
     train, heldout = split_documents(docs, heldout_fraction, description)
     encode = tokenizer.encode_documents if tokenizer is not None else join_bytes
     corpus = Corpus(encode([d for _, d in train]), encode([d for _, d in heldout]), "", len(docs),
-                    sum(len(d) for _, d in heldout) + len(SEPARATOR) * (len(heldout) - 1))
-    train_bytes = sum(len(d) for _, d in train) + len(SEPARATOR) * (len(train) - 1)
+                    joined_size([d for _, d in heldout]))
+    train_bytes = joined_size([d for _, d in train])
     tokens = "" if tokenizer is None or tokenizer.is_bytes else \
         f" ({corpus.train.size / 1e6:.2f}M + {corpus.heldout.size / 1e6:.2f}M tokens)"
     corpus.description = (f"{description}: {corpus.num_documents} document{'s' if corpus.num_documents != 1 else ''}, "
@@ -406,6 +411,6 @@ def documents(cfg: DataConfig) -> tuple[Iterable[Document], str]:
 __all__ = [
     "DataError", "Corpus", "Document", "HFSource", "load_corpus",
     "build_corpus", "split_documents", "documents", "is_heldout", "stdlib_documents", "local_files", "local_documents", "hf_documents",
-    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR", "join_bytes", "is_prepared",
+    "open_hf_dataset", "take_bytes", "split_path_specs", "stdlib_root", "SEPARATOR", "join_bytes", "joined_size", "is_prepared",
     "load_prepared", "prepared_manifest", "FORMAT", "MANIFEST",
 ]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco.config import DataConfig
-from diloco.data.corpus import FORMAT, MANIFEST, SEPARATOR, DataError, Document, documents, is_heldout
+from diloco.data.corpus import FORMAT, MANIFEST, SEPARATOR, DataError, Document, documents, is_heldout, joined_size
 from diloco.data.tokenizer import Tokenizer
 
 BATCH_DOCUMENTS = 512
@@ -34,8 +34,8 @@ BATCH_DOCUMENTS = 512
 class _Split:
     """One output file of ids, appended to batch by batch."""
 
-    def __init__(self, path: Path, tokenizer: Tokenizer, dtype: np.dtype):
-        self.path, self.tokenizer, self.dtype = path, tokenizer, dtype
+    def __init__(self, path: Path, tokenizer: Tokenizer):
+        self.path, self.tokenizer = path, tokenizer
         self.file = path.open("wb")
         self.tokens = self.bytes = self.documents = 0
 
@@ -43,12 +43,10 @@ class _Split:
         if not docs:
             return
         if self.documents:  # what separates this batch from the last document before it
-            sep = (np.frombuffer(SEPARATOR, dtype=np.uint8) if self.tokenizer.is_bytes
-                   else np.asarray([self.tokenizer.eos_id], dtype=self.dtype)).astype(self.dtype)
-            self._write(sep)
+            self._write(self.tokenizer.separator)
             self.bytes += len(SEPARATOR)
-        self._write(self.tokenizer.encode_documents(docs).astype(self.dtype, copy=False))
-        self.bytes += sum(len(d) for d in docs) + len(SEPARATOR) * (len(docs) - 1)
+        self._write(self.tokenizer.encode_documents(docs))
+        self.bytes += joined_size(docs)
         self.documents += len(docs)
 
     def _write(self, ids: np.ndarray) -> None:
@@ -65,8 +63,7 @@ def prepare(docs: Iterable[Document], tokenizer: Tokenizer, out: Path, heldout_f
     """Tokenize ``docs`` into ``out`` (see the module doc), streaming: at most :data:`BATCH_DOCUMENTS`
     documents in memory.  Returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
-    dtype = np.dtype(np.uint8 if tokenizer.is_bytes else np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    splits = {"train": _Split(out / "train.bin", tokenizer, dtype), "heldout": _Split(out / "heldout.bin", tokenizer, dtype)}
+    splits = {"train": _Split(out / "train.bin", tokenizer), "heldout": _Split(out / "heldout.bin", tokenizer)}
     pending: dict[str, list[bytes]] = {"train": [], "heldout": []}
     for name, data in docs:
         side = "heldout" if is_heldout(name, heldout_fraction) else "train"
@@ -83,7 +80,7 @@ def prepare(docs: Iterable[Document], tokenizer: Tokenizer, out: Path, heldout_f
                             f"{heldout_fraction}); use more documents or another --data.heldout_fraction")
     tokenizer.save(out / "tokenizer.json")
     manifest = {"format": FORMAT, "tokenizer": "tokenizer.json", "tokenizer_sha256": tokenizer.sha256,
-                "vocab_size": tokenizer.vocab_size, "dtype": dtype.name, "heldout_fraction": heldout_fraction,
+                "vocab_size": tokenizer.vocab_size, "dtype": tokenizer.dtype.name, "heldout_fraction": heldout_fraction,
                 "source": source, **counts}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

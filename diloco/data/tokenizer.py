@@ -9,6 +9,7 @@ read with the tokenizer it was trained with.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import time
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from diloco.config import DataConfig, ModelConfig
-from diloco.data.corpus import DataError, Document, is_prepared, join_bytes, prepared_manifest
+from diloco.data.corpus import SEPARATOR, DataError, Document, is_prepared, join_bytes, prepared_manifest
 
 END_OF_TEXT = "<|endoftext|>"
 """The special token a trained BPE puts between documents."""
@@ -84,6 +85,19 @@ class Tokenizer:
         return 256 if self._bpe is None else self._bpe.get_vocab_size(with_added_tokens=True)
 
     @property
+    def dtype(self) -> np.dtype:
+        """The narrowest unsigned integer that holds every id: uint8 for bytes, uint16 up to 65,536, else uint32."""
+        return np.dtype(np.uint8 if self._bpe is None else np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+    @property
+    def separator(self) -> np.ndarray:
+        """The ids between two documents of a stream: a blank line for bytes, the end-of-text id for a BPE (none
+        if it has no such token)."""
+        if self._bpe is None:
+            return np.frombuffer(SEPARATOR, dtype=np.uint8)
+        return np.asarray([] if self.eos_id is None else [self.eos_id], dtype=self.dtype)
+
+    @functools.cached_property
     def sha256(self) -> str:
         """Fingerprint of the tokenizer (of ``bytes`` for bytes), whatever the layout of its JSON."""
         text = "bytes" if self.json_text is None else json.dumps(json.loads(self.json_text), sort_keys=True)
@@ -107,14 +121,13 @@ class Tokenizer:
         document's ids followed by the end-of-text id, encoded on every core (uint16, or uint32 past 65,536)."""
         if self._bpe is None:
             return join_bytes(docs)
-        dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
         encoded = self._bpe.encode_batch([d.decode("utf-8", errors="replace") for d in docs], add_special_tokens=False)
         parts = []
         for i, e in enumerate(encoded):
-            parts.append(np.asarray(e.ids, dtype=dtype))
-            if self.eos_id is not None and i < len(encoded) - 1:
-                parts.append(np.asarray([self.eos_id], dtype=dtype))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+            if i:
+                parts.append(self.separator)
+            parts.append(np.asarray(e.ids, dtype=self.dtype))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
 
     def stream(self) -> "TextStream":
         """A decoder that turns ids into text as they come."""
