@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
@@ -169,47 +170,45 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
         server.close()
 
 
-def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(no_leaked_daemons):
+@pytest.fixture
+def two_registries(no_leaked_daemons):
+    """The registries of 2 islands of one run (ttl 6 s) on 2 connected DHTs, shut down afterwards."""
+    d1 = start_dht(NetworkSettings())
+    try:
+        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
+        try:
+            yield Membership(d1, "run", ttl=6.0), Membership(d2, "run", ttl=6.0)
+        finally:
+            d2.shutdown()
+    finally:
+        d1.shutdown()
+
+
+def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(two_registries):
     """An island killed mid-round keeps its record until the ttl runs out; one that missed a heartbeat is
     told apart well before that (a catch-up then does not wait for the round it was averaging, nor take
     the step it had reached for one the run committed while the catch-up downloaded)."""
-    made = []
-    try:
-        d1 = start_dht(NetworkSettings())
-        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
-        made += [d1, d2]
-        killed, watcher = Membership(d1, "run", ttl=6.0), Membership(d2, "run", ttl=6.0)
-        killed.start_heartbeat()
-        killed.announce(4, averaging=True, state=[1.0])
-        assert wait_until(lambda: [m.outer_step for m in watcher.others()] == [4], 5.0)
-        assert watcher.beating(watcher.others()[0])
-        killed._stop.set()  # its heartbeat stops as a SIGKILL would stop it: no leave announced
-        assert watcher.furthest_step(beating_only=True) == 4
-        assert wait_until(lambda: any(not watcher.beating(m) for m in watcher.others()), 10.0)
-        # the step it announced no longer counts as the run's furthest for a catch-up (soak seed 7)
-        assert watcher.furthest_step() == 4 and watcher.furthest_step(beating_only=True) == -1
-    finally:
-        for dht in reversed(made):
-            dht.shutdown()
+    killed, watcher = two_registries
+    killed.start_heartbeat()
+    killed.announce(4, averaging=True, state=[1.0])
+    assert wait_until(lambda: [m.outer_step for m in watcher.others()] == [4], 5.0)
+    assert watcher.beating(watcher.others()[0])
+    killed._stop.set()  # its heartbeat stops as a SIGKILL would stop it: no leave announced
+    assert watcher.furthest_step(beating_only=True) == 4
+    assert wait_until(lambda: any(not watcher.beating(m) for m in watcher.others()), 10.0)
+    # the step it announced no longer counts as the run's furthest for a catch-up (soak seed 7)
+    assert watcher.furthest_step() == 4 and watcher.furthest_step(beating_only=True) == -1
 
 
-def test_a_late_island_learns_that_the_run_ended(no_leaked_daemons):
-    made = []
-    try:
-        d1 = start_dht(NetworkSettings())
-        d2 = start_dht(NetworkSettings(initial_peers=visible_maddrs(d1)))
-        made += [d1, d2]
-        first, late = Membership(d1, "run", ttl=6.0), Membership(d2, "run", ttl=6.0)
-        assert late.ended_at() is None, "a run nobody registered in has not ended"
-        first.announce(6)
-        assert wait_until(lambda: [m.outer_step for m in late.others()] == [6], 5.0)
-        assert late.ended_at() is None, "a live island: the run goes on"
-        first.final_disagreements(6, [1.0, 2.0], wait=0.0)
-        assert late.ended_at() is None, "finished but not gone yet"
-        first.leave()
-        assert wait_until(lambda: late.ended_at() == 6, 5.0)
-        time.sleep(7.0)  # past the ttl of a live record: the final one stays
-        assert late.ended_at() == 6
-    finally:
-        for dht in reversed(made):
-            dht.shutdown()
+def test_a_late_island_learns_that_the_run_ended(two_registries):
+    first, late = two_registries
+    assert late.ended_at() is None, "a run nobody registered in has not ended"
+    first.announce(6)
+    assert wait_until(lambda: [m.outer_step for m in late.others()] == [6], 5.0)
+    assert late.ended_at() is None, "a live island: the run goes on"
+    first.final_disagreements(6, [1.0, 2.0], wait=0.0)
+    assert late.ended_at() is None, "finished but not gone yet"
+    first.leave()
+    assert wait_until(lambda: late.ended_at() == 6, 5.0)
+    time.sleep(7.0)  # past the ttl of a live record: the final one stays
+    assert late.ended_at() == 6
