@@ -218,24 +218,28 @@ class Transport:
         while True:
             try:
                 with peer.lock:
-                    sock = peer.sock or self._connect(endpoint, deadline)
-                    peer.sock = sock
-                    sock.settimeout(max(0.05, deadline - time.monotonic()))
-                    if self.fault is not None and self.fault(key):
-                        self._break_mid_message(sock, key, meta, payload)
-                    _send_frame(sock, key, meta, payload)
-                    ack = sock.recv(1)
-                    if ack != ACK:
-                        raise ConnectionError("the receiver closed the connection")
+                    try:
+                        sock = peer.sock or self._connect(endpoint, deadline)
+                        peer.sock = sock
+                        sock.settimeout(max(0.05, deadline - time.monotonic()))
+                        if self.fault is not None and self.fault(key):
+                            self._break_mid_message(sock, key, meta, payload)
+                        _send_frame(sock, key, meta, payload)
+                        ack = sock.recv(1)
+                        if ack != ACK:
+                            raise ConnectionError("the receiver closed the connection")
+                    except OSError:
+                        # dropped before the lock is let go: a message queued behind this one to the same
+                        # rank opens a new connection instead of failing on the dead one (and moving twice)
+                        if peer.sock is not None:
+                            peer.sock.close()
+                            peer.sock = None
+                        raise
                 self.stats.sent += memoryview(payload).nbytes
                 return
             except RefusedError:
                 raise
-            except (OSError, ConnectionError) as e:
-                with peer.lock:
-                    if peer.sock is not None:
-                        peer.sock.close()
-                        peer.sock = None
+            except OSError as e:
                 attempt += 1
                 if time.monotonic() >= deadline or self._closed.is_set():
                     raise TransportError(f"could not deliver {key} to {endpoint}: {e}") from None
