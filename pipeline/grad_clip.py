@@ -1,4 +1,4 @@
-"""Gradient-norm clipping over all the ranks of an island (TP shards and PP stages)."""
+"""Gradient-norm clipping over all the ranks of an island (FSDP and TP shards, PP stages)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipeline.mesh import MESH_DIMS, mesh_rank, mesh_size
 from pipeline.shards import local_grad, shard_spec_of
 
 
@@ -15,10 +16,10 @@ def island_grad_norm(params: Iterable[torch.Tensor], mesh: DeviceMesh | None) ->
     """L2 norm of the gradient of the whole model, the same (fp32 scalar) on every rank of the island.
 
     Each rank sums the squares of its local gradient shards, counting replicated tensors only on TP
-    rank 0, then the sums are all-reduced over the ``tp`` and ``pp`` mesh dimensions.
+    rank 0, then the sums are all-reduced over the ``dp``, ``tp`` and ``pp`` mesh dimensions.
     """
     params = list(params)
-    tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
+    tp_rank = mesh_rank(mesh, "tp")
     device = params[0].device if params else torch.device("cpu")
     grads = [g.detach() for p in params if (g := local_grad(p)) is not None
              and not (shard_spec_of(p).replicated and tp_rank != 0)]
@@ -27,8 +28,8 @@ def island_grad_norm(params: Iterable[torch.Tensor], mesh: DeviceMesh | None) ->
     if mesh is None:
         return local
     total = local.pow(2)
-    for dim in ("tp", "pp"):
-        if mesh[dim].size() > 1:
+    for dim in MESH_DIMS:
+        if mesh_size(mesh, dim) > 1:
             dist.all_reduce(total, group=mesh[dim].get_group())
     return total.sqrt()
 

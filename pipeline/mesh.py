@@ -1,8 +1,9 @@
-"""The 2-D device mesh of one island: pipeline stages outside, tensor parallelism inside.
+"""The 3-D device mesh of one island: data-parallel (FSDP) replicas outside, then pipeline stages, tensor
+parallelism inside.
 
 An island is one ``torchrun`` job (its world is the island).  Ranks are laid out row-major over
-``("pp", "tp")`` so the TP group of a rank is ``tp`` consecutive ranks (one server's GPUs), and
-the PP group strides across them.
+``("dp", "pp", "tp")`` so the TP group of a rank is ``tp`` consecutive ranks (NVLinked GPUs), the PP group
+strides across them, and the DP group strides across whole pipelines.
 """
 
 from __future__ import annotations
@@ -33,24 +34,44 @@ def island_ranks(tp: int, pp: int) -> list[list[int]]:
     return [[p * tp + t for t in range(tp)] for p in range(pp)]
 
 
-def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: float = 600.0) -> DeviceMesh:
+MESH_DIMS = ("dp", "pp", "tp")
+"""The island mesh's dimensions, outermost first."""
+
+
+def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: float = 600.0,
+                     dp: int = 1) -> DeviceMesh:
     """Initialise the default process group if needed (from torchrun's env vars) and return the
-    ``("pp", "tp")`` mesh of this island.
+    ``("dp", "pp", "tp")`` mesh of this island.
 
     Uses gloo on CPU and NCCL on CUDA (setting this process's GPU from ``LOCAL_RANK``).  Raises
-    ValueError when the world size is not ``tp * pp``.
+    ValueError when the world size is not ``dp * pp * tp``.
     """
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--parallel.tp and --parallel.pp must be at least 1, got tp={tp}, pp={pp}")
+    if tp < 1 or pp < 1 or dp < 1:
+        raise ValueError(f"--parallel.dp, --parallel.tp and --parallel.pp must be at least 1, got dp={dp}, "
+                         f"tp={tp}, pp={pp}")
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s))
-    world = dist.get_world_size()
-    if world != tp * pp:
-        raise ValueError(f"the island has {world} processes but --parallel.tp * --parallel.pp = {tp * pp}; "
-                         f"launch it with torchrun --nproc-per-node {tp * pp}")
-    return init_device_mesh(device_type, (pp, tp), mesh_dim_names=("pp", "tp"))
+    world, size = dist.get_world_size(), dp * pp * tp
+    if world != size:
+        raise ValueError(f"the island has {world} processes but --parallel.dp * --parallel.pp * --parallel.tp = "
+                         f"{size}; launch it with torchrun --nproc-per-node {size}")
+    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def mesh_size(mesh: DeviceMesh | None, dim: str) -> int:
+    """Size of ``dim`` in an island mesh (1 without a mesh, or for a dimension the mesh lacks)."""
+    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh[dim].size()
+
+
+def mesh_rank(mesh: DeviceMesh | None, dim: str) -> int:
+    """This rank's coordinate along ``dim`` (0 without a mesh, or for a dimension the mesh lacks)."""
+    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh[dim].get_local_rank()
 
 
 def destroy_island() -> None:

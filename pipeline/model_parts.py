@@ -1,9 +1,11 @@
-"""This rank's parts of an island's model, split over a ``("pp", "tp")`` mesh and trained as if it were one process.
+"""This rank's parts of an island's model, split over a ``("dp", "pp", "tp")`` mesh and trained as if it were
+one process.
 
 Every rank of the island builds the same full model (same seed), constructs its :class:`ModelParts`
-and calls the same methods with the same batch; only the first pipeline stage reads the inputs and
-only the last reads the targets.  The inner optimizer is an ordinary torch optimizer over
-:meth:`ModelParts.parameters` (DTensors when ``tp > 1``).
+and calls the same methods; the ranks of one data-parallel replica pass the same batch (only the first
+pipeline stage reads the inputs and only the last reads the targets), each replica its own.  The inner
+optimizer is an ordinary torch optimizer over :meth:`ModelParts.parameters` (DTensors when ``tp > 1`` or
+``dp > 1``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from pipeline.balance import BALANCES, StagePlan, plan_stages
+from pipeline.data_parallel import apply_fsdp
 from pipeline.grad_clip import clip_grad_norm_
+from pipeline.mesh import mesh_rank, mesh_size
 from pipeline.pipeline_parallel import (
     SCHEDULES,
     build_pipeline_stages,
@@ -54,6 +58,8 @@ def check_split(settings: ParallelSettings, n_layers: int, n_heads: int, dim: in
                  vocab_size: int) -> list[str]:
     """One sentence per reason the model cannot be split as ``settings`` asks (empty if it can)."""
     problems = check_tensor_parallel(n_heads, dim, ffn_dim, vocab_size, settings.tp)
+    if settings.dp < 1:
+        problems.append(f"--parallel.dp must be at least 1, got {settings.dp}")
     if settings.pp < 1:
         problems.append(f"--parallel.pp must be at least 1, got {settings.pp}")
         return problems
@@ -87,7 +93,7 @@ class ModelParts:
 
     ``model`` is the full ``Transformer`` (same weights on every rank).  With ``pp == 1`` it is
     sharded in place and used directly; with ``pp > 1`` this rank's stages are copied out of it and
-    ``model`` is left untouched (and can be freed).  ``mesh`` is the ``("pp", "tp")`` mesh from
+    ``model`` is left untouched (and can be freed).  ``mesh`` is the ``("dp", "pp", "tp")`` mesh from
     :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.  ``profile_shape``
     is one micro-batch ``(rows, seq)`` for ``balance="profile"`` (default: one sequence of the model's
     context).  With ``pp > 1`` the island's rank 0 logs the chosen split (:attr:`plan`) and, after a
@@ -97,10 +103,10 @@ class ModelParts:
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: ParallelSettings,
                  loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None,
                  profile_shape: tuple[int, int] | None = None):
-        tp = mesh["tp"].size() if mesh is not None else 1
-        pp = mesh["pp"].size() if mesh is not None else 1
-        if (tp, pp) != (settings.tp, settings.pp):
-            raise ValueError(f"the mesh is pp={pp} x tp={tp} but the settings ask for pp={settings.pp} x tp={settings.tp}")
+        dp, tp, pp = (mesh_size(mesh, d) for d in ("dp", "tp", "pp"))
+        if (dp, tp, pp) != (settings.dp, settings.tp, settings.pp):
+            raise ValueError(f"the mesh is dp={dp} x pp={pp} x tp={tp} but the settings ask for dp={settings.dp} x "
+                             f"pp={settings.pp} x tp={settings.tp}")
         block = next(iter(model.layers.values()))
         head_dim = block.attention.head_dim
         problems = check_split(settings, len(model.layers), block.attention.wq.weight.shape[0] // head_dim,
@@ -114,8 +120,8 @@ class ModelParts:
                 mesh.device_type == "cuda" else torch.device("cpu")
         self.device = torch.device(device)
         self.compute_dtype = settings.compute_dtype(self.device.type)
-        self.pp_rank = mesh["pp"].get_local_rank() if mesh is not None else 0
-        self.tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
+        self.dp = dp
+        self.dp_rank, self.pp_rank, self.tp_rank = (mesh_rank(mesh, d) for d in ("dp", "pp", "tp"))
         self.n_stages = pp * settings.local_stages if pp > 1 else 1
         self.plan: StagePlan | None = None
         self.clock: StageClock | None = None
@@ -133,6 +139,8 @@ class ModelParts:
             module.activation_checkpointing = settings.activation_checkpointing
             if settings.compile:
                 apply_compile(module)
+            if dp > 1:
+                apply_fsdp(module, mesh["dp"], self.compute_dtype, reshard_after_forward=pp == 1)
             module.train()
         self.stage_ids = [stage for stage, _ in owned]
         self.modules: list[nn.Module] = [module for _, module in owned]
@@ -148,7 +156,7 @@ class ModelParts:
                                            self.clock.timed(self._scaled_loss), scale_grads=False)
 
     def _say(self, line: str) -> None:
-        if self.pp_rank == 0 and self.tp_rank == 0:  # the island's rank 0 speaks for it
+        if self.dp_rank == 0 and self.pp_rank == 0 and self.tp_rank == 0:  # the island's rank 0 speaks for it
             log.info("%s", line)
 
     def _report_measured(self, busy: list[float], wall: float) -> None:
@@ -213,7 +221,7 @@ class ModelParts:
             p.grad = None
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip the island-wide gradient norm (over TP shards and PP stages) to ``max_norm``; return
+        """Clip the island-wide gradient norm (over FSDP and TP shards, PP stages) to ``max_norm``; return
         the norm before clipping (the same on every rank).  ``max_norm <= 0`` only measures."""
         return clip_grad_norm_(list(self.parameters()), max_norm, self.mesh)
 
@@ -239,9 +247,10 @@ class ModelParts:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
         """Forward and backward of one batch; gradients (times ``loss_scale``) are *added* to ``.grad``.
 
-        Returns the batch's mean loss (unscaled) on every rank.  With ``pp > 1`` the batch is split
-        into ``microbatches`` and run by the pipeline schedule; every call must then use the same
-        batch shape.  Use ``loss_scale = 1 / grad_accum`` to accumulate over several calls.
+        Returns the batch's mean loss (unscaled; with ``dp > 1`` the mean over the replicas' batches) on every
+        rank.  With ``pp > 1`` the batch is split into ``microbatches`` and run by the pipeline schedule; every
+        call must then use the same batch shape.  Use ``loss_scale = 1 / grad_accum`` to accumulate over
+        several calls.  With ``dp > 1`` the gradients are the mean over the replicas (FSDP's reduce-scatter).
         """
         if not loss_scale > 0:
             raise ValueError(f"loss_scale must be positive, got {loss_scale}")
@@ -251,12 +260,20 @@ class ModelParts:
                 loss = self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device))
             (loss * loss_scale).backward()
             self._align_grads()
-            return float(loss.detach())
+            return self._replica_mean(loss.detach().float())
         self._loss_scale = loss_scale / self.settings.microbatches
         with self.clock.step():
             losses = self._run_schedule(inputs, targets, train=True)
         self._align_grads()
-        return self._broadcast_loss(losses, scale=1.0 / loss_scale)
+        return self._replica_mean(self._broadcast_loss(losses, scale=1.0 / loss_scale))
+
+    def _replica_mean(self, loss: torch.Tensor) -> float:
+        """The mean of a scalar over the data-parallel replicas (itself when ``dp == 1``)."""
+        if self.dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
+            loss /= self.dp
+        return float(loss)
 
     def autocast(self) -> torch.autocast:
         """The context the forward passes run in: autocast to :attr:`compute_dtype` (a no-op in fp32).  The
@@ -283,7 +300,7 @@ class ModelParts:
                     return float(self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device)))
             self._loss_scale = 1.0 / self.settings.microbatches
             losses = self._run_schedule(inputs, targets, train=False)
-            return self._broadcast_loss(losses, scale=1.0)
+            return float(self._broadcast_loss(losses, scale=1.0))
         finally:
             for module in self.modules:
                 module.train()
@@ -298,14 +315,14 @@ class ModelParts:
             run(*args, return_outputs=False, **kwargs)  # keep no logits: the losses are all we need
         return kwargs.get("losses", [])
 
-    def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> float:
+    def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
         """Sum of the last stage's (already 1/m-scaled) micro-batch losses, sent to every PP rank."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.has_last_stage:
             total += torch.stack([loss.detach().float() for loss in losses]).sum() * scale
         group = self.mesh["pp"].get_group()
         dist.broadcast(total, src=dist.get_global_rank(group, self.mesh["pp"].size() - 1), group=group)
-        return float(total)
+        return total
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

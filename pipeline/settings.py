@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class ParallelSettings:
-    """How an island splits its model over its ``tp * pp`` processes."""
+    """How an island splits its model over its ``dp * pp * tp`` processes."""
 
+    dp: int = 1
+    """Data-parallel degree inside an island (outermost mesh dimension): each of `dp` groups of `pp * tp` processes
+    takes its own batches, and the parameters, gradients and AdamW state are sharded over them with FSDP2
+    (`fully_shard` per block), as are θ_global, the outer momentum and what each rank averages over the slow link.
+    A step of the island then takes `dp * batch_size * grad_accum` sequences."""
     tp: int = 1
     """Tensor-parallel degree inside an island (innermost mesh dimension, one process per GPU)."""
     pp: int = 1
@@ -58,6 +63,11 @@ class ParallelSettings:
         if self.param_dtype == "bf16" or (self.param_dtype == "auto" and device_type == "cuda"):
             return torch.bfloat16
         return torch.float32
+
+    @property
+    def processes(self) -> int:
+        """Processes of one island: ``dp * pp * tp``."""
+        return self.dp * self.pp * self.tp
 
     @property
     def local_stages(self) -> int:

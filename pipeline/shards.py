@@ -12,14 +12,19 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+SHARDED = (Shard, _StridedShard)
+"""Placements that split a tensor: FSDP2 shards a TP-sharded dimension further with a ``_StridedShard``."""
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     """A contiguous slice ``[offset, offset + length)`` along ``dim`` of a tensor of ``full_shape``.
 
-    ``replicated`` is True when every TP rank holds this same slice (the whole tensor), so only one
-    of them needs to contribute it to an average.
+    ``replicated`` is True when other ranks of the island hold this same slice (a TP-replicated norm
+    weight), so only one of them needs to contribute it to an average.
     """
 
     full_shape: tuple[int, ...]
@@ -44,22 +49,28 @@ class ShardSpec:
 
 
 def shard_spec_of(param: torch.Tensor) -> ShardSpec:
-    """The :class:`ShardSpec` of a plain tensor (the whole of it) or of a DTensor on a 1-D mesh."""
+    """The :class:`ShardSpec` of a plain tensor (the whole of it) or of a DTensor on a mesh of any rank
+    (TP, FSDP's data-parallel sharding, or both on one parameter), whose local piece must be one slice
+    along one dimension."""
     full_shape = tuple(param.shape)
     if not isinstance(param, DTensor):
         return ShardSpec(full_shape, 0, 0, full_shape[0] if full_shape else 1, True)
-    if param.device_mesh.ndim != 1:
-        raise ValueError(f"shard_spec_of expects a DTensor on a 1-D mesh, got a {param.device_mesh.ndim}-D mesh")
-    placement = param.placements[0]
-    if isinstance(placement, Replicate):
-        return ShardSpec(full_shape, 0, 0, full_shape[0] if full_shape else 1, True)
-    if isinstance(placement, Shard):
-        dim = placement.dim % len(full_shape)
-        local = param.to_local()
-        chunk = -(-full_shape[dim] // param.device_mesh.size())  # torch.chunk sizing (ceil)
-        offset = min(param.device_mesh.get_local_rank() * chunk, full_shape[dim])
-        return ShardSpec(full_shape, dim, offset, local.shape[dim], False)
-    raise ValueError(f"unsupported DTensor placement {placement} for a parameter")
+    mesh, placements = param.device_mesh, param.placements
+    for placement in placements:
+        if not isinstance(placement, (*SHARDED, Replicate)):
+            raise ValueError(f"unsupported DTensor placement {placement} for a parameter")
+    replicated = any(isinstance(p, Replicate) and mesh.size(i) > 1 for i, p in enumerate(placements))
+    if not full_shape:
+        return ShardSpec(full_shape, 0, 0, 1, replicated)
+    local_shape, offset = compute_local_shape_and_global_offset(full_shape, mesh, placements)
+    narrowed = [d for d in range(len(full_shape)) if local_shape[d] != full_shape[d]]
+    if len(narrowed) > 1:
+        raise ValueError(f"the local piece {tuple(local_shape)} of a {full_shape} parameter ({placements}) is "
+                         f"narrowed on dims {narrowed}; shard every mesh dimension of a parameter on one dim")
+    sharded = [p.dim % len(full_shape) for p in placements if isinstance(p, SHARDED)]
+    dim = narrowed[0] if narrowed else (sharded[0] if sharded else 0)
+    return ShardSpec(full_shape, dim, min(offset[dim], full_shape[dim]), local_shape[dim],
+                     replicated or not sharded)
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:

@@ -1,9 +1,11 @@
-"""Tensor- and pipeline-parallel islands (package ``pipeline``) on real gloo process groups.
+"""Data-, tensor- and pipeline-parallel islands (package ``pipeline``) on real gloo process groups.
 
 The distributed checks run this file as a script in 2 or 4 subprocesses (one gloo group per
 group of checks) and compare what the ranks report with a single-process reference trained in the
 test process on the same data and seed: per-step losses, gradient norms, evaluation loss and the
-final parameters (each rank's local shard against the matching slice of the reference).
+final parameters (each rank's local shard against the matching slice of the reference).  With
+``dp = 2`` each replica trains on its half of every batch (FSDP2 shards the parameters over the two),
+which must equal one process on the whole batch, i.e. on the two halves accumulated.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def test_island_settings_errors():
         "--model.n_heads (4) must be divisible by --parallel.tp (3)",
         "--model.ffn_dim (64) must be divisible by --parallel.tp (3)",
         "--model.vocab_size (256) must be divisible by --parallel.tp (3)"]
-    with pytest.raises(ValueError, match="the mesh is pp=1 x tp=1"):
+    with pytest.raises(ValueError, match="the mesh is dp=1 x pp=1 x tp=1"):
         ModelParts(build_model(tiny_model_config()), None, ParallelSettings(tp=2))
 
 
@@ -221,8 +223,11 @@ CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 
     dict(name="tp2-pp2-1f1b", tp=2, pp=2, schedule="1f1b", microbatches=4, activation_checkpointing=True),
     dict(name="tp2-pp2-interleaved-1f1b", tp=2, pp=2, schedule="interleaved-1f1b", microbatches=4,
          virtual_stages=2),
+    dict(name="dp2-tp2", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1),
+    dict(name="dp2-pp2", dp=2, tp=1, pp=2, schedule="1f1b", microbatches=2),
 ]
 CASES_2 = [
+    dict(name="dp2", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
     dict(name="pp2-interleaved-1f1b", tp=1, pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2),
@@ -234,11 +239,15 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     from pipeline.mesh import init_island_mesh
 
     settings = ParallelSettings(**{k: v for k, v in case.items() if k != "name"})
-    mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60)
+    mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60, dp=settings.dp)
     island = ModelParts(build_model(tiny_model_config()), mesh, settings)
     opt = make_optimizer(island.parameters())
     losses, norms = [], []
-    for x in batches(STEPS):
+
+    def mine(x: torch.Tensor) -> torch.Tensor:  # this data-parallel replica's rows
+        return x.chunk(settings.dp)[island.dp_rank]
+
+    for x in map(mine, batches(STEPS)):
         losses.append(island.train_step(x[:, :-1], x[:, 1:]))
         norms.append(island.clip_grad_norm_(CLIP))
         opt.step()
@@ -246,7 +255,7 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     ev = batches(1, EVAL_SEED)[0]
     # Evaluation may use another batch size than training; training works again afterwards.
     eval_loss = island.eval_loss(ev[:4, :-1], ev[:4, 1:])
-    after_eval = island.train_step(ev[:, :-1], ev[:, 1:])
+    after_eval = island.train_step(mine(ev)[:, :-1], mine(ev)[:, 1:])
     island.zero_grad()
     full = island.full_parameters()  # collective: every rank gets the whole model
     result = dict(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval,
@@ -260,7 +269,7 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     island.load_full_parameters(full)
     result["restored"] = all(torch.equal(saved[k], v) for k, v in island.local_named_parameters().items())
     if settings.pp > 1:  # batches the pipeline cannot run are refused on every rank alike
-        for key, rows in (("microbatch_error", 3), ("shape_error", 4)):
+        for key, rows in (("microbatch_error", 3), ("shape_error", BATCH // settings.dp // 2)):
             try:
                 island.train_step(ev[:rows, :-1], ev[:rows, 1:])
                 result[key] = None
@@ -390,17 +399,23 @@ def check_case(case: dict, world: int, out: Path, ref: dict) -> None:
         if case["pp"] > 1:
             assert r["microbatch_error"] == ("the batch of 3 sequences does not split into "
                                              f"--parallel.microbatches ({case['microbatches']}) equal micro-batches")
-            assert r["shape_error"] == "pipeline training batches must keep the shape of the first one (8, 16), got (4, 16)"
-    # The shards of every parameter tile it exactly once (replicated ones are whole on every TP rank).
+            rows = BATCH // case.get("dp", 1)
+            assert r["shape_error"] == (f"pipeline training batches must keep the shape of the first one ({rows}, 16), "
+                                        f"got ({rows // 2}, 16)")
+    # The shards of every parameter tile it exactly once; a TP-replicated one (a norm weight) is held alike by
+    # the tp ranks of one data-parallel replica, whole without FSDP, halved over dp with it.
     assert set(seen) == set(ref["params"])
+    dp, tp = case.get("dp", 1), case["tp"]
     for name, specs in seen.items():
+        pieces = sorted({(s.dim, s.offset, s.length) for s in specs})
+        assert len({dim for dim, _, _ in pieces}) == 1, f"{name}: pieces on several dims {pieces}"
+        assert [(o, o + n) for _, o, n in pieces] == [(i * pieces[0][2], (i + 1) * pieces[0][2])
+                                                      for i in range(len(pieces))], name
+        assert pieces[-1][1] + pieces[-1][2] == specs[0].full_shape[specs[0].dim], name
         if specs[0].replicated:
-            assert all(s.replicated and s.length == s.full_shape[0] for s in specs)
-            assert len(specs) == case["tp"]
+            assert all(s.replicated for s in specs) and len(pieces) == dp and len(specs) == tp * dp
         else:
-            covered = sorted((s.offset, s.offset + s.length) for s in specs)
-            assert covered == [(i * covered[0][1], (i + 1) * covered[0][1]) for i in range(case["tp"])]
-            assert covered[-1][1] == specs[0].full_shape[specs[0].dim]
+            assert len(pieces) == len(specs) == dp * tp
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=[c["name"] for c in CASES_4])

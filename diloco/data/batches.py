@@ -24,10 +24,15 @@ class ShardedBatches:
     The stream is cut into non-overlapping windows of ``seq_len + 1`` tokens; this shard owns a
     contiguous range of them and visits them in a fresh permutation every epoch, seeded by
     ``(seed, shard_index, epoch)``.  A batch may span the end of one epoch and the start of the next.
+
+    The ``replicas`` data-parallel replicas of an island read the shard together: each draw takes
+    ``replicas * batch_size`` windows and replica ``replica`` keeps its own consecutive ``batch_size`` of them,
+    so ``dp`` replicas see what one process would see over ``dp`` accumulated batches, and every replica's
+    position (its :meth:`state_dict`) is the same.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, shard_index: int,
-                 num_shards: int, seed: int):
+                 num_shards: int, seed: int, replica: int = 0, replicas: int = 1):
         if seq_len < 1 or batch_size < 1:
             raise DataError(f"seq_len and batch_size must be at least 1, got {seq_len} and {batch_size}")
         if not 0 <= shard_index < num_shards:
@@ -40,12 +45,15 @@ class ShardedBatches:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.seed = seed
+        if not 0 <= replica < replicas:
+            raise DataError(f"replica {replica} must be in [0, {replicas - 1}] for {replicas} replicas")
+        self.replica, self.replicas = replica, replicas
         total = self.tokens.size // (seq_len + 1)
         self.window_range = range(total * shard_index // num_shards, total * (shard_index + 1) // num_shards)
-        if len(self.window_range) < batch_size:
+        if len(self.window_range) < batch_size * replicas:
             raise DataError(f"shard {shard_index} of {num_shards} holds only {len(self.window_range)} sequences "
-                            f"of {seq_len + 1} tokens but a batch needs {batch_size}; use fewer shards, a shorter "
-                            f"--model.seq_len, a smaller --inner.batch_size or more data")
+                            f"of {seq_len + 1} tokens but a batch needs {batch_size * replicas}; use fewer shards, a "
+                            f"shorter --model.seq_len, a smaller --inner.batch_size or --parallel.dp, or more data")
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
@@ -57,8 +65,8 @@ class ShardedBatches:
 
     @property
     def tokens_per_batch(self) -> int:
-        """Input tokens in one batch (batch_size * seq_len)."""
-        return self.batch_size * self.seq_len
+        """Input tokens in one batch of every replica together (replicas * batch_size * seq_len)."""
+        return self.replicas * self.batch_size * self.seq_len
 
     def _permutation(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.shard_index, epoch])
@@ -66,7 +74,7 @@ class ShardedBatches:
 
     def _next_windows(self) -> np.ndarray:
         picked = []
-        needed = self.batch_size
+        needed = self.batch_size * self.replicas
         while needed:
             take = self._order[self.position:self.position + needed]
             picked.append(take)
@@ -76,10 +84,11 @@ class ShardedBatches:
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
-        return np.concatenate(picked)
+        mine = self.replica * self.batch_size
+        return np.concatenate(picked)[mine:mine + self.batch_size]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (inputs, targets) pair, each a (batch_size, seq_len) LongTensor."""
+        """This replica's next (inputs, targets) pair, each a (batch_size, seq_len) LongTensor."""
         return _windows_to_batch(self.tokens, self._next_windows() * (self.seq_len + 1), self.seq_len)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -143,7 +143,7 @@ class Island:
         self.heldout_bytes_per_token = corpus.heldout_bytes_per_token
         log.info("data: %s", corpus.description)
         self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
-                                      cfg.data.num_shards, cfg.seed)
+                                      cfg.data.num_shards, cfg.seed, replica=rt.dp_rank, replicas=rt.dp)
         self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, lg.eval_batches)
         self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens, self.tokenizer) \
             if lg.samples and rt.is_main else None

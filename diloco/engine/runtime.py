@@ -1,9 +1,9 @@
 """Where this process sits: the island's process group and mesh (torchtitan's ``ParallelDims``).
 
-An island is the training process group of one server: ``tp * pp`` processes under ``torchrun``,
+An island is the training process group of one server: ``dp * pp * tp`` processes under ``torchrun``,
 or one process (``mesh=None``, ``group=None``, every collective below a no-op).  Several islands
 may share one torchrun world (``--averaging.backend torch``/``auto``): island ``k`` is the ``k``-th
-block of ``tp * pp`` consecutive ranks.  Every decision the ranks of an island must take together
+block of ``dp * pp * tp`` consecutive ranks.  Every decision the ranks of an island must take together
 goes through the small control collectives here.
 """
 
@@ -61,18 +61,19 @@ def use_device(device: torch.device) -> None:
 
 @dataclass
 class Runtime:
-    """Where this process sits: its island (``tp * pp`` consecutive ranks of the torchrun world), its
+    """Where this process sits: its island (``dp * pp * tp`` consecutive ranks of the torchrun world), its
     rank in it, the island's mesh and process groups.  A single process has no process group."""
 
     tp: int
     pp: int
     device: torch.device
+    dp: int = 1
     world: int = 1
     global_rank: int = 0
     island_index: int = 0
     n_islands: int = 1
     mesh: Any = None
-    """The island's ``("pp", "tp")`` DeviceMesh (None for one process)."""
+    """The island's ``("dp", "pp", "tp")`` DeviceMesh (None for one process)."""
     group: Any = None
     """The island's process group (``dist.group.WORLD`` when the world is the island; None for one process)."""
     ctrl: Any = None
@@ -84,12 +85,22 @@ class Runtime:
 
     @property
     def size(self) -> int:
-        return self.tp * self.pp
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shape(self) -> str:
+        """The island's split as the flags name it, e.g. ``dp=2 x pp=1 x tp=2``."""
+        return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
 
     @property
     def rank(self) -> int:
         """This process's rank inside its island."""
         return self.global_rank - self.island_index * self.size
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel replica in its island (its outermost mesh coordinate)."""
+        return self.rank // (self.pp * self.tp)
 
     @property
     def is_main(self) -> bool:
@@ -112,11 +123,12 @@ class Runtime:
     def start(cls, cfg: Config, device: torch.device) -> Runtime:
         """Join (or, without torchrun, skip) the process group and build the island's mesh.  Collective
         over the torchrun world; raises TrainingError with the command to use when the launch does not
-        match ``--parallel.tp/pp``."""
-        tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        size = tp * pp
+        match ``--parallel.dp/tp/pp``."""
+        dp, tp, pp = cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp
+        size = cfg.parallel.processes
         a = cfg.averaging
-        rt = cls(tp, pp, device)
+        rt = cls(tp, pp, device, dp=dp)
+        split = "--parallel.dp * --parallel.pp * --parallel.tp"
         use_device(device)
         # ranks wait in collectives while their island's owners run a hivemind round or a download
         rt.timeout_s = max(600.0, 2 * (a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
@@ -124,23 +136,23 @@ class Runtime:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1 and not dist.is_initialized():
             if size > 1:
-                raise TrainingError(f"an island with --parallel.tp {tp} --parallel.pp {pp} is {size} processes: launch "
-                                    f"it with torchrun --nproc-per-node {size} -m diloco.cli train ...")
+                raise TrainingError(f"an island with --parallel.dp {dp} --parallel.tp {tp} --parallel.pp {pp} is {size} "
+                                    f"processes: launch it with torchrun --nproc-per-node {size} -m diloco.cli train ...")
             if a.backend == "torch":
                 raise TrainingError("--averaging.backend torch averages islands launched as one torchrun world: "
                                     "torchrun --nproc-per-node ISLANDS*TP*PP -m diloco.cli train ...")
             return rt
         if world % size:
-            raise TrainingError(f"the torchrun world has {world} processes, not a multiple of --parallel.tp * "
-                                f"--parallel.pp = {size}; launch an island with torchrun --nproc-per-node {size}")
+            raise TrainingError(f"the torchrun world has {world} processes, not a multiple of {split} = {size}; "
+                                f"launch an island with torchrun --nproc-per-node {size}")
         n = world // size
         if n == 1 and a.backend == "torch":
             raise TrainingError(f"--averaging.backend torch averages the islands of one torchrun world, but this world "
-                                f"of {world} processes is a single island of --parallel.tp * --parallel.pp = {size}; "
+                                f"of {world} processes is a single island of {split} = {size}; "
                                 f"launch ISLANDS*{size} processes, or use --averaging.backend hivemind or auto")
         if n > 1 and a.backend not in ("torch", "auto"):
-            raise TrainingError(f"the torchrun world has {world} processes but an island is --parallel.tp * "
-                                f"--parallel.pp = {size}: launch each island as its own torchrun job with "
+            raise TrainingError(f"the torchrun world has {world} processes but an island is {split} = {size}: "
+                                f"launch each island as its own torchrun job with "
                                 f"--nproc-per-node {size}, or pass --averaging.backend torch (or auto) to run {n} "
                                 f"islands in one world")
         if not dist.is_initialized():
@@ -151,11 +163,13 @@ class Runtime:
         rt.n_islands, rt.island_index = n, rt.global_rank // size
         if size > 1:
             if n == 1:
-                rt.mesh = init_island_mesh(tp, pp, device.type, rt.timeout_s)
+                rt.mesh = init_island_mesh(tp, pp, device.type, rt.timeout_s, dp=dp)
             else:
                 from torch.distributed.device_mesh import init_device_mesh
 
-                rt.mesh = init_device_mesh(device.type, (n, pp, tp), mesh_dim_names=("island", "pp", "tp"))["pp", "tp"]
+                from pipeline.mesh import MESH_DIMS
+
+                rt.mesh = init_device_mesh(device.type, (n, dp, pp, tp), mesh_dim_names=("island", *MESH_DIMS))[MESH_DIMS]
         gloo_ctrl = device.type == "cuda"
         if n == 1:
             rt.group = dist.group.WORLD if size > 1 else None
