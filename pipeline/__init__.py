@@ -5,12 +5,13 @@ Functions here take the Llama-style ``Transformer`` (``tok_embeddings``, ``layer
 ``norm``, ``output``) as a plain ``nn.Module`` and never import the trainer package.
 
 - :mod:`pipeline.settings`: :class:`ParallelSettings`, how an island is split (plain data, no torch).
-- :mod:`pipeline.mesh`: the ``("pp", "tp")`` device mesh of an island.
+- :mod:`pipeline.mesh`: the ``("dp", "pp", "tp")`` device mesh of an island.
+- :mod:`pipeline.data_parallel`: FSDP2 over the ``dp`` dimension, composed with TP and PP.
 - :mod:`pipeline.tensor_parallel`: the Megatron TP plan and its divisibility checks.
 - :mod:`pipeline.pipeline_parallel`: layer split, stage modules and schedules.
 - :mod:`pipeline.balance`: where the stages are cut (by parameters, blocks or measured time).
 - :mod:`pipeline.stage_clock`: the idle fraction a pipeline shows in its first steps.
-- :mod:`pipeline.shards`: where a local shard sits in the full parameter.
+- :mod:`pipeline.shards`: where a local shard sits in the full parameter, and resharding between splits.
 - :mod:`pipeline.grad_clip`: island-wide gradient-norm clipping.
 - :mod:`pipeline.model_parts`: :class:`ModelParts`, which puts it all together for a training loop.
 
@@ -34,7 +35,8 @@ _WHERE = {
     "build_schedule": "pipeline_parallel", "build_stage_modules": "pipeline_parallel",
     "check_schedule": "pipeline_parallel", "model_layer_costs": "pipeline_parallel", "model_part": "pipeline_parallel",
     "stage_layer_split": "pipeline_parallel",
-    "ShardSpec": "shards", "local_grad": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
+    "apply_fsdp": "data_parallel", "fsdp_placement": "data_parallel", "MESH_DIMS": "mesh",
+    "ShardSpec": "shards", "copy_overlap": "shards", "local_grad": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
     "shard_spec_of": "shards",
     "apply_tensor_parallel": "tensor_parallel", "check_tensor_parallel": "tensor_parallel",
     "tensor_parallel_plan": "tensor_parallel",

@@ -111,3 +111,25 @@ def restore_dtensor_state(optimizer: torch.optim.Optimizer) -> None:
         for k, v in list(st.items()):
             if torch.is_tensor(v) and not isinstance(v, DTensor) and k != "step" and tuple(v.shape) == local_shape:
                 st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
+
+
+def copy_overlap(dst: torch.Tensor, dst_spec: ShardSpec, src: torch.Tensor, src_spec: ShardSpec) -> int:
+    """Copy into ``dst`` (a local piece laid out by ``dst_spec``) the part of the full tensor it shares with
+    ``src`` (another piece of it, laid out by ``src_spec``, maybe cut along another dimension); returns the
+    elements copied.  Resharding a checkpoint is this over every piece the old ranks wrote."""
+    if dst_spec.full_shape != src_spec.full_shape:
+        raise ValueError(f"pieces of tensors of different shapes: {dst_spec.full_shape} and {src_spec.full_shape}")
+    if not dst_spec.full_shape:
+        dst.copy_(src.reshape(dst.shape))
+        return 1
+    d_view, s_view = dst, src
+    for dim in {dst_spec.dim, src_spec.dim}:
+        ranges = [(s.offset, s.offset + s.length) if s.dim == dim else (0, dst_spec.full_shape[dim])
+                  for s in (dst_spec, src_spec)]
+        lo, hi = max(r[0] for r in ranges), min(r[1] for r in ranges)
+        if hi <= lo:
+            return 0
+        d_view = d_view.narrow(dim, lo - ranges[0][0], hi - lo)
+        s_view = s_view.narrow(dim, lo - ranges[1][0], hi - lo)
+    d_view.copy_(s_view)
+    return d_view.numel()

@@ -142,8 +142,11 @@ def validate(cfg: Config) -> list[str]:
 
 
 def parallel_problems(cfg: Config) -> list[str]:
-    """Why the model cannot be split over ``--parallel.tp`` x ``--parallel.pp`` (one sentence each)."""
+    """Why the model cannot be split over ``--parallel.dp`` x ``--parallel.tp`` x ``--parallel.pp`` (one sentence
+    each)."""
     par, m = cfg.parallel, cfg.model
+    if par.dp < 1:
+        return [f"--parallel.dp must be at least 1, got {par.dp}"]
     if par.tp == 1 and par.pp == 1:
         return []
     if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size or 256) < 1:

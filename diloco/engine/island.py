@@ -1,8 +1,8 @@
 """One DiLoCo island rank: the wiring of its parts, the training loop, its checkpoints.
 
-An island is the training process group of one server: ``tp * pp`` processes under ``torchrun`` (tensor
-parallelism inside, pipeline stages outside, see :mod:`pipeline`), or one process, which is simply the
-``tp = pp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process group).  Every rank builds the
+An island is the training process group of one server: ``dp * pp * tp`` processes under ``torchrun`` (tensor
+parallelism inside, pipeline stages around it, data-parallel FSDP replicas outside, see :mod:`pipeline`), or one
+process, which is simply the ``dp = pp = tp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process group).  Every rank builds the
 same :class:`Island` and takes every decision together with the others.  :class:`Island` only builds,
 connects and runs; each part has one job and gets the narrow pieces it needs:
 
@@ -19,7 +19,9 @@ connects and runs; each part has one job and gets the narrow pieces it needs:
 Checkpoints are per rank: each rank writes its own shards (model, inner optimizer, θ_global and outer
 momentum) with the data position, RNG states and counters to ``<checkpoint dir>/ckpt-NNNNNN.pt`` (one
 process) or ``<checkpoint dir>/rank<r>/ckpt-NNNNNN.pt``; on resume the ranks agree on the newest outer step
-every rank has, and refuse a checkpoint of another island shape or config.
+every rank has, refuse a checkpoint of another config, and reshard one written by an island of another
+(dp, pp, tp) shape: each rank reads the old ranks' files one after the other and copies the parts of its own
+pieces they hold.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ from outer_optim.fragments import split_into_fragments
 from peers.dht import mute_shutdown_noise
 from peers.exchange import BucketExchange
 from peers.layout import CanonicalLayout, spec_tuple
-from pipeline import ModelParts, local_state, restore_dtensor_state
+from pipeline import ModelParts, ShardSpec, copy_overlap, local_state, restore_dtensor_state
 
 log = logging.getLogger("diloco")
 
@@ -433,8 +435,13 @@ class Island:
     # --------------------------------------------------------------------------------- checkpoints
     def _shape(self) -> dict[str, Any]:
         rt = self.rt
-        return {"tp": rt.tp, "pp": rt.pp, "rank": rt.rank,
+        return {"dp": rt.dp, "tp": rt.tp, "pp": rt.pp, "rank": rt.rank,
                 "specs": {n: list(spec_tuple(s)) for n, s in self.specs.items()}}
+
+    def _inner_param_names(self) -> list[str]:
+        """The parameter names in the inner optimizer's order (its state is keyed by position)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for group in self.inner_opt.param_groups for p in group["params"]]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank needs to resume exactly, with the island shape it belongs to."""
@@ -444,6 +451,7 @@ class Island:
             "outer_step": s.outer_step, "inner_step": s.inner_step,
             "model": {n: t.detach().cpu().clone() for n, t in self.params.items()},
             "inner_optimizer": _copies(local_state(self.inner_opt.state_dict())),
+            "inner_param_names": self._inner_param_names(),
             "inner_scheduler": self.inner_sched.state_dict(),
             "outer_optimizer": self.outer.state_dict(), "data": self.batches.state_dict(),
             "rng": checkpoint.rng_state(), "stats": dict(s.__dict__),
@@ -453,21 +461,27 @@ class Island:
             "owner_feedback": {b: t.clone() for b, t in self.unsent.carry.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (written by the same rank of an island of the same shape)."""
-        saved = state.get("island") or {"tp": 1, "pp": 1, "rank": 0, "specs": None}
-        mine = self._shape()
-        if (saved["tp"], saved["pp"], saved["rank"]) != (mine["tp"], mine["pp"], mine["rank"]) or \
-                (saved.get("specs") is not None and saved["specs"] != mine["specs"]):
-            raise TrainingError(f"the checkpoint was written by rank {saved['rank']} of a tp={saved['tp']} x "
-                                f"pp={saved['pp']} island; resume with the same --parallel.* settings")
-        with torch.no_grad():
-            for n, t in state["model"].items():
-                self.params[n].copy_(t)
-        self.inner_opt.load_state_dict(state["inner_optimizer"])
+    def written_by_me(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` was written by this rank of an island of this shape (else it is resharded)."""
+        saved, mine = _island_record(state), self._shape()
+        return all(saved.get(k, 1) == mine[k] for k in ("dp", "tp", "pp", "rank")) and \
+            saved.get("specs") in (None, mine["specs"])
+
+    def load_state_dict(self, state: dict[str, Any], path: Path | None = None) -> None:
+        """Restore :meth:`state_dict`: written by this rank of an island of the same shape, or else (with the
+        ``path`` it was read from, beside the other old ranks' files) resharded from all of them."""
+        if self.written_by_me(state):
+            with torch.no_grad():
+                for n, t in state["model"].items():
+                    self.params[n].copy_(t)
+            self.inner_opt.load_state_dict(state["inner_optimizer"])
+            self.outer.load_state_dict(state["outer_optimizer"])
+        else:
+            if path is None:
+                raise TrainingError("a checkpoint of another island shape needs the path it was read from")
+            self._load_resharded(state, path)
         restore_dtensor_state(self.inner_opt)
         self.inner_sched.load_state_dict(state["inner_scheduler"])
-        self.outer.load_state_dict(state["outer_optimizer"])
         self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
         for k, v in state["stats"].items():
@@ -477,7 +491,74 @@ class Island:
         self.schedule.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", self.stats.tokens)))
         for kept, key in ((self.unsent.feedback, "error_feedback"), (self.unsent.carry, "owner_feedback")):
             kept.clear()
-            kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
+            if self.written_by_me(state):
+                kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
+            elif state.get(key):
+                log.warning("the codec's error feedback is reset: it was kept per rank of a %s island", 
+                            _island_record(state)["shape"])
+
+    @torch.no_grad()
+    def _load_resharded(self, first: dict[str, Any], path: Path) -> None:
+        """Fill this rank's pieces of the model, AdamW's moments, θ_global and the outer momentum from the files
+        every rank of an island of another shape wrote at the step of ``path`` (read one after the other: at
+        most one old rank's state in memory beside this rank's own)."""
+        saved = _island_record(first)
+        size = saved["dp"] * saved["tp"] * saved["pp"]
+        if "inner_param_names" not in first:
+            raise TrainingError(f"checkpoint {path} was written by a {saved['shape']} island before checkpoints could "
+                                f"be resharded; resume it with the same --parallel.* settings")
+        base = path.parent.parent if size > 1 else path.parent
+        paths = [base / f"rank{r}" / path.name for r in range(size)] if size > 1 else [path]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise CheckpointError(f"resharding the checkpoint of a {saved['shape']} island needs every rank's file, "
+                                  f"but {', '.join(missing)} is missing; restore it or resume with the same shape")
+        shapes = dict(self.full_shapes)
+        moments = {n: {k: torch.zeros(p.shape, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+                   for n, p in self.params.items()}
+        momentum = dict(zip(self.outer.names, self.outer.momentum_buffers())) if self.outer.mu else {}
+        copied: dict[str, int] = {n: 0 for n in self.params}
+        seen: set[tuple[str, tuple[int, ...]]] = set()
+        step = None
+        for p in paths:
+            state = first if p == path else checkpoint.load(p)
+            specs = _island_record(state)["specs"] or {n: self.layout.full_spec(n) for n in state["model"]}
+            inner = state["inner_optimizer"]["state"]
+            inner_index = {n: i for i, n in enumerate(state["inner_param_names"])}
+            old_momentum = dict(zip(state["outer_optimizer"]["master"], state["outer_optimizer"]["momentum"]))
+            for n, piece in state["model"].items():
+                if n not in self.params or (n, tuple(specs[n])) in seen:
+                    continue  # another rank's copy of a replicated piece was read already
+                seen.add((n, tuple(specs[n])))
+                old, new = ShardSpec(shapes[n], *specs[n], False), self.specs[n]
+                pairs = [(self.params[n], piece), (self.outer.theta_global[n], state["outer_optimizer"]["master"][n])]
+                if n in momentum:
+                    pairs.append((momentum[n], old_momentum[n]))
+                adam = inner.get(inner_index[n], {})
+                pairs += [(moments[n][k], adam[k]) for k in moments[n] if k in adam]
+                step = adam.get("step", step)
+                got = [copy_overlap(dst, new, src.reshape(old.local_shape), old) for dst, src in pairs]
+                copied[n] += got[0]
+        short = [n for n, c in copied.items() if c != self.params[n].numel()]
+        if short:
+            raise CheckpointError(f"the checkpoint of a {saved['shape']} island in {base} does not cover {short[0]}; "
+                                  f"its rank files come from different runs")
+        names = self._inner_param_names()
+        own = self.inner_opt.state_dict()
+        # the learning rate the schedule reached lives in the groups (LambdaLR sets it again only at its next step)
+        own["param_groups"] = [{**old, "params": mine["params"]} for old, mine in
+                               zip(first["inner_optimizer"]["param_groups"], own["param_groups"], strict=True)]
+        if step is not None:
+            own["state"] = {i: {"step": step.clone(), **moments[n]} for i, n in enumerate(names)}
+        self.inner_opt.load_state_dict(own)
+        self.outer.step_count = int(first["outer_optimizer"]["step_count"])
+        was = saved["dp"] * int(first.get("config", {}).get("inner", {}).get("grad_accum", 1))
+        now = self.rt.dp * self.cfg.inner.grad_accum
+        if was != now:
+            log.warning("the island's batch changes from %d x --inner.batch_size to %d x on resume (dp x grad_accum): "
+                        "pass --inner.grad_accum %s to keep the trajectory", was, now,
+                        f"{was // self.rt.dp}" if was % self.rt.dp == 0 else "(none fits this dp)")
+        log.info("resharded the checkpoint of a %s island onto a %s one", saved["shape"], self.rt.shape)
 
     def save_checkpoint(self) -> Path:
         """Write this rank's checkpoint of the current outer step (keeping ``checkpoint.keep``): from a
@@ -497,9 +578,23 @@ class Island:
         if self.writer is not None:
             self.writer.wait()
 
+    def _find_checkpoint(self, spec: str) -> Path | None:
+        """This rank's checkpoint for ``--checkpoint.resume spec``: its own file, or else one an island of another
+        shape wrote in the same checkpoint directory (rank 0's, or the single process's), to be resharded."""
+        base = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        if spec != "latest":
+            own = self.ckpt_dir / Path(spec).name
+            return checkpoint.find_resume(str(own) if self.rt.rank and own.is_file() else spec, self.ckpt_dir)
+        for directory in dict.fromkeys((self.ckpt_dir, base / "rank0", base)):
+            path = checkpoint.find_resume(spec, directory)
+            if path is not None:
+                return path
+        return None
+
     def maybe_resume(self) -> None:
         """With ``--checkpoint.resume``: every rank loads its own checkpoint of the same outer step (the
-        newest all ranks have); any rank's problem stops every rank with the same message."""
+        newest all ranks have), resharded when an island of another shape wrote it; any rank's problem stops
+        every rank with the same message."""
         spec, rt = self.cfg.checkpoint.resume, self.rt
         if not spec:
             aside = checkpoint.set_aside(self.ckpt_dir)
@@ -510,8 +605,7 @@ class Island:
         world = rt.lockstep
         path, error = None, ""
         try:
-            mine = spec if spec == "latest" or rt.rank == 0 else str(self.ckpt_dir / Path(spec).name)
-            path = checkpoint.find_resume(mine, self.ckpt_dir)
+            path = self._find_checkpoint(spec)
         except CheckpointError as e:
             error = str(e)
         rt.raise_if_any(error, CheckpointError, world=world)
@@ -528,7 +622,7 @@ class Island:
         state, error = None, ""
         try:
             if _step_of(path) != step:
-                path = checkpoint.checkpoint_path(self.ckpt_dir, step)
+                path = checkpoint.checkpoint_path(path.parent, step)
             state = checkpoint.load(path)
             saved = state.get("config", {})
             tokenizer = Tokenizer.from_json(state.get("tokenizer"))
@@ -540,11 +634,19 @@ class Island:
             error = str(e)
         rt.raise_if_any(error, CheckpointError, world=world)
         try:
-            self.load_state_dict(state)
-        except TrainingError as e:
+            self.load_state_dict(state, path)
+        except (TrainingError, CheckpointError) as e:
             error = str(e)
         rt.raise_if_any(error, TrainingError, world=world)
         log.info("resumed from %s at outer step %d", path, self.stats.outer_step)
+
+
+def _island_record(state: dict[str, Any]) -> dict[str, Any]:
+    """The island shape a checkpoint was written by (older checkpoints: one process, or no ``dp``), with
+    ``shape`` as the flags name it."""
+    saved = {"dp": 1, "tp": 1, "pp": 1, "rank": 0, "specs": None, **(state.get("island") or {})}
+    saved["shape"] = f"dp={saved['dp']} x pp={saved['pp']} x tp={saved['tp']}"
+    return saved
 
 
 def _copies(obj: Any) -> Any:

@@ -57,7 +57,7 @@ class Throughput:
     flops_per_token: float
     """Training FLOPs of one token (:func:`diloco.model.transformer.flops_per_token`)."""
     devices: int
-    """Devices sharing the tokens (the island's ``tp * pp`` processes, or the baseline's workers)."""
+    """Devices sharing the tokens (the island's ``dp * pp * tp`` processes, or the baseline's workers)."""
     device: torch.device
     peak: float | None
     """Peak FLOP/s of one device (:func:`peak_flops`); None: no ``mfu``."""

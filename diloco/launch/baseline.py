@@ -121,7 +121,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                         if rank == 0 else [])
         # a worker holds the whole model: the island's precision and compilation, none of its split
         model = ModelParts(build_initial_model(m, cfg.seed, cfg.checkpoint.init_from), None,
-                           dataclasses.replace(cfg.parallel, tp=1, pp=1), loss_fn=lm_loss, device=device)
+                           dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1), loss_fn=lm_loss, device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, total_steps)
         accum = cfg.inner.grad_accum

@@ -42,7 +42,7 @@ def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None)
     ``host_addresses`` gives each island the IP it listens on (default 127.0.0.1).
     """
     base = Path(cfg.logging.run_dir)
-    ranks = n * cfg.parallel.tp * cfg.parallel.pp
+    ranks = n * cfg.parallel.processes
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // ranks)
     run_key = cfg.averaging.run_key or ("" if cfg.averaging.public else new_run_key())
     out = []
@@ -151,9 +151,9 @@ class Cluster:
         return self.procs[i]
 
     def island_size(self, i: int) -> int:
-        """Processes of island ``i`` (``tp * pp`` of its config)."""
+        """Processes of island ``i`` (``dp * pp * tp`` of its config)."""
         par = self.configs[i].get("parallel", {})
-        return int(par.get("tp", 1)) * int(par.get("pp", 1))
+        return int(par.get("dp", 1)) * int(par.get("tp", 1)) * int(par.get("pp", 1))
 
     def maddrs(self, i: int) -> list[str]:
         """Island ``i``'s multiaddrs, once it wrote them (empty before)."""
@@ -295,7 +295,7 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
              quiet: bool = False) -> dict[str, Any]:
     """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread."""
     if cfg.averaging.backend == "torch":
-        size = cfg.parallel.tp * cfg.parallel.pp
+        size = cfg.parallel.processes
         raise SimulationError(f"simulate starts every island as its own job; --averaging.backend torch needs them "
                               f"in one torchrun world: torchrun --standalone --nproc-per-node {islands * size} -m "
                               f"diloco.cli train --averaging.backend torch ... (or use --averaging.backend hivemind "

@@ -1,0 +1,116 @@
+"""Data-parallel (FSDP2) islands through the whole engine, on gloo: a dp=2 island is one process accumulating two
+batches; its checkpoints resume on islands of other shapes (dp=1, tp=2) and continue the same trajectory;
+dp x tp x pp = 2x2x1 and 2x1x2 islands average in sync with a single-process island over real hivemind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.config import Config, to_dict
+from diloco.engine.island import Island
+from diloco.launch.proctable import descendants
+from diloco.launch.simulate import Cluster
+from tests.conftest import real_failures, tiny_config
+
+RUN_TIMEOUT_S = 240
+TOLERANCE = 1e-5
+"""Largest |Δθ| allowed between two ways of computing the same training (fp32 sums in another order)."""
+
+
+def torchrun(cfg: Config, nproc: int, where: Path) -> None:
+    """Run ``diloco train`` with ``cfg`` as one island of ``nproc`` gloo processes; fail with its log."""
+    import tomli_w
+
+    path = where / f"config-{nproc}-{len(list(where.glob('config-*')))}.toml"
+    path.write_text(tomli_w.dumps(to_dict(cfg)))
+    log = path.with_suffix(".log")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                                 "--nproc-per-node", str(nproc), "-m", "diloco.cli", "train", "--config", str(path)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            for pgid in {stat.pgid for stat in descendants(proc.pid).values()} | {proc.pid}:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+
+
+def theta(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "theta_global.pt", weights_only=True)
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def island_config(run_dir: Path, **overrides) -> Config:
+    return tiny_config(run_dir, **{"diloco.outer_steps": 3, "diloco.inner_steps": 3, "inner.batch_size": 4,
+                                   "inner.grad_clip": 1.0, **overrides})
+
+
+def test_a_dp2_island_is_one_process_accumulating_two_batches_and_its_checkpoints_reshard(tmp_path):
+    """dp=2 x batch 4 against one process with grad_accum 2 (the same 8 sequences a step, as FSDP averages the
+    replicas' gradients): θ_global after 3 rounds agrees to 1e-5.  The dp=2 island's checkpoint of round 2,
+    resumed at dp=1 (one process) and at tp=2 with grad_accum 2, ends round 3 where the uninterrupted run did."""
+    reference = tmp_path / "reference"
+    Island(island_config(reference, **{"inner.grad_accum": 2})).run()
+
+    dp2 = tmp_path / "dp2"
+    torchrun(island_config(dp2, **{"parallel.dp": 2, "checkpoint.every": 1}), 2, tmp_path)
+    assert max_difference(theta(dp2), theta(reference)) < TOLERANCE
+    saved = dp2 / "checkpoints" / "rank1" / "ckpt-000002.pt"
+    assert saved.is_file() and (dp2 / "checkpoints" / "rank0" / "ckpt-000002.pt").is_file()
+
+    resumed = {"inner.grad_accum": 2, "checkpoint.dir": str(dp2 / "checkpoints"),
+               "checkpoint.resume": str(dp2 / "checkpoints" / "rank0" / "ckpt-000002.pt")}
+    one = tmp_path / "dp1"
+    summary = Island(island_config(one, **resumed)).run()
+    assert summary["outer_step"] == 3 and summary["inner_step"] == 9
+    assert max_difference(theta(one), theta(reference)) < TOLERANCE
+
+    tp2 = tmp_path / "tp2"
+    torchrun(island_config(tp2, **resumed, **{"parallel.tp": 2}), 2, tmp_path)
+    assert max_difference(theta(tp2), theta(reference)) < TOLERANCE
+    assert "resharded the checkpoint of a dp=2 x pp=1 x tp=1 island onto a dp=1 x pp=1 x tp=2 one" in \
+        (tmp_path / "config-2-2.log").read_text()
+    assert not list((dp2 / "checkpoints").glob("ckpt-*.pt")), "a resumed island with checkpoint.every 0 wrote one"
+
+
+@pytest.mark.parametrize("shapes", [((2, 2, 1), (2, 1, 2), (1, 1, 1))], ids=["2x2x1+2x1x2+1"])
+def test_dp_islands_of_several_shapes_average_in_sync_with_a_single_process(tmp_path, shapes, no_leaked_daemons):
+    """Three islands over real hivemind: dp x tp x pp = 2x2x1 (FSDP over TP), 2x1x2 (FSDP over a pipeline) and
+    one process.  Every rank averages its own FSDP piece of each bucket; all three end with one θ_global."""
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 3,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_time": 3.0, "averaging.matchmaking_timeout": 90.0,
+        "averaging.bucket_numel": 15_000, "diloco.outer_steps": 2, "diloco.inner_steps": 3,
+        "parallel.microbatches": 2})
+    cluster = Cluster(cfg, len(shapes))
+    for i, (dp, tp, pp) in enumerate(shapes):
+        cluster.configs[i]["parallel"].update(dp=dp, tp=tp, pp=pp)
+    assert [cluster.island_size(i) for i in range(len(shapes))] == [4, 4, 1]
+    try:
+        cluster.start_all(startup_timeout=150)
+        cluster.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        cluster.stop_all()
+    for s in cluster.summaries():
+        assert not real_failures(s), s["failures"]
+        assert s["rounds_ok"] >= 1 and s["rounds_ok"] + s["rounds_failed"] == 2, s["failures"]
+        assert s["eval_loss_end"] < s["eval_loss_start"]
+    assert cluster.theta_spread() < 1e-6, cluster.theta_spread()
