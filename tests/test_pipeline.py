@@ -23,6 +23,7 @@ import torch
 
 from diloco.config import ModelConfig
 from diloco.model.transformer import build_model, lm_loss
+from outer_optim import OuterOptimizer
 from pipeline.mesh import exit_worker
 from pipeline.model_parts import ModelParts, check_split
 from pipeline.pipeline_parallel import (
@@ -228,6 +229,7 @@ CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 
 ]
 CASES_2 = [
     dict(name="dp2", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
+    dict(name="dp2-bf16", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, param_dtype="bf16"),
     dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
     dict(name="pp2-interleaved-1f1b", tp=1, pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2),
@@ -247,18 +249,27 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     def mine(x: torch.Tensor) -> torch.Tensor:  # this data-parallel replica's rows
         return x.chunk(settings.dp)[island.dp_rank]
 
+    outer = OuterOptimizer(island.local_named_parameters())
     for x in map(mine, batches(STEPS)):
         losses.append(island.train_step(x[:, :-1], x[:, 1:]))
         norms.append(island.clip_grad_norm_(CLIP))
+        dtypes = sorted({str(t.dtype) for p in island.parameters() for t in (p, p.grad)})
         opt.step()
         island.zero_grad()
+    trained = {k: v.clone() for k, v in island.local_named_parameters().items()}
+    moved = max(float(d.abs().max()) for d in outer.pseudo_gradient(island.local_named_parameters()).values())
+    outer.copy_to(island.local_named_parameters())  # θ_global back into the (fp32 master) shards: exactly
+    back = max(float(d.abs().max()) for d in outer.pseudo_gradient(island.local_named_parameters()).values())
+    for k, v in island.local_named_parameters().items():
+        v.copy_(trained[k])
     ev = batches(1, EVAL_SEED)[0]
     # Evaluation may use another batch size than training; training works again afterwards.
     eval_loss = island.eval_loss(ev[:4, :-1], ev[:4, 1:])
     after_eval = island.train_step(mine(ev)[:, :-1], mine(ev)[:, 1:])
     island.zero_grad()
     full = island.full_parameters()  # collective: every rank gets the whole model
-    result = dict(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval,
+    result = dict(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval, dtypes=dtypes,
+                  round_trip=(moved, back),
                   local={k: v.clone() for k, v in island.local_named_parameters().items()},
                   specs=island.shard_specs(), full=full if rank == 0 else None)
     # Writing through local_named_parameters updates the model; load_full_parameters restores it.
@@ -418,12 +429,25 @@ def check_case(case: dict, world: int, out: Path, ref: dict) -> None:
             assert len(pieces) == len(specs) == dp * tp
 
 
+def test_dp2_bf16_gathers_bf16_over_fp32_shards_that_round_trip_exactly(results_2, reference):
+    """FSDP's mixed precision: blocks compute on bf16 copies gathered from fp32 shards, the gradients are reduced
+    and kept in fp32, and θ_global written back into the shards reads back bit for bit (Δ = 0)."""
+    for rank in range(2):
+        r = torch.load(results_2 / f"dp2-bf16-rank{rank}.pt", weights_only=False)
+        assert r["dtypes"] == ["torch.float32"]
+        moved, back = r["round_trip"]
+        assert moved > 1e-3 and back == 0.0
+        for got, want in zip(r["losses"], reference["losses"], strict=True):
+            assert got == pytest.approx(want, rel=0.02)  # bf16 matrix products: close, not equal
+        assert r["losses"] != pytest.approx(reference["losses"], rel=1e-6)
+
+
 @pytest.mark.parametrize("case", CASES_4, ids=[c["name"] for c in CASES_4])
 def test_tp2_pp2_island_trains_like_one_process(case, results_4, reference):
     check_case(case, 4, results_4, reference)
 
 
-@pytest.mark.parametrize("case", CASES_2, ids=[c["name"] for c in CASES_2])
+@pytest.mark.parametrize("case", [c for c in CASES_2 if "param_dtype" not in c], ids=lambda c: c["name"])
 def test_tp_or_pp_island_trains_like_one_process(case, results_2, reference):
     check_case(case, 2, results_2, reference)
 
