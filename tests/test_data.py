@@ -210,7 +210,24 @@ def test_too_small_shard_error():
         ShardedBatches(tokens, 128, 16, 3, 8, seed=0)
     assert str(err.value) == (
         "shard 3 of 8 holds only 5 sequences of 129 tokens but a batch needs 16; use fewer shards, "
-        "a shorter --model.seq_len, a smaller --inner.batch_size or more data")
+        "a shorter --model.seq_len, a smaller --inner.batch_size or --parallel.dp, or more data")
+
+
+def test_data_parallel_replicas_read_what_one_process_reads_over_accumulated_batches():
+    """Replica r of dp takes the r-th batch of each dp consecutive ones, past epoch ends too, and every replica
+    stands at the same position (so a checkpoint resumes at any dp)."""
+    tokens = np.arange(17 * 30, dtype=np.int64) % 251
+    one = ShardedBatches(tokens, 16, 4, 0, 1, seed=3)
+    replicas = [ShardedBatches(tokens, 16, 4, 0, 1, seed=3, replica=r, replicas=2) for r in range(2)]
+    assert replicas[0].tokens_per_batch == 2 * one.tokens_per_batch
+    for _ in range(10):  # 80 sequences: over two epochs of 30
+        for r in replicas:
+            x, y = r.next_batch()
+            want_x, want_y = one.next_batch()
+            assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    assert replicas[0].state_dict() == replicas[1].state_dict() == one.state_dict()
+    with pytest.raises(DataError, match="replica 2 must be in"):
+        ShardedBatches(tokens, 16, 4, 0, 1, seed=3, replica=2, replicas=2)
 
 
 def test_heldout_batches_are_deterministic_and_span_the_stream():
