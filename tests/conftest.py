@@ -6,6 +6,7 @@ import os
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 # marks every process this test session starts (p2pd daemons inherit it), so leak checks ignore
 # daemons of other sessions running on the same machine
@@ -93,3 +94,36 @@ PART_LOST = "islands received different averages (an all-reduce part failed)"
 def real_failures(summary: dict) -> list[str]:
     """An island's failed rounds other than hivemind's lost all-reduce parts."""
     return [f for f in summary["failures"] if PART_LOST not in f]
+
+
+def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0) -> Path:
+    """Run ``diloco train`` with ``cfg`` under torchrun (``nproc`` gloo processes, one thread each) and return its
+    log; the whole process tree is killed if it outlives ``timeout``.  Fails with the log's tail unless it exits 0."""
+    import signal
+    import sys
+
+    import tomli_w
+
+    from diloco.config import to_dict
+    from diloco.launch.proctable import descendants
+
+    path = where / f"config-{nproc}-{len(list(where.glob('config-*.toml')))}.toml"
+    path.write_text(tomli_w.dumps(to_dict(cfg)))
+    log = path.with_suffix(".log")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                                 "--nproc-per-node", str(nproc), "-m", "diloco.cli", "train", "--config", str(path)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            for pgid in {stat.pgid for stat in descendants(proc.pid).values()} | {proc.pid}:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return log

@@ -4,49 +4,19 @@ dp x tp x pp = 2x2x1 and 2x1x2 islands average in sync with a single-process isl
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from diloco.config import Config, to_dict
+from diloco.config import Config
 from diloco.engine.island import Island
-from diloco.launch.proctable import descendants
 from diloco.launch.simulate import Cluster
-from tests.conftest import real_failures, tiny_config
+from tests.conftest import real_failures, tiny_config, torchrun_train
 
 RUN_TIMEOUT_S = 240
 TOLERANCE = 1e-5
 """Largest |Δθ| allowed between two ways of computing the same training (fp32 sums in another order)."""
-
-
-def torchrun(cfg: Config, nproc: int, where: Path) -> None:
-    """Run ``diloco train`` with ``cfg`` as one island of ``nproc`` gloo processes; fail with its log."""
-    import tomli_w
-
-    path = where / f"config-{nproc}-{len(list(where.glob('config-*')))}.toml"
-    path.write_text(tomli_w.dumps(to_dict(cfg)))
-    log = path.with_suffix(".log")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                                 "--nproc-per-node", str(nproc), "-m", "diloco.cli", "train", "--config", str(path)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            for pgid in {stat.pgid for stat in descendants(proc.pid).values()} | {proc.pid}:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()[-4000:]
 
 
 def theta(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -71,7 +41,7 @@ def test_a_dp2_island_is_one_process_accumulating_two_batches_and_its_checkpoint
     Island(island_config(reference, **{"inner.grad_accum": 2})).run()
 
     dp2 = tmp_path / "dp2"
-    torchrun(island_config(dp2, **{"parallel.dp": 2, "checkpoint.every": 1}), 2, tmp_path)
+    torchrun_train(island_config(dp2, **{"parallel.dp": 2, "checkpoint.every": 1}), 2, tmp_path, RUN_TIMEOUT_S)
     assert max_difference(theta(dp2), theta(reference)) < TOLERANCE
     saved = dp2 / "checkpoints" / "rank1" / "ckpt-000002.pt"
     assert saved.is_file() and (dp2 / "checkpoints" / "rank0" / "ckpt-000002.pt").is_file()
@@ -84,10 +54,9 @@ def test_a_dp2_island_is_one_process_accumulating_two_batches_and_its_checkpoint
     assert max_difference(theta(one), theta(reference)) < TOLERANCE
 
     tp2 = tmp_path / "tp2"
-    torchrun(island_config(tp2, **resumed, **{"parallel.tp": 2}), 2, tmp_path)
+    log = torchrun_train(island_config(tp2, **resumed, **{"parallel.tp": 2}), 2, tmp_path, RUN_TIMEOUT_S)
     assert max_difference(theta(tp2), theta(reference)) < TOLERANCE
-    assert "resharded the checkpoint of a dp=2 x pp=1 x tp=1 island onto a dp=1 x pp=1 x tp=2 one" in \
-        (tmp_path / "config-2-2.log").read_text()
+    assert "resharded the checkpoint of a dp=2 x pp=1 x tp=1 island onto a dp=1 x pp=1 x tp=2 one" in log.read_text()
     assert not list((dp2 / "checkpoints").glob("ckpt-*.pt")), "a resumed island with checkpoint.every 0 wrote one"
 
 

@@ -6,10 +6,6 @@ they have."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -18,15 +14,14 @@ import pytest
 import torch
 
 from diloco import cli
-from diloco.config import ConfigError, to_dict
+from diloco.config import ConfigError
 from diloco.config.loader import load
 from diloco.engine.island import Island
 from diloco.engine.metrics import read_metrics
-from diloco.launch.proctable import descendants
 from diloco.launch.simulate import Cluster, SimulationError, simulate, theta_spread
 from peers.dht import visible_maddrs
 from peers.membership import Membership
-from tests.conftest import assert_joined, real_failures, tiny_config
+from tests.conftest import assert_joined, real_failures, tiny_config, torchrun_train
 
 RUN_TIMEOUT_S = 240
 
@@ -78,32 +73,11 @@ def test_tp2_pp2_island_and_single_process_island_end_with_the_same_theta(tmp_pa
 
 @pytest.mark.parametrize("overlap", ["none", "eager"])
 def test_two_tp2_islands_in_one_torch_world_average_with_torch_all_reduce(tmp_path, overlap):
-    import tomli_w
-
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "torch", "averaging.min_group_size": 2, "averaging.bucket_numel": 15_000,
         "parallel.tp": 2, "diloco.outer_steps": 2, "diloco.inner_steps": 3, "diloco.overlap": overlap,
         "diloco.overlap_steps": 0 if overlap == "none" else 1})
-    path = tmp_path / "config.toml"
-    path.write_text(tomli_w.dumps(to_dict(cfg)))
-    log = tmp_path / "train.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                                 "--nproc-per-node", "4", "-m", "diloco.cli", "train", "--config", str(path)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            groups = {stat.pgid for stat in descendants(proc.pid).values()} | {proc.pid}
-            for pgid in groups:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    torchrun_train(cfg, 4, tmp_path, RUN_TIMEOUT_S)
     dirs = [tmp_path / f"island{k}" for k in range(2)]
     summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
     assert [s["rounds_ok"] for s in summaries] == [2, 2]
