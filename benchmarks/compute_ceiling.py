@@ -36,7 +36,7 @@ def worker(steps: int, cpu: int | None) -> None:
     from diloco.data.batches import ShardedBatches
     from diloco.data.corpus import load_corpus
     from diloco.model.inner import build_inner_optimizer, take_inner_step
-    from diloco.model.transformer import build_initial_model, lm_loss
+    from diloco.model.transformer import initial_model, lm_loss
     from experiments.compare import COMPARE_DEFAULTS
     from pipeline import ModelParts, ParallelSettings
 
@@ -46,7 +46,8 @@ def worker(steps: int, cpu: int | None) -> None:
     cfg = config_load.load(None, [], defaults=COMPARE_DEFAULTS)
     corpus = load_corpus(cfg.data)
     batches = ShardedBatches(corpus.train, cfg.model.seq_len, cfg.inner.batch_size, 0, 1, cfg.seed)
-    model = ModelParts(build_initial_model(cfg.model, cfg.seed), None, ParallelSettings(), loss_fn=lm_loss)
+    skeleton, initial = initial_model(cfg.model, cfg.seed)
+    model = ModelParts(skeleton, None, ParallelSettings(), loss_fn=lm_loss, init=initial)
     opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, steps)
     times = []
     for _ in range(steps):

@@ -7,6 +7,7 @@ Functions here take the Llama-style ``Transformer`` (``tok_embeddings``, ``layer
 - :mod:`pipeline.settings`: :class:`ParallelSettings`, how an island is split (plain data, no torch).
 - :mod:`pipeline.mesh`: the ``("dp", "pp", "tp")`` device mesh of an island.
 - :mod:`pipeline.data_parallel`: FSDP2 over the ``dp`` dimension, composed with TP and PP.
+- :mod:`pipeline.materialize`: a model built on the meta device made real, one rank's part only.
 - :mod:`pipeline.tensor_parallel`: the Megatron TP plan and its divisibility checks.
 - :mod:`pipeline.pipeline_parallel`: layer split, stage modules and schedules.
 - :mod:`pipeline.balance`: where the stages are cut (by parameters, blocks or measured time).
@@ -35,7 +36,7 @@ _WHERE = {
     "build_schedule": "pipeline_parallel", "build_stage_modules": "pipeline_parallel",
     "check_schedule": "pipeline_parallel", "model_layer_costs": "pipeline_parallel", "model_part": "pipeline_parallel",
     "stage_layer_split": "pipeline_parallel",
-    "apply_fsdp": "data_parallel", "fsdp_placement": "data_parallel", "MESH_DIMS": "mesh",
+    "is_skeleton": "materialize", "materialize": "materialize", "apply_fsdp": "data_parallel", "fsdp_placement": "data_parallel", "MESH_DIMS": "mesh",
     "ShardSpec": "shards", "copy_overlap": "shards", "local_grad": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
     "shard_spec_of": "shards",
     "apply_tensor_parallel": "tensor_parallel", "check_tensor_parallel": "tensor_parallel",

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipeline.materialize import is_skeleton, materialize
 from pipeline.pipeline_parallel import model_layer_costs, model_part, stage_layer_split
 from pipeline.settings import ParallelSettings
 from pipeline.tensor_parallel import apply_tensor_parallel
@@ -149,7 +150,14 @@ def profile_part_costs(model: nn.Module, sample_shape: tuple[int, int], device: 
     grad = torch.randn(rows, seq, dim, generator=gen).to(device)
 
     def part_seconds(layer_keys: set[str], first: bool, last: bool) -> float:
-        part = model_part(model, layer_keys, first, last).to(device)
+        part = model_part(model, layer_keys, first, last)
+        if is_skeleton(part):  # the timing needs finite values, not the run's
+            materialize(part, device)
+            with torch.no_grad():
+                for p in part.parameters():
+                    p.normal_(0.0, 0.02)
+        else:
+            part.to(device)
         if tp_mesh is not None:
             apply_tensor_parallel(part, tp_mesh)
         part.activation_checkpointing = activation_checkpointing

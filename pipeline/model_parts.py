@@ -11,7 +11,7 @@ optimizer is an ordinary torch optimizer over :meth:`ModelParts.parameters` (DTe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from pipeline.balance import BALANCES, StagePlan, plan_stages
 from pipeline.data_parallel import apply_fsdp
 from pipeline.grad_clip import clip_grad_norm_
+from pipeline.materialize import is_skeleton, materialize
 from pipeline.mesh import mesh_rank, mesh_size
 from pipeline.pipeline_parallel import (
     SCHEDULES,
@@ -91,7 +92,10 @@ def check_split(settings: ParallelSettings, n_layers: int, n_heads: int, dim: in
 class ModelParts:
     """This rank's part of an island's model, with a training step, evaluation and shard layout.
 
-    ``model`` is the full ``Transformer`` (same weights on every rank).  With ``pp == 1`` it is
+    ``model`` is the full ``Transformer``: with real weights (the same on every rank), or a skeleton on the
+    meta device together with ``init``, the full initial value of each parameter by name (any mapping, e.g.
+    one that computes a parameter when asked): the parts are then split, sharded and compiled as skeletons,
+    and each rank materialises only its own pieces, one parameter at a time.  With ``pp == 1`` ``model`` is
     sharded in place and used directly; with ``pp > 1`` this rank's stages are copied out of it and
     ``model`` is left untouched (and can be freed).  ``mesh`` is the ``("dp", "pp", "tp")`` mesh from
     :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.  ``profile_shape``
@@ -102,7 +106,7 @@ class ModelParts:
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: ParallelSettings,
                  loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None,
-                 profile_shape: tuple[int, int] | None = None):
+                 profile_shape: tuple[int, int] | None = None, init: Mapping[str, torch.Tensor] | None = None):
         dp, tp, pp = (mesh_size(mesh, d) for d in ("dp", "tp", "pp"))
         if (dp, tp, pp) != (settings.dp, settings.tp, settings.pp):
             raise ValueError(f"the mesh is dp={dp} x pp={pp} x tp={tp} but the settings ask for dp={settings.dp} x "
@@ -114,6 +118,9 @@ class ModelParts:
                                 model.tok_embeddings.weight.shape[0])
         if problems:
             raise ValueError("; ".join(problems))
+        skeleton = is_skeleton(model)
+        if skeleton and init is None:
+            raise ValueError("a model on the meta device needs init, the initial value of each parameter")
         self.mesh, self.settings, self.loss_fn = mesh, settings, loss_fn
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if mesh is not None and \
@@ -133,7 +140,8 @@ class ModelParts:
         else:
             owned = [(0, model)]
         for _, module in owned:
-            module.to(self.device)
+            if not skeleton:
+                module.to(self.device)  # TP scatters rank 0's real weights from the device
             if tp > 1:
                 apply_tensor_parallel(module, mesh["tp"])
             module.activation_checkpointing = settings.activation_checkpointing
@@ -141,9 +149,13 @@ class ModelParts:
                 apply_compile(module)
             if dp > 1:
                 apply_fsdp(module, mesh["dp"], self.compute_dtype, reshard_after_forward=pp == 1)
+            if skeleton:
+                materialize(module, self.device)
             module.train()
         self.stage_ids = [stage for stage, _ in owned]
         self.modules: list[nn.Module] = [module for _, module in owned]
+        if skeleton:
+            self.load_full_parameters(init)
         self._loss_scale = 1.0
         self._batch_shapes: dict[bool, torch.Size] = {}  # train / eval -> the pipeline's batch shape
         self.stages = []
@@ -197,8 +209,9 @@ class ModelParts:
         return {name: shard_spec_of(p) for name, p in self.named_parameters()}
 
     @torch.no_grad()
-    def load_full_parameters(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slices out of a full (unsplit) ``{name: tensor}`` into the parameters."""
+    def load_full_parameters(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's slices out of a full (unsplit) ``{name: tensor}`` into the parameters (asking ``full``
+        for one parameter at a time)."""
         specs = self.shard_specs()
         for name, local in self.local_named_parameters().items():
             local.copy_(specs[name].slice_of(full[name]).to(local.dtype))

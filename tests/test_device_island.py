@@ -79,3 +79,25 @@ def test_simulate_gives_each_island_gpus_of_its_own_or_refuses():
         gpu_assignment([2, 2], ["0", "1", "2"], "auto")
     with pytest.raises(SimulationError, match="--device cuda"):
         gpu_assignment([1, 1], ["0", "1"], "cuda:1")
+
+
+def test_a_skeleton_materialises_the_seeded_model_one_parameter_at_a_time():
+    """The island builds its model on the meta device and each rank draws only its own pieces: the values are
+    those of the seeded model, whatever order the parameters are drawn in, and the skeleton holds no memory."""
+    from diloco.model.transformer import initial_model
+
+    cfg = ModelConfig(preset="tiny")
+    skeleton, initial = initial_model(cfg, seed=7)
+    assert all(p.is_meta for p in skeleton.parameters()) and not skeleton.rope_cos.is_meta
+    reference = dict(build_model(ModelConfig(preset="tiny"), seed=7).named_parameters())
+    assert list(initial) == list(reference)
+    for name in reversed(list(initial)):  # any order: each parameter has its own generator
+        assert torch.equal(initial[name], reference[name]), name
+    parts = ModelParts(skeleton, None, ParallelSettings(), loss_fn=lm_loss, device="cpu", init=initial)
+    for name, p in parts.named_parameters():
+        assert not p.is_meta and torch.equal(p, reference[name]), name
+    assert torch.equal(parts.modules[0].rope_sin, build_model(ModelConfig(preset="tiny")).rope_sin)
+    x, y = _batch()
+    assert parts.train_step(x, y) == pytest.approx(lm_loss(build_model(ModelConfig(preset="tiny"), seed=7)(x), y).item())
+    with pytest.raises(ValueError, match="needs init"):
+        ModelParts(initial_model(cfg, seed=7)[0], None, ParallelSettings(), loss_fn=lm_loss, device="cpu")

@@ -66,7 +66,7 @@ from diloco.inference.samples import Sampler
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
 from diloco.model.inner import build_inner_optimizer, take_inner_step
-from diloco.model.transformer import build_initial_model, flops_per_token, lm_loss
+from diloco.model.transformer import flops_per_token, initial_model, lm_loss
 from outer_optim import OuterOptimizer, checksum
 from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
@@ -150,15 +150,16 @@ class Island:
         self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens, self.tokenizer) \
             if lg.samples and rt.is_main else None
 
-        # the model: the layout comes from the whole model on every rank, before the island splits it
-        full = build_initial_model(m, cfg.seed, cfg.checkpoint.init_from)
-        self.full_shapes = [(n, tuple(p.shape)) for n, p in full.named_parameters()]
+        # the model: the layout comes from the whole model's skeleton (no memory), the same on every rank; each
+        # rank materialises only its own pieces of it
+        skeleton, initial = initial_model(m, cfg.seed, cfg.checkpoint.init_from)
+        self.full_shapes = [(n, tuple(p.shape)) for n, p in skeleton.named_parameters()]
         fragments = split_into_fragments([n for n, _ in self.full_shapes], d.fragments) if d.fragments > 1 else ()
         self.layout = CanonicalLayout.build(self.full_shapes, a.bucket_numel, fragments)
         micro = max(1, cfg.inner.batch_size // (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
-        self.model = ModelParts(full, rt.mesh, cfg.parallel, loss_fn=lm_loss,
-                                device=self.device, profile_shape=(micro, m.seq_len))
-        del full
+        self.model = ModelParts(skeleton, rt.mesh, cfg.parallel, loss_fn=lm_loss, device=self.device,
+                                profile_shape=(micro, m.seq_len), init=initial)
+        del skeleton, initial
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
         self.throughput = Throughput(flops_per_token(m), rt.size, self.device,

@@ -93,7 +93,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     from diloco.data.tokenizer import Tokenizer, fit_vocabulary
     from diloco.engine.metrics import MetricsLogger
     from diloco.model.inner import build_inner_optimizer, take_inner_step
-    from diloco.model.transformer import build_initial_model, lm_loss
+    from diloco.model.transformer import initial_model, lm_loss
     from outer_optim import checksum
     from peers.wire import WireCounter
     from diloco.engine.runtime import use_device
@@ -120,8 +120,9 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
                         if rank == 0 else [])
         # a worker holds the whole model: the island's precision and compilation, none of its split
-        model = ModelParts(build_initial_model(m, cfg.seed, cfg.checkpoint.init_from), None,
-                           dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1), loss_fn=lm_loss, device=device)
+        skeleton, initial = initial_model(m, cfg.seed, cfg.checkpoint.init_from)
+        model = ModelParts(skeleton, None, dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1), loss_fn=lm_loss,
+                           device=device, init=initial)
         params = [p for p in model.parameters() if p.requires_grad]
         opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, total_steps)
         accum = cfg.inner.grad_accum

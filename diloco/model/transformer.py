@@ -10,13 +10,15 @@ is just this model with parts removed.
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from diloco.config import ModelConfig, resolve_model
-from diloco.model.weights import init_parameters
+from diloco.model.weights import warm_start_parameters
 from pipeline import cross_entropy_loss
 
 
@@ -117,21 +119,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = False
-        self.init_weights()
+        if not self.output.weight.is_meta:  # a skeleton (model_skeleton) holds no values to draw
+            self.init_weights()
 
+    @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Initialise weights (normal 0.02, residual projections scaled by depth, norms to 1)."""
-        gen = None
-        if seed is not None:
-            gen = torch.Generator().manual_seed(seed)
-        depth_std = 0.02 / math.sqrt(2 * max(self.cfg.n_layers, 1))
+        """Initialise every parameter with :func:`init_parameter` (from the global random state without ``seed``)."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)
-                continue
-            std = depth_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.copy_(init_parameter(name, tuple(p.shape), self.cfg.n_layers, seed))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
@@ -146,6 +141,54 @@ class Transformer(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def init_parameter(name: str, shape: tuple[int, ...], n_layers: int, seed: int | None) -> torch.Tensor:
+    """The initial value of parameter ``name``: ones for norm weights (1-D), else normal(0, 0.02), residual
+    projections scaled by 1/sqrt(2·n_layers).  Each parameter draws from a generator of its own, seeded by
+    ``(seed, name)``, so any rank can materialise any parameter alone, in any order, and get the same values."""
+    if len(shape) == 1:
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * max(n_layers, 1)) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    gen = None if seed is None else torch.Generator().manual_seed((seed << 32) + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * std
+
+
+def model_skeleton(cfg: ModelConfig) -> Transformer:
+    """The model's structure on the meta device: parameter names and shapes, no memory.  The rotary tables
+    (computed, not trained) are real, so they survive materialisation (:func:`pipeline.materialize.materialize`)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.rope_cos, model.rope_sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+    return model
+
+
+class InitialValues(Mapping[str, torch.Tensor]):
+    """The initial value of every parameter by name, computed when asked for (one parameter in memory at a
+    time): the seeded draw of :func:`init_parameter`, or the tensors of a warm start."""
+
+    def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], seed: int, init_from: str = ""):
+        self.shapes, self.seed, self.n_layers = shapes, seed, cfg.n_layers
+        self.tensors = warm_start_parameters(shapes, init_from)[0] if init_from else None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.tensors is not None:
+            return self.tensors[name]
+        return init_parameter(name, self.shapes[name], self.n_layers, self.seed)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def initial_model(cfg: ModelConfig, seed: int, init_from: str = "") -> tuple[Transformer, InitialValues]:
+    """What every island and every baseline worker starts from: the model as a skeleton and where its parameters'
+    initial values come from (the seeded draw, or ``init_from``, a warm start: :func:`diloco.model.weights.load_parameters`).
+    Each rank materialises only its own pieces (``ModelParts(skeleton, ..., init=values)``)."""
+    skeleton = model_skeleton(cfg)
+    return skeleton, InitialValues(cfg, {n: tuple(p.shape) for n, p in skeleton.named_parameters()}, seed, init_from)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -171,15 +214,6 @@ def flops_per_token(cfg: ModelConfig) -> float:
     n = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim) + cfg.dim
     n += cfg.dim * (cfg.vocab_size or 256)  # output projection (the embedding lookup costs no FLOPs)
     return 6.0 * n + 6.0 * cfg.n_layers * cfg.dim * cfg.seq_len
-
-
-def build_initial_model(cfg: ModelConfig, seed: int, init_from: str = "") -> Transformer:
-    """The model every island and every baseline worker starts from: the seeded initialisation, or
-    the parameters of ``init_from`` (a warm start, see :func:`diloco.model.weights.init_parameters`)."""
-    model = build_model(cfg, seed=seed)
-    if init_from:
-        init_parameters(model, init_from)
-    return model
 
 
 lm_loss = cross_entropy_loss

@@ -54,21 +54,19 @@ def load_parameters(spec: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
 
 
 @torch.no_grad()
-def init_parameters(model: torch.nn.Module, spec: str | Path) -> Path:
-    """Overwrite every parameter of ``model`` with the one of the same name from ``spec``
-    (:func:`load_parameters`); raise CheckpointError when a name is missing or a shape differs."""
+def warm_start_parameters(shapes: dict[str, tuple[int, ...]], spec: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The tensors of ``spec`` (:func:`load_parameters`) for a model whose parameters have ``shapes``; raise
+    CheckpointError when a name is missing or a shape differs."""
     tensors, path = load_parameters(spec)
-    params = dict(model.named_parameters())
-    missing = [n for n in params if n not in tensors]
+    missing = [n for n in shapes if n not in tensors]
     if missing:
         raise CheckpointError(f"--checkpoint.init_from {path} lacks {len(missing)} parameter(s) of this model "
                               f"(e.g. {missing[0]}); it was written for a different --model.* config")
-    wrong = [(n, tuple(tensors[n].shape), tuple(p.shape)) for n, p in params.items() if tensors[n].shape != p.shape]
+    wrong = [(n, tuple(tensors[n].shape), tuple(s)) for n, s in shapes.items() if tuple(tensors[n].shape) != tuple(s)]
     if wrong:
         n, got, want = wrong[0]
         raise CheckpointError(f"--checkpoint.init_from {path} has {n} of shape {got} but this model needs {want}; "
                               f"use the --model.* config the file was written with")
-    for n, p in params.items():
-        p.copy_(tensors[n])
     log.info("parameters initialised from %s", path)
-    return path
+    return tensors, path
+
