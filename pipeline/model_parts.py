@@ -301,19 +301,27 @@ class ModelParts:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Mean loss of one batch without gradients (blocks in eval mode), on every rank.  With
-        ``pp > 1`` every evaluation batch must have the shape of the first one (which may differ from
-        the training batches' shape)."""
+        """Mean loss of one batch without gradients (blocks in eval mode), on every rank.  Unlike
+        :meth:`train_step` every rank passes the same (whole) batch: with ``dp > 1`` each replica evaluates its
+        share of the rows and the island takes their mean (each replica the whole batch when the rows do not
+        split evenly into replicas and, with ``pp > 1``, micro-batches).  With ``pp > 1`` every evaluation batch
+        must have the shape of the first one (which may differ from the training batches' shape)."""
+        rows = inputs.shape[0] // self.dp
+        split = self.dp > 1 and inputs.shape[0] % self.dp == 0 and \
+            (self.schedule is None or rows % self.settings.microbatches == 0)
+        if split:
+            inputs, targets = inputs.chunk(self.dp)[self.dp_rank], targets.chunk(self.dp)[self.dp_rank]
         self._check_batch(inputs, targets, train=False)
         for module in self.modules:
             module.eval()
         try:
             if self.schedule is None:
                 with self.autocast():
-                    return float(self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device)))
-            self._loss_scale = 1.0 / self.settings.microbatches
-            losses = self._run_schedule(inputs, targets, train=False)
-            return float(self._broadcast_loss(losses, scale=1.0))
+                    loss = self.loss_fn(self.modules[0](inputs.to(self.device)), targets.to(self.device)).float()
+            else:
+                self._loss_scale = 1.0 / self.settings.microbatches
+                loss = self._broadcast_loss(self._run_schedule(inputs, targets, train=False), scale=1.0)
+            return self._replica_mean(loss) if split else float(loss)
         finally:
             for module in self.modules:
                 module.train()

@@ -36,7 +36,7 @@ from pipeline.settings import ParallelSettings
 from pipeline.shards import ShardSpec, shard_spec_of
 from pipeline.tensor_parallel import check_tensor_parallel
 
-STEPS = 20
+STEPS = 10
 BATCH, SEQ = 8, 16
 LR, CLIP = 1e-2, 0.5
 EVAL_SEED = 99
