@@ -7,8 +7,8 @@
 Each row is one torchrun job of ``dp`` processes that builds ``ModelParts`` (from a full model built on every
 rank, the way the island started before, or from a skeleton with each rank drawing its own pieces), the inner
 AdamW and the outer state (θ_global and the outer momentum of its pieces), then takes 2 inner steps on real
-text.  Per rank: the peak resident set (``VmHWM``) above what the process held once torch was imported, in
-multiples of the model's fp32 parameter bytes; for the job: the PSS of all its processes together at the end.
+text.  Per rank: the peak resident set (``VmHWM``) above what the process held once torch was imported and the text loaded, in
+multiples of the model's fp32 parameter bytes (measured once the text is loaded); for the job: the PSS of all its processes together at the end.
 Writes ``--out`` (default experiments/results/island-memory/): results.json and results.md.
 """
 
@@ -44,8 +44,6 @@ def pss_kb() -> int:
 def worker(preset: str, skeleton: bool, out: str) -> None:
     """One rank: build, step twice, report (run under torchrun)."""
     import torch
-
-    base = status_kb("VmRSS")
     import torch.distributed as dist
 
     from diloco.config import DataConfig, InnerOptimConfig, ModelConfig, resolve_model
@@ -59,16 +57,18 @@ def worker(preset: str, skeleton: bool, out: str) -> None:
 
     torch.set_num_threads(1)
     dp = int(os.environ["WORLD_SIZE"])
-    cfg = resolve_model(ModelConfig(preset=preset, seq_len=128))
+    cfg = ModelConfig(preset=preset, seq_len=128)
+    resolve_model(cfg)
     mesh = init_island_mesh(1, 1, "cpu", dp=dp) if dp > 1 else None
+    rank = dist.get_rank() if dp > 1 else 0
+    corpus = load_corpus(DataConfig())
+    base = status_kb("VmRSS")  # imports, process group and text: what the model adds comes after
     settings = ParallelSettings(dp=dp)
     if skeleton:
         model, init = initial_model(cfg, seed=0)
         parts = ModelParts(model, mesh, settings, loss_fn=lm_loss, device="cpu", init=init)
     else:
         parts = ModelParts(build_model(cfg, seed=0), mesh, settings, loss_fn=lm_loss, device="cpu")
-    rank = dist.get_rank() if dp > 1 else 0
-    corpus = load_corpus(DataConfig())
     batches = ShardedBatches(corpus.train, cfg.seq_len, 2, 0, 1, 0, replica=rank, replicas=dp)
     inner = InnerOptimConfig()
     opt, sched = build_inner_optimizer(list(parts.named_parameters()), inner, 10)
@@ -125,7 +125,7 @@ def main() -> None:
     lines = [f"# One island rank's host memory: {args.preset} ({rows[0]['params'] / 1e6:.0f}M parameters, "
              f"{rows[0]['params'] * 4 / 1e9:.2f} GB in fp32)", "",
              "`python benchmarks/island_memory.py` on CPU/gloo, 2 inner steps, seq 128, batch 2 per replica.", "",
-             "| dp | build | pieces per rank | peak per rank (above torch import) | x param bytes | all ranks' PSS |",
+             "| dp | build | pieces per rank | peak per rank (above imports + text) | x param bytes | all ranks' PSS |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dp']} | {r['build']} | {r['local_share']:.0%} | {r['peak_rank_gb']:.2f} GB | "
