@@ -89,6 +89,12 @@ class VerifiedAverager(MissedGroups):
         self.stopping: Callable[[], bool] | None = None
         """Whether this island is leaving (Ctrl-C, SIGTERM): a step still looking for a group is then
         given up at once; an exchange under way is finished."""
+        self.company: Callable[[], int] | None = None
+        """How many other islands are live in the run (the registry's count).  While none is and a group needs
+        two, the island does not ask hivemind for one: its matchmaking asks the DHT for averagers again as soon
+        as an answer comes back, about 150 KB/s of DHT traffic for an island alone (what an island that came
+        to a finished run sent).  It looks at the registry once a second instead, and starts matchmaking, with
+        the time left, once another island is live."""
         # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
         # process only and give the caller its own handler back
         main = threading.current_thread() is threading.main_thread()
@@ -195,14 +201,19 @@ class VerifiedAverager(MissedGroups):
         t0 = time.perf_counter()
         stage = on_stage or (lambda _: None)
         started = time.monotonic()
+        timeout = matchmaking_timeout or self.settings.matchmaking_timeout
         try:
             stage("matchmaking")
+            alone = self._wait_for_company(started + timeout)
+            if alone is not None:
+                alone.seconds = time.perf_counter() - t0
+                return alone, None
             # islands at different rounds must never meet: each round matches in its own DHT bucket
             self._averager.set_group_bits(round_bits(round_id))
             self._set_target(expected_group_size)
             control = self._averager.step(
                 gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
-                timeout=matchmaking_timeout or self.settings.matchmaking_timeout, allow_retries=False, wait=False)
+                timeout=max(1.0, started + timeout - time.monotonic()), allow_retries=False, wait=False)
             outcome = self._await_step(control, round_id, started, stage)
             if isinstance(outcome, RoundResult):
                 outcome.seconds = time.perf_counter() - t0
@@ -249,6 +260,28 @@ class VerifiedAverager(MissedGroups):
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
         return result, (out.averaged if result.ok else None)
+
+    def _wait_for_company(self, deadline: float) -> RoundResult | None:
+        """Wait (looking at the registry once a second) until another island is live: None then, or at once
+        when a group of one is allowed or nobody tells; else the failed result once ``deadline`` passes or
+        the island is stopping.  See :attr:`company`."""
+        if self.company is None or self.settings.min_group_size < 2:
+            return None
+        waited = time.monotonic()
+        while self._others_live() == 0:
+            if self.stopping is not None and self.stopping():
+                return RoundResult(False, "this island is stopping: it gave up waiting for another island")
+            if time.monotonic() >= deadline:
+                return RoundResult(False, f"no other island is live in the run: waited "
+                                   f"{time.monotonic() - waited:.0f} s for one (without looking for a group)")
+            time.sleep(MOVED_PAST_POLL)
+        return None
+
+    def _others_live(self) -> int:
+        try:
+            return self.company()
+        except Exception:  # the registry cannot tell (DHT down): look for a group the usual way
+            return 1
 
     def _await_step(self, control: Any, round_id: str, started: float, stage: Callable[[str], None]
                     ) -> tuple[dict, float] | RoundResult:

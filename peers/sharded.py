@@ -500,12 +500,15 @@ class ShardedAverager:
         its shape; see :meth:`BucketExchange.canonical_fingerprint`."""
         return self.exchange.canonical_fingerprint(local_tensors, chunks_per_bucket)
 
-    def watch_rounds(self, moved_past: Callable[[str], bool], stopping: Callable[[], bool]) -> None:
+    def watch_rounds(self, moved_past: Callable[[str], bool], stopping: Callable[[], bool],
+                     company: Callable[[], int] | None = None) -> None:
         """Let the island's group formation stop once ``moved_past(round_id)`` says the other islands are done
-        with the round, or ``stopping()`` that this island is leaving (see
-        :attr:`peers.averager.VerifiedAverager.moved_past` and ``stopping``)."""
+        with the round, or ``stopping()`` that this island is leaving, and wait without matchmaking while
+        ``company()`` counts no other live island (see :attr:`peers.averager.VerifiedAverager.moved_past`,
+        ``stopping`` and ``company``)."""
         if self.matcher is not None:
             self.matcher.moved_past, self.matcher.stopping = moved_past, stopping
+            self.matcher.company = company
 
     def shutdown(self) -> None:
         """Stop the island's averager and the channel (the DHT, transport and process groups are the caller's,

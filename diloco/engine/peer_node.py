@@ -212,7 +212,8 @@ class PeerNode:
         self.membership.maddrs = visible_maddrs(self.dht)
         self.membership.endpoint = self.transport.endpoint
         self.membership.start_heartbeat()
-        self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping)
+        self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping,
+                                   lambda: len(self.membership.others()))
         self._connected()
         if rt.is_main:
             announce_join(self.name, self.dht, a, run_key)
