@@ -326,6 +326,21 @@ class ModelParts:
             for module in self.modules:
                 module.train()
 
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's logits for ``tokens`` (blocks in eval mode), the same on every rank, which all call this
+        with the same tokens (TP gathers the vocabulary, FSDP the weights).  Islands without pipeline stages
+        only: a pipeline hands hidden states from stage to stage, never logits to every rank."""
+        if self.schedule is not None:
+            raise ValueError("logits() needs an island without pipeline stages (--parallel.pp 1)")
+        module = self.modules[0]
+        module.eval()
+        try:
+            with self.autocast():
+                return module(tokens.to(self.device)).float()
+        finally:
+            module.train()
+
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> list[torch.Tensor]:
         args = (inputs.to(self.device),) if self.has_first_stage else ()
         kwargs = {}

@@ -62,6 +62,7 @@ from diloco.engine.state_transfer import StateTransfer
 from diloco.engine.throughput import Throughput, peak_flops
 from diloco.errors import TrainingError
 from diloco.progress import Progress
+from diloco.inference.generate import cached_forward
 from diloco.inference.samples import Sampler
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
@@ -147,8 +148,9 @@ class Island:
         self.batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, cfg.data.shard_index,
                                       cfg.data.num_shards, cfg.seed, replica=rt.dp_rank, replicas=rt.dp)
         self.eval_batches = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, lg.eval_batches)
+        # without pipeline stages every rank takes part in generating the samples; with them the main rank alone
         self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens, self.tokenizer) \
-            if lg.samples and rt.is_main else None
+            if lg.samples and (rt.is_main or cfg.parallel.pp == 1) else None
 
         # the model: the layout comes from the whole model's skeleton (no memory), the same on every rank; each
         # rank materialises only its own pieces of it
@@ -215,18 +217,23 @@ class Island:
         self.stats.tokens += self.batches.tokens_per_batch * self.cfg.inner.grad_accum
         return loss
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean held-out loss of θ_global over the fixed evaluation batches (the same on every rank); the
-        island's own parameters are put back afterwards."""
+    @contextmanager
+    def _holding_theta_global(self) -> Iterator[None]:
+        """Inside the block the island's parameters hold θ_global; its own are put back afterwards."""
         own = {n: p.detach().clone() for n, p in self.params.items()}
         self.outer.copy_to(self.params)
-        losses = []
-        for x, y in self.eval_batches:
-            losses.append(self.model.eval_loss(x, y))
-        for n, p in self.params.items():
-            p.copy_(own[n])
-        return float(np.mean(losses))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(own[n])
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss of θ_global over the fixed evaluation batches (the same on every rank)."""
+        with self._holding_theta_global():
+            return float(np.mean([self.model.eval_loss(x, y) for x, y in self.eval_batches]))
 
     def theta_global(self) -> tuple[dict[str, torch.Tensor] | None, str]:
         """Collective: the whole θ_global assembled on rank 0 from the ranks' shards (None on the other
@@ -383,13 +390,28 @@ class Island:
             self.save_checkpoint()
 
     def _log_samples(self) -> None:
-        """Collective over the island's ranks (θ_global is assembled on the main rank): log the samples of
-        θ_global as it is now, when ``--logging.samples`` asks for them."""
+        """Collective over the island's ranks: log the samples of θ_global as it is now, when
+        ``--logging.samples`` asks for them.  Without pipeline stages the island's own model generates them,
+        every rank together (nothing is gathered); a pipelined island assembles θ_global on its main rank."""
         if not self.cfg.logging.samples:
             return
-        theta, _ = self.theta_global()
-        if self.sampler is not None and theta is not None:
-            self.metrics.log_samples(self.sampler.rows(theta, self.stats.outer_step), self.stats.tokens)
+        step = self.stats.outer_step
+        if self.model.schedule is None:
+            # FSDP gathers a block's weights in the block's own forward, which the KV cache's path bypasses
+            cached = self.rt.dp == 1
+            module = self.model.modules[0]
+            forward = cached_forward(module) if cached else (lambda tokens, start, fresh: self.model.logits(tokens))
+            with self._holding_theta_global(), torch.no_grad(), self.model.autocast():
+                module.eval()
+                try:
+                    rows = self.sampler.rows_from(forward, self.rt.bcast, self.device, step, use_cache=cached)
+                finally:
+                    module.train()
+        else:
+            theta, _ = self.theta_global()
+            rows = self.sampler.rows(theta, step) if self.sampler is not None and theta is not None else None
+        if self.is_main and rows is not None:
+            self.metrics.log_samples(rows, self.stats.tokens)
 
     def _finish(self, wall: float) -> dict[str, Any]:
         """After the last round: check the islands ended in sync, write θ_global and the summary."""

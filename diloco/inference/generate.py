@@ -135,18 +135,22 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, samplin
     """Continue ``prompt`` (token ids) by up to ``max_new_tokens`` tokens; ``on_token`` sees each one as it
     comes.  Without the cache every step runs the model over the whole sequence (same tokens, slower)."""
     model.eval()
+    forward = cached_forward(model) if use_cache else (lambda tokens, start, fresh: model(tokens))
+    device = next(model.parameters()).device
+    return decode_loop(forward, lambda token: token, prompt, max_new_tokens, model.cfg.seq_len, device,
+                       sampling, use_cache, on_token)
+
+
+def cached_forward(model: Transformer) -> Forward:
+    """A :data:`Forward` over ``model`` (whole, or a TP shard of it) keeping one KV cache per block."""
     caches: list[KVCache] = []
 
     def forward(tokens: torch.Tensor, start: int, fresh: bool) -> torch.Tensor:
-        if not use_cache:
-            return model(tokens)  # the model's own forward over the whole sequence
         if fresh:
             caches[:] = [KVCache() for _ in model.layers]
         return forward_cached(model, tokens, caches, start)
 
-    device = next(model.parameters()).device
-    return decode_loop(forward, lambda token: token, prompt, max_new_tokens, model.cfg.seq_len, device,
-                       sampling, use_cache, on_token)
+    return forward
 
 
 def decode_loop(forward: Forward, share: Callable[[int | None], int], prompt: list[int], max_new_tokens: int,
