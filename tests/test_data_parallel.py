@@ -61,3 +61,8 @@ def test_a_dp2_island_is_one_process_accumulating_two_batches_and_its_checkpoint
     assert max_difference(theta(tp2), theta(reference)) < TOLERANCE
     assert "resharded the checkpoint of a dp=2 x pp=1 x tp=1 island onto a dp=1 x pp=1 x tp=2 one" in log.read_text()
     assert not list((dp2 / "checkpoints").glob("ckpt-*.pt")), "a resumed island with checkpoint.every 0 wrote one"
+    # a fresh run in that folder sets every rank's checkpoints aside: a later --resume must not reshard them
+    Island(island_config(tmp_path / "fresh", **{"checkpoint.dir": str(dp2 / "checkpoints"), "diloco.outer_steps": 1})).run()
+    for rank in range(2):
+        assert not list((dp2 / "checkpoints" / f"rank{rank}").glob("ckpt-*.pt"))
+        assert len(list((dp2 / "checkpoints" / f"rank{rank}").glob("earlier-*/ckpt-000002.pt"))) == 1

@@ -61,20 +61,26 @@ from diloco.engine.runtime import Runtime, pick_device, return_freed_memory
 from diloco.engine.state_transfer import StateTransfer
 from diloco.engine.throughput import Throughput, peak_flops
 from diloco.errors import TrainingError
-from diloco.progress import Progress
 from diloco.inference.generate import cached_forward
 from diloco.inference.samples import Sampler
 from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
 from diloco.model.inner import build_inner_optimizer, take_inner_step
 from diloco.model.transformer import flops_per_token, initial_model, lm_loss
+from diloco.progress import Progress
 from outer_optim import OuterOptimizer, checksum
 from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
 from peers.dht import mute_shutdown_noise
 from peers.exchange import BucketExchange
 from peers.layout import CanonicalLayout, spec_tuple
-from pipeline import ModelParts, ShardSpec, copy_overlap, local_state, restore_dtensor_state
+from pipeline import (
+    ModelParts,
+    ShardSpec,
+    copy_overlap,
+    local_state,
+    restore_dtensor_state,
+)
 
 log = logging.getLogger("diloco")
 
@@ -620,10 +626,14 @@ class Island:
         every rank with the same message."""
         spec, rt = self.cfg.checkpoint.resume, self.rt
         if not spec:
-            aside = checkpoint.set_aside(self.ckpt_dir)
-            if aside is not None:
-                log.warning("%s held an earlier run's checkpoints: moved them to %s (pass --resume to continue that "
-                            "run instead)", self.ckpt_dir, aside)
+            # every rank's folder, whatever shape the earlier run had: a later --resume would reshard from them
+            # (rank 0 moves them all; the other ranks write nothing before rank 0 joins their first round)
+            base = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+            for directory in dict.fromkeys((base, *sorted(base.glob("rank*")))) if rt.rank == 0 else ():
+                aside = checkpoint.set_aside(directory)
+                if aside is not None:
+                    log.warning("%s held an earlier run's checkpoints: moved them to %s (pass --resume to continue "
+                                "that run instead)", directory, aside)
             return
         world = rt.lockstep
         path, error = None, ""
