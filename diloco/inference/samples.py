@@ -2,7 +2,8 @@
 
 The prompts are cut from the held-out text at fixed places (the same on every island and every
 evaluation, so a person sees one prompt's continuation improve); the sampler is seeded by the outer
-step, so islands holding the same θ_global write the same samples.  An island without pipeline stages generates
+step, so islands holding the same θ_global on the same kind of device and precision write the same samples
+(bf16 on a GPU and fp32 on a CPU pick different tokens from slightly different logits).  An island without pipeline stages generates
 with its own model, every rank together, while it holds θ_global for the evaluation (nothing is gathered); a
 pipelined one assembles θ_global on its main rank, which generates on its CPU with a model of its own.
 """
