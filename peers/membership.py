@@ -177,7 +177,9 @@ class Membership:
 
     def islands(self) -> dict[str, Member]:
         """Live islands by island id, one :class:`Member` each (``peer_id`` is the island id): the
-        highest outer step any of its live ranks announced, averaging if any rank is."""
+        highest outer step any of its live ranks announced, averaging if any rank is, and the state
+        fingerprint of a rank at that step (a rank whose new record is not stored yet still shows the state it
+        entered the previous round with)."""
         out: dict[str, Member] = {}
         for m in self.members().values():
             if m.left:
@@ -188,6 +190,8 @@ class Membership:
                 out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
                                      expires=m.expires, serving=m.serving)
             else:
+                if m.outer_step > seen.outer_step or (m.outer_step == seen.outer_step and seen.state is None):
+                    seen.state = m.state
                 seen.outer_step = max(seen.outer_step, m.outer_step)
                 seen.averaging = seen.averaging or m.averaging
                 seen.expires = max(seen.expires, m.expires)

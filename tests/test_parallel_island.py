@@ -256,3 +256,22 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     run.furthest, run.averaging = 3, {}
     assert transfer._verdict(3, 3, later, True) == "adopt"
     assert transfer._verdict(3, 3, time.monotonic() - 1, False) == "adopt"  # past the deadline: the freshest
+
+
+def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round():
+    """Rank 1 of island A has not stored its new record yet: it still shows round 2 and the state it entered
+    round 2 with.  Island A is entering round 3 with rank 0's state, whatever order the DHT lists them in (a
+    stale state made another island believe its θ_global differed and resynchronize for nothing)."""
+    old, new = [1.0, 4.0, 10.0], [2.0, 5.0, 10.0]  # (sum, sum of squares, count) of θ_global entering rounds 2 and 3
+    for order in (("A1", "A0"), ("A0", "A1")):
+        registry: dict[str, dict] = {}
+        ranks = {"A0": Membership(_FakeDHT("A0", registry), "run"),
+                 "A1": Membership(_FakeDHT("A1", registry), "run", island="A0", rank=1)}
+        b = Membership(_FakeDHT("B", registry), "run")
+        for pid in order:
+            ranks[pid].announce(3 if pid == "A0" else 2, averaging=True, state=new if pid == "A0" else old)
+        b.announce(3, averaging=True, state=new)
+        [a] = b.others()
+        assert (a.outer_step, a.averaging, a.state) == (3, True, new), order
+        assert not b.outvoted(3, new, 0.0)
+    assert b.outvoted(3, old, 0.0)  # a real difference is still seen (B is alone against A's ranks at round 3)
