@@ -132,8 +132,9 @@ class Island:
         except OSError as e:
             raise TrainingError(f"cannot create --logging.run_dir {self.run_dir} ({e.strerror}); "
                                 f"pass a directory you can write to") from None
-        ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
-        self.ckpt_dir = ckpt_dir / f"rank{rt.rank}" if rt.size > 1 else ckpt_dir
+        self.ckpt_base = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        """The checkpoint folder of the island: its ranks' folders ``rank<r>/`` below it, or one process's files."""
+        self.ckpt_dir = self.ckpt_base / f"rank{rt.rank}" if rt.size > 1 else self.ckpt_base
         self.name = f"{cfg.averaging.run_id}-island{cfg.data.shard_index}"
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -499,7 +500,8 @@ class Island:
     def load_state_dict(self, state: dict[str, Any], path: Path | None = None) -> None:
         """Restore :meth:`state_dict`: written by this rank of an island of the same shape, or else (with the
         ``path`` it was read from, beside the other old ranks' files) resharded from all of them."""
-        if self.written_by_me(state):
+        mine = self.written_by_me(state)
+        if mine:
             with torch.no_grad():
                 for n, t in state["model"].items():
                     self.params[n].copy_(t)
@@ -520,10 +522,10 @@ class Island:
         self.schedule.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", self.stats.tokens)))
         for kept, key in ((self.unsent.feedback, "error_feedback"), (self.unsent.carry, "owner_feedback")):
             kept.clear()
-            if self.written_by_me(state):
+            if mine:
                 kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
             elif state.get(key):
-                log.warning("the codec's error feedback is reset: it was kept per rank of a %s island", 
+                log.warning("the codec's error feedback is reset: it was kept per rank of a %s island",
                             _island_record(state)["shape"])
 
     @torch.no_grad()
@@ -610,7 +612,7 @@ class Island:
     def _find_checkpoint(self, spec: str) -> Path | None:
         """This rank's checkpoint for ``--checkpoint.resume spec``: its own file, or else one an island of another
         shape wrote in the same checkpoint directory (rank 0's, or the single process's), to be resharded."""
-        base = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        base = self.ckpt_base
         if spec != "latest":
             own = self.ckpt_dir / Path(spec).name
             return checkpoint.find_resume(str(own) if self.rt.rank and own.is_file() else spec, self.ckpt_dir)
@@ -628,7 +630,7 @@ class Island:
         if not spec:
             # every rank's folder, whatever shape the earlier run had: a later --resume would reshard from them
             # (rank 0 moves them all; the other ranks write nothing before rank 0 joins their first round)
-            base = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+            base = self.ckpt_base
             for directory in dict.fromkeys((base, *sorted(base.glob("rank*")))) if rt.rank == 0 else ():
                 aside = checkpoint.set_aside(directory)
                 if aside is not None:
