@@ -58,6 +58,7 @@ from experiments.warm_start import (
     single_worker,
     warm_start,
 )
+from outer_optim.codecs import LOSSY_CODECS
 
 COMPARE_DEFAULTS: dict[str, Any] = {
     "model.preset": "small",
@@ -88,7 +89,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
                 latency_ms: float = 0.0, warm_start_steps: int = 0,
                 warm_start_lr: float | None = None, arms: list[str] = (), codecs: list[str] = ()) -> Path:
     """Run single worker, synchronous baseline and DiLoCo (and the overlapped DiLoCo ``arms``, names of
-    :data:`ARMS`, and the low-bit ``codecs``, names of :data:`CODECS`); write the report; return ``results.md``.
+    :data:`ARMS`, and the low-bit ``codecs``, names of :data:`CODEC_ARMS`); write the report; return ``results.md``.
 
     With ``warm_start_steps`` (and no ``checkpoint.init_from`` of the user's), all three start from the
     parameters one worker reached after that many steps at peak lr ``warm_start_lr`` (default: the inner
@@ -182,7 +183,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
 
         # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
-        for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", CODECS[c]) for c in codecs]:
+        for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", CODEC_ARMS[c]) for c in codecs]:
             items = matched_budget(items, runs / "diloco")
             say(f"\n== DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in items.items())} ==", flush=True)
             c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"optionally joined to a codec of --compression by + (e.g. delayed+int8; each as long "
                              f"as the DiLoCo run; default: none)")
     parser.add_argument("--compression", default="",
-                        help=f"also run DiLoCo with low-bit pseudo-gradients, comma-separated: {', '.join(CODECS)} "
+                        help=f"also run DiLoCo with low-bit pseudo-gradients, comma-separated: {', '.join(CODEC_ARMS)} "
                              f"(each as long as the DiLoCo run; default: none)")
     args, rest = parser.parse_known_args(argv)
     # Ctrl-C / kill -INT must stop the experiment even when started from a shell that ignores SIGINT in
@@ -309,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = unknown_arms(arms)
         if unknown:
             raise ConfigError([f"--arms {','.join(unknown)} is not one of {', '.join(ARMS)} (optionally +"
-                               f"{'|'.join(CODECS)})"])
+                               f"{'|'.join(CODEC_ARMS)})"])
         codecs = [c.strip() for c in args.compression.split(",") if c.strip()]
-        unknown = [c for c in codecs if c not in CODECS]
+        unknown = [c for c in codecs if c not in CODEC_ARMS]
         if unknown:
-            raise ConfigError([f"--compression {','.join(unknown)} is not one of {', '.join(CODECS)}"])
+            raise ConfigError([f"--compression {','.join(unknown)} is not one of {', '.join(CODEC_ARMS)}"])
         run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms,
                     warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms,
                     codecs=codecs)
@@ -352,12 +353,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "streaming-timed": {"diloco.fragments": 4, "diloco.overlap": "delayed", "diloco.sync_every": MATCHED},
 }
 
-# DiLoCo arms with low-bit pseudo-gradients (``--compression``), each against fp32 DiLoCo (c)
-CODECS: dict[str, dict[str, Any]] = {
-    "fp16": {"averaging.compression": "fp16"},
-    "int8": {"averaging.compression": "int8"},
-    "int4": {"averaging.compression": "int4"},
-    "sign": {"averaging.compression": "sign"},
+# DiLoCo arms with low-bit pseudo-gradients (``--compression``), each against fp32 DiLoCo (c): every lossy codec
+# of the registry, and variants of their settings
+CODEC_ARMS: dict[str, dict[str, Any]] = {
+    **{name: {"averaging.compression": name} for name in LOSSY_CODECS},
     # the same with the owners' feedback: what re-encoding each averaged part drops goes into its next average
     "sign-owner": {"averaging.compression": "sign", "averaging.owner_feedback": True},
     # the same with the islands' error feedback in a buffer (EF21) instead of the parameters
@@ -379,9 +378,9 @@ CODECS: dict[str, dict[str, Any]] = {
 
 def arm_settings(name: str) -> dict[str, Any]:
     """The settings of an overlapped arm: a name of :data:`ARMS`, or one joined to a codec of
-    :data:`CODECS` by ``+`` (``delayed+int8``: rounds in flight carrying int8 pseudo-gradients)."""
+    :data:`CODEC_ARMS` by ``+`` (``delayed+int8``: rounds in flight carrying int8 pseudo-gradients)."""
     mode, _, codec = name.partition("+")
-    return {**ARMS[mode], **(CODECS[codec] if codec else {})}
+    return {**ARMS[mode], **(CODEC_ARMS[codec] if codec else {})}
 
 
 def matched_budget(items: dict[str, Any], blocking_runs: Path) -> dict[str, Any]:
@@ -401,5 +400,5 @@ def unknown_arms(names: list[str]) -> list[str]:
     """The names of ``names`` that :func:`arm_settings` cannot read."""
     def known(name: str) -> bool:
         mode, plus, codec = name.partition("+")
-        return mode in ARMS and (not plus or codec in CODECS)
+        return mode in ARMS and (not plus or codec in CODEC_ARMS)
     return [n for n in names if not known(n)]

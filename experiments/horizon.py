@@ -6,7 +6,7 @@
 The compare command runs 6 rounds of H=50: enough to rank the arms, too few to tell a variant that is
 slower to start (rounds in flight train one round on stale parameters; top-k with error feedback sends
 2% of Δ a round and catches up through its buffer) from one that ends worse.  This command runs blocking
-fp32 DiLoCo and each arm (a name of :data:`experiments.compare.ARMS` or :data:`~experiments.compare.CODECS`,
+fp32 DiLoCo and each arm (a name of :data:`experiments.compare.ARMS` or :data:`~experiments.compare.CODEC_ARMS`,
 or both joined by ``+``) for ``--rounds`` rounds on loopback (quality only: no link cap), all from the
 compare's shared warm start, and reports the held-out loss of θ_global of every arm after every round and
 its gap to blocking DiLoCo at the rounds of ``--at``.  An arm whose run in ``--out`` already went all
@@ -31,7 +31,7 @@ from diloco.config import loader as config_load
 from diloco.engine.metrics import read_metrics
 from experiments.compare import (
     ARMS,
-    CODECS,
+    CODEC_ARMS,
     COMPARE_DEFAULTS,
     arm_settings,
     matched_budget,
@@ -48,12 +48,12 @@ def settings_of(arm: str) -> dict[str, Any]:
     """The config items of ``arm``: blocking fp32 DiLoCo, an overlapped arm, a codec, or ``mode+codec``."""
     if arm == REFERENCE:
         return {}
-    return CODECS[arm] if arm in CODECS else arm_settings(arm)
+    return CODEC_ARMS[arm] if arm in CODEC_ARMS else arm_settings(arm)
 
 
 def unknown(arms: list[str]) -> list[str]:
     """The names of ``arms`` that :func:`settings_of` cannot read."""
-    return [a for a in unknown_arms(arms) if a != REFERENCE and a not in CODECS]
+    return [a for a in unknown_arms(arms) if a != REFERENCE and a not in CODEC_ARMS]
 
 
 def losses_per_round(run_dir: Path, fragments: int = 1) -> list[float]:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Any config key can follow as --section.key VALUE (the compare "
                                             "command's defaults apply).")
     parser.add_argument("--arms", default="delayed,eager,topk,sparseloco",
-                        help=f"arms run next to blocking DiLoCo: {', '.join(ARMS)}, {', '.join(CODECS)}, or mode+codec")
+                        help=f"arms run next to blocking DiLoCo: {', '.join(ARMS)}, {', '.join(CODEC_ARMS)}, or mode+codec")
     parser.add_argument("--rounds", type=int, default=18, help="outer rounds per arm (default 18)")
     parser.add_argument("--at", default="", help="rounds to report the gap at (default: 6, 12, …, --rounds)")
     parser.add_argument("--islands", type=int, default=4, help="islands per arm (default 4)")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         problems = [f"--arms {','.join(unknown(arms))} is not one of blocking, {', '.join(ARMS)}, "
-                    f"{', '.join(CODECS)} (or mode+codec)"] if unknown(arms) else []
+                    f"{', '.join(CODEC_ARMS)} (or mode+codec)"] if unknown(arms) else []
         if args.rounds < 1 or args.islands < 2:
             problems.append(f"--rounds must be at least 1 and --islands at least 2, got {args.rounds} and {args.islands}")
         try:

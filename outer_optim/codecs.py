@@ -41,6 +41,8 @@ Decoding is elementwise (no reductions), so the same payload gives bit-identical
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -57,10 +59,6 @@ from outer_optim.bitpack import (
 )
 from outer_optim.tensors import all_finite
 
-CODECS = ("none", "fp16", "int8", "int4", "sign", "topk")
-"""Every wire format of pseudo-gradients (``--averaging.compression``)."""
-LOSSY_CODECS = ("fp16", "int8", "int4", "sign", "topk")
-"""The formats that drop part of Δ (what they drop can be carried into later rounds: error feedback)."""
 TOPK_CHUNK = 4096
 TOPK_INDEX_BITS = math.ceil(math.log2(TOPK_CHUNK))
 
@@ -421,26 +419,90 @@ class TopKCodec:
         return torch.cat(parts)
 
 
+# ---- the registry ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CodecEntry:
+    """One wire format of ``--averaging.compression``: the config's choices, its checks, the docs' table and
+    the experiments all read :data:`REGISTRY`."""
+
+    name: str
+    travels: str
+    """What goes on the wire, in a few words (the docs' table)."""
+    build: Callable[[float, int], Codec]
+    """``build(topk_density, topk_bits)``: the codec (only ``topk`` reads the two)."""
+
+
+REGISTRY: dict[str, CodecEntry] = {e.name: e for e in (
+    CodecEntry("none", "fp32, the tensor's own bytes", lambda d, b: Fp32Codec()),
+    CodecEntry("fp16", "IEEE half precision, clamped to ±65504", lambda d, b: Fp16Codec()),
+    CodecEntry("int8", "blocks of 256 values: one fp32 absmax scale, int8 codes",
+               lambda d, b: BlockAbsmaxCodec("int8", bits=8, block=256)),
+    CodecEntry("int4", "blocks of 128 values: one fp32 absmax scale, 4-bit codes in [−7, 7] (symmetric "
+                       "blockwise absmax, not E3M0)", lambda d, b: BlockAbsmaxCodec("int4", bits=4, block=128)),
+    CodecEntry("sign", "blocks of 256 values: one bf16 scale, the block's mean magnitude (the scale with the least "
+                       "squared error for those signs), and 1 bit per value, its sign",
+               lambda d, b: BlockSignCodec(block=256)),
+    CodecEntry("topk", "per chunk of 4096 values: the `--averaging.topk_density` largest entries, each a 12-bit "
+                       "index plus `--averaging.topk_bits` (2 or 4) bits: a sign and one of 2^bits/2 magnitudes "
+                       "equally spaced from lo to hi, two bf16 per chunk fitted to the kept values by least squares",
+               lambda d, b: TopKCodec(float(d), b)),
+)}
+"""Every wire format of pseudo-gradients, by name."""
+CODECS = tuple(REGISTRY)
+"""Every wire format's name (``--averaging.compression``)."""
+LOSSY_CODECS = tuple(n for n, e in REGISTRY.items() if e.build(0.02, 2).lossy)
+"""The formats that drop part of Δ (what they drop can be carried into later rounds: error feedback)."""
+
+
+def unknown_codec(name: str) -> str:
+    """Why ``name`` is no codec, in one sentence naming those that exist ('' when it is one)."""
+    if name in REGISTRY:
+        return ""
+    return f"--averaging.compression {name} is not a codec; use one of {', '.join(CODECS)}"
+
+
 def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> Codec:
     """The codec called ``name`` (one of :data:`CODECS`); the topk settings are validated for every name."""
-    if name not in CODECS:
-        raise ValueError(f"unknown codec {name!r}; use one of {', '.join(CODECS)}")
+    if name not in REGISTRY:
+        raise ValueError(unknown_codec(name))
     if (isinstance(topk_density, bool) or not isinstance(topk_density, (int, float))
             or not math.isfinite(topk_density) or not 0 < topk_density <= 1):
         raise ValueError(f"--averaging.topk_density must be a finite number in (0, 1], not {topk_density!r}")
     if isinstance(topk_bits, bool) or not isinstance(topk_bits, int) or topk_bits not in (2, 4):
         raise ValueError(f"--averaging.topk_bits must be 2 or 4, not {topk_bits!r}")
-    if name == "none":
-        return Fp32Codec()
-    if name == "fp16":
-        return Fp16Codec()
-    if name == "int8":
-        return BlockAbsmaxCodec("int8", bits=8, block=256)
-    if name == "int4":
-        return BlockAbsmaxCodec("int4", bits=4, block=128)
-    if name == "sign":
-        return BlockSignCodec(block=256)
-    return TopKCodec(float(topk_density), topk_bits)
+    return REGISTRY[name].build(topk_density, topk_bits)
+
+
+def is_dense(codec: Codec) -> bool:
+    """Whether ``codec`` sends every value in blocks (none, fp16, int8, int4, sign), rather than a sparse choice
+    (topk)."""
+    return getattr(codec, "block", 0) > 0
+
+
+def reduce_scatters(codec: Codec, group_size: int) -> bool:
+    """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter rather than all-gather
+    (see :mod:`peers.encoded` for the byte counts): lossless fp32 always (half the adding of an all-gather at
+    2 members, for the same bytes), lossy dense codecs from 3 members on (at 2 the all-gather spares the
+    owner's second quantization), top-k never."""
+    return is_dense(codec) and (group_size > 2 or not codec.lossy)
+
+
+def codec_table(numel: int = 1 << 20) -> str:
+    """The docs' markdown table of every codec: what travels, bytes per value (at the default topk settings,
+    measured on ``numel`` values) and how a group exchanges it."""
+    rows = ["| codec | what travels | bytes per value | exchange |", "| --- | --- | ---: | --- |"]
+    for name, entry in REGISTRY.items():
+        codec = entry.build(0.02, 2)
+        if not reduce_scatters(codec, 3):
+            exchange = "all-gather"
+        elif reduce_scatters(codec, 2):
+            exchange = "reduce-scatter"
+        else:
+            exchange = "all-gather at 2 members, reduce-scatter from 3"
+        per_value = f"{codec.nbytes(numel) / numel:.3f}" + (" at 2%, 2 bits" if name == "topk" else "")
+        rows.append(f"| `{name}`{' (default)' if name == 'none' else ''} | {entry.travels} | {per_value} | {exchange} |")
+    return "\n".join(rows) + "\n"
 
 
 def wire_ratio(codec: Codec, numel: int) -> float:

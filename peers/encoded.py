@@ -40,7 +40,7 @@ import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
 
-from outer_optim.codecs import Payload
+from outer_optim.codecs import Payload, reduce_scatters
 from outer_optim.tensors import all_finite
 from peers.deflate import pack, unpack, unpack_at_most
 from peers.inbox import Inbox, LateAnswers
@@ -59,19 +59,6 @@ PIECE = 1 << 20
 """Bytes per streamed message (hivemind's daemon refuses messages above 4 MiB)."""
 MAX_KEYS = 16
 """Exchanges buffered for rounds not yet held here (a member may send before our matchmaking ends)."""
-
-
-def is_dense(codec: Any) -> bool:
-    """Whether ``codec`` sends every value in blocks (int8, int4, sign), rather than a sparse choice (topk)."""
-    return getattr(codec, "block", 0) > 0
-
-
-def reduce_scatters(codec: Any, group_size: int) -> bool:
-    """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter rather than all-gather
-    (see the module docstring for the byte counts): lossless fp32 always (half the adding of an all-gather at
-    2 members, for the same bytes), lossy dense codecs from 3 members on (at 2 the all-gather spares the
-    owner's second quantization), top-k never."""
-    return is_dense(codec) and (group_size > 2 or not codec.lossy)
 
 
 def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:

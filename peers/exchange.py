@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from outer_optim.tensors import all_finite
-from peers.averager import fingerprint
+from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
 from peers.layout import CanonicalLayout, Segment, spec_tuple
 
 
@@ -170,9 +170,9 @@ class BucketExchange:
             return f"the island's ranks passed different weights ({wmin} to {-neg_wmax})"
         return ""
 
-    def canonical_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
-                              ) -> list[float]:
-        """Collective: :func:`~peers.averager.fingerprint` of the island's tensors in canonical bucket order.
+    def canonical_fingerprint(self, local_tensors: Mapping[str, torch.Tensor],
+                              chunks_per_bucket: int = CHUNKS_PER_BUCKET) -> list[float]:
+        """Collective: :func:`~peers.fingerprints.fingerprint` of the island's tensors in canonical bucket order.
 
         Every owner fingerprints its assembled buckets, so two islands holding the same values get
         the same list whatever their shapes (use it as the ``state_fingerprint`` of θ_global).

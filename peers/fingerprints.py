@@ -16,6 +16,9 @@ from typing import Sequence
 import torch
 
 FINGERPRINT_CHUNKS = 64
+CHUNKS_PER_BUCKET = 4
+"""Fingerprint chunks per bucket of the canonical layout (12 floats per bucket): of a round's averaged buckets
+in the vote, and of θ_global in canonical bucket order."""
 STATS = 3
 """Floats per chunk: sum, sum of squares, count."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from outer_optim.codecs import LOSSY_CODECS
+
 
 @dataclass
 class NetworkSettings:
@@ -75,3 +77,12 @@ class AveragerSettings:
     """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
     transport: str = "direct"
     """How a round's bytes travel between islands: `direct` (plain TCP between the ranks: as fast as a gloo all-reduce, not encrypted; the run key authenticates every connection) or `p2p` (hivemind's daemon: encrypted, several times slower)."""
+
+
+def codec_backend_problem(compression: str, backend: str) -> str:
+    """Why pseudo-gradients of codec ``compression`` cannot be averaged by ``backend`` ('' when they can): the
+    torch all-reduce carries fp32 only, the lossy codecs travel over hivemind's groups."""
+    if compression in LOSSY_CODECS and backend not in ("hivemind", "auto"):
+        return (f"--averaging.compression {compression} travels over hivemind: use --averaging.backend hivemind "
+                f"or auto (got {backend})")
+    return ""

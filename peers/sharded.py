@@ -59,24 +59,22 @@ import hivemind
 import torch
 import torch.distributed as dist
 
-from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec
+from outer_optim.codecs import ErrorFeedback, is_dense, make_codec
 from peers.averager import RoundResult, VerifiedAverager
 from peers.averager_types import Exchange, Scope, as_float
 from peers.bucket_round import PendingRound, ShardedRoundResult, from_shared, island_verdict, shared_fields
-from peers.encoded import DirectChannel, EncodedChannel, average_encoded, is_dense
+from peers.encoded import DirectChannel, EncodedChannel, average_encoded
 from peers.exchange import BucketExchange, shape_of
-from peers.fingerprints import fingerprint
+from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
 from peers.layout import CanonicalLayout, spec_tuple
 from peers.round_keys import parts_key
-from peers.settings import AveragerSettings
+from peers.settings import AveragerSettings, codec_backend_problem
 from peers.transport import Transport, TransportError
 from peers.vote import MemberCheck
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("hivemind", "torch", "auto")
-CHUNKS_PER_BUCKET = 4
-"""Fingerprint chunks per bucket in a round's vote (12 floats per bucket)."""
 BUCKET_THREADS = 4
 """Buckets one rank exchanges at once: enough to keep a link busy while another bucket is encoded."""
 
@@ -107,9 +105,8 @@ class ShardedAverager:
             raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if backend == "torch" and fallback is None:
             raise ValueError("backend 'torch' needs a HierarchicalAllReduce (fallback=...)")
-        if backend == "torch" and settings.compression in LOSSY_CODECS:
-            raise ValueError(f"compression {settings.compression!r} travels over hivemind; use backend hivemind "
-                             f"or auto")
+        if backend_problem := codec_backend_problem(settings.compression, backend):
+            raise ValueError(backend_problem)
         if backend != "torch" and dht is None:
             raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")
         self.codec = make_codec(settings.compression, topk_density=settings.topk_density,

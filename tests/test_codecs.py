@@ -374,7 +374,7 @@ def test_bad_settings_name_the_setting(kwargs, setting):
 
 
 def test_unknown_codec():
-    with pytest.raises(ValueError, match="unknown codec 'zip'; use one of none, fp16, int8, int4, sign, topk"):
+    with pytest.raises(ValueError, match="--averaging.compression zip is not a codec; use one of none, fp16, int8, int4, sign, topk"):
         make_codec("zip")
 
 
@@ -427,3 +427,30 @@ def test_entropy_decoding_refuses_what_is_not_exactly_the_expected_payload():
     bomb = b"\x01" + coder.compress(bytes(10**8)) + coder.flush()
     assert len(bomb) < 10**6 and unpack(bomb, 1000) is None
     assert unpack(b"", 1000) == b""
+
+
+# ---- the registry: one source for every list of codecs ----------------------------------------------
+
+def test_the_config_choices_the_docs_and_the_experiments_read_the_registry():
+    from pathlib import Path
+
+    from diloco.config.schema import CHOICES
+    from experiments.compare import CODEC_ARMS
+    from outer_optim.codecs import CODECS, REGISTRY, codec_table
+
+    assert CHOICES["averaging.compression"] == CODECS == tuple(REGISTRY)
+    assert set(LOSSY_CODECS) == {n for n in CODECS if make_codec(n).lossy} and "none" not in LOSSY_CODECS
+    assert all(settings["averaging.compression"] in CODECS for settings in CODEC_ARMS.values())
+    docs = (Path(__file__).parent.parent / "docs" / "low-bit-codecs.md").read_text()
+    assert codec_table() in docs, "docs/low-bit-codecs.md's table is stale: paste codec_table() in"
+
+
+@pytest.mark.parametrize("gone", ["uint8", "scaled-fp16"])
+def test_a_codec_that_is_gone_is_refused_at_config_time_naming_those_that_exist(gone):
+    from diloco.config import ConfigError
+    from diloco.config.loader import load
+    from outer_optim.codecs import CODECS
+
+    with pytest.raises(ConfigError) as e:
+        load(None, ["--averaging.compression", gone])
+    assert e.value.problems == [f"--averaging.compression is {gone!r} but must be one of {', '.join(CODECS)}"]

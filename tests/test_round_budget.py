@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco.config import ConfigError
-from diloco.engine.budget import Budget, auto_seconds, parse_budget
+from diloco.config.budget import Budget, auto_seconds, parse_budget
 from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import Cluster
 from tests.conftest import tiny_config

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import os
 
+from diloco.config.budget import parse_budget
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
 from outer_optim.codecs import LOSSY_CODECS
+from peers.settings import codec_backend_problem
 
 WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 """What W&B accepts in ``WANDB_MODE`` (an empty variable counts as unset)."""
@@ -166,8 +168,6 @@ def parallel_problems(cfg: Config) -> list[str]:
 
 def budget_problems(dl: DilocoConfig) -> list[str]:
     """What is wrong with ``--diloco.sync_every`` and ``--diloco.max_comm_fraction``."""
-    from diloco.engine.budget import parse_budget
-
     try:
         budget = parse_budget(dl.sync_every, max(dl.inner_steps, 1))
     except ValueError as e:
@@ -191,9 +191,8 @@ def codec_problems(cfg: Config) -> list[str]:
         p.append(f"--averaging.topk_bits must be 2 or 4, got {a.topk_bits}")
     if not 0 < a.error_feedback_decay <= 1:
         p.append(f"--averaging.error_feedback_decay must be in (0, 1], got {a.error_feedback_decay}")
-    if encoded and a.backend not in ("hivemind", "auto"):
-        p.append(f"--averaging.compression {a.compression} travels over hivemind: use --averaging.backend "
-                 f"hivemind or auto (got {a.backend})")
+    if backend_problem := codec_backend_problem(a.compression, a.backend):
+        p.append(backend_problem)
     if a.error_feedback_in not in ("buffer", "params"):
         p.append(f"--averaging.error_feedback_in must be buffer or params, got {a.error_feedback_in!r}")
     if cfg.diloco.outer_optimizer == "sparseloco" and not (encoded and a.error_feedback):

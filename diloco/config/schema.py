@@ -15,6 +15,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from outer_optim.codecs import CODECS
 from peers.settings import AveragerSettings, NetworkSettings
 from pipeline.settings import ParallelSettings
 
@@ -246,7 +247,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "diloco.outer_optimizer": ("nesterov", "avg", "sparseloco"),
     "diloco.overlap": ("none", "delayed", "eager"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
-    "averaging.compression": ("none", "fp16", "scaled-fp16", "uint8", "int8", "int4", "sign", "topk"),
+    "averaging.compression": CODECS,
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "parallel.balance": ("params", "layers", "profile"),

@@ -5,7 +5,7 @@ A round, read in the order :class:`OuterRounds` runs it:
 
 1. **due** (:meth:`RoundSchedule.sync_due`): every H / P inner steps (``--diloco.fragments P``: Streaming
    DiLoCo; round ``r`` averages fragment ``r mod P``), or every 1/P of another budget (``--diloco.sync_every``:
-   seconds of compute, tokens, auto; :mod:`diloco.engine.budget`);
+   seconds of compute, tokens, auto; :mod:`diloco.config.budget`);
 2. **send** (:meth:`OuterRounds.send`): an island the run moved past catches up instead (its inner steps are
    dropped, never sent as a stale Δ); an island whose θ_global the others outvote leaves the round out and
    takes their result; otherwise pseudo-gradient Δ = θ_global − θ_local of the round's fragment → the
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from diloco.config import AveragingConfig, DilocoConfig
-from diloco.engine.budget import Budget, auto_seconds, parse_budget
+from diloco.config.budget import Budget, auto_seconds, parse_budget
 from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import RunStats
 from diloco.engine.peer_node import PeerNode, round_id
@@ -72,8 +72,6 @@ PER_TOKENS = 1e6
 """Under a budget other than steps, Δ travels per this many tokens (a scale that suits every codec)."""
 CAUGHT_UP = "caught-up"
 """The averaging backend of a round this island did not average: it took the run's state from a peer."""
-CHUNKS_PER_BUCKET = 4
-"""Fingerprint chunks per bucket of the canonical θ_global fingerprint (12 floats per bucket)."""
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -374,7 +372,7 @@ class RoundSchedule:
 
     def send_scale(self, weight: float) -> float:
         """What Δ is multiplied by before sending: 1 by steps; per million tokens otherwise (see
-        :mod:`diloco.engine.budget`)."""
+        :mod:`diloco.config.budget`)."""
         return 1.0 if self.budget.by_steps else PER_TOKENS / max(weight, 1.0)
 
     @staticmethod
@@ -397,7 +395,7 @@ class RoundSchedule:
         """A round this island took part in ended after keeping it from training ``stall`` seconds: remember
         that, and under ``auto`` set the budget from the group's reports (identical on every member: they
         all hold the same reports): after the first round, H steps of the fastest member; from then on
-        :func:`~diloco.engine.budget.auto_seconds` of the stalls."""
+        :func:`~diloco.config.budget.auto_seconds` of the stalls."""
         self.last_comm_seconds = float(stall)
         if self.budget.kind != "auto" or not getattr(result, "ok", False):
             return
@@ -495,7 +493,7 @@ class OuterRounds:
     def theta_fingerprint(self) -> list[float]:
         """Collective: fingerprint of the whole θ_global in canonical bucket order, the same on every rank
         and on every island holding the same θ_global, whatever its shape."""
-        return self.exchange.canonical_fingerprint(self.outer.theta_global, CHUNKS_PER_BUCKET)
+        return self.exchange.canonical_fingerprint(self.outer.theta_global)
 
     def apply_due(self) -> bool:
         """Collective: whether the round in flight is to be applied now (before the next inner step)."""
