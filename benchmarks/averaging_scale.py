@@ -141,8 +141,8 @@ class TreeSampler:
 def run_case(size: str, codec: str, rounds: int, inner_steps: int, out: Path, network: Any = None,
              entropy_coding: bool = True) -> dict:
     from diloco.config import loader as config_load
-    from diloco.launch.simulate import simulate
     from diloco.engine.metrics import read_metrics
+    from diloco.launch.simulate import simulate
     from diloco.model.transformer import build_model
 
     run_dir = out / "runs" / f"{size}-{codec}"

@@ -45,7 +45,12 @@ from diloco.data.corpus import load_corpus  # noqa: E402
 from diloco.engine.runtime import use_device  # noqa: E402
 from diloco.engine.throughput import peak_flops, peak_memory_gb  # noqa: E402
 from diloco.model.inner import build_inner_optimizer, take_inner_step  # noqa: E402
-from diloco.model.transformer import build_model, count_parameters, flops_per_token, lm_loss  # noqa: E402
+from diloco.model.transformer import (  # noqa: E402
+    build_model,
+    count_parameters,
+    flops_per_token,
+    lm_loss,
+)
 from outer_optim import OuterOptimizer  # noqa: E402
 from pipeline import ModelParts, ParallelSettings  # noqa: E402
 

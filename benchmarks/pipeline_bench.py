@@ -35,6 +35,7 @@ from pipeline.mesh import destroy_island, init_island_mesh  # noqa: E402
 from pipeline.model_parts import ModelParts  # noqa: E402
 from pipeline.settings import ParallelSettings  # noqa: E402
 
+
 def bench_model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(preset="custom", dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                        ffn_dim=args.ffn_dim, seq_len=args.seq, vocab_size=256)

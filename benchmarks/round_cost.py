@@ -31,11 +31,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from diloco.config import ModelConfig, resolve_model  # noqa: E402
-from peers.averager import AveragerSettings, VerifiedAverager  # noqa: E402
-from peers.dht import start_dht, visible_maddrs  # noqa: E402
-from peers.layout import CanonicalLayout  # noqa: E402
+from peers.averaging.sharded import ShardedAverager  # noqa: E402
+from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
+from peers.group.averager import AveragerSettings, VerifiedAverager  # noqa: E402
 from peers.settings import NetworkSettings
-from peers.sharded import ShardedAverager  # noqa: E402
+from peers.wire.layout import CanonicalLayout  # noqa: E402
 from pipeline import shard_spec_of  # noqa: E402
 
 

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.launch.baseline import BaselineError
     from diloco.launch.simulate import SimulationError
     from diloco.model.checkpoint import CheckpointError
-    from peers.dht import PeerNetworkError
+    from peers.discovery.dht import PeerNetworkError
 
     def body() -> int:
         cfg = load_config(ns, rest)

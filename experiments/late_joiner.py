@@ -15,6 +15,7 @@ from diloco.config import loader  # noqa: E402
 from diloco.engine.metrics import read_metrics  # noqa: E402
 from diloco.launch.simulate import Cluster  # noqa: E402
 
+
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/late")
     items = {"model.dim": 640, "model.n_layers": 8, "model.n_heads": 10, "model.ffn_dim": 1728, "model.seq_len": 128,

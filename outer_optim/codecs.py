@@ -482,7 +482,7 @@ def is_dense(codec: Codec) -> bool:
 
 def reduce_scatters(codec: Codec, group_size: int) -> bool:
     """Whether a group of ``group_size`` averages ``codec``'s payloads by reduce-scatter rather than all-gather
-    (see :mod:`peers.encoded` for the byte counts): lossless fp32 always (half the adding of an all-gather at
+    (see :mod:`peers.wire.encoded` for the byte counts): lossless fp32 always (half the adding of an all-gather at
     2 members, for the same bytes), lossy dense codecs from 3 members on (at 2 the all-gather spares the
     owner's second quantization), top-k never."""
     return is_dense(codec) and (group_size > 2 or not codec.lossy)

@@ -37,6 +37,29 @@ class NetworkSettings:
     the first island: a key is generated and printed; islands joining a private run must pass it."""
 
 
+@dataclass(frozen=True)
+class Scope:
+    """Where an averager's rounds happen and who may take part: what the island is, not how it averages
+    (that is :class:`peers.settings.AveragerSettings`)."""
+
+    prefix: str = "diloco"
+    """DHT prefix shared by all islands of a run (the run id)."""
+    private: bool = False
+    """Serve only islands registered in the run's member registry (see peers.discovery.membership)."""
+    members_key: str = ""
+    """DHT key of that member registry (empty: ``f"{prefix}.members"``)."""
+    client_mode: bool = False
+    """No incoming connections: this island neither forms groups for others nor takes their requests."""
+    direct_votes: bool = True
+    """Send verdicts straight to the group members (False: only through the DHT, polled: the vote as it
+    was before, kept for benchmarks/round_cost.py and tests)."""
+
+    @property
+    def registry(self) -> str:
+        """The DHT key of the run's member registry."""
+        return self.members_key or f"{self.prefix}.members"
+
+
 @dataclass
 class AveragerSettings:
     """How islands form a round's group, how long each step may take and how pseudo-gradients travel."""

@@ -13,9 +13,9 @@ from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
 from diloco.engine.metrics import read_metrics
 from diloco.launch.baseline import BaselineError, run_baseline
-from peers.wire import ring_allreduce_bytes
 from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
+from peers.wire.counters import ring_allreduce_bytes
 from tests.conftest import tiny_config
 
 

@@ -13,14 +13,12 @@ from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.codecs import ErrorFeedback, make_codec
-from peers.averager import VerifiedAverager
-from peers.averager_types import Scope
-from peers.settings import AveragerSettings
-from peers.dht import start_dht, visible_maddrs
-from peers.encoded import part_bounds, weighted_mean
-from peers.layout import CanonicalLayout
-from peers.settings import NetworkSettings
-from peers.sharded import ShardedAverager
+from peers.averaging.sharded import ShardedAverager
+from peers.discovery.dht import start_dht, visible_maddrs
+from peers.group.averager import VerifiedAverager
+from peers.settings import AveragerSettings, NetworkSettings, Scope
+from peers.wire.encoded import part_bounds, weighted_mean
+from peers.wire.layout import CanonicalLayout
 from tests.conftest import tiny_config
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
@@ -266,7 +264,7 @@ def test_islands_with_different_codecs_refuse_each_other(tmp_path):
 
 
 def test_reduce_scatter_parts_tile_the_bucket_at_block_boundaries():
-    from peers.encoded import part_bounds, reduce_scatters
+    from peers.wire.encoded import part_bounds, reduce_scatters
 
     for numel, parts, align in [(10_000, 3, 256), (100, 4, 128), (1, 3, 256), (4096, 4, 128)]:
         bounds = part_bounds(numel, parts, align)

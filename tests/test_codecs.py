@@ -394,11 +394,11 @@ def test_pack_bits_round_trip(widths):
         pack_bits([(torch.tensor([1 << widths[0]]), widths[0])])
 
 
-# ---- entropy coding on the wire (peers.deflate) -----------------------------------------------------
+# ---- entropy coding on the wire (peers.wire.deflate) -----------------------------------------------------
 
 @pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
 def test_entropy_coding_is_lossless_and_never_costs_more_than_a_byte(name, kwargs):
-    from peers.deflate import pack, unpack
+    from peers.wire.deflate import pack, unpack
     codec = make_codec(name, **kwargs)
     for n in (1, 4097, 10000):
         payload = codec.encode(randn(n, seed=n))
@@ -416,7 +416,7 @@ def test_entropy_decoding_refuses_what_is_not_exactly_the_expected_payload():
     beyond the expected size, which is never inflated past it) all give None; an empty wire is a decline."""
     import zlib
 
-    from peers.deflate import pack, unpack
+    from peers.wire.deflate import pack, unpack
     payload = bytes(range(16)) * 64
     wire = pack(payload)
     assert wire[:1] == b"\x01" and unpack(wire, len(payload)) == payload

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from peers.dht_calls import DHTUnavailableError, dht_get
+from peers.discovery.calls import DHTUnavailableError, dht_get
 
 
 class _DyingDHT:

@@ -32,11 +32,10 @@ ISLANDS = [[0, 1], [2]]
 
 
 def run_cases(out_dir: str) -> None:
-    from peers.averager_types import Scope
-    from peers.fallback import HierarchicalAllReduce
-    from peers.layout import CanonicalLayout
-    from peers.settings import AveragerSettings
-    from peers.sharded import ShardedAverager
+    from peers.averaging.fallback import HierarchicalAllReduce
+    from peers.averaging.sharded import ShardedAverager
+    from peers.settings import AveragerSettings, Scope
+    from peers.wire.layout import CanonicalLayout
 
     t0 = time.monotonic()
     me = Rank()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from diloco.cli import main
-from diloco.inference.export import load_trained
 from diloco.data.tokenizer import Tokenizer
+from diloco.inference.export import load_trained
 from diloco.inference.generate import GenerationError, Sampling, generate
 from diloco.model.checkpoint import CheckpointError
 from diloco.model.hf import export_hf

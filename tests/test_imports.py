@@ -1,5 +1,6 @@
-"""The packages depend on each other in one direction and no module imports another in a cycle, counting
-every import: at the top of a module, inside functions and under ``TYPE_CHECKING``."""
+"""The packages depend on each other in one direction, the parts of ``diloco/`` and ``peers/`` stand on floors
+that import only downwards, and no module imports another in a cycle, counting every import: at the top of a
+module, inside functions and under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ MAY_IMPORT = {  # package -> the packages of ours it may import
     "pipeline": {"pipeline"},
     "experiments": {"experiments", "diloco", "outer_optim", "peers", "pipeline"},
     "benchmarks": {"benchmarks", "diloco", "outer_optim", "peers", "pipeline", "experiments"},
+}
+
+FLOORS = {  # inside a package, its parts from the bottom up: a part imports its own floor and those below it
+    "diloco": [{"diloco.errors", "diloco.progress"}, {"diloco.config"}, {"diloco.command"}, {"diloco.data"},
+               {"diloco.model"}, {"diloco.inference"}, {"diloco.engine"}, {"diloco.launch"}, {"diloco.cli"},
+               {"diloco"}],
+    "peers": [{"peers.settings", "peers.result", "peers.fingerprints"}, {"peers.discovery"}, {"peers.wire"},
+              {"peers.group"}, {"peers.averaging"}, {"peers"}],
 }
 
 
@@ -47,6 +56,22 @@ def test_packages_import_each_other_in_one_direction():
     wrong = [(m, i) for m, path in modules.items() for i in _imports(path, modules)
              if i.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]]
     assert not wrong, f"imports against the layering: {wrong}"
+
+
+def _floor(module: str) -> int:
+    """The floor of ``module``'s part (its first two dotted names) inside its package."""
+    part = ".".join(module.split(".")[:2])
+    floors = FLOORS[module.split(".")[0]]
+    found = [i for i, members in enumerate(floors) if part in members]
+    assert found, f"{part} stands on no floor of FLOORS: add it"
+    return found[0]
+
+
+def test_the_parts_of_diloco_and_peers_import_only_downwards():
+    modules = _modules()
+    wrong = [(m, i) for m, path in modules.items() if m.split(".")[0] in FLOORS for i in _imports(path, modules)
+             if i.split(".")[0] == m.split(".")[0] and _floor(i) > _floor(m)]
+    assert not wrong, f"imports of a higher floor: {wrong}"
 
 
 def test_no_module_imports_another_in_a_cycle():

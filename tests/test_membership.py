@@ -9,12 +9,11 @@ import pytest
 import torch
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from peers.averager import VerifiedAverager
-from peers.averager_types import Scope
-from peers.dht import start_dht, visible_maddrs
-from peers.membership import Membership, is_registered, wait_until
-from peers.run_key import RunKeyValidator, check_run_key, key_check_key
-from peers.settings import AveragerSettings, NetworkSettings
+from peers.discovery.dht import start_dht, visible_maddrs
+from peers.discovery.membership import Membership, is_registered, wait_until
+from peers.discovery.run_key import RunKeyValidator, check_run_key, key_check_key
+from peers.group.averager import VerifiedAverager
+from peers.settings import AveragerSettings, NetworkSettings, Scope
 
 FAST = dict(matchmaking_time=2.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=4.0,
             allreduce_timeout=10.0, next_chunk_timeout=3.0, state_download_timeout=5.0)

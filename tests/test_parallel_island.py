@@ -19,8 +19,8 @@ from diloco.config.loader import load
 from diloco.engine.island import Island
 from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import Cluster, SimulationError, simulate, theta_spread
-from peers.dht import visible_maddrs
-from peers.membership import Membership
+from peers.discovery.dht import visible_maddrs
+from peers.discovery.membership import Membership
 from tests.conftest import assert_joined, real_failures, tiny_config, torchrun_train
 
 RUN_TIMEOUT_S = 240

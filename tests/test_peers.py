@@ -8,10 +8,9 @@ import time
 import pytest
 import torch
 
-from peers.averager import VerifiedAverager, fingerprint, fingerprints_agree
-from peers.averager_types import Scope
-from peers.dht import PeerNetworkError, start_dht, visible_maddrs
-from peers.settings import AveragerSettings, NetworkSettings
+from peers.discovery.dht import PeerNetworkError, start_dht, visible_maddrs
+from peers.group.averager import VerifiedAverager, fingerprint, fingerprints_agree
+from peers.settings import AveragerSettings, NetworkSettings, Scope
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
             allreduce_timeout=15.0, next_chunk_timeout=5.0, state_download_timeout=10.0)
@@ -176,7 +175,7 @@ def test_unreachable_and_malformed_peers_fail_fast_with_one_line(no_leaked_daemo
     # a port in use is told apart from peers that do not answer (a restarted island moves only for the former)
     import socket
 
-    from peers.dht import PortTakenError
+    from peers.discovery.dht import PortTakenError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

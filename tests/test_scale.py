@@ -17,11 +17,10 @@ import torch
 from diloco.launch.proctable import descendants
 from diloco.model import checkpoint
 from diloco.model.checkpoint import BackgroundWriter, CheckpointError
-from peers.averager_types import Scope
-from peers.dht import start_dht, visible_maddrs
-from peers.layout import CanonicalLayout
-from peers.settings import AveragerSettings, NetworkSettings
-from peers.sharded import ShardedAverager
+from peers.averaging.sharded import ShardedAverager
+from peers.discovery.dht import start_dht, visible_maddrs
+from peers.settings import AveragerSettings, NetworkSettings, Scope
+from peers.wire.layout import CanonicalLayout
 
 FAST = dict(matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
             allreduce_timeout=15.0, target_group_size=2)

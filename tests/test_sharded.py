@@ -171,7 +171,7 @@ class Rank:
     def __init__(self):
         import torch.distributed as dist
 
-        from peers.dht import start_dht, visible_maddrs
+        from peers.discovery.dht import start_dht, visible_maddrs
         from peers.settings import NetworkSettings
 
         torch.set_num_threads(1)
@@ -215,10 +215,9 @@ def load(out_dir: Path, case: str, world: int = 3) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- the cases
 def run_cases(cases: list[dict], out_dir: str) -> None:
-    from peers.averager_types import Scope
-    from peers.settings import AveragerSettings
-    from peers.layout import CanonicalLayout
-    from peers.sharded import ShardedAverager
+    from peers.averaging.sharded import ShardedAverager
+    from peers.settings import AveragerSettings, Scope
+    from peers.wire.layout import CanonicalLayout
 
     t0 = time.monotonic()
     me = Rank()
@@ -296,8 +295,8 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
 
 
 def test_single_process_island_exchange_and_its_checks():
-    from peers.exchange import BucketExchange
-    from peers.layout import CanonicalLayout
+    from peers.wire.exchange import BucketExchange
+    from peers.wire.layout import CanonicalLayout
 
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     full = full_delta("B", "0")

@@ -9,17 +9,15 @@ import time
 import pytest
 import torch
 
-from peers import missed_group
-from peers.averager import VerifiedAverager, fingerprint
-from peers.averager_types import Scope
-from peers.settings import AveragerSettings
-from peers.dht import start_dht, visible_maddrs
-from peers.dht_calls import dht_get
-from peers.encoded import average_encoded
-from peers.membership import Membership
-from peers.round_keys import parts_key, vote_key
-from peers.settings import NetworkSettings
-from peers.vote import Verdict, VoteChannel, _submit
+from peers.discovery.calls import dht_get
+from peers.discovery.dht import start_dht, visible_maddrs
+from peers.discovery.membership import Membership
+from peers.group import missed_group
+from peers.group.averager import VerifiedAverager, fingerprint
+from peers.group.vote import Verdict, VoteChannel, _submit
+from peers.settings import AveragerSettings, NetworkSettings, Scope
+from peers.wire.encoded import average_encoded
+from peers.wire.round_keys import parts_key, vote_key
 from tests.conftest import wait_until
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=3.0,
@@ -373,7 +371,7 @@ def test_a_group_listed_in_a_message_counts_only_when_its_key_names_it():
     """The member list a verdict or part carries is what a member that missed its group goes by: it is
     taken only from a member of that list, and only when the key is that group's (a list that does not
     hash to the key, forged or stale, is ignored and the senders are all that is known)."""
-    from peers.inbox import Inbox
+    from peers.wire.inbox import Inbox
     group = ["a", "b", "x"]
     key = vote_key("v", group, "3")
     box = Inbox(ttl=60.0)

@@ -1,11 +1,11 @@
-"""The kernel's byte counts of TCP connections (peers.wire) on real loopback sockets."""
+"""The kernel's byte counts of TCP connections (peers.wire.counters) on real loopback sockets."""
 
 import os
 import socket
 import subprocess
 import sys
 
-from peers.wire import WireCounter, daemons, process_sockets
+from peers.wire.counters import WireCounter, daemons, process_sockets
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:

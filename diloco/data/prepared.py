@@ -24,7 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from diloco.config import DataConfig
-from diloco.data.corpus import FORMAT, MANIFEST, SEPARATOR, DataError, Document, documents, is_heldout, joined_size
+from diloco.data.corpus import (
+    FORMAT,
+    MANIFEST,
+    SEPARATOR,
+    DataError,
+    Document,
+    documents,
+    is_heldout,
+    joined_size,
+)
 from diloco.data.tokenizer import Tokenizer
 
 BATCH_DOCUMENTS = 512

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from diloco.config import DataConfig, ModelConfig
-from diloco.data.corpus import SEPARATOR, DataError, Document, is_prepared, join_bytes, prepared_manifest
+from diloco.data.corpus import (
+    SEPARATOR,
+    DataError,
+    Document,
+    is_prepared,
+    join_bytes,
+    prepared_manifest,
+)
 
 END_OF_TEXT = "<|endoftext|>"
 """The special token a trained BPE puts between documents."""

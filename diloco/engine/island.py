@@ -8,9 +8,9 @@ connects and runs; each part has one job and gets the narrow pieces it needs:
 
 - the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this rank's
   local shards (they share storage with the parameters, DTensor or not);
-- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.layout`): buckets of
+- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.wire.layout`): buckets of
   ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
-  (:mod:`peers.sharded`), so islands of any shape average together;
+  (:mod:`peers.averaging.sharded`), so islands of any shape average together;
 - :class:`~diloco.engine.rounds.OuterRounds` runs the outer rounds (schedule, round in flight, transaction);
   :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners
   and resynchronizes; :class:`~diloco.engine.peer_node.PeerNode` is the rank's place in the peer network;
@@ -50,7 +50,6 @@ from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.engine.peer_node import PeerNode, is_peer_file
 from diloco.engine.rounds import (
     FaultHook,
-    FeedbackBuffers,
     IslandNorm,
     MembershipHook,
     OuterRounds,
@@ -71,9 +70,10 @@ from diloco.progress import Progress
 from outer_optim import OuterOptimizer, checksum
 from outer_optim.codecs import LOSSY_CODECS
 from outer_optim.fragments import split_into_fragments
-from peers.dht import mute_shutdown_noise
-from peers.exchange import BucketExchange
-from peers.layout import CanonicalLayout, spec_tuple
+from peers.averaging.sharded import FeedbackBuffers
+from peers.discovery.dht import mute_shutdown_noise
+from peers.wire.exchange import BucketExchange
+from peers.wire.layout import CanonicalLayout, spec_tuple
 from pipeline import (
     ModelParts,
     ShardSpec,

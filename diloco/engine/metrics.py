@@ -167,7 +167,7 @@ class RunStats:
     counts in rounds_failed: rounds_ok + rounds_failed + rounds_caught_up is the rounds it went through (a
     round it failed twice, left out with no state to take yet and then dropped when it caught up, twice)."""
     bytes_sent: int = 0
-    """Bytes on the wire to other islands (the kernel's counts; see :mod:`peers.wire`)."""
+    """Bytes on the wire to other islands (the kernel's counts; see :mod:`peers.wire.counters`)."""
     bytes_received: int = 0
     payload_bytes_sent: int = 0
     """Bytes of pseudo-gradient the all-reduce sent (what the exchange computed, no headers or DHT)."""

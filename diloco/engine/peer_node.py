@@ -21,15 +21,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import hivemind
 import torch
 
 from diloco.config import AveragingConfig
 from diloco.engine.metrics import RunStats
 from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
-from peers.averager import VerifiedAverager
-from peers.averager_types import Scope
-from peers.dht import (
+from peers.averaging.fallback import HierarchicalAllReduce
+from peers.averaging.local import LocalAverager
+from peers.averaging.protocol import IslandAverager
+from peers.averaging.sharded import FeedbackBuffers, ShardedAverager
+from peers.discovery.dht import (
     PeerNetworkError,
     PortTakenError,
     listens,
@@ -37,17 +40,15 @@ from peers.dht import (
     tcp_port,
     visible_maddrs,
 )
-from peers.exchange import BucketExchange
-from peers.fallback import HierarchicalAllReduce
-from peers.layout import CanonicalLayout
-from peers.local import LocalAverager
-from peers.membership import Membership
-from peers.run_key import check_run_key, key_check_key, new_run_key
-from peers.settings import NetworkSettings
-from peers.sharded import ShardedAverager
-from peers.state_share import Provider, StateServer
-from peers.transport import Transport
-from peers.wire import WireCounter
+from peers.discovery.membership import Membership
+from peers.discovery.run_key import check_run_key, key_check_key, new_run_key
+from peers.group.averager import VerifiedAverager
+from peers.settings import NetworkSettings, Scope
+from peers.wire.counters import WireCounter
+from peers.wire.exchange import BucketExchange
+from peers.wire.layout import CanonicalLayout
+from peers.wire.state_share import Provider, StateServer
+from peers.wire.transport import Transport
 
 log = logging.getLogger("diloco")
 
@@ -97,7 +98,7 @@ class PeerNode:
     run it knew)."""
 
     def __init__(self, a: AveragingConfig, rt: Runtime, run_dir: Path, name: str, *, resuming: bool,
-                 unsent: Any, stats: RunStats):
+                 unsent: FeedbackBuffers, stats: RunStats):
         self.a, self.rt, self.run_dir, self.name, self.resuming = a, rt, run_dir, name, resuming
         self.layout: CanonicalLayout | None = None
         self.params: Mapping[str, torch.Tensor] = {}
@@ -107,14 +108,15 @@ class PeerNode:
         self.run_key = ""
         self.matcher: VerifiedAverager | None = None
         """The island's hivemind averager (rank 0), started with the DHT; the averager takes it over."""
-        self.dht: Any = None
-        self.averager: Any = None
+        self.dht: hivemind.DHT | None = None
+        self.averager: IslandAverager | None = None
+        """The island's averager once connected (None before :meth:`connect` and after :meth:`disconnect`)."""
         self.membership: Membership | None = None
-        self.fallback: Any = None
+        self.fallback: HierarchicalAllReduce | None = None
         self.wire: WireCounter | None = None
         self.alone = AloneWatch(a.rejoin_after)
         self.transport: Transport | None = None
-        """Where this rank takes a round's bytes and requests for state (:mod:`peers.transport`)."""
+        """Where this rank takes a round's bytes and requests for state (:mod:`peers.wire.transport`)."""
         self._server: StateServer | None = None
         self._provide: Provider = lambda: None
         self._lock = threading.Lock()
@@ -124,7 +126,7 @@ class PeerNode:
     def serve(self, provide: Provider, lock: threading.Lock, connected: Callable[[], None],
               stopping: Callable[[], bool]) -> None:
         """``provide()``: what this rank serves to joiners, read with ``lock`` held (see
-        :class:`peers.state_share.StateServer`); ``connected()``: called on every rank after each
+        :class:`peers.wire.state_share.StateServer`); ``connected()``: called on every rank after each
         (re)connection; ``stopping()``: whether this process is leaving."""
         self._provide, self._lock, self._connected, self._stopping = provide, lock, connected, stopping
 

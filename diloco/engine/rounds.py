@@ -60,8 +60,10 @@ from diloco.engine.runtime import Runtime
 from diloco.engine.state_transfer import StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.guard import NormGuard
-from peers.exchange import BucketExchange
-from peers.layout import CanonicalLayout, spec_tuple
+from peers.averaging.sharded import FeedbackBuffers
+from peers.result import RoundResult
+from peers.wire.exchange import BucketExchange
+from peers.wire.layout import CanonicalLayout, spec_tuple
 
 log = logging.getLogger("diloco")
 
@@ -75,7 +77,7 @@ CAUGHT_UP = "caught-up"
 
 
 # ---------------------------------------------------------------------------------------------- records
-@dataclass
+@dataclass(kw_only=True)
 class RoundMetrics:
     """What one outer round did (one record of ``metrics.jsonl``; byte counts are the island's totals)."""
 
@@ -121,8 +123,10 @@ class RoundMetrics:
     @classmethod
     def skipped(cls, stats: RunStats, outer_lr: float, reason: str) -> RoundMetrics:
         """A round this island did not take part in (it caught up with the run instead)."""
-        return cls(0, 0, float("nan"), float("nan"), 0.0, stats.bytes_sent, stats.bytes_received,
-                   stats.payload_bytes_sent, outer_lr, reason, CAUGHT_UP, 0)
+        return cls(round_ok=0, num_peers=0, pseudo_grad_norm=float("nan"), averaged_pseudo_grad_norm=float("nan"),
+                   allreduce_seconds=0.0, bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+                   payload_bytes_sent=stats.payload_bytes_sent, outer_lr=outer_lr, round_failure=reason,
+                   averaging_backend=CAUGHT_UP, used_fallback=0)
 
     def record(self) -> dict[str, Any]:
         """The metrics as a flat record."""
@@ -171,26 +175,6 @@ class InFlight:
         if self.scale == 1.0:
             return self.delta
         return {n: d * self.scale for n, d in self.delta.items()}
-
-
-@dataclass
-class FeedbackBuffers:
-    """What a lossy codec left unsent, kept on this rank across rounds (checkpointed; cleared when the
-    island adopts another island's state: it belongs to its own past)."""
-
-    feedback: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Error feedback of the buckets this rank averages (a lossy codec's dropped part, see
-    :class:`peers.sharded.ShardedAverager`); kept across reconnects."""
-    carry: dict[int, torch.Tensor] = field(default_factory=dict)
-    """With a dense lossy codec and ``averaging.owner_feedback``: what re-encoding the averaged parts this
-    rank owned left out, added to them next round (:attr:`peers.sharded.ShardedAverager.carry`)."""
-
-    def clear(self) -> bool:
-        """Forget both; returns whether anything was kept."""
-        kept = bool(self.feedback or self.carry)
-        self.feedback.clear()
-        self.carry.clear()
-        return kept
 
 
 class IslandNorm:
@@ -376,7 +360,7 @@ class RoundSchedule:
         return 1.0 if self.budget.by_steps else PER_TOKENS / max(weight, 1.0)
 
     @staticmethod
-    def applied_scale(flight: InFlight, result: Any) -> float:
+    def applied_scale(flight: InFlight, result: RoundResult) -> float:
         """What the averaged Δ is multiplied by before it is applied: undoes :meth:`send_scale` with the
         group's mean tokens per island (Σ Δᵢ / n)."""
         if flight.scale == 1.0:
@@ -391,15 +375,15 @@ class RoundSchedule:
         return {"steps": steps, "comm_seconds": self.last_comm_seconds,
                 "step_seconds": (s.compute_seconds - self.mark[0]) / steps if steps else float("nan")}
 
-    def finished(self, result: Any, stall: float) -> None:
+    def finished(self, result: RoundResult, stall: float) -> None:
         """A round this island took part in ended after keeping it from training ``stall`` seconds: remember
         that, and under ``auto`` set the budget from the group's reports (identical on every member: they
         all hold the same reports): after the first round, H steps of the fastest member; from then on
         :func:`~diloco.config.budget.auto_seconds` of the stalls."""
         self.last_comm_seconds = float(stall)
-        if self.budget.kind != "auto" or not getattr(result, "ok", False):
+        if self.budget.kind != "auto" or not result.ok:
             return
-        reports = list(getattr(result, "gathered", {}).values())
+        reports = list(result.gathered.values())
         stalls = [float(m.get("comm_seconds", float("nan"))) for m in reports]
         steps = [float(m.get("step_seconds", float("nan"))) for m in reports]
         if any(c == c for c in stalls):
@@ -464,7 +448,7 @@ class OuterRounds:
 
     Every rank of the island builds one and calls it alike (its methods are collective).  ``params`` are
     this rank's local shards (sharing storage with the model's parameters), ``exchange`` the island's
-    :class:`~peers.exchange.BucketExchange` over ``layout``; ``transfer`` is the island's
+    :class:`~peers.wire.exchange.BucketExchange` over ``layout``; ``transfer`` is the island's
     :class:`~diloco.engine.state_transfer.StateTransfer`; ``fingerprint`` the config fingerprint islands
     must share."""
 
@@ -616,7 +600,7 @@ class OuterRounds:
             self._commit(f, averaged, guarded)
         for h in self.hooks:
             h.after(self.stats.outer_step)
-        backend = getattr(result, "backend", "") or ("local" if self.a.backend == "local" else "none")
+        backend = result.backend or "none"
         self.peers.count_bytes(result.bytes_sent, result.bytes_received, through_torch=backend == "torch")
         s = self.stats
         s.comm_seconds += result.seconds
@@ -624,18 +608,19 @@ class OuterRounds:
         self.schedule.finished(result, stall)
         self.schedule.aligned(f)
         s.stall_seconds += stall
-        return RoundMetrics(int(not reason), result.group_size, norm, avg_norm, result.seconds, s.bytes_sent,
-                            s.bytes_received, s.payload_bytes_sent, self.outer.lr, reason, backend,
-                            int(bool(getattr(result, "fallback_reason", ""))), int(retried),
-                            overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
-                            send_seconds=f.send_seconds, fragment=f.fragment, inner_steps=f.steps,
-                            weight=f.weight, group_weight=float(getattr(result, "total_weight", 0.0)),
-                            unsent_norm=self._unsent_norm(),
-                            exchange_seconds=float(getattr(result, "exchange_seconds", 0.0)),
-                            round_payload_bytes=int(getattr(result, "island_bytes_sent", 0)),
-                            parts_resent=int(getattr(result, "parts_resent", 0)))
+        return RoundMetrics(
+            round_ok=int(not reason), num_peers=result.group_size, pseudo_grad_norm=norm,
+            averaged_pseudo_grad_norm=avg_norm, allreduce_seconds=result.seconds, bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received, payload_bytes_sent=s.payload_bytes_sent, outer_lr=self.outer.lr,
+            round_failure=reason, averaging_backend=backend, used_fallback=int(bool(result.fallback_reason)),
+            retried=int(retried), overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
+            send_seconds=f.send_seconds, fragment=f.fragment, inner_steps=f.steps, weight=f.weight,
+            group_weight=float(result.total_weight), unsent_norm=self._unsent_norm(),
+            exchange_seconds=float(result.exchange_seconds), round_payload_bytes=int(result.island_bytes_sent),
+            parts_resent=int(result.parts_resent))
 
-    def _average_again(self, f: InFlight, result: Any, averaged: Delta | None) -> tuple[Any, Delta | None, bool]:
+    def _average_again(self, f: InFlight, result: RoundResult, averaged: Delta | None
+                       ) -> tuple[RoundResult, Delta | None, bool]:
         """Average the same Δ once more instead of rolling the round back, in two cases:
 
         - the group lost a member mid-round (killed, cut off): the members left go round again under a
@@ -650,7 +635,7 @@ class OuterRounds:
         if result.ok or not a.retry_lost_member or self.rt.lockstep or membership is None:
             return result, averaged, False
         rnd = f.rnd
-        if getattr(result, "retryable", False):
+        if result.retryable:
             rid, why = round_id(rnd, retry=True), "averaging again with the islands left"
             # the members left failed within moments of each other: a short wait for them is enough
             timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
@@ -664,10 +649,9 @@ class OuterRounds:
         # the members left are known when the lost one simply never confirmed: their group forms at once
         result, averaged = self.peers.averager.average(
             f.outgoing(), f.weight, f.meta, round_id=rid, on_stage=self._on_stage(f), matchmaking_timeout=timeout,
-            buckets=self.schedule.buckets(f.fragment), expected_group_size=getattr(result, "members_left", 0) or None)
+            buckets=self.schedule.buckets(f.fragment), expected_group_size=result.members_left or None)
         for counted in ("seconds", "bytes_sent", "bytes_received", "island_bytes_sent", "parts_resent"):
-            if hasattr(result, counted):
-                setattr(result, counted, getattr(result, counted) + getattr(first, counted, 0))
+            setattr(result, counted, getattr(result, counted) + getattr(first, counted))
         if not result.ok:
             result.reason = f"{first.reason}; averaging again failed too ({result.reason})"
         return result, averaged, True
@@ -690,12 +674,12 @@ class OuterRounds:
         self.stats.rounds_ok += 1
         self.stats.behind = False
 
-    def _roll_back(self, f: InFlight, reason: str, result: Any) -> None:
+    def _roll_back(self, f: InFlight, reason: str, result: RoundResult) -> None:
         rnd = f.rnd
         self._keep_own_progress(f)
         self.stats.rounds_failed += 1
         self.stats.failures.append(f"round {rnd + 1}: {reason}")
-        if getattr(result, "left_behind", False):
+        if result.left_behind:
             self.stats.behind = True
             # the others finished the round without us: counting it as done would leave us a round apart from
             # them with the same outer step; take their θ_global now, while they are still there to serve it

@@ -23,7 +23,6 @@ from diloco.config.loader import from_dict
 from diloco.errors import TrainingError
 from pipeline import init_island_mesh
 
-
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 """glibc's ``mallopt`` parameters (malloc.h)."""
 

@@ -1,7 +1,7 @@
 """θ_global between islands: served to joiners, downloaded to catch up, resynchronized when outvoted.
 
 Every rank serves its pieces of θ_global and of the outer momentum, read live under the outer optimizer's
-lock (:mod:`peers.state_share`: nothing is kept aside for joiners), and downloads the buckets it owns from
+lock (:mod:`peers.wire.state_share`: nothing is kept aside for joiners), and downloads the buckets it owns from
 every rank of the freshest island, all at once; an island adopts a downloaded state only when every bucket
 came whole, from one outer step (all-or-nothing over its ranks).
 """
@@ -23,13 +23,13 @@ from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
 from outer_optim import OuterOptimizer
 from outer_optim.tensors import all_finite
-from peers.averager import fingerprint, fingerprints_agree
+from peers.discovery.membership import wait_until
 from peers.fingerprints import STATS
-from peers.averager_types import as_float
-from peers.exchange import BucketExchange
-from peers.membership import wait_until
-from peers.state_share import Downloaded
-from peers.state_share import download as state_download
+from peers.group.averager import fingerprint, fingerprints_agree
+from peers.result import as_float
+from peers.wire.exchange import BucketExchange
+from peers.wire.state_share import Downloaded
+from peers.wire.state_share import download as state_download
 
 log = logging.getLogger("diloco")
 
@@ -190,7 +190,7 @@ class StateTransfer:
 
     def outvoted(self, rnd: int, state: list[float], wait: bool) -> bool:
         """Collective: whether the θ_global we enter round ``rnd`` with (fingerprint ``state``) disagrees
-        with the majority of the islands entering it (see :meth:`peers.membership.Membership.outvoted`)."""
+        with the majority of the islands entering it (see :meth:`peers.discovery.membership.Membership.outvoted`)."""
         if self.peers.membership is None or self.rt.lockstep:
             return False
         # a blocking round waits for the islands still training (it would wait for them in matchmaking
@@ -258,7 +258,7 @@ class StateTransfer:
     # ------------------------------------------------------------------ download, adopt
     def download(self, target: list[float] | None = None) -> State | None:
         """Collective: every rank downloads the buckets it owns from every rank of the freshest island that
-        serves (all requests at once, :func:`peers.state_share.download`); when every bucket came whole from
+        serves (all requests at once, :func:`peers.wire.state_share.download`); when every bucket came whole from
         one outer step (and matches ``target``, a canonical fingerprint, if given) return
         ``(meta, this rank's θ shards + momentum shards)`` on every rank, else None on every rank."""
         donor = self.main_decides(self._donor)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from diloco.config import DataConfig
 from diloco.data.corpus import DataError, Document, documents, split_documents
-from diloco.model.transformer import Transformer
 from diloco.data.tokenizer import Tokenizer
+from diloco.model.transformer import Transformer
 from diloco.progress import Progress
 
 

@@ -20,8 +20,8 @@ with a checksum all-reduce instead of DDP's broadcast of rank 0's parameters (ev
 the model from the same seed).
 
 ``payload_bytes_sent`` is what a ring all-reduce makes each worker send per step: ``2·(k−1)/k`` × the
-buffer size (:func:`peers.wire.ring_allreduce_bytes`); the summary's
-``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire`).
+buffer size (:func:`peers.wire.counters.ring_allreduce_bytes`); the summary's
+``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire.counters`).
 
 Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
 all workers, ``tokens_per_second``, ``payload_bytes_sent``, ``allreduce_seconds``, ``compute_utilization``,
@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from diloco.command import run_command
 from diloco.config import Config, to_dict
-from peers.wire import ring_allreduce_bytes
+from peers.wire.counters import ring_allreduce_bytes
 from pipeline.mesh import exit_worker
 
 log = logging.getLogger("diloco.launch.baseline")
@@ -92,13 +92,12 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     from diloco.data.corpus import load_corpus
     from diloco.data.tokenizer import Tokenizer, fit_vocabulary
     from diloco.engine.metrics import MetricsLogger
-    from diloco.model.inner import build_inner_optimizer, take_inner_step
-    from diloco.model.transformer import initial_model, lm_loss
-    from outer_optim import checksum
-    from peers.wire import WireCounter
     from diloco.engine.runtime import use_device
     from diloco.engine.throughput import Throughput, peak_flops
-    from diloco.model.transformer import flops_per_token
+    from diloco.model.inner import build_inner_optimizer, take_inner_step
+    from diloco.model.transformer import flops_per_token, initial_model, lm_loss
+    from outer_optim import checksum
+    from peers.wire.counters import WireCounter
     from pipeline import ModelParts
 
     if cfg.threads:

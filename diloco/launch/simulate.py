@@ -26,7 +26,7 @@ import torch
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
 from diloco.launch.proctable import descendants
-from peers.run_key import new_run_key
+from peers.discovery.run_key import new_run_key
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""

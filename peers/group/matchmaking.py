@@ -1,4 +1,4 @@
-"""The hivemind averager subclass behind :class:`peers.averager.VerifiedAverager`.
+"""The hivemind averager subclass behind :class:`peers.group.averager.VerifiedAverager`.
 
 Its class name stays ``_PseudoGradientAverager``: hivemind names a group's protocol handlers after the
 averager class, so islands running another name could not meet.
@@ -17,7 +17,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 
-from peers.vote import MemberCheck
+from peers.discovery.membership import MemberCheck
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 class _PseudoGradientAverager(hivemind.DecentralizedAverager):
     """hivemind averager that forms an island's groups (its all-reduce carries one number) and serves no state
-    (islands download θ_global over their transports, :mod:`peers.state_share`).
+    (islands download θ_global over their transports, :mod:`peers.wire.state_share`).
 
     With ``members`` set (a private run) it serves only peers registered in the run's member registry:
     an outsider can neither join a group, nor send parts, nor download anything.  Every island of a

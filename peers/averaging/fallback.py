@@ -4,7 +4,7 @@ On a cluster with a fast fabric the islands can be launched as one torch.distrib
 rank of every island).  Averaging a round then needs no hivemind at all:
 
 1. inside each island, every bucket's pieces are sent to the bucket's owner (the same
-   point-to-point :class:`~peers.exchange.BucketExchange` the hivemind path uses);
+   point-to-point :class:`~peers.wire.exchange.BucketExchange` the hivemind path uses);
 2. across islands, the owners of each bucket all-reduce ``weight × bucket`` (SUM; ``ReduceOp.AVG``
    is NCCL-only) in a subgroup made of exactly those owners, and divide by the sum of the islands'
    weights (tokens), as hivemind weighs them;
@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from outer_optim.tensors import all_finite
-from peers.averager import majority_by_state
-from peers.wire import ring_allreduce_bytes
-from peers.averager_types import check_group
-from peers.bucket_round import ShardedRoundResult
-from peers.exchange import BucketExchange
-from peers.layout import CanonicalLayout
+from peers.fingerprints import majority_by_state
+from peers.group.averager import check_group
+from peers.result import RoundResult
+from peers.wire.counters import ring_allreduce_bytes
+from peers.wire.exchange import BucketExchange
+from peers.wire.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,9 @@ class HierarchicalAllReduce:
         return needs > 0 and vetoed == 0
 
     def average(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
-                on_stage: Any = None) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
+                on_stage: Any = None) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """One round on every rank of every island (collective); same contract as
-        :meth:`peers.sharded.ShardedAverager.average` (``on_stage`` is accepted and ignored)."""
+        :meth:`peers.averaging.sharded.ShardedAverager.average` (``on_stage`` is accepted and ignored)."""
         t0 = time.perf_counter()
         refusal = self.exchange.precheck(local_deltas, weight)
         participate = not refusal
@@ -120,14 +120,14 @@ class HierarchicalAllReduce:
 
     def reduce_owned(self, owned: Mapping[int, torch.Tensor], weight: float, metadata: dict, round_id: str,
                      participate: bool = True, buckets: Collection[int] | None = None
-                     ) -> tuple[ShardedRoundResult, dict[int, torch.Tensor] | None]:
+                     ) -> tuple[RoundResult, dict[int, torch.Tensor] | None]:
         """The cross-island step (collective over the world): average the buckets this rank owns with
         the other islands' owners.  ``owned`` is :meth:`BucketExchange.gather`'s output; an island
         that does not participate passes ``{}`` and weight 0; ``buckets`` limits the round to those
         buckets (None: all).  Returns the island-wide verdict (same
         on every rank of every island) and, when it succeeded, the averaged owned buckets."""
         t0 = time.perf_counter()
-        result = ShardedRoundResult(False, backend="torch")
+        result = RoundResult(False, backend="torch")
         me = self.island_rank
         meta = dict(metadata, round_id=round_id, weight=float(weight), participate=bool(participate))
         island_key = str(metadata.get("island_id", f"island{self.island_index}"))

@@ -136,7 +136,7 @@ def process_sockets(pids: list[int]) -> set[int]:
 class WireCounter:
     """Bytes moved over the TCP connections of the ``p2pd`` daemons under process ``root`` (a hivemind
     DHT's process), or with ``own=True`` of this process itself (gloo), and over the sockets ``extra()``
-    names (a :class:`peers.transport.Transport`'s), since those connections opened.
+    names (a :class:`peers.wire.transport.Transport`'s), since those connections opened.
 
     ``take()`` returns ``None`` where the kernel cannot tell (not Linux, no sock_diag): callers then
     fall back to what the exchange computed it sent, and say so."""

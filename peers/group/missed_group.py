@@ -15,11 +15,11 @@ import logging
 import time
 from typing import Any, Callable
 
-from peers.averager_types import RoundResult
+from peers.result import RoundResult
 from peers.settings import AveragerSettings
-from peers.round_keys import is_on_round
+from peers.wire.round_keys import is_on_round
 
-log = logging.getLogger("peers.averager")
+log = logging.getLogger("peers.group.averager")
 
 MISSED_GRACE = 1.0
 """Seconds an island whose step failed waits for the verdicts or parts of a group that listed it anyway
@@ -30,7 +30,7 @@ concludes that it was listed in a group it never learned of."""
 
 
 class MissedGroups:
-    """Part of :class:`peers.averager.VerifiedAverager`: standing out of the rounds of groups we missed."""
+    """Part of :class:`peers.group.averager.VerifiedAverager`: standing out of the rounds of groups we missed."""
 
     peer_id: str
     settings: AveragerSettings

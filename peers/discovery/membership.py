@@ -1,5 +1,5 @@
 """Who belongs to a run: registrations, heartbeats and clean leaves (the run key that signs a private
-run's records is :mod:`peers.run_key`).
+run's records is :mod:`peers.discovery.run_key`).
 
 Members register their peer id under ``<prefix>.members``; the averager consults that
 registry before letting a peer join a group, send parts or download state.
@@ -21,7 +21,7 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
+from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
 from peers.fingerprints import fingerprints_agree, majority_by_state
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Member:
     maddrs: tuple[str, ...] = ()
     """Where this peer can be reached (its visible multiaddrs), so islands can find it again after a restart."""
     state: Any = None
-    """While averaging: the fingerprint of the θ_global the island averages from (see peers.averager)."""
+    """While averaging: the fingerprint of the θ_global the island averages from (see peers.group.averager)."""
     final: Any = None
     """After its last round: ``{"outer_step": N, "state": fingerprint}`` of the θ_global it ends with."""
     expires: float = 0.0
@@ -234,7 +234,7 @@ class Membership:
     def round_size(self, outer_step: int) -> int:
         """Islands (this one included) that will average round ``outer_step``: the live ones at that outer
         step, averaging it already or still training towards it; what
-        :meth:`peers.averager.VerifiedAverager.average` takes as ``expected_group_size``."""
+        :meth:`peers.group.averager.VerifiedAverager.average` takes as ``expected_group_size``."""
         return 1 + sum(m.outer_step == outer_step for m in self.others())
 
     def round_states(self, outer_step: int) -> dict[str, Any]:
@@ -318,14 +318,40 @@ class Membership:
 def is_registered(dht: hivemind.DHT, prefix: str, peer_id: str) -> bool:
     """True if ``peer_id`` holds a live (validated) registration in the run's member registry."""
     try:
-        found = dht_get(dht, f"{prefix}.members", timeout=30.0)
+        return peer_id in registered(dht_get(dht, f"{prefix}.members", timeout=30.0))
     except DHTUnavailableError:
         return False
-    if found is None or not isinstance(found.value, dict):
-        return False
-    item = found.value.get(peer_id)
-    value = getattr(item, "value", None)
-    return isinstance(value, dict) and not value.get("left", False)
+
+
+def registered(found: Any) -> set[str]:
+    """Peer ids holding a live registration in a member-registry DHT lookup result."""
+    out: set[str] = set()
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            if isinstance(value, dict) and not value.get("left", False):
+                out.add(str(subkey))
+    return out
+
+
+class MemberCheck:
+    """Is a peer registered in the run's member registry (DHT key ``key``)?  Members once seen are
+    cached; an unknown peer costs one DHT lookup.  Async, holding no loop-bound state, so the
+    averager's process and the vote channel's loop can both use it."""
+
+    def __init__(self, dht: hivemind.DHT, key: str):
+        self.dht, self.key = dht, key
+        self._known: set[str] = set()
+
+    async def allows(self, peer_id: str) -> bool:
+        """True when ``peer_id`` is (or was, earlier in this process) a registered member."""
+        if peer_id in self._known:
+            return True
+        self._known |= registered(await self.dht.get(self.key, latest=True, return_future=True))
+        if peer_id not in self._known:
+            log.warning("refused a request from %s: not a member of this run", peer_id)
+            return False
+        return True
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:

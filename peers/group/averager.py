@@ -2,12 +2,12 @@
 every member votes on what it got.
 
 hivemind's matchmaking forms each round's group (its all-reduce carries a single number); the pseudo-gradient
-goes by an *exchange*: the island's own (:class:`peers.sharded.ShardedAverager`: every rank averages the
-buckets it owns with their owners on the other islands, over :mod:`peers.transport`), or, for one tensor,
+goes by an *exchange*: the island's own (:class:`peers.averaging.sharded.ShardedAverager`: every rank averages the
+buckets it owns with their owners on the other islands, over :mod:`peers.wire.transport`), or, for one tensor,
 :meth:`VerifiedAverager.average`'s.  hivemind's own all-reduce could report success while part of the vector
 kept local values (a peer that failed mid-round) and has no timeouts by default; it was also 18x slower than
 a gloo all-reduce of the same bytes.  Every timeout here is explicit, retries are off, and each round ends
-with a vote (:mod:`peers.vote`) in which every group member sends a fingerprint of what it received to the
+with a vote (:mod:`peers.group.vote`) in which every group member sends a fingerprint of what it received to the
 others.  A round counts only if the group is large enough, every member voted, and all fingerprints agree
 and are finite; otherwise the caller gets a failed :class:`RoundResult` and the averaged values are thrown
 away.
@@ -20,6 +20,7 @@ import math
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import hivemind
@@ -30,34 +31,75 @@ from hivemind.utils import get_dht_time
 
 from outer_optim.codecs import make_codec
 from outer_optim.tensors import all_finite
-from peers.averager_types import (
-    VOTE_RTOL,
-    AveragerGoneError,
-    Exchange,
-    RoundResult,
-    Scope,
-    as_float,
-    check_group,
-    short_error,
-)
-from peers.encoded import DirectChannel, EncodedChannel, average_encoded
+from peers.discovery.membership import MemberCheck
 from peers.fingerprints import (
     FINGERPRINT_CHUNKS,
     fingerprint,
     fingerprints_agree,
     majority_by_state,
 )
-from peers.hivemind_averager import _PseudoGradientAverager, cancel_step
-from peers.missed_group import PARTS_GRACE, MissedGroups
-from peers.round_keys import is_on_round, parts_key, round_bits, vote_key
-from peers.settings import AveragerSettings
-from peers.transport import Transport
-from peers.vote import MemberCheck, VoteChannel
+from peers.group.matchmaking import _PseudoGradientAverager, cancel_step
+from peers.group.missed_group import PARTS_GRACE, MissedGroups
+from peers.group.vote import VoteChannel
+from peers.result import RoundResult, as_float, short_error
+from peers.settings import AveragerSettings, Scope
+from peers.wire.encoded import DirectChannel, EncodedChannel, average_encoded
+from peers.wire.round_keys import is_on_round, parts_key, round_bits, vote_key
+from peers.wire.transport import Transport
 
 __all__ = ["AveragerGoneError", "AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
            "VerifiedAverager", "fingerprint", "fingerprints_agree", "majority_by_state"]
 
 log = logging.getLogger(__name__)
+
+VOTE_RTOL = 1e-5
+"""Members hold the same bits (every part's owner sends its average to all, or each decodes the same bytes
+in the same order), so the vote's tolerance only absorbs the fingerprint's float32 sums taken in another
+order; a part left unaveraged moves a chunk's sums by far more."""
+
+
+@dataclass
+class Exchange:
+    """What an exchange of a round's pseudo-gradient gave (see :meth:`peers.group.averager.VerifiedAverager.run_round`)."""
+
+    fingerprint: list[float] | None
+    """Of the result, in the order every member uses (None: no result)."""
+    averaged: Any
+    """The result, for the caller (None: none)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reason: str = ""
+    """Why there is no result ('' when there is)."""
+    members_left: int = 0
+    """Without a result: how many members are known alive (those whose parts came, and those that declined)."""
+    carry: torch.Tensor | None = None
+    finite: bool = True
+    parts_resent: int = 0
+    """Parts sent again alone after their connection failed (the round went on)."""
+
+
+def check_group(meta: dict[str, dict], round_id: str, min_group_size: int) -> str:
+    """Reasons to reject a group of islands from the metadata each sent (``meta``: peer → metadata), or '':
+    every member computes the same verdict from the same data."""
+    if not meta:
+        return "no island could send a pseudo-gradient this round"
+    if len(meta) < min_group_size:
+        return f"group of {len(meta)} island(s) is below --averaging.min_group_size {min_group_size}"
+    rounds = {str(m.get("round_id")) for m in meta.values()}
+    if rounds != {round_id}:
+        return f"islands were at different rounds {sorted(rounds)}"
+    if len({m.get("config_fingerprint") for m in meta.values()}) > 1:
+        return "islands in the group run different model or training configs (config fingerprints differ)"
+    weights = [as_float(m.get("weight")) for m in meta.values()]
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
+    return ""
+
+
+class AveragerGoneError(RuntimeError):
+    """hivemind's averaging process is no longer running."""
+
+
 
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
@@ -151,7 +193,7 @@ class VerifiedAverager(MissedGroups):
         (config fingerprint, ``state_fingerprint`` of θ_global, ...), ``round_id`` a label all islands of
         the round agree on (the outer step); see :meth:`run_round` for the rest.  ``encoded``: the payload
         to send (default: ``deltas`` encoded by the codec, without error feedback), and ``carry`` the error
-        feedback this member keeps as the owner of averaged parts (:func:`peers.encoded.average_encoded`;
+        feedback this member keeps as the owner of averaged parts (:func:`peers.wire.encoded.average_encoded`;
         the new one comes back in the result's ``carry``).  Returns the result and, only when it succeeded,
         the weighted average of the group's deltas."""
         if not self._numel or self._parts is None:

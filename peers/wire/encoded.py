@@ -42,11 +42,11 @@ from hivemind.p2p import P2PContext, PeerID
 
 from outer_optim.codecs import Payload, reduce_scatters
 from outer_optim.tensors import all_finite
-from peers.deflate import pack, unpack, unpack_at_most
-from peers.inbox import Inbox, LateAnswers
-from peers.p2p_loop import Handler, _submit, message_class, spawn
-from peers.transport import Transport, TransportError
-from peers.vote import MemberCheck
+from peers.discovery.membership import MemberCheck
+from peers.wire.deflate import pack, unpack, unpack_at_most
+from peers.wire.inbox import Inbox, LateAnswers
+from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
+from peers.wire.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Exchanged:
     """What :meth:`EncodedChannel.exchange` got."""
 
     got: dict[str, bytes]
-    """The payloads received, decoded (:mod:`peers.deflate`) and of the expected size, by member."""
+    """The payloads received, decoded (:mod:`peers.wire.deflate`) and of the expected size, by member."""
     missing: list[str]
     """Members whose payload never came or had another size."""
     declined: list[str]
@@ -101,11 +101,11 @@ class EncodedChannel:
 
     ``max_bytes``: the largest payload taken (the codec's size of the bucket: anything larger is refused,
     and a payload of another size than expected does not count); ``members``: in a private run, who may
-    send; ``entropy_coding``: Huffman-code what we send (:mod:`peers.deflate`; we read either form)."""
+    send; ``entropy_coding``: Huffman-code what we send (:mod:`peers.wire.deflate`; we read either form)."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, max_bytes: int, members: MemberCheck | None = None,
                  ttl: float = 120.0, entropy_coding: bool = True):
-        self.dht, self.members, self.max_bytes = dht, members, max_bytes + 1  # + the flag byte of peers.deflate
+        self.dht, self.members, self.max_bytes = dht, members, max_bytes + 1  # + the flag byte of peers.wire.deflate
         self.entropy_coding = entropy_coding
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)
@@ -193,8 +193,8 @@ class EncodedChannel:
 
 
 class DirectChannel:
-    """The same exchange as :class:`EncodedChannel`, over this rank's :class:`~peers.transport.Transport`
-    (straight TCP between the members' ranks, as fast as a gloo all-reduce; see :mod:`peers.transport`).
+    """The same exchange as :class:`EncodedChannel`, over this rank's :class:`~peers.wire.transport.Transport`
+    (straight TCP between the members' ranks, as fast as a gloo all-reduce; see :mod:`peers.wire.transport`).
     :attr:`endpoints` maps the members' peer ids to their transport endpoints (filled from the group's
     metadata before each exchange).  Payloads are sent from the caller's buffers and read into one buffer
     each; entropy coding (``entropy_coding``) applies as on the p2p daemon."""
@@ -342,7 +342,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
         parts = {p: view[a * width:b * width] for p, (a, b) in bounds.items()}
     a, b = bounds[me]
     size = codec.nbytes(b - a) if b > a else 0
-    # the stage goes first: the key must end with its round (:func:`peers.round_keys.is_on_round`)
+    # the stage goes first: the key must end with its round (:func:`peers.wire.round_keys.is_on_round`)
     scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
                                  timeout)
     result = EncodedAverage(None, scattered.missing, scattered.declined, scattered.bytes_sent,

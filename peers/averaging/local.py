@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.averager import RoundResult
+from peers.result import RoundResult
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Finished:
 
 
 class LocalAverager:
-    """Same interface as :class:`peers.sharded.ShardedAverager`, averaging with nobody.
+    """Same interface as :class:`peers.averaging.sharded.ShardedAverager`, averaging with nobody.
 
     Useful for a single-island run (plain local SGD with an outer optimizer) and for tests of the
     outer step that must not depend on the network.  Every rank of an island keeps its own shards.
@@ -39,7 +39,7 @@ class LocalAverager:
         if not all(torch.isfinite(d).all() for d in deltas.values()):
             return RoundResult(False, "this island's pseudo-gradient is not finite"), None
         out = {n: d.detach().clone() for n, d in deltas.items()}
-        return RoundResult(True, group_size=1, peers=[self.peer_id], total_weight=float(weight),
+        return RoundResult(True, backend="local", group_size=1, peers=[self.peer_id], total_weight=float(weight),
                            seconds=time.perf_counter() - t0, gathered={self.peer_id: dict(metadata)}), out
 
     def start(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,

@@ -9,7 +9,7 @@ averaging: every island averages bucket ``i`` with every other island's bucket `
 ranks holds the pieces.
 
 A rank's local shard of a parameter is a spec ``(dim, offset, length)``, and where it lands in a bucket
-a list of :class:`peers.layout.Segment` (see :mod:`peers.layout`).
+a list of :class:`peers.wire.layout.Segment` (see :mod:`peers.wire.layout`).
 """
 
 from __future__ import annotations

@@ -11,57 +11,15 @@ from typing import Any
 
 import torch
 
-from peers.averager_types import RoundResult
+from peers.result import RoundResult
 from peers.settings import AveragerSettings
-
-
-@dataclass
-class ShardedRoundResult:
-    """One island's outcome of a sharded round; identical on all its ranks except the byte counts."""
-
-    ok: bool
-    """True when every bucket was averaged and the results may be applied (on every rank alike)."""
-    reason: str = ""
-    backend: str = ""
-    """"hivemind" or "torch": the path whose result this is ("" when neither produced one)."""
-    group_size: int = 0
-    """Islands averaged."""
-    bytes_sent: int = 0
-    """This rank's slow-link payload bytes sent (its buckets' parts; torch: the ring all-reduce equivalent)."""
-    bytes_received: int = 0
-    island_bytes_sent: int = 0
-    """The whole island's payload bytes sent (sum over its ranks)."""
-    seconds: float = 0.0
-    total_weight: float = 0.0
-    peers: list[str] = field(default_factory=list)
-    """Peer ids (hivemind) or island ids (torch) of the group's islands."""
-    gathered: dict[str, dict] = field(default_factory=dict)
-    """Metadata each island of the group sent with its pseudo-gradient."""
-    majority_peers: list[str] = field(default_factory=list)
-    in_minority: bool = False
-    fallback_reason: str = ""
-    """Why the hivemind attempt was abandoned for the torch fallback (auto only)."""
-    retryable: bool = False
-    """The group lost a member or a part mid-round, with enough members left to form a group again: the
-    island may average the same pseudo-gradient once more (identical on all its ranks)."""
-    members_left: int = 0
-    """See :attr:`peers.averager.RoundResult.members_left` (0: unknown)."""
-    left_behind: bool = False
-    """The island stopped looking for a group because every other island had moved past the round: it
-    should take their θ_global rather than roll back (identical on all its ranks)."""
-    parts_resent: int = 0
-    """Parts of the round, over the whole island, sent again alone after their connection failed."""
-    exchange_seconds: float = 0.0
-    """Seconds the island's exchange of the round's bytes took (from the group formed to every rank's buckets
-    averaged; the rest of :attr:`seconds` is matchmaking, the vote and the island's own steps)."""
-
 
 SHARED = ("ok", "reason", "group_size", "total_weight", "peers", "gathered", "majority_peers", "in_minority",
           "retryable", "members_left", "left_behind", "exchange_seconds")
 """The fields of a round's result that the island's rank 0 tells its other ranks (the rest is per rank)."""
 
 
-def shared_fields(result: RoundResult | ShardedRoundResult) -> dict[str, Any]:
+def shared_fields(result: RoundResult) -> dict[str, Any]:
     """What rank 0 tells its ranks of the island's round (JSON-ready)."""
     return {k: getattr(result, k) for k in SHARED}
 
@@ -74,7 +32,7 @@ def from_shared(values: dict[str, Any]) -> RoundResult:
 
 @dataclass
 class PendingRound:
-    """A round :meth:`peers.sharded.ShardedAverager.start` began: this rank's gathered buckets and, while
+    """A round :meth:`peers.averaging.sharded.ShardedAverager.start` began: this rank's gathered buckets and, while
     the round runs in the background, the thread running it."""
 
     owned: dict[int, torch.Tensor]
@@ -103,7 +61,7 @@ class PendingRound:
     round commits)."""
     carry: dict[int, torch.Tensor] = field(default_factory=dict)
     """With a dense lossy codec, error feedback and the owners' feedback: each owned bucket's owner feedback
-    after this round (:attr:`peers.sharded.ShardedAverager.carry`; kept only if the round commits)."""
+    after this round (:attr:`peers.averaging.sharded.ShardedAverager.carry`; kept only if the round commits)."""
 
     def done(self) -> bool:
         """Whether this rank's part of the round has ended (no island collective)."""
@@ -120,16 +78,16 @@ class PendingRound:
 
 
 def island_verdict(exchange: Any, pending: PendingRound, min_group_size: int
-                   ) -> tuple[ShardedRoundResult, bool, bool]:
+                   ) -> tuple[RoundResult, bool, bool]:
     """Share this rank's view of the round with the island (collective over ``exchange``, a
-    :class:`peers.exchange.BucketExchange`) and decide, identically on every rank: (result, needs a fallback,
+    :class:`peers.wire.exchange.BucketExchange`) and decide, identically on every rank: (result, needs a fallback,
     a group rejected the round).  Every rank learned the island's result from its rank 0, which heard
     every rank's buckets before it voted; a rank whose own part failed since makes the whole island fail."""
     res = pending.result if pending.result is not None else RoundResult(False, pending.refusal)
     mine = (res.ok, res.reason, pending.bytes_sent, pending.parts_resent)
     everyone = exchange.all_gather_object(mine)
     lead = everyone[0]
-    result = ShardedRoundResult(False, pending.refusal, "", bytes_sent=pending.bytes_sent,
+    result = RoundResult(False, pending.refusal, bytes_sent=pending.bytes_sent,
                                 bytes_received=pending.bytes_received,
                                 island_bytes_sent=sum(e[2] for e in everyone),
                                 parts_resent=sum(e[3] for e in everyone))

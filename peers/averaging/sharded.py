@@ -1,26 +1,26 @@
 """Shard-wise averaging across islands: every rank of an island averages the buckets it owns.
 
-An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see :mod:`peers.layout`) and
+An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see :mod:`peers.wire.layout`) and
 cut into buckets; bucket ``b`` belongs to island rank ``b mod island size`` (round-robin), which averages
 it with the owners of bucket ``b`` on the other islands, straight over the ranks' transports
-(:mod:`peers.transport`; hivemind's p2p daemon with ``--averaging.transport p2p``).  Slow-link traffic is
+(:mod:`peers.wire.transport`; hivemind's p2p daemon with ``--averaging.transport p2p``).  Slow-link traffic is
 thus spread over the island's ranks, nothing is gathered onto rank 0, and islands of any shape average
 together.  A round of :meth:`ShardedAverager.average`:
 
 a. *gather* (inside the island, point-to-point): each rank sends the pieces of each bucket it contributes
    straight to the bucket's owner, which assembles the whole bucket;
 b. *group* (rank 0, in the background): the island's one hivemind averager forms the round's group with the
-   other islands (:meth:`peers.averager.VerifiedAverager.run_round`; every island's metadata lists its
+   other islands (:meth:`peers.group.averager.VerifiedAverager.run_round`; every island's metadata lists its
    ranks' peer ids and transport endpoints) and tells its other ranks;
 c. *exchange* (every rank, in the background): each owned bucket is averaged with its owners on the other
-   islands, by reduce-scatter or all-gather of its codec's parts (:func:`peers.encoded.average_encoded`);
+   islands, by reduce-scatter or all-gather of its codec's parts (:func:`peers.wire.encoded.average_encoded`);
    each rank tells rank 0 the fingerprints of its averaged buckets (or why it has none);
 d. *vote* (rank 0): the island votes with the others on the fingerprint of all the round's buckets in
    canonical order (the same list on every island, whatever its shape) and tells its ranks the verdict;
 e. *verdict and scatter* (collective, :meth:`ShardedAverager.finish`): the round counts on every rank or on
    none, so an island never applies half a round; owners send each rank the averaged values it holds.
 
-A part whose connection fails is sent again alone (:class:`peers.transport.Transport`); a member lost
+A part whose connection fails is sent again alone (:class:`peers.wire.transport.Transport`); a member lost
 mid-round fails the round with the members left known (``retryable``), and they average again.  An island
 rank runs one transport (threads) and rank 0 one hivemind averager process, whatever the model size.
 
@@ -34,7 +34,7 @@ timeouts), since ranks wait in the island's collectives meanwhile.  ``on_stage``
 progress) is called from rank 0's round thread.
 
 With ``backend="torch"`` the cross-island step is a torch.distributed all-reduce among the owners
-(:class:`peers.fallback.HierarchicalAllReduce`); with ``backend="auto"`` hivemind is tried first and the
+(:class:`peers.averaging.fallback.HierarchicalAllReduce`); with ``backend="auto"`` hivemind is tried first and the
 round falls back to torch when hivemind could not form a group (never when a group formed and rejected the
 result, e.g. a NaN).  Every island of the torch world takes part in that decision each round (one small
 all-reduce, :meth:`HierarchicalAllReduce.agree`), and when any island needs the fallback and none saw a
@@ -53,6 +53,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import hivemind
@@ -60,23 +61,48 @@ import torch
 import torch.distributed as dist
 
 from outer_optim.codecs import ErrorFeedback, is_dense, make_codec
-from peers.averager import RoundResult, VerifiedAverager
-from peers.averager_types import Exchange, Scope, as_float
-from peers.bucket_round import PendingRound, ShardedRoundResult, from_shared, island_verdict, shared_fields
-from peers.encoded import DirectChannel, EncodedChannel, average_encoded
-from peers.exchange import BucketExchange, shape_of
+from peers.averaging.bucket_round import (
+    PendingRound,
+    from_shared,
+    island_verdict,
+    shared_fields,
+)
+from peers.discovery.membership import MemberCheck
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
-from peers.layout import CanonicalLayout, spec_tuple
-from peers.round_keys import parts_key
-from peers.settings import AveragerSettings, codec_backend_problem
-from peers.transport import Transport, TransportError
-from peers.vote import MemberCheck
+from peers.group.averager import Exchange, VerifiedAverager
+from peers.result import RoundResult, as_float
+from peers.settings import AveragerSettings, Scope, codec_backend_problem
+from peers.wire.encoded import DirectChannel, EncodedChannel, average_encoded
+from peers.wire.exchange import BucketExchange, shape_of
+from peers.wire.layout import CanonicalLayout, spec_tuple
+from peers.wire.round_keys import parts_key
+from peers.wire.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("hivemind", "torch", "auto")
 BUCKET_THREADS = 4
 """Buckets one rank exchanges at once: enough to keep a link busy while another bucket is encoded."""
+
+
+@dataclass
+class FeedbackBuffers:
+    """What a lossy codec left unsent, kept on this rank across rounds (checkpointed; cleared when the
+    island adopts another island's state: it belongs to its own past)."""
+
+    feedback: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Error feedback of the buckets this rank averages (a lossy codec's dropped part, see
+    :class:`ShardedAverager`); kept across reconnects."""
+    carry: dict[int, torch.Tensor] = field(default_factory=dict)
+    """With a dense lossy codec and ``averaging.owner_feedback``: what re-encoding the averaged parts this
+    rank owned left out, added to them next round (:attr:`ShardedAverager.carry`)."""
+
+    def clear(self) -> bool:
+        """Forget both; returns whether anything was kept."""
+        kept = bool(self.feedback or self.carry)
+        self.feedback.clear()
+        self.carry.clear()
+        return kept
 
 
 class ShardedAverager:
@@ -87,8 +113,8 @@ class ShardedAverager:
     the island's process group (None for a single-process island); ``dht``: this rank's hivemind DHT (None
     with ``backend="torch"``); ``settings``: the run's averager settings; ``scope``: the run's DHT prefix and
     who may take part; ``transport``: this rank's
-    :class:`~peers.transport.Transport` (one is made on loopback when none is given); ``fallback``: a
-    :class:`peers.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
+    :class:`~peers.wire.transport.Transport` (one is made on loopback when none is given); ``fallback``: a
+    :class:`peers.averaging.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
     ``backend="torch"``, optional for ``"auto"``); ``exchange``: the island's :class:`BucketExchange` if the
     caller built one already; ``feedback``: the error-feedback buffers by owned bucket (see :attr:`buffers`);
     ``carry``: the owner feedback (see :attr:`carry`); ``matcher``: rank 0's island averager if the caller
@@ -119,7 +145,7 @@ class ShardedAverager:
         self.carry: dict[int, torch.Tensor] | None = None
         """With a dense lossy codec (reduce-scatter), error feedback and ``settings.owner_feedback``: by owned
         bucket, what the re-encoding of the averaged parts this island owned left out, added to its parts next
-        round (owner feedback: see :func:`peers.encoded.average_encoded`); the caller's dict ``carry``, like
+        round (owner feedback: see :func:`peers.wire.encoded.average_encoded`); the caller's dict ``carry``, like
         :attr:`buffers`."""
         if self.feedback is not None and settings.owner_feedback and is_dense(self.codec):
             self.carry = carry if carry is not None else {}
@@ -201,14 +227,14 @@ class ShardedAverager:
     def average(self, local_deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
                 buckets: Collection[int] | None = None, expected_group_size: int | None = None
-                ) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
+                ) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """One round on every rank of the island (collective): returns the island's result and, only when
         the whole round succeeded, ``{name: averaged Δ}`` shaped like this rank's shards.
 
         ``metadata`` goes to the group (``config_fingerprint`` gets the layout fingerprint appended so islands
         with different layouts refuse each other; ``island_id``, ``layout_fingerprint`` and the island's
         ranks are added).  ``on_stage``, ``matchmaking_timeout`` and ``expected_group_size`` go to the round
-        (see :meth:`peers.averager.VerifiedAverager.run_round`); ``buckets`` limits the round to those buckets
+        (see :meth:`peers.group.averager.VerifiedAverager.run_round`); ``buckets`` limits the round to those buckets
         (a Streaming DiLoCo fragment: ``local_deltas`` then needs only their parameters).  The same as
         :meth:`finish` of :meth:`start`."""
         return self.finish(self.start(local_deltas, weight, metadata, round_id, on_stage, matchmaking_timeout,
@@ -239,12 +265,12 @@ class ShardedAverager:
             pending.thread.start()
         return pending
 
-    def finish(self, pending: PendingRound) -> tuple[ShardedRoundResult, dict[str, torch.Tensor] | None]:
+    def finish(self, pending: PendingRound) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """Collective: wait for the round :meth:`start` began, agree on the island's verdict (falling back
         to torch where configured) and scatter the averaged values back to every rank."""
         participate = not pending.refusal
         t_finish = time.perf_counter()
-        result = ShardedRoundResult(False, pending.refusal)
+        result = RoundResult(False, pending.refusal)
         averaged: dict[int, torch.Tensor] | None = None
         needs_fallback = veto = False
         if self.backend != "torch":
@@ -501,7 +527,7 @@ class ShardedAverager:
                      company: Callable[[], int] | None = None) -> None:
         """Let the island's group formation stop once ``moved_past(round_id)`` says the other islands are done
         with the round, or ``stopping()`` that this island is leaving, and wait without matchmaking while
-        ``company()`` counts no other live island (see :attr:`peers.averager.VerifiedAverager.moved_past`,
+        ``company()`` counts no other live island (see :attr:`peers.group.averager.VerifiedAverager.moved_past`,
         ``stopping`` and ``company``)."""
         if self.matcher is not None:
             self.matcher.moved_past, self.matcher.stopping = moved_past, stopping

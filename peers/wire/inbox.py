@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from peers.round_keys import is_on_round, names_group
+from peers.wire.round_keys import is_on_round, names_group
 
 MAX_KEYS = 1024
 """Keys buffered for waits not yet held here (verdicts can arrive before our all-reduce ends)."""
@@ -76,7 +76,7 @@ class Inbox:
             return min(((t, k) for k, t in self._born.items() if t >= since and match(k)), default=None)
 
     def keys_on_round(self, round_id: str) -> list[str]:
-        """The keys of messages on round ``round_id`` (see :func:`peers.round_keys.is_on_round`)."""
+        """The keys of messages on round ``round_id`` (see :func:`peers.wire.round_keys.is_on_round`)."""
         with self._changed:
             return [k for k in self._votes if is_on_round(k, round_id)]
 

@@ -14,7 +14,7 @@ message is one frame: a fixed header (its key, the length of a small JSON ``extr
 then the payload, written from the caller's buffer and read straight into the one buffer it is kept in.
 The receiver acknowledges every whole message; a message whose connection fails before its acknowledgement
 is sent again on a new connection, alone, until its deadline (:attr:`Transport.resent` counts them).
-Messages wait in an :class:`~peers.inbox.Inbox` by key and sender until someone takes them.
+Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender until someone takes them.
 
 The bytes are not encrypted: runs over the open internet that need it use ``--averaging.transport p2p``
 (hivemind's daemon, encrypted and slower).
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from peers.inbox import Inbox
+from peers.wire.inbox import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class Transport:
         return sock
 
     def socket_inodes(self) -> set[int]:
-        """Inodes of this transport's live connections (what :class:`peers.wire.WireCounter` counts)."""
+        """Inodes of this transport's live connections (what :class:`peers.wire.counters.WireCounter` counts)."""
         socks = list(self._conns)
         with self._peers_lock:
             socks += [p.sock for p in self._peers.values() if p.sock is not None]

@@ -14,7 +14,7 @@ import time
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers.run_key import RunKeyValidator
+from peers.discovery.run_key import RunKeyValidator
 from peers.settings import NetworkSettings
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def mute_shutdown_noise() -> None:
 
 def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hivemind.DHT:
     """Start this island's DHT node and join ``settings.initial_peers``; in a private run (``settings.run_key``)
-    every record is signed with the key, but for ``open_keys`` (see :class:`peers.run_key.RunKeyValidator`).
+    every record is signed with the key, but for ``open_keys`` (see :class:`peers.discovery.run_key.RunKeyValidator`).
 
     Raises PeerNetworkError with one actionable sentence when an address is malformed, a port is
     taken or no initial peer answers within ``startup_timeout`` seconds.

@@ -11,7 +11,7 @@ A verdict counts only when its sender (authenticated by libp2p, or the DHT subke
 run key in a private run) is a member of the group; in a private run the direct channel refuses
 senders that are not registered in the run's member registry at all.
 
-The host process talks to the daemon through :mod:`peers.p2p_loop`.
+The host process talks to the daemon through :mod:`peers.wire.p2p_loop`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Any
 import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
-from peers.inbox import GONE, Inbox, LateAnswers
-from peers.p2p_loop import Handler, _submit, message_class, spawn
+from peers.discovery.membership import MemberCheck
+from peers.wire.inbox import GONE, Inbox, LateAnswers
+from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
 
 log = logging.getLogger(__name__)
 
@@ -49,37 +50,6 @@ Verdict = message_class("Verdict", [("key", "string"), ("fingerprint", "double",
                                      ("accepted", "bool"), ("group", "string", "repeated")])
 """Protobuf message of one verdict: the vote key, the fingerprint, the group's members (so that a member
 whose matchmaking missed the group learns all of it), and in the reply whether it was taken."""
-
-
-def registered(found: Any) -> set[str]:
-    """Peer ids holding a live registration in a member-registry DHT lookup result."""
-    out: set[str] = set()
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
-            if isinstance(value, dict) and not value.get("left", False):
-                out.add(str(subkey))
-    return out
-
-
-class MemberCheck:
-    """Is a peer registered in the run's member registry (DHT key ``key``)?  Members once seen are
-    cached; an unknown peer costs one DHT lookup.  Async, holding no loop-bound state, so the
-    averager's process and the vote channel's loop can both use it."""
-
-    def __init__(self, dht: hivemind.DHT, key: str):
-        self.dht, self.key = dht, key
-        self._known: set[str] = set()
-
-    async def allows(self, peer_id: str) -> bool:
-        """True when ``peer_id`` is (or was, earlier in this process) a registered member."""
-        if peer_id in self._known:
-            return True
-        self._known |= registered(await self.dht.get(self.key, latest=True, return_future=True))
-        if peer_id not in self._known:
-            log.warning("refused a request from %s: not a member of this run", peer_id)
-            return False
-        return True
 
 
 @dataclass

@@ -17,7 +17,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from peers.dht_calls import DHTUnavailableError, dht_get, dht_store
+from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
 
 MAC_BYTES = 32
 

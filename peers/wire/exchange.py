@@ -1,4 +1,4 @@
-"""Moving bucket pieces inside one island (steps a and d of :mod:`peers.sharded`): each rank sends the
+"""Moving bucket pieces inside one island (steps a and d of :mod:`peers.averaging.sharded`): each rank sends the
 pieces of every bucket it contributes straight to the bucket's owner, and owners send each rank the
 averaged values of the elements it holds (point-to-point, any backend)."""
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from outer_optim.tensors import all_finite
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
-from peers.layout import CanonicalLayout, Segment, spec_tuple
+from peers.wire.layout import CanonicalLayout, Segment, spec_tuple
 
 
 class BucketExchange:

@@ -1,0 +1,49 @@
+"""What the trainer's rounds hold of an island's averager: one interface, whichever averager it is."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from peers.result import RoundResult
+
+Averaged = dict[str, torch.Tensor]
+"""This rank's pieces of the group's averaged pseudo-gradient, by parameter name."""
+
+
+class Pending(Protocol):
+    """A round an averager started and has not finished."""
+
+    def done(self) -> bool:
+        """Whether this rank's part of the round has ended (no collective)."""
+
+
+class IslandAverager(Protocol):
+    """An island's averager (:class:`~peers.averaging.sharded.ShardedAverager`,
+    :class:`~peers.averaging.local.LocalAverager`): collective over the island's ranks where it says so."""
+
+    def start(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
+              on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+              buckets: Collection[int] | None = None, expected_group_size: int | None = None) -> Pending:
+        """Begin a round with this rank's ``deltas`` (weight: the tokens they stand for); it runs in the
+        background until :meth:`finish`."""
+
+    def finish(self, pending: Any) -> tuple[RoundResult, Averaged | None]:
+        """Wait for the round :meth:`start` began: its result, and the averaged values when it succeeded."""
+
+    def average(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
+                on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
+                buckets: Collection[int] | None = None, expected_group_size: int | None = None
+                ) -> tuple[RoundResult, Averaged | None]:
+        """One whole round: :meth:`start`, then :meth:`finish`."""
+
+    def commit(self, pending: Any) -> None:
+        """The island applied the round: keep what its codec left unsent."""
+
+    def set_state_priority(self, outer_step: int) -> None:
+        """Advertise the outer step of the state this island serves."""
+
+    def shutdown(self) -> None:
+        """Stop the averager's threads and processes."""

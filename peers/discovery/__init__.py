@@ -1,0 +1,6 @@
+"""Who is in the run: starting and joining hivemind's DHT (:mod:`.dht`), reads and writes of it that cannot
+hang (:mod:`.calls`), the run key that signs a private run's records (:mod:`.run_key`), and the member
+registry with its heartbeats (:mod:`.membership`).
+
+May import: :mod:`peers.settings`, :mod:`peers.fingerprints`, hivemind.
+"""

@@ -1,0 +1,12 @@
+"""The bytes: how a pseudo-gradient is laid out whatever the island's shape (:mod:`.layout`), how its pieces
+move inside an island (:mod:`.exchange`), how a round's parts travel between islands (:mod:`.transport`,
+plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, with
+:mod:`.deflate` on the wire), θ_global for joiners (:mod:`.state_share`), messages that arrive early
+(:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
+(:mod:`.p2p_loop`) and the kernel's byte counts (:mod:`.counters`).
+
+Everything about reaching another island's ranks (ports, NAT, encryption) belongs here.
+
+May import: :mod:`peers.settings`, :mod:`peers.fingerprints`, :mod:`peers.discovery` (the member check of a
+private run), :mod:`outer_optim`, hivemind.
+"""
