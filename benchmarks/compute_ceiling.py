@@ -33,22 +33,17 @@ def worker(steps: int, cpu: int | None) -> None:
     import torch
 
     from diloco.config import loader as config_load
-    from diloco.data.batches import ShardedBatches
-    from diloco.data.corpus import load_corpus
-    from diloco.model.inner import build_inner_optimizer, take_inner_step
-    from diloco.model.transformer import initial_model, lm_loss
+    from diloco.model.build import build_data, build_inner, build_model
+    from diloco.model.inner import take_inner_step
     from experiments.compare import COMPARE_DEFAULTS
-    from pipeline import ModelParts, ParallelSettings
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     cfg = config_load.load(None, [], defaults=COMPARE_DEFAULTS)
-    corpus = load_corpus(cfg.data)
-    batches = ShardedBatches(corpus.train, cfg.model.seq_len, cfg.inner.batch_size, 0, 1, cfg.seed)
-    skeleton, initial = initial_model(cfg.model, cfg.seed)
-    model = ModelParts(skeleton, None, ParallelSettings(), loss_fn=lm_loss, init=initial)
-    opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, steps)
+    batches = build_data(cfg, 0, 1, evaluates=False).batches
+    model = build_model(cfg, None, cfg.parallel, "cpu").parts
+    opt, sched = build_inner(model, cfg, steps)
     times = []
     for _ in range(steps):
         t = time.perf_counter()

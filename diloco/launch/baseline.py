@@ -57,7 +57,14 @@ import torch.distributed as dist
 
 from diloco.command import run_command
 from diloco.config import Config, to_dict
-from peers.wire.counters import ring_allreduce_bytes
+from diloco.engine.metrics import MetricsLogger
+from diloco.engine.runtime import use_device
+from diloco.engine.throughput import Throughput, peak_flops
+from diloco.model.build import build_data, build_inner, build_model
+from diloco.model.inner import take_inner_step
+from diloco.model.transformer import flops_per_token
+from outer_optim import checksum
+from peers.wire.counters import WireCounter, ring_allreduce_bytes
 from pipeline.mesh import exit_worker
 
 log = logging.getLogger("diloco.launch.baseline")
@@ -88,18 +95,6 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
-    from diloco.data.batches import ShardedBatches, heldout_batches
-    from diloco.data.corpus import load_corpus
-    from diloco.data.tokenizer import Tokenizer, fit_vocabulary
-    from diloco.engine.metrics import MetricsLogger
-    from diloco.engine.runtime import use_device
-    from diloco.engine.throughput import Throughput, peak_flops
-    from diloco.model.inner import build_inner_optimizer, take_inner_step
-    from diloco.model.transformer import flops_per_token, initial_model, lm_loss
-    from outer_optim import checksum
-    from peers.wire.counters import WireCounter
-    from pipeline import ModelParts
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device_for(cfg, rank)
@@ -112,18 +107,12 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         torch.manual_seed(cfg.seed)
         m, H = cfg.model, cfg.diloco.inner_steps
         total_steps = cfg.diloco.outer_steps * H
-        tokenizer = Tokenizer.for_data(cfg.data)
-        fit_vocabulary(m, tokenizer)
-        corpus = load_corpus(cfg.data, tokenizer)
-        batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, rank, workers, cfg.seed)
-        eval_batches = (heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches)
-                        if rank == 0 else [])
+        data = build_data(cfg, rank, workers, evaluates=rank == 0)
+        batches, eval_batches = data.batches, data.eval_batches
         # a worker holds the whole model: the island's precision and compilation, none of its split
-        skeleton, initial = initial_model(m, cfg.seed, cfg.checkpoint.init_from)
-        model = ModelParts(skeleton, None, dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1), loss_fn=lm_loss,
-                           device=device, init=initial)
+        model = build_model(cfg, None, dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1), device).parts
         params = [p for p in model.parameters() if p.requires_grad]
-        opt, sched = build_inner_optimizer(list(model.named_parameters()), cfg.inner, total_steps)
+        opt, sched = build_inner(model, cfg, total_steps)
         accum = cfg.inner.grad_accum
 
         # every worker must start from the same parameters (DDP would broadcast rank 0's)
@@ -313,13 +302,6 @@ def baseline_main(argv: list[str] | None = None) -> int:
     return run_command(body, (BaselineError, CheckpointError))
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    exit_worker(baseline_main())
-
-
-log = logging.getLogger("diloco.launch.baseline")
-
 
 def free_port() -> int:
     """A TCP port that is free on loopback right now."""
@@ -465,3 +447,8 @@ def _print_progress(log_path: Path, seen: int, t0: float) -> int:
     for ln in lines[seen:]:
         print(f"[{time.time() - t0:6.0f}s] {ln}", flush=True)
     return len(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    exit_worker(baseline_main())

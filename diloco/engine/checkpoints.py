@@ -1,0 +1,319 @@
+"""An island rank's checkpoints: saving (at once or in the background), finding, verifying, loading and
+resharding, given the pieces it saves.
+
+Checkpoints are per rank: each rank writes its own shards (model, inner optimizer, θ_global and outer
+momentum) with the data position, RNG states and counters to ``<checkpoint dir>/ckpt-NNNNNN.pt`` (one
+process) or ``<checkpoint dir>/rank<r>/ckpt-NNNNNN.pt``.  On resume the ranks agree on the newest outer step
+every rank has, refuse a checkpoint of another config, and reshard one written by an island of another
+(dp, pp, tp) shape: each rank reads the old ranks' files one after the other and copies the parts of its own
+pieces they hold.  The files themselves (atomic, sha256-checked) are :mod:`diloco.model.checkpoint`.
+
+As torchtitan's ``CheckpointManager``, :class:`CheckpointManager` never sees the island: it is handed the
+live objects of :class:`RankState`, reads them to save and writes them to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.config import config_fingerprint
+from diloco.config.loader import from_dict
+from diloco.data.batches import ShardedBatches
+from diloco.data.tokenizer import Tokenizer
+from diloco.engine.metrics import RunStats
+from diloco.engine.rounds import RoundSchedule
+from diloco.engine.runtime import Runtime
+from diloco.errors import TrainingError
+from diloco.model import checkpoint
+from diloco.model.checkpoint import CheckpointError
+from outer_optim import OuterOptimizer
+from outer_optim.guard import NormGuard
+from peers.averaging.sharded import FeedbackBuffers
+from peers.wire.layout import CanonicalLayout, spec_tuple
+from pipeline import ShardSpec, copy_overlap, local_state, restore_dtensor_state
+
+log = logging.getLogger("diloco")
+
+
+@dataclass
+class RankState:
+    """The live pieces of one island rank that its checkpoint holds."""
+
+    params: dict[str, torch.Tensor]
+    """This rank's local shards, sharing storage with the model's parameters."""
+    specs: dict[str, ShardSpec]
+    """Which piece of each parameter this rank holds."""
+    layout: CanonicalLayout
+    """The whole model's parameters, names and shapes."""
+    named_parameters: list[tuple[str, torch.nn.Parameter]]
+    """The model's parameters, whose ids name the inner optimizer's (its state is keyed by position)."""
+    inner_opt: torch.optim.Optimizer
+    inner_sched: torch.optim.lr_scheduler.LRScheduler
+    outer: OuterOptimizer
+    batches: ShardedBatches
+    stats: RunStats
+    guard: NormGuard
+    schedule: RoundSchedule
+    unsent: FeedbackBuffers
+
+
+class CheckpointManager:
+    """One island rank's checkpoints under ``base`` (its ranks' folders ``rank<r>/`` below it, or one process's
+    files).  ``record``: what every checkpoint carries besides the state (the config as a dict, the tokenizer's
+    JSON); ``fingerprint``: the config fingerprint a checkpoint must have to be resumed; ``grad_accum``: this
+    island's, to warn when a resharded island's batch changes.  ``background``: write from a snapshot in a
+    thread (the previous write is waited for first and its error raised at the next save)."""
+
+    def __init__(self, base: Path, rt: Runtime, state: RankState, *, record: dict[str, Any], fingerprint: str,
+                 keep: int, background: bool, grad_accum: int):
+        self.base, self.rt, self.state = base, rt, state
+        self.directory = base / f"rank{rt.rank}" if rt.size > 1 else base
+        """This rank's folder."""
+        self.record, self.fingerprint, self.keep, self.grad_accum = record, fingerprint, keep, grad_accum
+        self.writer = checkpoint.BackgroundWriter() if background else None
+
+    # ------------------------------------------------------------------------------------------ save
+    def save(self) -> Path:
+        """Write this rank's checkpoint of the current outer step (keeping ``keep``)."""
+        path = checkpoint.checkpoint_path(self.directory, self.state.stats.outer_step)
+        if self.writer is None:
+            checkpoint.save(self.state_dict(), path, keep=self.keep)
+            log.info("checkpoint written: %s", path)
+        else:
+            self.writer.submit(self.state_dict(), path, self.keep, lambda p: log.info("checkpoint written: %s", p))
+        return path
+
+    def wait(self) -> None:
+        """Wait until the checkpoint being written in the background is on disk (raises its error)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def _shape(self) -> dict[str, Any]:
+        rt = self.rt
+        return {"dp": rt.dp, "tp": rt.tp, "pp": rt.pp, "rank": rt.rank,
+                "specs": {n: list(spec_tuple(s)) for n, s in self.state.specs.items()}}
+
+    def _inner_param_names(self) -> list[str]:
+        """The parameter names in the inner optimizer's order (its state is keyed by position)."""
+        names = {id(p): n for n, p in self.state.named_parameters}
+        return [names[id(p)] for group in self.state.inner_opt.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank needs to resume exactly, with the island shape it belongs to."""
+        st = self.state
+        s = st.stats
+        return {
+            **self.record,
+            "outer_step": s.outer_step, "inner_step": s.inner_step,
+            "model": {n: t.detach().cpu().clone() for n, t in st.params.items()},
+            "inner_optimizer": _copies(local_state(st.inner_opt.state_dict())),
+            "inner_param_names": self._inner_param_names(),
+            "inner_scheduler": st.inner_sched.state_dict(),
+            "outer_optimizer": st.outer.state_dict(), "data": st.batches.state_dict(),
+            "rng": checkpoint.rng_state(), "stats": dict(s.__dict__),
+            "norm_history": list(st.guard.history), "island": self._shape(),
+            "overlap": st.schedule.state_dict(),
+            "error_feedback": {b: t.clone() for b, t in st.unsent.feedback.items()},
+            "owner_feedback": {b: t.clone() for b, t in st.unsent.carry.items()},
+        }
+
+    # ------------------------------------------------------------------------------------------ load
+    def written_by_me(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` was written by this rank of an island of this shape (else it is resharded)."""
+        saved, mine = _island_record(state), self._shape()
+        return all(saved.get(k, 1) == mine[k] for k in ("dp", "tp", "pp", "rank")) and \
+            saved.get("specs") in (None, mine["specs"])
+
+    def load_state_dict(self, state: dict[str, Any], path: Path | None = None) -> None:
+        """Restore :meth:`state_dict`: written by this rank of an island of the same shape, or else (with the
+        ``path`` it was read from, beside the other old ranks' files) resharded from all of them."""
+        st = self.state
+        mine = self.written_by_me(state)
+        if mine:
+            with torch.no_grad():
+                for n, t in state["model"].items():
+                    st.params[n].copy_(t)
+            st.inner_opt.load_state_dict(state["inner_optimizer"])
+            st.outer.load_state_dict(state["outer_optimizer"])
+        else:
+            if path is None:
+                raise TrainingError("a checkpoint of another island shape needs the path it was read from")
+            self._load_resharded(state, path)
+        restore_dtensor_state(st.inner_opt)
+        st.inner_sched.load_state_dict(state["inner_scheduler"])
+        st.batches.load_state_dict(state["data"])
+        checkpoint.set_rng_state(state["rng"])
+        for k, v in state["stats"].items():
+            setattr(st.stats, k, v)
+        st.stats.outer_step, st.stats.inner_step = int(state["outer_step"]), int(state["inner_step"])
+        st.guard.history = [float(x) for x in state.get("norm_history", [])]
+        st.schedule.load_state_dict(state.get("overlap"), int(state.get("tokens_at_sync", st.stats.tokens)))
+        for kept, key in ((st.unsent.feedback, "error_feedback"), (st.unsent.carry, "owner_feedback")):
+            kept.clear()
+            if mine:
+                kept.update({int(b): t.clone() for b, t in state.get(key, {}).items()})
+            elif state.get(key):
+                log.warning("the codec's error feedback is reset: it was kept per rank of a %s island",
+                            _island_record(state)["shape"])
+
+    @torch.no_grad()
+    def _load_resharded(self, first: dict[str, Any], path: Path) -> None:
+        """Fill this rank's pieces of the model, AdamW's moments, θ_global and the outer momentum from the files
+        every rank of an island of another shape wrote at the step of ``path`` (read one after the other: at
+        most one old rank's state in memory beside this rank's own)."""
+        st = self.state
+        saved = _island_record(first)
+        size = saved["dp"] * saved["tp"] * saved["pp"]
+        if "inner_param_names" not in first:
+            raise TrainingError(f"checkpoint {path} was written by a {saved['shape']} island before checkpoints could "
+                                f"be resharded; resume it with the same --parallel.* settings")
+        base = path.parent.parent if size > 1 else path.parent
+        paths = [base / f"rank{r}" / path.name for r in range(size)] if size > 1 else [path]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise CheckpointError(f"resharding the checkpoint of a {saved['shape']} island needs every rank's file, "
+                                  f"but {', '.join(missing)} is missing; restore it or resume with the same shape")
+        moments = {n: {k: torch.zeros(p.shape, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+                   for n, p in st.params.items()}
+        momentum = dict(zip(st.outer.names, st.outer.momentum_buffers())) if st.outer.mu else {}
+        copied: dict[str, int] = {n: 0 for n in st.params}
+        seen: set[tuple[str, tuple[int, ...]]] = set()
+        step = None
+        for p in paths:
+            state = first if p == path else checkpoint.load(p)
+            specs = _island_record(state)["specs"] or {n: st.layout.full_spec(n) for n in state["model"]}
+            inner = state["inner_optimizer"]["state"]
+            inner_index = {n: i for i, n in enumerate(state["inner_param_names"])}
+            old_momentum = dict(zip(state["outer_optimizer"]["master"], state["outer_optimizer"]["momentum"]))
+            for n, piece in state["model"].items():
+                if n not in st.params or (n, tuple(specs[n])) in seen:
+                    continue  # another rank's copy of a replicated piece was read already
+                seen.add((n, tuple(specs[n])))
+                old, new = ShardSpec(st.layout.entry(n).shape, *specs[n], False), st.specs[n]
+                pairs = [(st.params[n], piece), (st.outer.theta_global[n], state["outer_optimizer"]["master"][n])]
+                if n in momentum:
+                    pairs.append((momentum[n], old_momentum[n]))
+                adam = inner.get(inner_index[n], {})
+                pairs += [(moments[n][k], adam[k]) for k in moments[n] if k in adam]
+                step = adam.get("step", step)
+                got = [copy_overlap(dst, new, src.reshape(old.local_shape), old) for dst, src in pairs]
+                copied[n] += got[0]
+        short = [n for n, c in copied.items() if c != st.params[n].numel()]
+        if short:
+            raise CheckpointError(f"the checkpoint of a {saved['shape']} island in {base} does not cover {short[0]}; "
+                                  f"its rank files come from different runs")
+        names = self._inner_param_names()
+        own = st.inner_opt.state_dict()
+        # the learning rate the schedule reached lives in the groups (LambdaLR sets it again only at its next step)
+        own["param_groups"] = [{**old, "params": mine["params"]} for old, mine in
+                               zip(first["inner_optimizer"]["param_groups"], own["param_groups"], strict=True)]
+        if step is not None:
+            own["state"] = {i: {"step": step.clone(), **moments[n]} for i, n in enumerate(names)}
+        st.inner_opt.load_state_dict(own)
+        st.outer.step_count = int(first["outer_optimizer"]["step_count"])
+        was = saved["dp"] * int(first.get("config", {}).get("inner", {}).get("grad_accum", 1))
+        now = self.rt.dp * self.grad_accum
+        if was != now:
+            log.warning("the island's batch changes from %d x --inner.batch_size to %d x on resume (dp x grad_accum): "
+                        "pass --inner.grad_accum %s to keep the trajectory", was, now,
+                        f"{was // self.rt.dp}" if was % self.rt.dp == 0 else "(none fits this dp)")
+        log.info("resharded the checkpoint of a %s island onto a %s one", saved["shape"], self.rt.shape)
+
+    # ---------------------------------------------------------------------------------------- resume
+    def _find(self, spec: str) -> Path | None:
+        """This rank's checkpoint for ``--checkpoint.resume spec``: its own file, or else one an island of another
+        shape wrote in the same checkpoint directory (rank 0's, or the single process's), to be resharded."""
+        if spec != "latest":
+            own = self.directory / Path(spec).name
+            return checkpoint.find_resume(str(own) if self.rt.rank and own.is_file() else spec, self.directory)
+        for directory in dict.fromkeys((self.directory, self.base / "rank0", self.base)):
+            path = checkpoint.find_resume(spec, directory)
+            if path is not None:
+                return path
+        return None
+
+    def set_aside_earlier_run(self) -> None:
+        """A fresh run: move every rank folder's checkpoints aside, whatever shape the earlier run had (a later
+        ``--resume`` would reshard from them).  Rank 0 moves them all; the other ranks write nothing before
+        rank 0 joins their first round."""
+        if self.rt.rank != 0:
+            return
+        for directory in dict.fromkeys((self.base, *sorted(self.base.glob("rank*")))):
+            aside = checkpoint.set_aside(directory)
+            if aside is not None:
+                log.warning("%s held an earlier run's checkpoints: moved them to %s (pass --resume to continue "
+                            "that run instead)", directory, aside)
+
+    def resume(self, spec: str) -> None:
+        """Collective (over the world when islands average in lockstep): every rank loads its own checkpoint of
+        ``--checkpoint.resume spec`` at the same outer step (the newest all ranks have), resharded when an island
+        of another shape wrote it; any rank's problem stops every rank with the same message."""
+        rt = self.rt
+        world = rt.lockstep
+        path, error = None, ""
+        try:
+            path = self._find(spec)
+        except CheckpointError as e:
+            error = str(e)
+        rt.raise_if_any(error, CheckpointError, world=world)
+        steps = rt.gather_all(_step_of(path) if path is not None else None, world=world)
+        if all(s is None for s in steps):
+            log.warning("--resume: no checkpoint in %s; starting fresh", self.directory)
+            return
+        if any(s is None for s in steps):
+            missing = [r for r, s in enumerate(steps) if s is None]
+            rt.raise_if_any(f"rank(s) {missing} have no checkpoint to resume from while others do; resume every "
+                            f"rank from the same run (checkpoints live in <checkpoint dir>/rank<r>/)",
+                            CheckpointError, world=world)
+        step = min(s for s in steps if s is not None)
+        state, error = None, ""
+        try:
+            if _step_of(path) != step:
+                path = checkpoint.checkpoint_path(path.parent, step)
+            state = checkpoint.load(path)
+            saved = state.get("config", {})
+            tokenizer = Tokenizer.from_json(state.get("tokenizer"))
+            if saved and config_fingerprint(from_dict(saved), "" if tokenizer.is_bytes else tokenizer.sha256) \
+                    != self.fingerprint:
+                error = (f"checkpoint {path} was written with a different model, tokenizer or outer-optimizer config; "
+                         f"resume with the same --model.*, --data.tokenizer and --diloco.outer_* settings")
+        except CheckpointError as e:
+            error = str(e)
+        rt.raise_if_any(error, CheckpointError, world=world)
+        try:
+            self.load_state_dict(state, path)
+        except (TrainingError, CheckpointError) as e:
+            error = str(e)
+        rt.raise_if_any(error, TrainingError, world=world)
+        log.info("resumed from %s at outer step %d", path, self.state.stats.outer_step)
+
+
+def _island_record(state: dict[str, Any]) -> dict[str, Any]:
+    """The island shape a checkpoint was written by (older checkpoints: one process, or no ``dp``), with
+    ``shape`` as the flags name it."""
+    saved = {"dp": 1, "tp": 1, "pp": 1, "rank": 0, "specs": None, **(state.get("island") or {})}
+    saved["shape"] = f"dp={saved['dp']} x pp={saved['pp']} x tp={saved['tp']}"
+    return saved
+
+
+def _copies(obj: Any) -> Any:
+    """``obj`` with every tensor copied (a snapshot the training thread may go on changing the original of)."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copies(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copies(v) for v in obj]
+    return obj
+
+
+def _step_of(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    m = checkpoint.NAME_RE.match(Path(path).name)
+    return int(m[1]) if m else -1
