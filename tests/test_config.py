@@ -129,3 +129,17 @@ def test_a_wandb_mode_in_the_environment_that_wandb_refuses_is_one_line(monkeypa
     assert e.value.problems == ["the environment's WANDB_MODE='bogus' is not a W&B mode: unset it, or set it to "
                                 "online, offline or disabled"]
     load(None, ["--wandb.mode", "disabled"])  # no W&B run: the variable does not matter
+
+
+def test_a_device_that_contradicts_torchruns_local_rank_is_refused(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError) as e:
+        load(None, ["--device", "cuda:0"])
+    assert e.value.problems == ["--device cuda:0 contradicts torchrun's LOCAL_RANK 1 (every rank would use GPU 0): "
+                                "pass --device cuda or auto, and each rank takes the GPU of its local rank"]
+    load(None, ["--device", "cuda:1"])  # the rank's own GPU, named
+    load(None, ["--device", "cuda"])
+    monkeypatch.delenv("LOCAL_RANK")
+    load(None, ["--device", "cuda:0"])  # one process, no torchrun: any GPU
+    with pytest.raises(ConfigError):
+        load(None, ["--device", "cudax"])

@@ -13,6 +13,7 @@ import torch
 from diloco.config import Config
 from diloco.engine.island import Island
 from diloco.launch.simulate import Cluster
+from diloco.model import checkpoint
 from tests.conftest import real_failures, tiny_config, torchrun_train
 
 RUN_TIMEOUT_S = 240
@@ -68,6 +69,28 @@ def test_a_dp2_island_is_one_process_accumulating_two_batches_and_its_checkpoint
     for rank in range(2):
         assert not list((dp2 / "checkpoints" / f"rank{rank}").glob("ckpt-*.pt"))
         assert len(list((dp2 / "checkpoints" / f"rank{rank}").glob("earlier-*/ckpt-000002.pt"))) == 1
+
+
+def test_an_island_whose_fsdp_shards_are_uneven_trains_and_resumes(tmp_path):
+    """ffn_dim 65 and vocab_size 259 do not split in two: FSDP gives its two ranks 33 and 32 rows of the
+    feed-forward and embedding matrices.  The dp=2 island trains as one process accumulating two batches, and
+    its round-2 checkpoint, resharded onto one process, ends round 3 where the uninterrupted run did."""
+    uneven = {"model.ffn_dim": 65, "model.vocab_size": 259}
+    reference = tmp_path / "reference"
+    Island(island_config(reference, **uneven, **{"inner.grad_accum": 2})).run()
+    dp2 = tmp_path / "dp2"
+    torchrun_train(island_config(dp2, **uneven, **{"parallel.dp": 2, "checkpoint.every": 1, "logging.samples": 0}),
+                   2, tmp_path, RUN_TIMEOUT_S)
+    assert max_difference(theta(dp2), theta(reference)) < TOLERANCE
+    pieces = [checkpoint.load(dp2 / "checkpoints" / f"rank{r}" / "ckpt-000002.pt")["island"]["specs"] for r in (0, 1)]
+    assert [p["layers.0.feed_forward.w1.weight"][2] for p in pieces] == [33, 32]
+    assert [p["tok_embeddings.weight"][2] for p in pieces] == [130, 129]
+    one = tmp_path / "dp1"
+    summary = Island(island_config(one, **uneven, **{
+        "inner.grad_accum": 2, "checkpoint.dir": str(dp2 / "checkpoints"),
+        "checkpoint.resume": str(dp2 / "checkpoints" / "rank0" / "ckpt-000002.pt")})).run()
+    assert summary["outer_step"] == 3 and summary["inner_step"] == 9
+    assert max_difference(theta(one), theta(reference)) < TOLERANCE
 
 
 @pytest.mark.parametrize("shapes", [((2, 2, 1), (2, 1, 2), (1, 1, 1))], ids=["2x2x1+2x1x2+1"])

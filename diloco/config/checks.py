@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from diloco.config.budget import parse_budget
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
@@ -138,8 +139,14 @@ def validate(cfg: Config) -> list[str]:
                  f"offline or disabled")
     if cfg.threads < 0:
         p.append(f"--threads must be 0 (default) or positive, got {cfg.threads}")
-    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith("cuda"):
+    index = re.fullmatch(r"cuda:(\d+)", cfg.device)
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if cfg.device not in ("auto", "cpu", "cuda") and index is None:
         p.append(f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    elif index is not None and local_rank.isdigit() and int(index[1]) != int(local_rank):
+        # under torchrun every rank reads the same flag: a fixed GPU would put them all on one device
+        p.append(f"--device {cfg.device} contradicts torchrun's LOCAL_RANK {local_rank} (every rank would use GPU "
+                 f"{index[1]}): pass --device cuda or auto, and each rank takes the GPU of its local rank")
     return p
 
 
