@@ -41,8 +41,8 @@ class OuterOptimizer:
         """θ_global, flat, in the order of :attr:`names`."""
         self.flat_momentum = torch.zeros(total, dtype=torch.float32, device=self.device, pin_memory=pin) \
             if self.mu else torch.zeros(0)
-        self.theta_global: dict[str, torch.Tensor] = self._views(self.flat)
-        self._momentum = self._views(self.flat_momentum) if self.mu else {}
+        self.theta_global: dict[str, torch.Tensor] = self.views(self.flat)
+        self._momentum = self.views(self.flat_momentum) if self.mu else {}
         with torch.no_grad():
             for n, p in params.items():
                 self.theta_global[n].copy_(p.detach())
@@ -50,7 +50,8 @@ class OuterOptimizer:
         self.lock = threading.Lock()
         """Held while θ_global or the outer momentum change, so that a thread serving them reads one state."""
 
-    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-name views of a flat buffer laid out as θ_global (this rank's shards one after the other)."""
         out, pos = {}, 0
         for n in self.names:
             numel = math.prod(self.shapes[n])

@@ -122,6 +122,8 @@ class DilocoConfig:
     """With `sync_every auto`: the largest fraction of a round its communication may take."""
     merge_alpha: float = 0.0
     """α: with `overlap none`, a fragment's parameters become α·θ_local + (1−α)·θ_global when its round is applied (0: θ_global, as plain DiLoCo; Streaming DiLoCo uses 0.5 with τ=1)."""
+    round_thread: bool = True
+    """Run each outer round on a thread of its own: at sending, the training thread only copies the parameters it trains on (when it trains on meanwhile) and hands the round over; catching up, fingerprints, Δ, the codec, the exchange, the vote, the registry's reads and the outer step happen off it; at applying, it only brings the parameters onto the result. `false` runs the round on the training thread (islands of one torch world always do)."""
 
 
 @dataclass

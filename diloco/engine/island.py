@@ -124,8 +124,11 @@ class Island:
         m, d, a, lg = cfg.model, cfg.diloco, cfg.averaging, cfg.logging
         self.stats = RunStats()
         self.unsent = FeedbackBuffers()
+        # the rounds' collectives (the exchange, the peer node, state transfer) on groups of their own when a thread
+        # of its own runs them
+        self.round_rt = round_rt = rt.round_view() if d.round_thread else rt
         # the peer node's processes are forked from this one: before the data and the model exist
-        self.peers = PeerNode(a, rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
+        self.peers = PeerNode(a, round_rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
                               unsent=self.unsent, stats=self.stats)
         self.peers.start()
         torch.manual_seed(cfg.seed)
@@ -154,7 +157,7 @@ class Island:
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
         self.fingerprint = config_fingerprint(cfg, "" if self.tokenizer.is_bytes else self.tokenizer.sha256)
-        self.exchange = BucketExchange(self.layout, self.params, self.specs, rt.group)
+        self.exchange = BucketExchange(self.layout, self.params, self.specs, round_rt.group)
         self.schedule = RoundSchedule(d, rt, self.stats, self.layout, list(self.params))
         # without a fixed H the cosine follows the run's progress
         self.inner_opt, self.inner_sched = build_inner(
@@ -165,7 +168,7 @@ class Island:
         self._stop = threading.Event()
         self.stopping = False
         self.peers.bind(self.layout, self.params, self.specs, self.exchange)
-        self.transfer = StateTransfer(a, rt=rt, stats=self.stats, outer=self.outer, params=self.params,
+        self.transfer = StateTransfer(a, rt=round_rt, stats=self.stats, outer=self.outer, params=self.params,
                                       exchange=self.exchange, peers=self.peers, schedule=self.schedule,
                                       forget_unsent=self.unsent.clear, fingerprint=self.fingerprint)
         self.peers.serve(self.transfer.provide, self.outer.lock, self.transfer.connected, self._stop.is_set)
@@ -173,9 +176,10 @@ class Island:
         hooks = [FaultHook(self.faults, self.outer, a.matchmaking_time + 3.0), MembershipHook(self.peers)]
         self.rounds = OuterRounds(d, a, rt=rt, stats=self.stats, schedule=self.schedule, outer=self.outer,
                                   params=self.params, exchange=self.exchange,
-                                  norm=IslandNorm(rt, self.layout, self.specs), peers=self.peers,
+                                  norm=IslandNorm(round_rt, self.layout, self.specs), peers=self.peers,
                                   transfer=self.transfer, unsent=self.unsent, fingerprint=self.fingerprint,
-                                  keeps_unsent=a.compression in LOSSY_CODECS and a.error_feedback, hooks=hooks)
+                                  keeps_unsent=a.compression in LOSSY_CODECS and a.error_feedback, hooks=hooks,
+                                  round_rt=round_rt, background=d.round_thread)
         self.metrics: MetricsLogger | NullMetrics = NullMetrics()
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(
@@ -301,13 +305,13 @@ class Island:
         loss, window = float("nan"), (time.perf_counter(), s.tokens)
         self.progress = Progress(100, self.name, percent=True, enabled=self.is_main and sys.stderr.isatty())
         first = (time.perf_counter(), s.tokens)
-        while s.outer_step < sched.total_rounds and not self.stop_agreed():
+        while sched.outer_step < sched.total_rounds and not self.stop_agreed():
             t_step = time.perf_counter()
             if s.inner_step % sched.interval == sched.interval // 2:
-                self.faults.at("inner", s.outer_step + 1)
+                self.faults.at("inner", sched.outer_step + 1)
             loss = self.train_step()
             s.compute_seconds += time.perf_counter() - t_step
-            self.progress.set(100 * sched.progress(), round=f"{s.outer_step + 1}/{sched.total_rounds}",
+            self.progress.set(100 * sched.progress(), round=f"{sched.outer_step + 1}/{sched.total_rounds}",
                               step=s.inner_step, loss=f"{loss:.3f}",
                               tokens_per_s=f"{(s.tokens - first[1]) / max(time.perf_counter() - first[0], 1e-9):,.0f}")
             if s.inner_step % cfg.logging.log_every == 0 or sched.sync_due():
@@ -361,7 +365,7 @@ class Island:
         self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
                           "lr": self.inner_sched.get_last_lr()[0], "tokens": s.tokens,
                           "tokens_per_second": tokens_per_second, **self.throughput.record(tokens_per_second),
-                          "outer_step": s.outer_step, "inner_step": s.inner_step})
+                          "outer_step": self.schedule.outer_step, "inner_step": s.inner_step})
         return now, s.tokens
 
     def _after_round(self, metrics: RoundMetrics, loss: float) -> None:

@@ -42,8 +42,10 @@ optimizer, the peer node (averager and member registry), the state transfer and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -169,12 +171,79 @@ class InFlight:
     send_seconds: float = 0.0
     compute_at_formed: float | None = None
     """``stats.compute_seconds`` when the round's group formed (this rank saw its all-reduce start)."""
+    source: Params = field(default_factory=dict)
+    """Where Δ is taken from: the parameters at sending (the same tensors as :attr:`anchor` when delayed, a
+    copy of them when the island trains on meanwhile, the parameters themselves when it waits)."""
+    proxy: Params = field(default_factory=dict)
+    """eager: where the island jumps at sending (θ_global stepped with its own Δ)."""
+    job: RoundJob | None = None
+    """The round's thread (``--diloco.round_thread``; None: the round runs on the training thread)."""
 
     def outgoing(self) -> Delta:
         """What the round sends: Δ, per million tokens under a budget other than steps."""
         if self.scale == 1.0:
             return self.delta
         return {n: d * self.scale for n, d in self.delta.items()}
+
+
+@dataclass
+class Settled:
+    """What a round ended with, before the island's parameters follow it (:meth:`OuterRounds.apply`)."""
+
+    result: RoundResult
+    reason: str = ""
+    """Why the round was rolled back ('' when it committed)."""
+    norm: float = float("nan")
+    avg_norm: float = float("nan")
+    retried: bool = False
+    unsent: Params = field(default_factory=dict)
+    """A committed round: β·e of the fragment's parameters, when a codec's unsent part waits in them."""
+    skipped: RoundMetrics | None = None
+    """A round the island did not average (it caught up, or it was left out): its metrics."""
+    adopted: int | None = None
+    """The island adopted another island's θ_global meanwhile: the phase the parameters restart at (-1: none
+    given); None when it did not."""
+
+
+class RoundJob:
+    """One round run by a thread of its own: the training thread hands it over and goes on training."""
+
+    def __init__(self, run: Callable[[RoundJob], Settled], device: torch.device):
+        self.sent = threading.Event()
+        """Set once the round was sent (or left out): what eager waits for before it jumps."""
+        self.settled: Settled | None = None
+        self.error: BaseException | None = None
+        self._run, self._device = run, device
+        self.thread = threading.Thread(target=self._main, name="diloco-round", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        try:
+            self.settled = self._run(self)
+        except BaseException as e:  # handed to the training thread, which raises it
+            self.error = e
+        finally:
+            self.sent.set()
+
+    def done(self) -> bool:
+        """Whether the round has ended (settled or failed) on this rank."""
+        return not self.thread.is_alive()
+
+    def wait_sent(self) -> None:
+        """Wait until the round was sent; raise what the round thread raised, if anything."""
+        self.sent.wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait(self) -> Settled:
+        """Wait for the round's end; raise what the round thread raised, if anything."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.settled is not None
+        return self.settled
 
 
 class IslandNorm:
@@ -298,6 +367,23 @@ class RoundSchedule:
         """Added to the inner step by the steps schedule: set when a state is adopted, so that the island's
         rounds fall due with the run's (see :meth:`adopted`)."""
         self._due: tuple[int, bool] = (-1, False)
+        self._in_flight: int | None = None
+        """The outer step the round in flight was sent at (None: no round in flight)."""
+
+    @property
+    def outer_step(self) -> int:
+        """The outer step as the training thread sees it: the one a round in flight was sent at, until it is
+        applied (a round thread moves ``stats.outer_step`` when it commits, at a moment that differs between
+        ranks; what the loop decides must not)."""
+        return self.stats.outer_step if self._in_flight is None else self._in_flight
+
+    def sent(self, rnd: int) -> None:
+        """A round was sent at outer step ``rnd``; it is in flight until :meth:`landed`."""
+        self._in_flight = rnd
+
+    def landed(self) -> None:
+        """The round in flight was applied."""
+        self._in_flight = None
 
     def fragment_of(self, rnd: int) -> int:
         return rnd % self.n
@@ -352,7 +438,7 @@ class RoundSchedule:
             part = (s.tokens - self.mark[1]) * self.n / self.budget.amount
         else:
             part = self._seconds_used() * self.n / self._amount()
-        return min(1.0, (s.outer_step + min(1.0, part)) / self.total_rounds)
+        return min(1.0, (self.outer_step + min(1.0, part)) / self.total_rounds)
 
     def send_scale(self, weight: float) -> float:
         """What Δ is multiplied by before sending: 1 by steps; per million tokens otherwise (see
@@ -450,24 +536,38 @@ class OuterRounds:
     this rank's local shards (sharing storage with the model's parameters), ``exchange`` the island's
     :class:`~peers.wire.exchange.BucketExchange` over ``layout``; ``transfer`` is the island's
     :class:`~diloco.engine.state_transfer.StateTransfer`; ``fingerprint`` the config fingerprint islands
-    must share."""
+    must share.
+
+    With ``background`` (``--diloco.round_thread``) a round runs on a thread of its own: at sending, the
+    training thread copies the fragment's parameters (when it trains on meanwhile) and hands the round over;
+    the round thread catches up, fingerprints θ_global, computes Δ, averages, votes, checks and takes the outer
+    step; at applying, the training thread only brings its parameters onto the result.  ``round_rt`` is the
+    runtime whose process groups the round thread's collectives use (groups of their own, so that they never
+    interleave with the training thread's); the exchange, the norm, the peer node and the state transfer
+    must be built over it."""
 
     def __init__(self, d: DilocoConfig, a: AveragingConfig, *, rt: Runtime, stats: RunStats,
                  schedule: RoundSchedule, outer: OuterOptimizer, params: Params, exchange: BucketExchange,
                  norm: IslandNorm, peers: PeerNode, transfer: StateTransfer, unsent: FeedbackBuffers, fingerprint: str,
-                 keeps_unsent: bool, hooks: list[RoundHook]):
+                 keeps_unsent: bool, hooks: list[RoundHook], round_rt: Runtime | None = None,
+                 background: bool = False):
         self.a, self.rt, self.stats, self.schedule = a, rt, stats, schedule
+        self.round_rt = round_rt or rt
         self.outer, self.params, self.exchange, self.norm = outer, params, exchange, norm
         self.peers, self.transfer, self.unsent, self.fingerprint = peers, transfer, unsent, fingerprint
         self.keeps_unsent = keeps_unsent
         """Whether a codec's unsent part is carried into later rounds (:attr:`unsent` fills)."""
         self.mode, self.tau, self.alpha = d.overlap, d.overlap_steps, d.merge_alpha
+        self.background = background and not rt.lockstep
+        """Whether rounds run on a thread of their own (islands of one torch world average in lockstep: never)."""
         self.guard = NormGuard(a.max_norm_ratio)
         self.hooks = hooks
         self.flight: InFlight | None = None
         self._delta_views: dict[str, torch.Tensor] | None = None
-        """Where Δ is written each round when the island is one process holding every parameter whole: one flat
-        buffer in the layout's order, allocated once, whose buckets the averager sends without a copy."""
+        """Where Δ is written each round, allocated once (pinned on a GPU host, so that the copies of the
+        parameters into it run asynchronously): one flat buffer in the canonical layout's order when the island
+        is one process holding every parameter whole (the averager sends its buckets without a copy), else
+        this rank's shards one after the other."""
 
     @property
     def blocking(self) -> bool:
@@ -487,21 +587,50 @@ class OuterRounds:
         if self.mode == "none":
             return True
         # islands of one torch world finish their rounds together (the fallback's collectives span them)
-        return self.rt.reduce([float(f.pending.done())], op="min", world=self.rt.lockstep)[0] > 0
+        done = f.job.done() if f.job is not None else f.pending.done()
+        return self.rt.reduce([float(done)], op="min", world=self.rt.lockstep)[0] > 0
 
     # ----------------------------------------------------------------------------------------- send
     def send(self) -> RoundMetrics | None:
         """Collective: catch up if the run moved on without us (the round's metrics), else send the round's
-        pseudo-gradient (None: it is in flight until :meth:`apply`)."""
+        pseudo-gradient (None: it is in flight until :meth:`apply`).  With :attr:`background` every round is
+        in flight: a round the island does not average ends, with its metrics, at :meth:`apply`."""
+        t0 = time.perf_counter()
+        s, sched = self.stats, self.schedule
+        fragment = sched.fragment_of(s.outer_step)
+        weight = float(s.tokens - sched.tokens_at_sync[fragment])
+        f = InFlight(s.outer_step, fragment, sched.fragment_names[fragment], {}, weight,
+                     {"outer_step": s.outer_step, "config_fingerprint": self.fingerprint, **sched.report()}, None,
+                     s.inner_step, s.tokens, t0, scale=sched.send_scale(weight))
+        if not self.background:
+            with self.transfer.deferring() as adopted:
+                skipped = self._open(f, self.params)
+            if skipped is not None:
+                self._adopted(adopted.phase)
+                return skipped
+            self._train_from_meanwhile(f)
+        else:
+            with torch.no_grad():
+                # what Δ is taken from: the parameters as they are now, kept aside unless the island waits
+                f.source = self.params if self.blocking else {n: self.params[n].detach().clone() for n in f.names}
+            f.job = RoundJob(lambda job: self._settle(f, job), self.rt.device)
+            self._train_from_meanwhile(f)
+        sched.sent(f.rnd)
+        f.send_seconds = time.perf_counter() - t0
+        self.flight = f
+        return None
+
+    def _open(self, f: InFlight, source: Params) -> RoundMetrics | None:
+        """Collective over the round's groups: catch up if the run moved on without us, or leave the round out
+        when outvoted (the round's metrics), else take Δ of ``f``'s fragment from ``source`` and start averaging
+        it (None)."""
         self.peers.rejoin_if_alone(self.transfer.main_decides)
-        rnd = self.stats.outer_step + 1
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.stats.rounds_failed += 1
-            self.stats.failures.append(f"round {rnd}: behind the run, caught up from a peer")
+            self.stats.failures.append(f"round {f.rnd + 1}: behind the run, caught up from a peer")
             return RoundMetrics.skipped(self.stats, self.outer.lr, "behind the run; caught up from a peer")
-        t0 = time.perf_counter()
-        rnd, s, sched = self.stats.outer_step, self.stats, self.schedule
+        rnd = f.rnd
         for h in self.hooks:
             h.before(rnd)
         state = self.theta_fingerprint()
@@ -509,33 +638,26 @@ class OuterRounds:
             h.starting(rnd, state)
         if self.transfer.outvoted(rnd, state, wait=self.blocking):
             return self._leave_out(rnd)
-        fragment = sched.fragment_of(rnd)
-        names = sched.fragment_names[fragment]
-        delta = self.outer.pseudo_gradient(self.params, names, out=self._delta_buffer())
+        f.delta = self.outer.pseudo_gradient(source, f.names, out=self._delta_buffer())
         for h in self.hooks:
-            delta = h.outgoing(rnd, delta)
-        weight = float(s.tokens - sched.tokens_at_sync[fragment])
-        meta = {"outer_step": rnd, "config_fingerprint": self.fingerprint, "state_fingerprint": state,
-                **sched.report()}
+            f.delta = h.outgoing(rnd, f.delta)
+        f.meta["state_fingerprint"] = state
         # a group forms as soon as every island the registry expects in this round has joined, not after the
         # whole matchmaking window
         expected = self.transfer.main_decides(lambda: self.peers.membership.round_size(rnd)) \
             if self.peers.membership is not None and not self.rt.lockstep else None
-        f = InFlight(rnd, fragment, names, delta, weight, meta, None, s.inner_step, s.tokens, time.perf_counter(),
-                     scale=sched.send_scale(weight))
-        f.pending = self.peers.averager.start(f.outgoing(), weight, meta, round_id=round_id(rnd),
-                                              on_stage=self._on_stage(f), buckets=sched.buckets(fragment),
+        f.pending = self.peers.averager.start(f.outgoing(), f.weight, f.meta, round_id=round_id(rnd),
+                                              on_stage=self._on_stage(f), buckets=self.schedule.buckets(f.fragment),
                                               expected_group_size=expected)
-        self._train_from_meanwhile(f)
-        f.send_seconds = time.perf_counter() - t0
-        self.flight = f
+        if self.mode == "eager":
+            f.proxy = self.outer.peek({n: f.delta[n] for n in f.names})
         return None
 
     def _delta_buffer(self) -> dict[str, torch.Tensor] | None:
-        if self._delta_views is None and self.exchange.whole and self.outer.device.type == "cpu":
-            # pinned on a GPU host: the parameters' copies into it run asynchronously
-            self._delta_views = self.exchange.flat_views(torch.empty(self.exchange.layout.total_numel,
-                                                                     pin_memory=torch.cuda.is_available()))
+        if self._delta_views is None and self.outer.device.type == "cpu":
+            flat = torch.empty(self.exchange.layout.total_numel if self.exchange.whole else self.outer.flat.numel(),
+                               pin_memory=torch.cuda.is_available())
+            self._delta_views = self.exchange.flat_views(flat) if self.exchange.whole else self.outer.views(flat)
         return self._delta_views
 
     def round(self) -> RoundMetrics:
@@ -544,14 +666,20 @@ class OuterRounds:
 
     @torch.no_grad()
     def _train_from_meanwhile(self, f: InFlight) -> None:
-        """Right after ``f`` was sent: remember where the island trains from (and jump, if eager)."""
+        """Right after ``f`` was handed over or sent: remember where the island trains from (and jump, if eager,
+        once the round was sent)."""
         f.steps = self.schedule.restart_budget()
         if self.mode == "none":
             return
         if self.mode == "eager":
-            f.undo = {n: self.params[n].detach().clone() for n in f.names}
-            for n, theta in self.outer.peek({n: f.delta[n] for n in f.names}).items():
+            f.undo = f.source if f.source else {n: self.params[n].detach().clone() for n in f.names}
+            if f.job is not None:
+                f.job.wait_sent()  # the jump needs the island's own Δ
+            for n, theta in f.proxy.items():
                 self.params[n].copy_(theta)
+        elif f.source:
+            f.anchor = f.source  # delayed: the copy taken at sending is where the island trained from since
+            return
         f.anchor = {n: self.params[n].detach().clone() for n in f.names}
 
     def _on_stage(self, f: InFlight) -> Callable[[str], None]:
@@ -578,10 +706,64 @@ class OuterRounds:
 
     # ---------------------------------------------------------------------------------------- apply
     def apply(self) -> RoundMetrics:
-        """Collective: wait for the round in flight, validate it, commit it or roll it back."""
+        """Collective: wait for the round in flight, validate it, commit it or roll it back, and bring the
+        island's parameters onto the outcome."""
         f, self.flight = self.flight, None
         t0 = time.perf_counter()
         in_flight = t0 - f.t_sent
+        if f.job is not None:
+            settled = f.job.wait()
+        else:
+            with self.transfer.deferring() as adopted:
+                settled = self._close(f)
+            settled.adopted = adopted.phase
+        if settled.adopted is not None:
+            self._adopted(settled.adopted)
+        elif settled.skipped is None and not settled.reason:
+            self._follow_theta(f, settled.unsent)
+        elif settled.skipped is None:
+            self._keep_own_progress(f)
+        s, result = self.stats, settled.result
+        stall = f.send_seconds + time.perf_counter() - t0
+        self.schedule.landed()
+        if settled.skipped is not None:
+            s.stall_seconds += stall
+            return dataclasses.replace(settled.skipped, stall_seconds=stall, send_seconds=f.send_seconds)
+        self.schedule.finished(result, stall)
+        self.schedule.aligned(f)
+        s.stall_seconds += stall
+        return RoundMetrics(
+            round_ok=int(not settled.reason), num_peers=result.group_size, pseudo_grad_norm=settled.norm,
+            averaged_pseudo_grad_norm=settled.avg_norm, allreduce_seconds=result.seconds, bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received, payload_bytes_sent=s.payload_bytes_sent, outer_lr=self.outer.lr,
+            round_failure=settled.reason, averaging_backend=result.backend or "none",
+            used_fallback=int(bool(result.fallback_reason)), retried=int(settled.retried),
+            overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
+            send_seconds=f.send_seconds, fragment=f.fragment, inner_steps=f.steps, weight=f.weight,
+            group_weight=float(result.total_weight), unsent_norm=self._unsent_norm(),
+            exchange_seconds=float(result.exchange_seconds), round_payload_bytes=int(result.island_bytes_sent),
+            parts_resent=int(result.parts_resent))
+
+    def _adopted(self, phase: int | None) -> None:
+        """Another island's θ_global replaced ours during the round (None: it did not): train on from it, on the
+        round schedule of the island that served it (``phase`` -1: none given)."""
+        if phase is not None:
+            self.outer.copy_to(self.params)
+            self.schedule.adopted(phase if phase >= 0 else None)
+
+    def _settle(self, f: InFlight, job: RoundJob) -> Settled:
+        """The round thread's whole round (collective over the round's groups): open it (and tell eager it was
+        sent), then close it; another island's θ_global adopted meanwhile reaches the parameters at :meth:`apply`."""
+        with self.transfer.deferring() as adopted:
+            skipped = self._open(f, f.source)
+            job.sent.set()
+            settled = Settled(RoundResult(False), skipped=skipped) if skipped is not None else self._close(f)
+        settled.adopted = adopted.phase
+        return settled
+
+    def _close(self, f: InFlight) -> Settled:
+        """Collective over the round's groups: wait for the averager, validate its result, commit the outer step or
+        roll the round back (θ_global, the counters, the registry; the parameters follow at :meth:`apply`)."""
         result, averaged = self.peers.averager.finish(f.pending)
         result, averaged, retried = self._average_again(f, result, averaged)
         u = 1.0
@@ -594,30 +776,18 @@ class OuterRounds:
         # compares their averages per million tokens, as they travelled, not the longer round's larger Δ
         guarded, what = (avg_norm, "") if u == 1.0 or u <= 0 else (avg_norm / u, " per million tokens")
         reason = result.reason or self.guard.check(guarded, what) or self._overflow(averaged)
+        settled = Settled(result, reason, norm, avg_norm, retried)
         if reason:
             self._roll_back(f, reason, result)
         else:
             self._commit(f, averaged, guarded)
+            self._unscale_feedback(f)
+            settled.unsent = self._unsent(f.fragment)
         for h in self.hooks:
             h.after(self.stats.outer_step)
-        backend = result.backend or "none"
-        self.peers.count_bytes(result.bytes_sent, result.bytes_received, through_torch=backend == "torch")
-        s = self.stats
-        s.comm_seconds += result.seconds
-        stall = f.send_seconds + time.perf_counter() - t0
-        self.schedule.finished(result, stall)
-        self.schedule.aligned(f)
-        s.stall_seconds += stall
-        return RoundMetrics(
-            round_ok=int(not reason), num_peers=result.group_size, pseudo_grad_norm=norm,
-            averaged_pseudo_grad_norm=avg_norm, allreduce_seconds=result.seconds, bytes_sent=s.bytes_sent,
-            bytes_received=s.bytes_received, payload_bytes_sent=s.payload_bytes_sent, outer_lr=self.outer.lr,
-            round_failure=reason, averaging_backend=backend, used_fallback=int(bool(result.fallback_reason)),
-            retried=int(retried), overlap_seconds=max(0.0, min(in_flight, result.seconds)), stall_seconds=stall,
-            send_seconds=f.send_seconds, fragment=f.fragment, inner_steps=f.steps, weight=f.weight,
-            group_weight=float(result.total_weight), unsent_norm=self._unsent_norm(),
-            exchange_seconds=float(result.exchange_seconds), round_payload_bytes=int(result.island_bytes_sent),
-            parts_resent=int(result.parts_resent))
+        self.peers.count_bytes(result.bytes_sent, result.bytes_received, through_torch=result.backend == "torch")
+        self.stats.comm_seconds += result.seconds
+        return settled
 
     def _average_again(self, f: InFlight, result: RoundResult, averaged: Delta | None
                        ) -> tuple[RoundResult, Delta | None, bool]:
@@ -659,7 +829,7 @@ class OuterRounds:
     def _overflow(self, averaged: Delta) -> str:
         """Collective: why the outer step must not be applied although Δ is fine ('' if it may)."""
         finite = self.outer.step_is_finite(averaged)
-        if self.rt.reduce([float(not finite)], op="max")[0]:
+        if self.round_rt.reduce([float(not finite)], op="max")[0]:
             return "the outer step would make θ_global non-finite (lower --diloco.outer_lr)"
         return ""
 
@@ -668,7 +838,6 @@ class OuterRounds:
             self.outer.step(averaged)
             self.stats.outer_step += 1
         self.peers.averager.commit(f.pending)
-        self._follow_theta(f)
         self.guard.record(guarded_norm)
         self.transfer.after_commit()
         self.stats.rounds_ok += 1
@@ -676,7 +845,6 @@ class OuterRounds:
 
     def _roll_back(self, f: InFlight, reason: str, result: RoundResult) -> None:
         rnd = f.rnd
-        self._keep_own_progress(f)
         self.stats.rounds_failed += 1
         self.stats.failures.append(f"round {rnd + 1}: {reason}")
         if result.left_behind:
@@ -695,12 +863,11 @@ class OuterRounds:
 
     # ------------------------------------------------------------------- the parameters after a round
     @torch.no_grad()
-    def _follow_theta(self, f: InFlight) -> None:
+    def _follow_theta(self, f: InFlight, unsent: Params) -> None:
         """θ_global moved by the round of ``f``: bring the fragment's parameters onto it (onto θ_global − β·e
-        when the codec's unsent part e waits in the parameters: ``--averaging.error_feedback_in params``)."""
+        when the codec's unsent part e waits in the parameters, ``unsent``: ``--averaging.error_feedback_in
+        params``)."""
         params, theta = self.params, self.outer.theta_global
-        self._unscale_feedback(f)
-        unsent = self._unsent(f.fragment)
         if self.mode == "none":
             for n in f.names:
                 target = theta[n].to(params[n].device, params[n].dtype)

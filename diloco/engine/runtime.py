@@ -9,6 +9,7 @@ goes through the small control collectives here.
 
 from __future__ import annotations
 
+import dataclasses
 import ctypes
 import datetime
 import os
@@ -227,6 +228,16 @@ class Runtime:
         errors = [e for e in self.gather_all(error, world=world) if e]
         if errors:
             raise exc(errors[0])
+
+    def round_view(self) -> Runtime:
+        """Collective: this runtime over process groups of its own (the same ranks; gloo: a round's tensors are on
+        the host), for a round thread whose collectives must never interleave with the training thread's.
+        A single process, or islands of one torch world (their rounds are world collectives on the training
+        thread), share this runtime."""
+        if self.size == 1 or self.lockstep:
+            return self
+        group = dist.new_group(backend="gloo")
+        return dataclasses.replace(self, group=group, ctrl=group, world_ctrl=group, owns_process_group=False)
 
     def close(self) -> None:
         """Destroy the process group if this runtime created it."""

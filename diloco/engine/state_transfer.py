@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -50,6 +52,14 @@ class Schedule(Protocol):
         """Whether rounds fall due by inner steps right now."""
 
 
+@dataclass
+class Adoption:
+    """Whether a state was adopted inside :meth:`StateTransfer.deferring` (``phase`` None: none was), and the
+    phase of its server's H-step cycle (-1: not given)."""
+
+    phase: int | None = None
+
+
 class StateTransfer:
     """Serving, downloading and adopting θ_global for one island rank (collective where it says so)."""
 
@@ -63,6 +73,7 @@ class StateTransfer:
         self.serving = True
         """Whether this island serves its θ_global now (not while it replaces it with another island's)."""
         self._downloads = 0
+        self._deferred: Adoption | None = None
 
     # ------------------------------------------------------------------------- serving
     def provide(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
@@ -255,6 +266,18 @@ class StateTransfer:
         finally:
             self._serve(True)
 
+    @contextmanager
+    def deferring(self) -> Iterator[Adoption]:
+        """Inside the block, a state adopted (:meth:`adopt`) replaces θ_global, the outer momentum and step at once,
+        but the island's parameters and round schedule are left to the caller: the yielded :class:`Adoption`
+        says whether one was, and from which phase the parameters restart (a round thread must not write the
+        parameters the training thread trains)."""
+        self._deferred = Adoption()
+        try:
+            yield self._deferred
+        finally:
+            self._deferred = None
+
     # ------------------------------------------------------------------ download, adopt
     def download(self, target: list[float] | None = None) -> State | None:
         """Collective: every rank downloads the buckets it owns from every rank of the freshest island that
@@ -341,8 +364,12 @@ class StateTransfer:
             self.outer.set_momentum_buffers(tensors[n:])
             self.outer.step_count = int(meta.get("outer_step", 0))
             self.stats.outer_step = int(meta.get("outer_step", 0))
-        self.outer.copy_to(self.params)
         # the inner steps since the last sync were dropped with the state; the round schedule is the server's
-        self.schedule.adopted(meta["phase"] if meta.get("phase", -1) >= 0 else None)
+        phase = int(meta.get("phase", -1))
+        if self._deferred is not None:
+            self._deferred.phase = phase
+        else:
+            self.outer.copy_to(self.params)
+            self.schedule.adopted(phase if phase >= 0 else None)
         if self.forget_unsent():  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
