@@ -86,7 +86,8 @@ COMPARE_DEFAULTS: dict[str, Any] = {
 
 
 def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
-                latency_ms: float = 0.0, warm_start_steps: int = 0,
+                latency_ms: float = 0.0, rtt_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0,
+                warm_start_steps: int = 0,
                 warm_start_lr: float | None = None, arms: list[str] = (), codecs: list[str] = ()) -> Path:
     """Run single worker, synchronous baseline and DiLoCo (and the overlapped DiLoCo ``arms``, names of
     :data:`ARMS`, and the low-bit ``codecs``, names of :data:`CODEC_ARMS`); write the report; return ``results.md``.
@@ -119,14 +120,15 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     extra: list[RunResult] = []
     try:
         if rate:
-            ok, why = netns.available(delay=latency_ms > 0)
+            ok, why = netns.available(delay=bool(latency_ms or rtt_ms or jitter_ms or loss))
             if ok:
-                network = netns.EmulatedNetwork(islands, rate=rate, latency_ms=latency_ms)
+                network = netns.EmulatedNetwork(islands, rate=rate, latency_ms=latency_ms, rtt_ms=rtt_ms,
+                                                jitter_ms=jitter_ms, loss=loss)
                 rate_bits = network.measure_rate(0, 1, seconds=2)
                 capped = True
                 msg = (f"link: every worker on its own emulated host, links capped at {rate} "
                        f"({network.rate_bits / 1e6:g} Mbit/s configured, {rate_bits / 1e6:.2f} Mbit/s TCP goodput "
-                       f"measured host0→host1)" + (f", {latency_ms:g} ms one-way latency" if latency_ms else ""))
+                       f"measured host0→host1)" + (f", {network.impairments}" if network.impairments else ""))
             else:
                 msg = f"link: {why}"
             say(msg, flush=True)
@@ -256,7 +258,10 @@ def _param_count(cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.compare --islands K [--rate 20mbit] [--out DIR] [--section.key VALUE ...]``."""
+    """``python -m experiments.compare --islands K [--rate 20mbit [--rtt MS] [--jitter MS] [--loss FRACTION]]
+    [--out DIR] [--section.key VALUE ...]``."""
+    from experiments import netns
+
     parser = argparse.ArgumentParser(
         prog="python -m experiments.compare",
         description="DiLoCo vs synchronous data parallelism vs a single worker: loss, bytes, wall-clock.",
@@ -266,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default=None,
                         help="cap every worker's link at this rate, e.g. 20mbit (needs root and iproute2; "
                              "default: loopback, no cap)")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency between hosts (needs netem)")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="deprecated: one-way latency between hosts, the same as --rtt of twice as much")
+    netns.add_link_arguments(parser)
     parser.add_argument("--out", default="experiments/results/compare", help="output directory")
     parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,
@@ -296,12 +303,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_load.load(args.config, rest, defaults=COMPARE_DEFAULTS)
         rate = args.rate if args.rate and args.rate.lower() not in ("none", "off", "0") else None
         if rate:
-            from experiments.netns import parse_rate
-
             try:
-                parse_rate(rate)
+                netns.parse_rate(rate)
             except ValueError as e:
                 raise ConfigError([f"--rate: {e}"]) from None
+        try:
+            link = netns.link_arguments(args, rate)
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+        if not args.latency_ms >= 0:
+            raise ConfigError([f"--latency-ms must be a number of milliseconds >= 0, got {args.latency_ms:g}"])
+        if args.latency_ms and link["rtt_ms"]:
+            raise ConfigError(["--latency-ms is the deprecated one-way spelling of --rtt: give one of them"])
         if args.warm_start_steps < 0:
             raise ConfigError([f"--warm-start-steps must be 0 or more, got {args.warm_start_steps}"])
         if not args.warm_start_lr > 0:
@@ -315,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [c for c in codecs if c not in CODEC_ARMS]
         if unknown:
             raise ConfigError([f"--compression {','.join(unknown)} is not one of {', '.join(CODEC_ARMS)}"])
-        run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms,
+        run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms, **link,
                     warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms,
                     codecs=codecs)
         return 0
@@ -328,9 +341,6 @@ __all__ = ["run_compare", "launch_islands", "curve_from_metrics", "COMPARE_DEFAU
            "wall_model_line", "acceptance_lines"]
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
 
 
 MATCHED = "matched"
@@ -402,3 +412,8 @@ def unknown_arms(names: list[str]) -> list[str]:
         mode, plus, codec = name.partition("+")
         return mode in ARMS and (not plus or codec in CODEC_ARMS)
     return [n for n in names if not known(n)]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -14,9 +14,15 @@ directions of every host link: on the egress of the host-side ``eth0``
 traffic from host A to host B crosses A's uplink and B's downlink, and
 several flows leaving one host share its uplink, as on a real network.
 
-Optional one-way latency needs the kernel's ``sch_netem``; half of
-``latency_ms`` is added at each of the two egress points on a path, so one
-way between two hosts costs ``latency_ms`` and a round trip ``2*latency_ms``.
+Latency (``rtt_ms``), jitter, random loss and hosts behind NAT come from a
+userspace delay line (:mod:`experiments.delay_line`) where the kernel has no
+``sch_netem``, or where more than latency is asked: the hosts then have no veth
+and no bridge but a TUN device ``tun0`` each (same addresses), and one
+forwarder process in the hub namespace carries every packet between them,
+pacing each host's uplink and downlink at ``rate`` as tbf would. Where netem
+exists, a network with latency alone keeps the veth/bridge/tbf path and netem
+adds a quarter of ``rtt_ms`` at each of the two egress points of a path and
+direction. ``delay_line=True`` or ``False`` picks the path explicitly.
 
 Typical use::
 
@@ -30,13 +36,15 @@ Typical use::
 
 ``close()`` (also run by ``__exit__``, by SIGINT/SIGTERM/SIGHUP handlers
 installed while the network exists, and at interpreter exit) kills every
-process still running inside the network's namespaces, then deletes the
+process still running inside the network's namespaces (the delay line's
+forwarder lives in the hub namespace, so it is one of them), then deletes the
 namespaces (which removes their links). ``cleanup_stale()`` removes leftovers
 of an earlier run that was SIGKILLed.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import math
@@ -54,6 +62,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.launch.proctable import is_running, read_stat
+from experiments.delay_line import (
+    DEFAULT_MTU,
+    TUN_NAME,
+    DelayLineConfig,
+    Endpoint,
+    bucket_bytes,
+    start_forwarder,
+)
 
 DEFAULT_PREFIX = "dlc-"
 FALLBACK_NOTE = "running on loopback without a bandwidth cap"
@@ -234,30 +250,38 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, only_dead_owners: bool = True) -
 
 # --------------------------------------------------------------------------- availability
 
-_AVAILABLE_CACHE: dict[bool, tuple[bool, str]] = {}
+# what a probe checks: the veth/bridge/tbf path, the same with netem, or the delay line's TUN devices
+_TBF, _NETEM, _TUN = "tbf", "netem", "tun"
+_AVAILABLE_CACHE: dict[str, tuple[bool, str]] = {}
 
 
 def _unavailable(detail: str) -> tuple[bool, str]:
     return False, f"emulated links need root and iproute2 (ip, tc) [{detail}]; {FALLBACK_NOTE}"
 
 
-def _probe(delay: bool) -> tuple[bool, str]:
+def _probe(what: str) -> tuple[bool, str]:
     if not sys.platform.startswith("linux"):
         return _unavailable(f"not Linux ({sys.platform})")
     if os.geteuid() != 0:
         return _unavailable("not running as root")
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    missing = [t for t in (("ip",) if what == _TUN else ("ip", "tc")) if shutil.which(t) is None]
     if missing:
         return _unavailable(f"missing {', '.join(missing)}: apt-get install -y iproute2")
+    if what == _TUN and not os.path.exists("/dev/net/tun"):
+        return _unavailable("no /dev/net/tun for the delay line's TUN devices: modprobe tun")
     ns = f"{DEFAULT_PREFIX}probe{os.getpid()}x{secrets.token_hex(2)}"
-    steps = [
-        ["ip", "netns", "add", ns],
-        ["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
-        ["ip", "-n", ns, "link", "add", "br0", "type", "bridge"],
-        ["ip", "-n", ns, "link", "set", "pb", "master", "br0"],
-        ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "4096", "latency", "50ms"],
-    ]
-    if delay:
+    steps = [["ip", "netns", "add", ns]]
+    if what == _TUN:
+        steps.append(["ip", "-n", ns, "tuntap", "add", "dev", "t0", "mode", "tun"])
+    else:
+        steps += [
+            ["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+            ["ip", "-n", ns, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", ns, "link", "set", "pb", "master", "br0"],
+            ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "4096", "latency",
+             "50ms"],
+        ]
+    if what == _NETEM:
         steps.append(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"])
     try:
         for cmd in steps:
@@ -265,24 +289,76 @@ def _probe(delay: bool) -> tuple[bool, str]:
             if res.returncode != 0:
                 err = (res.stderr or res.stdout).strip().splitlines()
                 if "netem" in cmd:
-                    return False, ("latency emulation needs the kernel's netem qdisc (sch_netem), which is missing "
-                                   "here; the bandwidth cap works without it (use latency_ms=0)")
+                    return False, "the kernel has no netem qdisc (sch_netem); the delay line can stand in for it"
                 return _unavailable(f"'{' '.join(cmd[:6])} ...' failed: {err[-1] if err else res.returncode}")
     finally:
         _run(["ip", "netns", "delete", ns], check=False)
-    return True, "network namespaces, veth, bridge and tbf" + (" and netem" if delay else "") + " work"
+    return True, {_TBF: "network namespaces, veth, bridge and tbf work",
+                  _NETEM: "network namespaces, veth, bridge, tbf and netem work",
+                  _TUN: "network namespaces and TUN devices work (the userspace delay line)"}[what]
+
+
+def _available(what: str, refresh: bool = False) -> tuple[bool, str]:
+    if refresh or what not in _AVAILABLE_CACHE:
+        _AVAILABLE_CACHE[what] = _probe(what)
+    return _AVAILABLE_CACHE[what]
 
 
 def available(delay: bool = False, refresh: bool = False) -> tuple[bool, str]:
     """Whether emulated links can be built here, with a one-line reason.
 
-    Really creates (and deletes) a probe namespace with a veth pair, a bridge and a
-    tbf qdisc. ``delay=True`` additionally requires netem (for ``latency_ms > 0``).
+    ``delay=False``: rate-capped links; really creates (and deletes) a probe namespace with
+    a veth pair, a bridge and a tbf qdisc. ``delay=True``: links with latency, jitter, loss
+    or hosts behind NAT, which the userspace delay line can always emulate: root, ``ip`` and
+    ``/dev/net/tun`` (the probe creates a TUN device in a namespace); netem is not needed.
     The result is cached per process unless ``refresh``.
     """
-    if refresh or delay not in _AVAILABLE_CACHE:
-        _AVAILABLE_CACHE[delay] = _probe(delay)
-    return _AVAILABLE_CACHE[delay]
+    return _available(_TUN if delay else _TBF, refresh)
+
+
+def _check_link(rtt_ms: float, jitter_ms: float, loss: float, names: tuple[str, str, str]) -> None:
+    """Raise ValueError, in one sentence naming the setting (``names``: how the caller spells rtt, jitter, loss),
+    unless the values describe a link."""
+    rtt_name, jitter_name, loss_name = names
+    for name, value in ((rtt_name, rtt_ms), (jitter_name, jitter_ms)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a number of milliseconds >= 0, got {value!r}")
+    if jitter_ms > rtt_ms / 2:
+        raise ValueError(f"{jitter_name} must not exceed half of {rtt_name} (the one-way delay it varies), "
+                         f"got {jitter_ms:g} against {rtt_ms:g}")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0 <= loss < 1:
+        raise ValueError(f"{loss_name} must be a fraction of packets in [0, 1), e.g. 0.01, got {loss!r}")
+
+
+LINK_FLAGS = ("--rtt", "--jitter", "--loss")
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--rtt``, ``--jitter`` and ``--loss`` (read them with :func:`link_arguments`)."""
+    parser.add_argument("--rtt", default="0", metavar="MS",
+                        help="round-trip time between emulated hosts in ms (with --rate; default 0)")
+    parser.add_argument("--jitter", default="0", metavar="MS",
+                        help="each one-way delay varies uniformly by up to this many ms, at most --rtt/2 "
+                             "(packets of one flow keep their order; default 0)")
+    parser.add_argument("--loss", default="0", metavar="FRACTION",
+                        help="share of packets lost at random, e.g. 0.01 (with --rate; default 0)")
+
+
+def link_arguments(args: argparse.Namespace, rate: str | None) -> dict[str, float]:
+    """``rtt_ms``, ``jitter_ms`` and ``loss`` for :class:`EmulatedNetwork` from :func:`add_link_arguments`' flags;
+    ValueError, in one sentence naming the flag, for a bad value or for any of them without a ``rate``."""
+    values = []
+    for flag in LINK_FLAGS:
+        text = getattr(args, flag[2:])
+        try:
+            values.append(float(text))
+        except ValueError:
+            raise ValueError(f"{flag} must be a number, got {text!r}") from None
+    _check_link(*values, names=LINK_FLAGS)
+    if any(values) and not rate:
+        raise ValueError("--rtt, --jitter and --loss shape the emulated links of --rate: give --rate too, "
+                         "e.g. --rate 20mbit")
+    return dict(zip(("rtt_ms", "jitter_ms", "loss"), values))
 
 
 _RX_SCRIPT = r"""
@@ -349,7 +425,8 @@ def measure_rate(net: EmulatedNetwork, src: int, dst: int, seconds: float = 2) -
 
     Sends zeros for ``seconds`` (at most ~2x the configured rate's worth of bytes)
     and times them at the receiver. Goodput is ~4-5% under the configured rate
-    because tbf counts Ethernet/IP/TCP headers.
+    because tbf counts Ethernet/IP/TCP headers (~0.3% behind the delay line, whose
+    packets are up to its 16000-byte MTU and carry no Ethernet header).
     """
     if src == dst:
         raise ValueError("measure_rate needs two different hosts")
@@ -400,17 +477,25 @@ crossed the sender's link twice: the kernel's ``bytes_sent`` then equals the lin
 class Host:
     index: int
     namespace: str
-    address: str  # IPv4 address of the host's eth0 inside its namespace
-    interface: str = "eth0"
-    bridge_port: str = ""  # name of the peer veth in the hub namespace
+    address: str  # IPv4 address other hosts reach this one at (on its eth0, or its tun0 behind the delay line)
+    interface: str = "eth0"  # the device that address is on
+    bridge_port: str = ""  # name of the peer veth in the hub namespace ("" behind the delay line)
 
 
 class EmulatedNetwork:
-    """N emulated hosts joined through a bridge by rate-capped links (see module doc).
+    """N emulated hosts joined by rate-capped links, through a bridge or the delay line (see module doc).
+
+    ``rtt_ms`` is the round-trip time between any two hosts; each one-way delay varies uniformly
+    by up to ``jitter_ms`` (at most ``rtt_ms / 2``); ``loss`` is the probability that a packet
+    is lost; the hosts whose indices are in ``nat`` accept no inbound TCP connection.
+    ``latency_ms`` is the deprecated one-way spelling of ``rtt_ms / 2``. ``delay_line``: None
+    picks the path (the delay line unless only a rate, or a rate and latency on a kernel with
+    netem, is asked), True or False forces it. ``tun_mtu`` is the delay line's MTU.
 
     Building happens in the constructor; use as a context manager or call ``close()``.
     Raises ``NetworkSetupError`` when the kernel/tools cannot build it (check
-    ``available()`` first to fall back gracefully).
+    ``available()``, or ``available(delay=True)`` for latency, loss or NAT, first to fall
+    back gracefully).
     """
 
     def __init__(
@@ -420,6 +505,12 @@ class EmulatedNetwork:
         latency_ms: float = 0,
         run_id: str | None = None,
         *,
+        rtt_ms: float = 0,
+        jitter_ms: float = 0,
+        loss: float = 0.0,
+        nat: tuple[int, ...] | list[int] = (),
+        delay_line: bool | None = None,
+        tun_mtu: int = DEFAULT_MTU,
         prefix: str = DEFAULT_PREFIX,
         subnet: int = 0,
         queue_ms: float = 50.0,
@@ -431,6 +522,17 @@ class EmulatedNetwork:
             raise ValueError(f"subnet must be in 0..255, got {subnet!r}")
         if not math.isfinite(latency_ms) or latency_ms < 0:
             raise ValueError(f"latency_ms must be >= 0, got {latency_ms!r}")
+        if latency_ms and rtt_ms:
+            raise ValueError("give rtt_ms or latency_ms (its deprecated one-way alias), not both")
+        rtt_ms = rtt_ms or 2 * latency_ms
+        _check_link(rtt_ms, jitter_ms, loss, names=("rtt_ms", "jitter_ms", "loss"))
+        if isinstance(nat, (str, bytes)) or not all(isinstance(i, int) and 0 <= i < n_hosts for i in nat):
+            raise ValueError(f"nat must list host indices in 0..{n_hosts - 1}, got {nat!r}")
+        if not isinstance(tun_mtu, int) or not 576 <= tun_mtu <= 65535:
+            raise ValueError(f"tun_mtu must be an int in 576..65535, got {tun_mtu!r}")
+        beyond_netem = bool(jitter_ms or loss or nat)  # what only the delay line emulates
+        if delay_line is False and beyond_netem:
+            raise ValueError("jitter, loss and NAT need the delay line: leave delay_line unset or set it True")
         if run_id is None:
             run_id = secrets.token_hex(3)
         if not re.fullmatch(r"[A-Za-z0-9_.]{1,40}", run_id):
@@ -441,7 +543,16 @@ class EmulatedNetwork:
         self.n_hosts = n_hosts
         self.rate = str(rate)
         self.rate_bits = parse_rate(rate)
-        self.latency_ms = float(latency_ms)
+        self.rtt_ms = float(rtt_ms)
+        self.latency_ms = self.rtt_ms / 2  # one way, as the deprecated parameter meant
+        self.jitter_ms = float(jitter_ms)
+        self.loss = float(loss)
+        self.nat = tuple(sorted(set(nat)))
+        self.tun_mtu = tun_mtu
+        if delay_line is None:
+            delay_line = beyond_netem or (self.rtt_ms > 0 and not _available(_NETEM)[0])
+        self.delay_line = bool(delay_line)
+        self.forwarder: subprocess.Popen | None = None  # the delay line's process
         self.run_id = run_id
         self.prefix = prefix
         self.subnet = f"10.77.{int(subnet)}.0/24"
@@ -450,7 +561,9 @@ class EmulatedNetwork:
         self.base = f"{prefix}{run_id}"
         self.hub = f"{self.base}-hub"
         self.hosts = [
-            Host(i, f"{self.base}-h{i}", f"10.77.{int(subnet)}.{i + 1}", "eth0", f"v{i}") for i in range(n_hosts)
+            Host(i, f"{self.base}-h{i}", f"10.77.{int(subnet)}.{i + 1}",
+                 *((TUN_NAME, "") if self.delay_line else ("eth0", f"v{i}")))
+            for i in range(n_hosts)
         ]
         self._created: list[str] = []  # namespaces we created, in creation order
         self._procs: list[subprocess.Popen] = []
@@ -459,12 +572,10 @@ class EmulatedNetwork:
         self._old_handlers: dict[int, object] = {}
         self._owner_pid = os.getpid()  # forked children inherit handlers but must not tear down
 
-        if self.latency_ms > 0:
-            ok, why = available(delay=True)
+        if self.delay_line or self.rtt_ms > 0:
+            ok, why = _available(_TUN if self.delay_line else _NETEM)
             if not ok:
-                raise NetworkSetupError(
-                    f"latency_ms={latency_ms} cannot be emulated: {why}"
-                )
+                raise NetworkSetupError(f"links with {self.impairments or 'the delay line'} cannot be built: {why}")
         existing = set(list_namespaces(self.base))
         clash = existing & {self.hub, *(h.namespace for h in self.hosts)}
         if clash:
@@ -492,29 +603,57 @@ class EmulatedNetwork:
     def _shape(self, ns: str, dev: str, queue_ms: float = 0) -> None:
         """Cap ``dev``'s egress at the link rate with a queue of ``queue_ms`` (default: ``self.queue_ms``)."""
         rate_bytes = self.rate_bits / 8
-        # bucket: >= 5 ms of traffic (timer granularity) and >= a couple of frames
-        burst = max(int(rate_bytes * 0.005), 4096)
+        burst = bucket_bytes(self.rate_bits, 4096)  # a couple of Ethernet frames
         tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", f"{queue_ms or self.queue_ms:g}ms"]
-        if self.latency_ms > 0:
-            half = self.latency_ms / 2
+        if self.rtt_ms > 0:
+            quarter = self.rtt_ms / 4  # two egress points per direction
             # netem must hold a full bandwidth-delay product in flight
-            limit = max(1000, int(rate_bytes * (self.latency_ms / 1000) * 2 / 1000))
+            limit = max(1000, int(rate_bytes * (self.rtt_ms / 1000) / 1000))
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                  "delay", f"{half:g}ms", "limit", str(limit)])
+                  "delay", f"{quarter:g}ms", "limit", str(limit)])
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
         else:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
 
+    def _add_host_ns(self, h: Host) -> None:
+        self._add_ns(h.namespace)
+        for key in ("all", "default"):
+            _run(["ip", "netns", "exec", h.namespace, "sysctl", "-qw", f"net.ipv6.conf.{key}.disable_ipv6=1"],
+                 check=False)
+
     def _build(self) -> None:
+        if self.delay_line:
+            self._build_delay_line()
+        else:
+            self._build_bridge()
+
+    def _build_delay_line(self) -> None:
+        self._add_ns(self.hub)  # the forwarder's home: whatever kills the network's processes ends it too
+        for h in self.hosts:
+            self._add_host_ns(h)
+        cfg = DelayLineConfig(
+            hub=self.hub,
+            hosts=tuple(Endpoint(h.namespace, h.address, self.rate_bits, self.rate_bits, h.index in self.nat)
+                        for h in self.hosts),
+            rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss, queue_ms=self.queue_ms, mtu=self.tun_mtu)
+        try:
+            self.forwarder = start_forwarder(cfg)
+        except RuntimeError as e:
+            raise NetworkSetupError(str(e)) from None
+        self._procs.append(self.forwarder)
+        plen = self.subnet.split("/")[1]
+        for h in self.hosts:
+            _run(["ip", "-n", h.namespace, "link", "set", "dev", h.interface, "mtu", str(self.tun_mtu)])
+            _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/{plen}", "dev", h.interface])
+            _run(["ip", "-n", h.namespace, "link", "set", h.interface, "up"])
+
+    def _build_bridge(self) -> None:
         self._add_ns(self.hub)
         _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge", "stp_state", "0"])
         _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
         plen = self.subnet.split("/")[1]
         for h in self.hosts:
-            self._add_ns(h.namespace)
-            for key in ("all", "default"):
-                _run(["ip", "netns", "exec", h.namespace, "sysctl", "-qw", f"net.ipv6.conf.{key}.disable_ipv6=1"],
-                     check=False)
+            self._add_host_ns(h)
             _run(["ip", "-n", h.namespace, "link", "add", h.interface, "type", "veth",
                   "peer", "name", h.bridge_port, "netns", self.hub])
             _run(["ip", "-n", self.hub, "link", "set", h.bridge_port, "master", "br0"])
@@ -598,6 +737,18 @@ class EmulatedNetwork:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def impairments(self) -> str:
+        """What the links add to the rate cap, e.g. ``"100 ms RTT ±5 ms, 1% loss"`` ("" for none)."""
+        parts = []
+        if self.rtt_ms:
+            parts.append(f"{self.rtt_ms:g} ms RTT" + (f" ±{self.jitter_ms:g} ms" if self.jitter_ms else ""))
+        if self.loss:
+            parts.append(f"{100 * self.loss:g}% loss")
+        if self.nat:
+            parts.append(f"host{'s' if len(self.nat) > 1 else ''} {', '.join(map(str, self.nat))} behind NAT")
+        return ", ".join(parts)
+
     def host(self, host: int) -> Host:
         """Host ``host`` (an index into :attr:`hosts`), checked."""
         if self._closed:
@@ -672,6 +823,8 @@ class EmulatedNetwork:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"EmulatedNetwork({self.n_hosts} hosts, rate={self.rate}, latency_ms={self.latency_ms:g}, {self.base}, {state})"
+        path = "delay line" if self.delay_line else "bridge"
+        extra = f", {self.impairments}" if self.impairments else ""
+        return f"EmulatedNetwork({self.n_hosts} hosts, rate={self.rate}{extra}, {path}, {self.base}, {state})"
 
 

@@ -122,18 +122,22 @@ def longest_stall(commits: list[float], joined: list[list[tuple[float, float]]],
     return worst
 
 
-def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overrides: list[str]) -> int:
-    """Run the soak; return 0 if every island ended in sync with finite parameters and exit code 0."""
+def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overrides: list[str], *,
+         rtt_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0) -> int:
+    """Run the soak; return 0 if every island ended in sync with finite parameters and exit code 0.
+
+    ``rtt_ms``, ``jitter_ms`` and ``loss`` shape the emulated links of ``rate``
+    (:class:`experiments.netns.EmulatedNetwork`)."""
     cfg = load(None, [x for k, v in SOAK_DEFAULTS.items() for x in (f"--{k}", str(v))] + overrides)
     network, link_tx = None, []
     if rate:
         from experiments import netns
 
-        ok, why = netns.available()
+        ok, why = netns.available(delay=bool(rtt_ms or jitter_ms or loss))
         if not ok:
             print(f"error: --rate needs emulated hosts: {why}", file=sys.stderr)
             return 2
-        network = netns.EmulatedNetwork(islands, rate=rate)
+        network = netns.EmulatedNetwork(islands, rate=rate, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss)
         tx0 = link_tx_bytes(network)
     rng = random.Random(seed)
     kills = {i: 0 for i in range(islands)}
@@ -255,15 +259,28 @@ def plot_timeline(run_dirs: list[Path], kill_times: list[float], t0: float, path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from diloco.command import run_command
+    from diloco.config import ConfigError
+    from experiments import netns
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--islands", type=int, default=4)
     parser.add_argument("--kill-every", type=float, default=3, help="mean rounds between two kills (0: none)")
     parser.add_argument("--rate", default="", help="cap every island's link (e.g. 20mbit; needs root)")
+    netns.add_link_arguments(parser)
     parser.add_argument("--soak-seed", type=int, default=0, help="seed of the choice of victims and moments")
     parser.add_argument("--out", type=Path, default=Path("runs/soak-results"),
                         help="where results.md, results.json and timeline.png go")
     args, rest = parser.parse_known_args(argv)
-    return soak(args.islands, args.kill_every, args.soak_seed, args.rate, args.out, rest)
+
+    def body() -> int:
+        try:
+            link = netns.link_arguments(args, args.rate)
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+        return soak(args.islands, args.kill_every, args.soak_seed, args.rate, args.out, rest, **link)
+
+    return run_command(body, (netns.NetworkSetupError,))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,263 @@
+"""The userspace delay line (experiments/delay_line.py) behind EmulatedNetwork, on real namespaces and TUN devices.
+
+Bounds are wide on purpose: the machine is shared and small, and the delay line only ever adds delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from diloco.launch.proctable import is_running
+from experiments.netns import (
+    EmulatedNetwork,
+    add_link_arguments,
+    available,
+    cleanup_stale,
+    link_arguments,
+    list_namespaces,
+)
+from tests.conftest import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------ bad settings (no root needed)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rtt_ms": -1}, "rtt_ms must be a number of milliseconds"),
+        ({"rtt_ms": float("nan")}, "rtt_ms must be"),
+        ({"rtt_ms": 10, "jitter_ms": 6}, "jitter_ms must not exceed half of rtt_ms"),
+        ({"loss": 1.0}, r"loss must be a fraction of packets in \[0, 1\)"),
+        ({"loss": -0.1}, "loss must be a fraction"),
+        ({"nat": [2]}, r"nat must list host indices in 0..1"),
+        ({"latency_ms": 5, "rtt_ms": 10}, "not both"),
+        ({"loss": 0.1, "delay_line": False}, "need the delay line"),
+        ({"tun_mtu": 100}, "tun_mtu must be"),
+    ],
+)
+def test_bad_settings_are_one_sentence(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EmulatedNetwork(2, rate="20mbit", **kwargs)
+
+
+def _flags(*argv: str, rate: str | None = "20mbit") -> dict[str, float]:
+    parser = argparse.ArgumentParser()
+    add_link_arguments(parser)
+    return link_arguments(parser.parse_args(list(argv)), rate)
+
+
+def test_link_flags():
+    assert _flags(rate=None) == {"rtt_ms": 0.0, "jitter_ms": 0.0, "loss": 0.0}
+    assert _flags("--rtt", "100", "--jitter", "5", "--loss", "0.01") == {"rtt_ms": 100.0, "jitter_ms": 5.0,
+                                                                         "loss": 0.01}
+    for argv, match in ((("--rtt", "fast"), "--rtt must be a number, got 'fast'"),
+                        (("--loss", "2"), "--loss must be a fraction"),
+                        (("--rtt", "10", "--jitter", "20"), "--jitter must not exceed half of --rtt")):
+        with pytest.raises(ValueError, match=match):
+            _flags(*argv)
+    with pytest.raises(ValueError, match="give --rate too"):
+        _flags("--loss", "0.01", rate=None)
+
+
+# ------------------------------------------------------------------ real namespaces
+
+
+@pytest.fixture
+def delay_line_ok():
+    ok, reason = available(delay=True)
+    if not ok:
+        pytest.skip(reason)
+
+
+def _net(n_hosts: int = 2, **kwargs) -> EmulatedNetwork:
+    return EmulatedNetwork(n_hosts, run_id=f"d{os.getpid()}{secrets.token_hex(2)}", delay_line=True, **kwargs)
+
+
+def _port(p: subprocess.Popen, timeout: float = 10) -> int:
+    ready = select.select([p.stdout], [], [], timeout)[0]
+    line = p.stdout.readline() if ready else ""
+    assert line.strip().isdigit(), f"the server did not start: {line!r}"
+    return int(line)
+
+
+ECHO_SERVER = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(20)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (b := c.recv(1 << 16)):
+    c.sendall(b)
+"""
+
+ECHO_CLIENT = r"""
+import json, socket, sys, time
+addr, port, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+t = time.monotonic(); c = socket.create_connection((addr, port), timeout=5); connect = time.monotonic() - t
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+echo = []
+for i in range(n):
+    msg = bytes([i % 256]) * size; got = b""
+    t = time.monotonic(); c.sendall(msg)
+    while len(got) < size:
+        got += c.recv(size - len(got))
+    echo.append(time.monotonic() - t)
+    assert got == msg
+print(json.dumps({"connect": connect, "echo": sorted(echo)}))
+"""
+
+
+def _echo(net: EmulatedNetwork, client: int, server: int, n: int = 10, size: int = 1) -> dict:
+    """Connect from host ``client`` to an echo server on host ``server`` and time ``n`` echoes of ``size`` bytes."""
+    srv = net.popen([sys.executable, "-c", ECHO_SERVER, net.hosts[server].address], server,
+                    stdout=subprocess.PIPE, text=True)
+    try:
+        out = subprocess.run(net.wrap([sys.executable, "-c", ECHO_CLIENT, net.hosts[server].address,
+                                       str(_port(srv)), str(n), str(size)], client),
+                             check=False, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)
+    finally:
+        net.reap(srv)
+
+
+def test_rtt(delay_line_ok):
+    with _net(2, rate="50mbit", rtt_ms=40) as net:
+        res = _echo(net, 0, 1)
+        print(f"connect {res['connect'] * 1e3:.1f} ms, echo {[round(e * 1e3, 1) for e in res['echo']]} ms at 40 ms RTT")
+        # a SYN and its SYN-ACK each wait 20 ms; nothing can come back sooner, the machine may add a lot later
+        assert 0.039 <= res["connect"] <= 0.5
+        assert res["echo"][0] >= 0.039
+        assert res["echo"][len(res["echo"]) // 2] <= 0.1
+
+
+def test_rate_caps_uplink_and_downlink(delay_line_ok):
+    cap = 30e6
+    with _net(3, rate="30mbit", rtt_ms=10) as net:
+        alone = net.measure_rate(0, 1, seconds=2)
+        print(f"one sender: {alone / 1e6:.2f} Mbit/s at a 30 Mbit/s cap")
+        assert 0.5 * cap < alone <= 1.1 * cap
+        # two senders into one receiver share its downlink
+        rates: dict[int, float] = {}
+        senders = [threading.Thread(target=lambda s=s: rates.__setitem__(s, net.measure_rate(s, 1, seconds=3)))
+                   for s in (0, 2)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(60)
+        print(f"two senders into one host: {rates[0] / 1e6:.2f} + {rates[2] / 1e6:.2f} Mbit/s")
+        assert rates[0] + rates[2] <= 1.25 * cap  # their windows overlap all but the start-up of one
+        assert min(rates.values()) > 0.15 * cap
+
+
+UDP_RECEIVER = r"""
+import json, socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 0))
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+print(s.getsockname()[1], flush=True)
+s.settimeout(10); seqs = []
+while True:
+    try:
+        seqs.append(int(s.recv(64)))
+    except socket.timeout:
+        break
+    s.settimeout(1.0)  # the sender is done once nothing came for a second
+print(json.dumps(seqs), flush=True)
+"""
+
+UDP_SENDER = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(int(sys.argv[3])):
+    s.sendto(str(i).encode(), (sys.argv[1], int(sys.argv[2])))
+    time.sleep(0.001)  # gently: the host's own queues must not drop anything
+"""
+
+
+def test_loss_and_jitter_keep_order(delay_line_ok):
+    sent = 1000
+    with _net(2, rate="50mbit", rtt_ms=20, jitter_ms=10, loss=0.2) as net:
+        rx = net.popen([sys.executable, "-c", UDP_RECEIVER, net.hosts[1].address], 1, stdout=subprocess.PIPE,
+                       text=True)
+        try:
+            port = _port(rx)
+            tx = subprocess.run(net.wrap([sys.executable, "-c", UDP_SENDER, net.hosts[1].address, str(port),
+                                          str(sent)], 0), check=False, capture_output=True, text=True,
+                                timeout=30)
+            assert tx.returncode == 0, tx.stderr
+            out, _ = rx.communicate(timeout=30)
+        finally:
+            net.reap(rx)
+    seqs = json.loads(out.strip().splitlines()[-1])
+    lost = 1 - len(seqs) / sent
+    print(f"lost {lost:.1%} of {sent} datagrams at loss=0.2")
+    assert 0.12 <= lost <= 0.28  # binomial sd is 1.3%: 6 sd either way
+    assert seqs == sorted(seqs), "jitter must not reorder the packets of one direction of a host pair"
+
+
+def test_nat_host_accepts_nothing_but_connects_out(delay_line_ok):
+    with _net(2, rate="50mbit", rtt_ms=10, nat=(1,)) as net:
+        assert not net.can_reach(0, 1, timeout=1.5), "a host behind NAT must not accept inbound connections"
+        assert net.can_reach(1, 0)
+        res = _echo(net, 1, 0, n=5, size=100_000)  # replies, and bulk data both ways, on its own connection
+        assert len(res["echo"]) == 5
+
+
+def _forwarder_gone(pid: int) -> bool:
+    return wait_until(lambda: not is_running(pid), timeout=10, every=0.05)
+
+
+def _ns_of(base: str) -> list[str]:
+    return [n for n in list_namespaces(base) if n.startswith(f"{base}-")]
+
+
+def test_close_leaves_nothing(delay_line_ok):
+    net = _net(2, rate="20mbit", rtt_ms=10, loss=0.01)
+    pid = net.forwarder.pid
+    assert is_running(pid)
+    assert sorted(_ns_of(net.base)) == sorted(net.namespaces)
+    sleeper = net.popen(["sleep", "60"], 0)
+    net.close()
+    assert _ns_of(net.base) == []
+    assert _forwarder_gone(pid)
+    assert sleeper.poll() is not None
+
+
+OWNER = textwrap.dedent(
+    """
+    import json, sys, time
+    from experiments.netns import EmulatedNetwork
+    net = EmulatedNetwork(2, rate="20mbit", rtt_ms=10, run_id=sys.argv[1], delay_line=True)
+    print(json.dumps({"base": net.base, "forwarder": net.forwarder.pid}), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_killed_owner_leaves_nothing_after_cleanup_stale(delay_line_ok):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rid = f"k{os.getpid()}{secrets.token_hex(2)}"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, rid], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        info = json.loads(owner.stdout.readline())
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        owner.stdout.close()
+    assert _ns_of(info["base"]), "SIGKILL cannot clean up; the namespaces remain until cleanup_stale"
+    assert sorted(cleanup_stale(info["base"])) == sorted(f"{info['base']}-{x}" for x in ("hub", "h0", "h1"))
+    assert _ns_of(info["base"]) == []
+    assert _forwarder_gone(info["forwarder"])
