@@ -223,10 +223,12 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     # it took the phase of the island that served the state (rounds in flight commit while the next one
     # trains), so it sends its next round with the others, after the rest of their H steps rather than H of
     # its own, and averages with them again
+    # its parameters took that state once its round thread had it, a few inner steps after it came, so its next
+    # round trains at most the rest of their H steps, and averages with them
     step, phase = int(caught[1]), int(caught[2])
     later = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r and r["outer_step"] > step]
-    assert later and later[0]["inner_steps"] == 40 - phase, (phase, later[0])
-    assert later[-1]["round_ok"] == 1 and later[-1]["num_peers"] == 3, later[-1]
+    assert later and 0 < later[0]["inner_steps"] <= 40 - phase, (phase, later[0])
+    assert all(r["round_ok"] == 1 and r["num_peers"] == 3 for r in later if PART_LOST not in r["round_failure"]), later
 
 
 def test_sigterm_and_ctrl_c_end_islands_cleanly_with_a_checkpoint(tmp_path, no_leaked_daemons):

@@ -76,7 +76,7 @@ def test_blocking_loop_equals_send_then_apply_by_hand(tmp_path):
 
 
 @pytest.mark.parametrize("mode, tau", [("delayed", 0), ("delayed", 2), ("eager", 2)])
-def test_rounds_in_flight_equal_the_delayed_and_eager_updates_by_hand(tmp_path, mode, tau):
+def test_rounds_in_flight_equal_the_delayed_and_eager_updates_by_hand(tmp_path, mode, tau, arrives_on_time):
     """With one island every result arrives at once, so round r's Δ is applied after τ more inner steps,
     keeping the progress made since: θ_local ← θ_global' + (θ_local − θ_local at sending).  ``delayed``
     trains those steps from its own parameters; ``eager`` from θ_global stepped with its own whole Δ as a

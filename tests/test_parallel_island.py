@@ -1,6 +1,6 @@
-"""Islands of any shape in one engine: a tp=2 x pp=2 island (a torchrun job of 4 gloo ranks) and a
-single-process island average over the same canonical buckets on real hivemind and end with the same
-θ_global; config errors for splits the model does not allow; islands counted once however many ranks
+"""Islands of any shape in one engine: FSDP islands over TP and over a pipeline (torchrun jobs of 4 gloo
+ranks) and a single-process island average over the same canonical buckets on real hivemind and end with the
+same θ_global; config errors for splits the model does not allow; islands counted once however many ranks
 they have."""
 
 from __future__ import annotations
@@ -26,22 +26,24 @@ from tests.conftest import assert_joined, real_failures, tiny_config, torchrun_t
 RUN_TIMEOUT_S = 240
 
 
-def test_tp2_pp2_island_and_single_process_island_end_with_the_same_theta(tmp_path, no_leaked_daemons):
-    """A tp=2 x pp=2 island and a single-process island, averaging 2 Streaming DiLoCo fragments with the
-    rounds in flight (``delayed`` on one, ``eager`` on the other: θ_global moves alike under both)."""
+def test_islands_of_three_shapes_end_with_the_same_theta(tmp_path, no_leaked_daemons):
+    """Three islands over real hivemind, averaging 2 Streaming DiLoCo fragments with the rounds in flight:
+    dp x pp x tp = 2x1x2 (FSDP over TP, ``delayed``), 2x2x1 (FSDP over a pipeline, ``eager``: θ_global moves
+    alike under both) and one process.  Every rank averages its own FSDP piece of each bucket."""
     cfg = tiny_config(tmp_path, **{
-        "averaging.backend": "hivemind", "averaging.min_group_size": 2,
-        "averaging.request_timeout": 1.0, "averaging.matchmaking_time": 3.0, "averaging.matchmaking_timeout": 60.0,
+        "averaging.backend": "hivemind", "averaging.min_group_size": 3,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_time": 3.0, "averaging.matchmaking_timeout": 90.0,
         "averaging.bucket_numel": 15_000,  # the tiny model is ~37k parameters: 4 buckets over 2 fragments
-        "parallel.tp": 2, "parallel.pp": 2, "diloco.outer_steps": 3, "diloco.inner_steps": 6,
+        "diloco.outer_steps": 3, "diloco.inner_steps": 4, "parallel.microbatches": 2,
         "diloco.fragments": 2, "diloco.overlap": "delayed", "checkpoint.every": 3})
-    cluster = Cluster(cfg, 2)
-    cluster.configs[1]["parallel"].update(tp=1, pp=1)  # island 1: one process, the same engine and buckets
+    cluster = Cluster(cfg, 3)
+    cluster.configs[0]["parallel"].update(dp=2, tp=2)
+    cluster.configs[1]["parallel"].update(dp=2, pp=2)
     cluster.configs[1]["diloco"].update(overlap="eager")
-    assert [cluster.island_size(i) for i in range(2)] == [4, 1]
+    assert [cluster.island_size(i) for i in range(3)] == [4, 4, 1]
     t0 = time.time()
     try:
-        cluster.start_all(startup_timeout=120)
+        cluster.start_all(startup_timeout=150)
         cluster.wait(timeout=RUN_TIMEOUT_S)
     finally:
         cluster.stop_all()
@@ -54,21 +56,22 @@ def test_tp2_pp2_island_and_single_process_island_end_with_the_same_theta(tmp_pa
         assert s["rounds_ok"] + s["rounds_failed"] == 6 and s["rounds_ok"] >= 4, s["failures"]
         assert s["eval_loss_end"] < s["eval_loss_start"] - 0.3
         assert s["bytes_sent"] > 0
-    # θ_global: gathered from island 0's four ranks, whole on island 1
+    # θ_global: gathered from the four ranks of islands 0 and 1, whole on island 2
     assert cluster.theta_spread() < 1e-6, cluster.theta_spread()
     theta = torch.load(cluster.run_dirs[0] / "theta_global.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in theta.values())
-    assert abs(summaries[0]["eval_loss_end"] - summaries[1]["eval_loss_end"]) < 1e-3
+    assert max(s["eval_loss_end"] for s in summaries) - min(s["eval_loss_end"] for s in summaries) < 1e-3
     rounds = [r for r in read_metrics(cluster.run_dirs[0]) if "round_ok" in r]
     assert [r["averaging_backend"] for r in rounds if r["round_ok"]] == ["hivemind"] * summaries[0]["rounds_ok"]
-    assert all(r["num_peers"] == 2 for r in rounds)
+    assert all(r["num_peers"] == 3 for r in rounds)
     assert [r["fragment"] for r in rounds] == [0, 1] * 3
-    # each rank of island 0 checkpoints its own shards; rank 0 alone writes the island's files
-    for rank in range(4):
-        assert (cluster.run_dirs[0] / "checkpoints" / f"rank{rank}" / "ckpt-000006.pt").is_file()
-    log = cluster.logs[0].read_text()
-    assert log.count("round 6/6 ") == 1, "only rank 0 prints the island's progress"
-    print(f"two islands (tp=2 x pp=2 + single process), 6 fragment rounds: {elapsed:.0f} s")
+    # each rank of a 4-process island checkpoints its own shards; rank 0 alone writes the island's files
+    for island in range(2):
+        for rank in range(4):
+            assert (cluster.run_dirs[island] / "checkpoints" / f"rank{rank}" / "ckpt-000006.pt").is_file()
+        log = cluster.logs[island].read_text()
+        assert log.count("round 6/6 ") == 1, "only rank 0 prints the island's progress"
+    print(f"three islands (2x1x2, 2x2x1, one process), 6 fragment rounds: {elapsed:.0f} s")
 
 
 @pytest.mark.parametrize("overlap", ["none", "eager"])

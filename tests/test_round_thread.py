@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from diloco.engine.island import Island
-from diloco.engine.rounds import OuterRounds
 from peers.averaging.local import LocalAverager
 from tests.conftest import tiny_config
 
@@ -21,22 +20,6 @@ CASES = {
     "fragments": {"diloco.overlap": "delayed", "diloco.fragments": 2, "diloco.inner_steps": 6},
     "merged": {"diloco.overlap_steps": 2, "diloco.merge_alpha": 0.5},
 }
-
-
-@pytest.fixture
-def arrives_on_time(monkeypatch):
-    """A round in flight is applied at the first step it may be, as a round on the training thread is with
-    nobody to wait for: the round thread is waited for there (when it is applied is otherwise a race, and so
-    is the trajectory of delayed and eager)."""
-    due = OuterRounds.apply_due
-
-    def deterministic(self: OuterRounds) -> bool:
-        f = self.flight
-        if f is not None and f.job is not None and self.stats.inner_step - f.sent_at >= self.tau:
-            f.job.thread.join()
-        return due(self)
-
-    monkeypatch.setattr(OuterRounds, "apply_due", deterministic)
 
 
 def _theta(island: Island) -> dict[str, torch.Tensor]:

@@ -59,7 +59,7 @@ from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import RunStats
 from diloco.engine.peer_node import PeerNode, round_id
 from diloco.engine.runtime import Runtime
-from diloco.engine.state_transfer import StateTransfer
+from diloco.engine.state_transfer import Adoption, StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.guard import NormGuard
 from peers.averaging.sharded import FeedbackBuffers
@@ -200,9 +200,8 @@ class Settled:
     """A committed round: β·e of the fragment's parameters, when a codec's unsent part waits in them."""
     skipped: RoundMetrics | None = None
     """A round the island did not average (it caught up, or it was left out): its metrics."""
-    adopted: int | None = None
-    """The island adopted another island's θ_global meanwhile: the phase the parameters restart at (-1: none
-    given); None when it did not."""
+    adopted: Adoption | None = None
+    """Whether (and where in the run's cycle) the island adopted another island's θ_global meanwhile."""
 
 
 class RoundJob:
@@ -497,15 +496,17 @@ class RoundSchedule:
         if self.mark[2] == f.sent_at:  # the budget was not restarted since (an adopted state restarts it)
             self.skew = self.rt.reduce([early], op="max")[0]
 
-    def adopted(self, phase: int | None = None) -> None:
+    def adopted(self, phase: int | None = None, at_step: int | None = None) -> None:
         """θ_global was replaced by a downloaded one and the parameters reset to it.  ``phase``: where the
         island that served it stood in its H-step cycle (:meth:`phase`).  The steps schedule takes it on:
         an island that adopted the state a round in flight committed mid-way through the others' next round
         would otherwise send its own H steps later than they do, miss their group, catch up again, and
-        trail the run by the same phase round after round, never averaging again."""
+        trail the run by the same phase round after round, never averaging again.  ``at_step``: the inner
+        step the state was adopted at, when the parameters take it later (None: now)."""
         self.restart_budget()
         if phase is not None and self.by_steps_now():
-            self.offset = (int(phase) - self.stats.inner_step) % self.inner_steps
+            step = self.stats.inner_step if at_step is None else at_step
+            self.offset = (int(phase) - step) % self.inner_steps
         self.tokens_at_sync = [self.stats.tokens] * self.n
 
     def state_dict(self) -> dict[str, Any]:
@@ -596,6 +597,8 @@ class OuterRounds:
         pseudo-gradient (None: it is in flight until :meth:`apply`).  With :attr:`background` every round is
         in flight: a round the island does not average ends, with its metrics, at :meth:`apply`."""
         t0 = time.perf_counter()
+        # hivemind starts its averager from the main thread only: a lonely island's new peer node starts here
+        self.peers.rejoin_if_alone(self.transfer.main_decides)
         s, sched = self.stats, self.schedule
         fragment = sched.fragment_of(s.outer_step)
         weight = float(s.tokens - sched.tokens_at_sync[fragment])
@@ -606,7 +609,7 @@ class OuterRounds:
             with self.transfer.deferring() as adopted:
                 skipped = self._open(f, self.params)
             if skipped is not None:
-                self._adopted(adopted.phase)
+                self._adopted(adopted)
                 return skipped
             self._train_from_meanwhile(f)
         else:
@@ -624,7 +627,6 @@ class OuterRounds:
         """Collective over the round's groups: catch up if the run moved on without us, or leave the round out
         when outvoted (the round's metrics), else take Δ of ``f``'s fragment from ``source`` and start averaging
         it (None)."""
-        self.peers.rejoin_if_alone(self.transfer.main_decides)
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.stats.rounds_failed += 1
@@ -716,8 +718,8 @@ class OuterRounds:
         else:
             with self.transfer.deferring() as adopted:
                 settled = self._close(f)
-            settled.adopted = adopted.phase
-        if settled.adopted is not None:
+            settled.adopted = adopted
+        if settled.adopted is not None and settled.adopted.phase is not None:
             self._adopted(settled.adopted)
         elif settled.skipped is None and not settled.reason:
             self._follow_theta(f, settled.unsent)
@@ -744,12 +746,12 @@ class OuterRounds:
             exchange_seconds=float(result.exchange_seconds), round_payload_bytes=int(result.island_bytes_sent),
             parts_resent=int(result.parts_resent))
 
-    def _adopted(self, phase: int | None) -> None:
-        """Another island's θ_global replaced ours during the round (None: it did not): train on from it, on the
-        round schedule of the island that served it (``phase`` -1: none given)."""
-        if phase is not None:
+    def _adopted(self, adopted: Adoption) -> None:
+        """Another island's θ_global replaced ours during the round (``phase`` None: it did not): train on from it,
+        on the round schedule of the island that served it, as from the inner step it was adopted at."""
+        if adopted.phase is not None:
             self.outer.copy_to(self.params)
-            self.schedule.adopted(phase if phase >= 0 else None)
+            self.schedule.adopted(adopted.phase if adopted.phase >= 0 else None, adopted.at_step)
 
     def _settle(self, f: InFlight, job: RoundJob) -> Settled:
         """The round thread's whole round (collective over the round's groups): open it (and tell eager it was
@@ -758,7 +760,7 @@ class OuterRounds:
             skipped = self._open(f, f.source)
             job.sent.set()
             settled = Settled(RoundResult(False), skipped=skipped) if skipped is not None else self._close(f)
-        settled.adopted = adopted.phase
+        settled.adopted = adopted
         return settled
 
     def _close(self, f: InFlight) -> Settled:

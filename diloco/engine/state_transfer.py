@@ -54,10 +54,11 @@ class Schedule(Protocol):
 
 @dataclass
 class Adoption:
-    """Whether a state was adopted inside :meth:`StateTransfer.deferring` (``phase`` None: none was), and the
-    phase of its server's H-step cycle (-1: not given)."""
+    """Whether a state was adopted inside :meth:`StateTransfer.deferring` (``phase`` None: none was): the phase
+    of its server's H-step cycle (-1: not given) and this island's inner step when it was adopted."""
 
     phase: int | None = None
+    at_step: int = 0
 
 
 class StateTransfer:
@@ -367,7 +368,7 @@ class StateTransfer:
         # the inner steps since the last sync were dropped with the state; the round schedule is the server's
         phase = int(meta.get("phase", -1))
         if self._deferred is not None:
-            self._deferred.phase = phase
+            self._deferred.phase, self._deferred.at_step = phase, self.stats.inner_step
         else:
             self.outer.copy_to(self.params)
             self.schedule.adopted(phase if phase >= 0 else None)
