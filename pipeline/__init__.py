@@ -39,7 +39,7 @@ _WHERE = {
     "is_skeleton": "materialize", "materialize": "materialize", "apply_fsdp": "data_parallel", "fsdp_placement": "data_parallel", "MESH_DIMS": "mesh",
     "ShardSpec": "shards", "copy_overlap": "shards", "local_grad": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
     "shard_spec_of": "shards",
-    "apply_tensor_parallel": "tensor_parallel", "check_tensor_parallel": "tensor_parallel",
+    "apply_tensor_parallel": "tensor_parallel", "check_tensor_parallel": "settings",
     "tensor_parallel_plan": "tensor_parallel",
 }
 __all__ = list(_WHERE)

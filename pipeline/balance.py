@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipeline.materialize import is_skeleton, materialize
 from pipeline.pipeline_parallel import model_layer_costs, model_part, stage_layer_split
 from pipeline.settings import ParallelSettings
-from pipeline.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +158,8 @@ def profile_part_costs(model: nn.Module, sample_shape: tuple[int, int], device: 
         else:
             part.to(device)
         if tp_mesh is not None:
+            from pipeline.tensor_parallel import apply_tensor_parallel
+
             apply_tensor_parallel(part, tp_mesh)
         part.activation_checkpointing = activation_checkpointing
         part.train()

@@ -18,10 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from pipeline.balance import BALANCES, StagePlan, plan_stages
-from pipeline.data_parallel import apply_fsdp
 from pipeline.grad_clip import clip_grad_norm_
 from pipeline.materialize import is_skeleton, materialize
 from pipeline.mesh import mesh_rank, mesh_size
@@ -32,10 +30,9 @@ from pipeline.pipeline_parallel import (
     build_stage_modules,
     check_schedule,
 )
-from pipeline.settings import ParallelSettings
-from pipeline.shards import ShardSpec, local_grad, shard_spec_of
+from pipeline.settings import ParallelSettings, check_tensor_parallel
+from pipeline.shards import ShardSpec, is_dtensor, local_grad, shard_spec_of
 from pipeline.stage_clock import StageClock, measured_line
-from pipeline.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +139,16 @@ class ModelParts:
         for _, module in owned:
             if not skeleton:
                 module.to(self.device)  # TP scatters rank 0's real weights from the device
-            if tp > 1:
+            if tp > 1:  # DTensor's machinery (1.2 s of imports) only where the model is split
+                from pipeline.tensor_parallel import apply_tensor_parallel
+
                 apply_tensor_parallel(module, mesh["tp"])
             module.activation_checkpointing = settings.activation_checkpointing
             if settings.compile:
                 apply_compile(module)
             if dp > 1:
+                from pipeline.data_parallel import apply_fsdp
+
                 apply_fsdp(module, mesh["dp"], self.compute_dtype, reshard_after_forward=pp == 1)
             if skeleton:
                 materialize(module, self.device)
@@ -221,7 +222,7 @@ class ModelParts:
         """The whole model's parameters as CPU tensors, on every rank (collective; for checkpoints/tests)."""
         full = {}
         for name, p in self.named_parameters():
-            full[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+            full[name] = (p.full_tensor() if is_dtensor(p) else p).detach().to("cpu", copy=True)
         if self.mesh is not None and self.mesh["pp"].size() > 1:
             parts: list[dict[str, torch.Tensor] | None] = [None] * self.mesh["pp"].size()
             dist.all_gather_object(parts, full, group=self.mesh["pp"].get_group())
@@ -362,4 +363,4 @@ class ModelParts:
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+    return p.to_local() if is_dtensor(p) else p

@@ -146,7 +146,8 @@ def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, virtual_st
 def build_pipeline_stages(modules: list[tuple[int, nn.Module]], n_stages: int, device: torch.device,
                           pp_group: ProcessGroup) -> list[PipelineStage]:
     """Wrap each ``(stage_index, module)`` in a :class:`PipelineStage` communicating over ``pp_group``."""
-    from torch.distributed.pipelining import PipelineStage  # with its compiler stack: only islands with stages
+    # torch's pipelining imports its compiler stack: only islands with stages pay for it
+    from torch.distributed.pipelining import PipelineStage
 
     return [PipelineStage(module, stage, n_stages, device, group=pp_group) for stage, module in modules]
 
@@ -179,7 +180,11 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int,
     ``scale_grads=True`` divides the gradients by ``n_microbatches`` after the step (for a mean
     loss); pass False when ``loss_fn`` already includes that factor.
     """
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     problems = check_schedule(name, stages[0].group_size, n_microbatches, len(stages))
     if problems:

@@ -73,3 +73,16 @@ class ParallelSettings:
     def local_stages(self) -> int:
         """Model chunks each pipeline rank holds: ``virtual_stages`` for interleaved 1F1B, else 1."""
         return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
+
+
+def check_tensor_parallel(n_heads: int, dim: int, ffn_dim: int, vocab_size: int, tp: int) -> list[str]:
+    """Return one sentence per model width that cannot be split evenly over ``tp`` ranks."""
+    if tp < 1:
+        return [f"--parallel.tp must be at least 1, got {tp}"]
+    problems = []
+    for key, value in (("n_heads", n_heads), ("ffn_dim", ffn_dim), ("vocab_size", vocab_size)):
+        if value % tp:
+            problems.append(f"--model.{key} ({value}) must be divisible by --parallel.tp ({tp})")
+    if n_heads % tp == 0 and dim % tp:  # implied by n_heads | dim, reported only when it adds information
+        problems.append(f"--model.dim ({dim}) must be divisible by --parallel.tp ({tp})")
+    return problems

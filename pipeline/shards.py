@@ -7,16 +7,18 @@ parameter of the same name in the unsplit model.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
-SHARDED = (Shard, _StridedShard)
-"""Placements that split a tensor: FSDP2 shards a TP-sharded dimension further with a ``_StridedShard``."""
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor, without importing DTensor's machinery (1.2 s of imports, sympy among them)
+    in a process that never made one: nothing can be a DTensor before its module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,16 @@ def shard_spec_of(param: torch.Tensor) -> ShardSpec:
     (TP, FSDP's data-parallel sharding, or both on one parameter), whose local piece must be one slice
     along one dimension."""
     full_shape = tuple(param.shape)
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return ShardSpec(full_shape, 0, 0, full_shape[0] if full_shape else 1, True)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    sharding = (Shard, _StridedShard)  # FSDP2 shards a TP-sharded dimension further with a _StridedShard
     mesh, placements = param.device_mesh, param.placements
     for placement in placements:
-        if not isinstance(placement, (*SHARDED, Replicate)):
+        if not isinstance(placement, (*sharding, Replicate)):
             raise ValueError(f"unsupported DTensor placement {placement} for a parameter")
     replicated = any(isinstance(p, Replicate) and mesh.size(i) > 1 for i, p in enumerate(placements))
     if not full_shape:
@@ -67,7 +74,7 @@ def shard_spec_of(param: torch.Tensor) -> ShardSpec:
     if len(narrowed) > 1:
         raise ValueError(f"the local piece {tuple(local_shape)} of a {full_shape} parameter ({placements}) is "
                          f"narrowed on dims {narrowed}; shard every mesh dimension of a parameter on one dim")
-    sharded = [p.dim % len(full_shape) for p in placements if isinstance(p, SHARDED)]
+    sharded = [p.dim % len(full_shape) for p in placements if isinstance(p, sharding)]
     dim = narrowed[0] if narrowed else (sharded[0] if sharded else 0)
     return ShardSpec(full_shape, dim, min(offset[dim], full_shape[dim]), local_shape[dim],
                      replicated or not sharded)
@@ -83,8 +90,8 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     grad = param.grad
     if grad is None:
         return None
-    if isinstance(grad, DTensor):
-        if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+    if is_dtensor(grad):
+        if is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
             grad = grad.redistribute(param.device_mesh, param.placements)
             param.grad = grad
         return grad.to_local()
@@ -93,7 +100,7 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def local_state(obj: Any) -> Any:
     """A state dict with every DTensor replaced by its local tensor (checkpoints load weights-only)."""
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):
         return obj.to_local().detach().cpu()
     if isinstance(obj, dict):
         return {k: local_state(v) for k, v in obj.items()}
@@ -105,11 +112,13 @@ def local_state(obj: Any) -> Any:
 def restore_dtensor_state(optimizer: torch.optim.Optimizer) -> None:
     """After loading a :func:`local_state` optimizer state: give DTensor parameters DTensor states again."""
     for p, st in optimizer.state.items():
-        if not isinstance(p, DTensor):
+        if not is_dtensor(p):
             continue
+        from torch.distributed.tensor import DTensor
+
         local_shape = tuple(p.to_local().shape)
         for k, v in list(st.items()):
-            if torch.is_tensor(v) and not isinstance(v, DTensor) and k != "step" and tuple(v.shape) == local_shape:
+            if torch.is_tensor(v) and not is_dtensor(v) and k != "step" and tuple(v.shape) == local_shape:
                 st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
 
 

@@ -38,18 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-
-def check_tensor_parallel(n_heads: int, dim: int, ffn_dim: int, vocab_size: int, tp: int) -> list[str]:
-    """Return one sentence per model width that cannot be split evenly over ``tp`` ranks."""
-    if tp < 1:
-        return [f"--parallel.tp must be at least 1, got {tp}"]
-    problems = []
-    for key, value in (("n_heads", n_heads), ("ffn_dim", ffn_dim), ("vocab_size", vocab_size)):
-        if value % tp:
-            problems.append(f"--model.{key} ({value}) must be divisible by --parallel.tp ({tp})")
-    if n_heads % tp == 0 and dim % tp:  # implied by n_heads | dim, reported only when it adds information
-        problems.append(f"--model.dim ({dim}) must be divisible by --parallel.tp ({tp})")
-    return problems
+from pipeline.settings import check_tensor_parallel
 
 
 class ReplicateParallel(ParallelStyle):

@@ -9,8 +9,8 @@ goes through the small control collectives here.
 
 from __future__ import annotations
 
-import dataclasses
 import ctypes
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
