@@ -154,3 +154,19 @@ def test_a_checkpoint_written_in_the_background_is_whole_and_its_errors_come_bac
     with pytest.raises(CheckpointError, match="could not write checkpoint"):
         writer.wait()
     assert checkpoint.list_checkpoints(tmp_path) == [tmp_path / "ckpt-000001.pt"]
+
+
+def test_the_pieces_of_theta_global_a_rank_sends_pickle_to_about_their_own_bytes(tmp_path):
+    """θ_global is one flat buffer with a view per name: pickled as views, every name would carry the whole
+    buffer (the end of every run of a multi-rank island then needed GBs)."""
+    import pickle
+
+    from diloco.engine.island import Island
+    from tests.conftest import tiny_config
+
+    island = Island(tiny_config(tmp_path))
+    try:
+        own = 4 * sum(t.numel() for t in island.outer.theta_global.values())
+        assert len(pickle.dumps(island.theta_pieces())) < 1.5 * own + 100_000
+    finally:
+        island.close()

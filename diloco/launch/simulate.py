@@ -205,7 +205,7 @@ class Cluster:
             except ProcessLookupError:
                 pass
             if sig == signal.SIGKILL:
-                for pgid in {pgid for _, pgid in workers.values()} - {proc.pid}:
+                for pgid in {stat.pgid for stat in workers.values()} - {proc.pid}:
                     try:
                         os.killpg(pgid, sig)
                     except (ProcessLookupError, PermissionError):
