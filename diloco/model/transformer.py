@@ -36,9 +36,10 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_dim // 2)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    """cos and sin tables of shape (seq_len, head_dim // 2), real (on the CPU) even while a skeleton is built on
+    the meta device: computed, not trained, they survive materialisation (:func:`pipeline.materialize.materialize`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device="cpu"), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -111,7 +112,10 @@ class Transformer(nn.Module):
         if cfg.vocab_size == 0:  # the tokenizer's size, when nobody fitted it: bytes
             cfg.vocab_size = 256
         self.cfg = cfg
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # no default draw (init_weights draws every parameter): on the meta device a normal_ costs 2 s of
+        # imports (torch's compiler stack), for values a skeleton never holds
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim,
+                                                                _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -155,12 +159,10 @@ def init_parameter(name: str, shape: tuple[int, ...], n_layers: int, seed: int |
 
 
 def model_skeleton(cfg: ModelConfig) -> Transformer:
-    """The model's structure on the meta device: parameter names and shapes, no memory.  The rotary tables
-    (computed, not trained) are real, so they survive materialisation (:func:`pipeline.materialize.materialize`)."""
+    """The model's structure on the meta device: parameter names and shapes, no memory (the rotary tables are real:
+    :func:`rotary_tables`)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model.rope_cos, model.rope_sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
-    return model
+        return Transformer(cfg)
 
 
 class InitialValues(Mapping[str, torch.Tensor]):
