@@ -26,6 +26,7 @@ USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
 commands:
   train                 run one island (prints the multiaddrs other islands join with)
   simulate --islands N  run N islands on this machine over loopback, then print a summary table
+                        (--share-gpus: several islands' processes on one GPU when there are too few)
   baseline --workers K  synchronous data parallelism (DDP, gradients all-reduced every step) on K workers
   generate MODEL        continue a prompt with a trained model (checkpoint, run dir or exported folder; --help)
   eval MODEL            held-out loss and perplexity of a trained model on any --data.path (--per-document)
@@ -53,6 +54,7 @@ def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("command", nargs="*")
     parser.add_argument("--config")
     parser.add_argument("--islands", type=int)
+    parser.add_argument("--share-gpus", "--share_gpus", dest="share_gpus", action="store_true")
     parser.add_argument("--workers", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--initial-peers", "--initial_peers", dest="initial_peers")
@@ -97,7 +99,7 @@ def cmd_train(cfg: config_mod.Config) -> int:
     return 0
 
 
-def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
+def cmd_simulate(cfg: config_mod.Config, islands: int | None, share_gpus: bool = False) -> int:
     from diloco.launch.simulate import format_summary, simulate
 
     n = islands or 2
@@ -108,7 +110,7 @@ def cmd_simulate(cfg: config_mod.Config, islands: int | None) -> int:
         cfg.averaging.min_group_size = 1
     print(f"simulating {n} island(s): model {cfg.model.preset}, H={cfg.diloco.inner_steps}, "
           f"{cfg.diloco.outer_steps} rounds, data {cfg.data.path}, run dir {cfg.logging.run_dir}", flush=True)
-    result = simulate(cfg, n)
+    result = simulate(cfg, n, share_gpus=share_gpus)
     text = format_summary(result)
     print(text)
     Path(cfg.logging.run_dir, "simulate_summary.json").write_text(json.dumps(result, indent=2))
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == ["train"]:
             return cmd_train(cfg)
         if command == ["simulate"]:
-            return cmd_simulate(cfg, ns.islands)
+            return cmd_simulate(cfg, ns.islands, ns.share_gpus)
         if command == ["baseline"]:
             return cmd_baseline(cfg, ns.workers)
         if command == ["config", "show"]:

@@ -74,6 +74,10 @@ def test_simulate_gives_each_island_gpus_of_its_own_or_refuses():
     assert gpu_assignment([2, 2], ["0", "1", "2", "3"], "auto") == ["0,1", "2,3"]
     assert gpu_assignment([1, 1, 1], ["4", "5", "6", "7"], "cuda") == ["4", "5", "6"], "CUDA_VISIBLE_DEVICES kept"
     assert gpu_assignment([2, 2], [], "auto") == [None, None], "no GPU: CPU islands"
+    assert gpu_assignment([1, 1], ["0"], "cuda", share=True) == ["0", "0"], "two islands take turns on one GPU"
+    assert gpu_assignment([2, 1], ["0", "1"], "auto", share=True) == ["0,1", "0"]
+    with pytest.raises(SimulationError, match="needs 2 GPUs of its own"):
+        gpu_assignment([2], ["0"], "cuda", share=True)
     assert gpu_assignment([2, 2], ["0"], "cpu") == [None, None]
     with pytest.raises(SimulationError, match="need 4 GPUs.*has 3"):
         gpu_assignment([2, 2], ["0", "1", "2"], "auto")

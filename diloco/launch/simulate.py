@@ -74,23 +74,31 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def gpu_assignment(sizes: list[int], gpus: list[str], device: str) -> list[str | None]:
+def gpu_assignment(sizes: list[int], gpus: list[str], device: str, share: bool = False) -> list[str | None]:
     """Each island's ``CUDA_VISIBLE_DEVICES``: ``sizes[i]`` GPUs of its own, consecutive in ``gpus``, or None for
-    every island when they run on the CPU (``--device cpu``, or ``auto`` on a machine without GPUs).  Raises
-    SimulationError when the islands need more GPUs than there are."""
+    every island when they run on the CPU (``--device cpu``, or ``auto`` on a machine without GPUs).  With
+    ``share`` (``--share-gpus``) islands that need more GPUs than there are take them in turn, several processes
+    to a GPU (islands average over loopback exactly as across servers).  Raises SimulationError when the islands
+    need more GPUs than there are and may not share them."""
     if device == "cpu" or (device == "auto" and not gpus):
         return [None] * len(sizes)
     if device.startswith("cuda:"):
         raise SimulationError(f"simulate gives each island GPUs of its own, so --device {device} cannot hold for "
                               f"all of them: pass --device cuda (or auto)")
     need = sum(sizes)
-    if need > len(gpus):
+    if need > len(gpus) and not share:
         shape = f"{len(sizes)} islands of {sizes[0]} processes" if len(set(sizes)) == 1 else f"islands of {sizes} processes"
         raise SimulationError(f"{shape} need {need} GPUs, one per process, but this machine has {len(gpus)}: run "
-                              f"fewer islands or smaller ones (--parallel.tp, --parallel.pp), or pass --device cpu")
+                              f"fewer islands or smaller ones (--parallel.tp, --parallel.pp), pass --share-gpus to "
+                              f"put several processes on a GPU, or pass --device cpu")
+    if not gpus:
+        raise SimulationError("--device cuda asks for GPUs, but this machine shows none: pass --device cpu")
+    if max(sizes) > len(gpus):  # a rank takes the GPU of its local rank: an island's ranks never share one
+        raise SimulationError(f"an island of {max(sizes)} processes needs {max(sizes)} GPUs of its own, one per rank, "
+                              f"but this machine has {len(gpus)}: make the islands smaller or pass --device cpu")
     out, start = [], 0
     for n in sizes:
-        out.append(",".join(gpus[start:start + n]))
+        out.append(",".join(gpus[(start + j) % len(gpus)] for j in range(n)))
         start += n
     return out
 
@@ -107,7 +115,7 @@ class Cluster:
     """Island processes of one run on this machine."""
 
     def __init__(self, cfg: Config, n: int, *, wrap: Wrap | None = None, host_addresses: list[str] | None = None,
-                 env: dict[int, dict[str, str]] | None = None):
+                 env: dict[int, dict[str, str]] | None = None, share_gpus: bool = False):
         if n < 1:
             raise SimulationError(f"--islands must be at least 1, got {n}")
         self.cfg, self.n = cfg, n
@@ -119,7 +127,7 @@ class Cluster:
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
         self.gpus = gpu_assignment([self.island_size(i) for i in range(n)],
-                                   visible_gpus() if cfg.device != "cpu" else [], cfg.device)
+                                   visible_gpus() if cfg.device != "cpu" else [], cfg.device, share_gpus)
         for d in self.run_dirs:
             for stale in ("maddrs.txt", "summary.json", "metrics.jsonl", "theta_global.pt"):
                 (d / stale).unlink(missing_ok=True)
@@ -292,7 +300,7 @@ class Cluster:
 
 def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: Wrap | None = None,
              host_addresses: list[str] | None = None, env: dict[int, dict[str, str]] | None = None,
-             quiet: bool = False) -> dict[str, Any]:
+             quiet: bool = False, share_gpus: bool = False) -> dict[str, Any]:
     """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread."""
     if cfg.averaging.backend == "torch":
         size = cfg.parallel.processes
@@ -300,7 +308,7 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
                               f"in one torchrun world: torchrun --standalone --nproc-per-node {islands * size} -m "
                               f"diloco.cli train --averaging.backend torch ... (or use --averaging.backend hivemind "
                               f"or auto here)")
-    cluster = Cluster(cfg, islands, wrap=wrap, host_addresses=host_addresses, env=env)
+    cluster = Cluster(cfg, islands, wrap=wrap, host_addresses=host_addresses, env=env, share_gpus=share_gpus)
     t0 = time.time()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
