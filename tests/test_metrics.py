@@ -29,7 +29,8 @@ def test_online_without_key_falls_back_to_offline(monkeypatch, tmp_path):
 
 def test_island_logs_documented_metrics_to_jsonl_and_offline_wandb(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = tiny_config(tmp_path, **{"wandb.mode": "offline", "diloco.outer_steps": 2, "parallel.peak_tflops": 0.5})
+    cfg = tiny_config(tmp_path, **{"wandb.mode": "offline", "diloco.outer_steps": 3, "parallel.peak_tflops": 0.5,
+                                   "logging.sample_every": 2})
     summary = Island(cfg).run()
     records = read_metrics(tmp_path)
     seen = set().union(*records)
@@ -42,9 +43,10 @@ def test_island_logs_documented_metrics_to_jsonl_and_offline_wandb(tmp_path, mon
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")), "the offline run holds no data file"
-    # samples of fixed held-out prompts at each evaluation, in samples.jsonl and as a W&B table
+    # samples of fixed held-out prompts every --logging.sample_every rounds and after the last, in samples.jsonl
+    # and as a W&B table
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert [s["outer_step"] for s in samples] == [1, 1, 2, 2]
+    assert [s["outer_step"] for s in samples] == [2, 2, 3, 3]
     assert samples[0]["prompt"] == samples[2]["prompt"] and all(s["continuation"] for s in samples)
     assert list(runs[0].glob("files/media/table/samples_*.table.json")), "no samples table in the W&B run"
 

@@ -127,7 +127,7 @@ def validate(cfg: Config) -> list[str]:
     if c.keep < 1:
         p.append(f"--checkpoint.keep must be at least 1, got {c.keep}")
     lg = cfg.logging
-    for name in ("log_every", "eval_every", "eval_batches"):
+    for name in ("log_every", "eval_every", "eval_batches", "sample_every"):
         if getattr(lg, name) < 1:
             p.append(f"--logging.{name} must be at least 1, got {getattr(lg, name)}")
     if lg.samples < 0 or lg.sample_tokens < 1:

@@ -210,8 +210,11 @@ class LoggingConfig:
     eval_batches: int = 8
     """Held-out batches per evaluation."""
     samples: int = 2
-    """At each evaluation, continue this many fixed held-out prompts with θ_global (on the main rank's CPU)
-    and log them to `samples.jsonl` and a W&B table (0: none; lower it for large models)."""
+    """Continue this many fixed held-out prompts with θ_global every `sample_every` rounds (and after the last)
+    and log them to `samples.jsonl` and a W&B table (0: none)."""
+    sample_every: int = 10
+    """Log samples every this many outer rounds, at an evaluation (generating costs: 2 samples of 48 tokens took
+    3.85 s of a 150m model on an H100, a quarter of a 1b round of 100 steps)."""
     sample_tokens: int = 48
     """Tokens generated per sample (capped by the model's context)."""
 

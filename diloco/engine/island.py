@@ -380,7 +380,8 @@ class Island:
         if s.outer_step % (cfg.logging.eval_every * n) == 0 or s.outer_step == total:
             with self._as_compute():
                 ev = self.evaluate()
-                self._log_samples()
+                if s.outer_step % (cfg.logging.sample_every * n) == 0 or s.outer_step == total:
+                    self._log_samples()
             s.eval_loss_end = ev
             record.update(self._eval_record(ev))
         record["compute_utilization"] = s.compute_seconds / max(time.perf_counter() - self.t_start, 1e-9)
