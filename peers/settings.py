@@ -25,13 +25,18 @@ class NetworkSettings:
     identity_path: str = ""
     """File holding this island's private key, so its peer id stays the same across restarts."""
     client_mode: bool = False
-    """Accept no incoming connections (an island behind a firewall); it can still join groups."""
+    """Accept no incoming connections (an island behind a NAT or a firewall): it opens every connection
+    itself, and other islands send it their bytes back over them; it takes full part in the rounds."""
     startup_timeout: float = 20.0
     """Seconds to connect to initial peers before giving up with an error."""
     transport_port: int = 0
     """TCP port rank 0 of this island takes a round's bytes and requests for state on (rank r: this + r); 0
     picks free ports. Open it (and the next ones for the other ranks) next to the DHT's port on a server other
     islands reach."""
+    encrypt: bool = True
+    """Seal every byte islands send each other over the direct transport (AES-256-GCM, fresh keys per
+    connection); false sends them in the clear after the authenticated handshake. Every island of a run
+    must agree."""
     run_key: str = ""
     """Shared secret of the run: only islands holding it can join, average or download state. Empty on
     the first island: a key is generated and printed; islands joining a private run must pass it."""

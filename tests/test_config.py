@@ -33,6 +33,7 @@ def test_toml_file_then_command_line_overrides(tmp_path):
     (["--inner_steps", "5"], "did you mean --diloco.inner_steps?"),
     (["--diloco.inner_steps", "five"], "--diloco.inner_steps expects an integer, got 'five'"),
     (["--averaging.client_mode", "maybe"], "expects true or false"),
+    (["--averaging.client_mode", "true"], "an island behind NAT (--averaging.client_mode true) cannot start a run"),
     (["--model.n_heads", "3"], "--model.n_heads (3) must divide --model.dim (128)"),
     (["--diloco.inner_steps", "0"], "--diloco.inner_steps (H) must be at least 1"),
     (["--model.preset", "huge"], "--model.preset is 'huge' but must be one of tiny, small, 150m, 1b"),

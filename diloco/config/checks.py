@@ -112,6 +112,10 @@ def validate(cfg: Config) -> list[str]:
         if not addr.startswith("/") or "/p2p/" not in addr:
             p.append(f"--averaging.initial_peers entry {addr!r} is not a multiaddr ending in /p2p/PEER_ID; "
                      f"copy one printed by the island you want to join")
+    if a.client_mode and not a.initial_peers and a.backend != "local" and not cfg.checkpoint.resume:
+        p.append("an island behind NAT (--averaging.client_mode true) cannot start a run, since no other island "
+                 "could reach it: start the run on a reachable island and pass its address with "
+                 "--averaging.initial_peers")
     for addr in a.host_maddrs + a.announce_maddrs:
         if not addr.startswith("/ip4/") and not addr.startswith("/ip6/") and not addr.startswith("/dns"):
             p.append(f"multiaddr {addr!r} must look like /ip4/ADDRESS/tcp/PORT")

@@ -298,7 +298,8 @@ class PeerNode:
         advertise = _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(self.dht))
         port = a.transport_port + _local_rank(self.rt) if a.transport_port else 0
         try:
-            return Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise)
+            return Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise,
+                             encrypt=a.encrypt, reachable=not a.client_mode)
         except OSError as e:
             raise PeerNetworkError(f"could not listen for round bytes on {host}:{port} ({e.strerror or e}); free the "
                                    f"port or pick another with --averaging.transport_port") from None

@@ -385,6 +385,7 @@ class ShardedAverager:
             for p in peers:
                 for peer, endpoint in group[p]["ranks"]:
                     self.channel.endpoints[peer] = endpoint
+            self.transport.reach([endpoint for p in peers for _, endpoint in group[p]["ranks"]])
         weights = {p: as_float(group[p]["weight"]) for p in peers}
         resent_before = self.transport.stats.resent if self.transport is not None else 0
         # one process holding the whole model: the averages land in one buffer in the layout's order, which

@@ -158,7 +158,7 @@ class VerifiedAverager(MissedGroups):
         self._own_transport = None
         try:
             self._votes = VoteChannel(dht, scope.prefix, members, direct=scope.direct_votes,
-                                      ttl=max(60.0, 4 * settings.vote_timeout))
+                                      ttl=max(60.0, 4 * settings.vote_timeout), reachable=not scope.client_mode)
             if self._numel:
                 max_bytes = self.codec.nbytes(self._numel)
                 coding = settings.entropy_coding and self.codec.skewed
@@ -169,6 +169,7 @@ class VerifiedAverager(MissedGroups):
                     if transport is None:
                         transport = self._own_transport = Transport(self.peer_id)
                     self._parts = DirectChannel(transport, max_bytes, entropy_coding=coding)
+                    self._votes.use_lanes(self._parts)
             self.endpoint = transport.endpoint if transport is not None else ""
         except BaseException:
             self.shutdown()
@@ -182,6 +183,8 @@ class VerifiedAverager(MissedGroups):
     @parts.setter
     def parts(self, channel: Any) -> None:
         self._parts = channel
+        if isinstance(channel, DirectChannel):
+            self._votes.use_lanes(channel)
 
     def average(self, deltas: Sequence[torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,

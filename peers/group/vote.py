@@ -11,12 +11,17 @@ A verdict counts only when its sender (authenticated by libp2p, or the DHT subke
 run key in a private run) is a member of the group; in a private run the direct channel refuses
 senders that are not registered in the run's member registry at all.
 
+Islands behind NAT cannot reach each other through the daemon: they send their verdicts over the direct
+transport first (its lanes and relays, :mod:`peers.wire.transport`), publish them in the DHT record at
+once, and never take a member they cannot reach for gone.
+
 The host process talks to the daemon through :mod:`peers.wire.p2p_loop`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -28,8 +33,10 @@ import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
 from peers.discovery.membership import MemberCheck
+from peers.wire.encoded import DirectChannel
 from peers.wire.inbox import GONE, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
+from peers.wire.transport import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -87,28 +94,55 @@ def _decided(t: Tally) -> bool:
 class VoteChannel:
     """Holds this peer's votes for one averager ``prefix``: sends verdicts to the group members, takes
     theirs, and falls back to the DHT record.  ``members``: in a private run, who may send a verdict
-    directly; ``direct=False`` gives the polled DHT vote only (kept for benchmarks and tests)."""
+    directly; ``direct=False`` gives the polled DHT vote only (kept for benchmarks and tests);
+    ``reachable=False`` (an island behind NAT): also publish every verdict in the DHT at once, since the
+    members that cannot be reached either will never get it directly, and never take a member it cannot
+    reach for gone."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, members: MemberCheck | None = None, direct: bool = True,
-                 ttl: float = 120.0):
-        self.dht, self.members, self.direct = dht, members, direct
+                 ttl: float = 120.0, reachable: bool = True):
+        self.dht, self.members, self.direct, self.reachable = dht, members, direct, reachable
         self.name = f"{prefix}::diloco.verdict"
         self.box = Inbox(ttl)
         self._sends: set[asyncio.Future] = set()
         self._abstained = LateAnswers()
         """Votes we abstained on: a verdict that comes later gets our abstention back at once."""
         self._handler = Handler(dht, self.name, self._on_verdict, Verdict) if direct else None
+        self._lanes: DirectChannel | None = None
+
+    def use_lanes(self, channel: DirectChannel) -> None:
+        """Also take verdicts over the direct transport of ``channel`` and, from behind a NAT, send ours that way
+        first: its lanes and relays reach the members behind other NATs, which hivemind's daemon cannot."""
+        self._lanes = channel
+        channel.transport.handlers[self.name + "/"] = self._on_lane_verdict
+
+    def _on_lane_verdict(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
+        try:
+            body = json.loads(bytes(payload))
+            fingerprint, group = [float(x) for x in body["fingerprint"]], [str(p) for p in body["group"]]
+        except (ValueError, KeyError, TypeError):
+            return True
+        if len(fingerprint) <= MAX_FINGERPRINT:
+            self._take(key.removeprefix(self.name + "/"), sender, fingerprint, group)
+        return True
 
     async def _on_verdict(self, request: Any, context: P2PContext) -> Any:
         sender = str(context.remote_id)
         if len(request.fingerprint) > MAX_FINGERPRINT or (self.members and not await self.members.allows(sender)):
             return Verdict(accepted=False)
-        self.box.put(request.key, sender, list(request.fingerprint), request.group)
-        owed = self._abstained.newcomer(request.key, sender)
+        self._take(request.key, sender, list(request.fingerprint), list(request.group))
+        return Verdict(accepted=True)
+
+    def _take(self, key: str, sender: str, fingerprint: list[float], group: list[str]) -> None:
+        """Keep a member's verdict; answer with our abstention if we abstained on that vote before it came."""
+        self.box.put(key, sender, fingerprint, group)
+        owed = self._abstained.newcomer(key, sender)
         if owed is not None:
             abstention, me, expiration = owed
-            self._send_later(sender, abstention, me, expiration, SEND_TIMEOUT)
-        return Verdict(accepted=True)
+            _submit(self._later(sender, abstention, me, expiration))
+
+    async def _later(self, sender: str, abstention: Any, me: str, expiration: float) -> None:
+        self._send_later(sender, abstention, me, expiration, SEND_TIMEOUT)
 
     def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
              agree: Callable[[list[float], list[float]], bool], timeout: float, expiration: float) -> Tally:
@@ -143,6 +177,8 @@ class VoteChannel:
         key, mine, period = verdict.key, list(verdict.fingerprint), POLL_ONLY
         if self.direct:
             period, failed = POLL, asyncio.Event()
+            if not self.reachable and mine:  # not cancelled with the vote: an island may end right after it
+                spawn(self._store(key, me, mine, expiration), self._sends)
             for p in others:  # not awaited: a member that decided early must still reach the slow ones
                 self._send_later(p, verdict, me, expiration, min(SEND_TIMEOUT, deadline - time.monotonic()), failed)
             try:  # a failed send hints that the way back fails too: look in the DHT at once then
@@ -163,6 +199,8 @@ class VoteChannel:
     async def _send(self, peer: str, verdict: Any, me: str, failed: asyncio.Event, expiration: float,
                     timeout: float) -> None:
         key, mine = verdict.key, list(verdict.fingerprint)
+        if not self.reachable and await self._send_over_lane(peer, verdict, timeout):
+            return
         try:
             reply = await asyncio.wait_for(self._handler.p2p.call_protobuf_handler(
                 PeerID.from_base58(peer), self.name, verdict, Verdict), max(0.1, timeout))
@@ -175,10 +213,27 @@ class VoteChannel:
             reached = False
         failed.set()
         await self._store(key, me, mine, expiration)
-        if not reached:  # a member that took part in the round and cannot be reached now most likely died
+        # a member that took part in the round and cannot be reached now most likely died; but from behind a NAT,
+        # the members behind NATs cannot be reached either: their verdicts come through the DHT record
+        if not reached and self.reachable:
             await asyncio.sleep(GONE_AFTER)
             await self._poll(key, me, mine, expiration)
             self.box.put(key, peer, GONE)
+
+    async def _send_over_lane(self, peer: str, verdict: Any, timeout: float) -> bool:
+        """Our verdict to ``peer`` over the direct transport; whether it was delivered."""
+        lanes = self._lanes
+        endpoint = lanes.endpoints.get(peer) if lanes is not None else None
+        if endpoint is None:
+            return False
+        body = json.dumps({"fingerprint": list(verdict.fingerprint), "group": list(verdict.group)}).encode()
+        try:
+            await asyncio.to_thread(lanes.transport.send, endpoint, f"{self.name}/{verdict.key}", body,
+                                    time.monotonic() + max(0.1, timeout))
+            return True
+        except TransportError as e:
+            log.debug("could not send our verdict to %s over the transport: %s", peer, e)
+            return False
 
     async def _store(self, key: str, me: str, mine: list[float], expiration: float) -> bool:
         try:

@@ -1,57 +1,53 @@
-"""Bulk bytes between island ranks over plain TCP: pseudo-gradient parts, a round's group inside an island,
+"""Bulk bytes between island ranks over TCP: pseudo-gradient parts, a round's group inside an island,
 θ_global for joiners.
 
 hivemind forms the groups and carries the votes; the bytes of a round go here, straight from one rank's
-memory to another's.  Measured side by side on loopback (2 cores, 160 MB of fp32, ``benchmarks/transport.py``):
-a reduce-scatter and all-gather over this path ran as fast as a gloo ``all_reduce`` of the same tensor
-(0.112 s against 0.110 s), while the same halves over hivemind's p2p daemon took 6.4x as long and hivemind's
-own all-reduce 18x.
+memory to another's.  Measured side by side on loopback (2 cores, 160 MB of fp32): a reduce-scatter and
+all-gather over this path ran as fast as a gloo ``all_reduce`` of the same tensor (0.112 s against 0.110 s),
+while the same halves over hivemind's p2p daemon took 6.4x as long and hivemind's own all-reduce 18x.
 
-Every rank listens on one TCP port.  A connection starts with a handshake: the listener sends a random
-nonce, the caller answers with its peer id and ``HMAC-SHA256(run key, nonce + peer id)``, so only islands
-holding the run's key can send anything (a public run has an empty key: anyone may, as over hivemind).  A
-message is one frame: a fixed header (its key, the length of a small JSON ``extra`` and of the payload),
-then the payload, written from the caller's buffer and read straight into the one buffer it is kept in.
-The receiver acknowledges every whole message; a message whose connection fails before its acknowledgement
-is sent again on a new connection, alone, until its deadline (:attr:`Transport.resent` counts them).
-Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender until someone takes them.
+Every rank listens on one TCP port.  A connection starts with the handshake of :mod:`peers.wire.secure`:
+both ends prove they hold the run's key (a public run has an empty key: anyone may connect, as over
+hivemind), agree on fresh keys, and every byte after it is sealed with AES-GCM (``encrypt=False``: sent in
+the clear).  A message is one frame: a header (its key, the length of a small JSON ``extra`` and of the
+payload), then the payload, written from the caller's buffer and read into the one buffer it is kept in.
+The receiver acknowledges every whole message; a message whose connection fails before its acknowledgement,
+or that fails its seal on the way, is sent again on a new connection, alone, until its deadline
+(:attr:`Stats.resent` counts them).  Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender
+until someone takes them.
 
-The bytes are not encrypted: runs over the open internet that need it use ``--averaging.transport p2p``
-(hivemind's daemon, encrypted and slower).
+**Ranks that cannot be reached** (an island behind a NAT or a firewall: ``reachable=False``) announce
+``lane:HOST:PORT`` instead of ``HOST:PORT``.  They open every connection themselves: to send, as anyone; to
+receive, a *lane* to each reachable rank they deal with (:meth:`Transport.reach`, and every rank they send
+to), on which that rank sends its frames back.  A reachable rank sending to a ``lane:`` endpoint waits for
+its lane.  Between two ranks that both cannot be reached, the sender hands its message to a reachable rank
+it holds a lane to, which passes it on over the receiver's lane before acknowledging it
+(:attr:`Stats.relayed`).  Ranks of one server reach each other directly whatever they announce.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from peers.wire.inbox import Inbox
+from peers.wire.secure import FRAMES, HANDSHAKE_TIMEOUT, LANE, Link, Malformed, Refused, Tampered, call, greet
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"DLC1"
-HEADER = struct.Struct(">4sHIQ")
-"""magic, key length, extra length, payload length."""
-NONCE = 16
-ACK = b"\x06"
-WELCOME, REFUSED = b"\x01", b"\x00"
-MAX_KEY = 1024
-MAX_EXTRA = 1 << 20
-CHUNK = 1 << 22
-"""Bytes per ``recv_into`` (the kernel hands over what it has; a bigger buffer only wastes nothing)."""
-HANDSHAKE_TIMEOUT = 10.0
+LANE_PREFIX = "lane:"
+"""What a rank that cannot be reached puts before its ``HOST:PORT``."""
+LANE_IDLE = 600.0
+"""Seconds a lane to a rank stays open after this rank last dealt with it."""
+KEEPALIVE = 20
+"""Seconds of silence before the kernel probes a lane, so that a NAT keeps its mapping."""
 
 Buffer = bytes | bytearray | memoryview
 
@@ -61,40 +57,13 @@ class TransportError(RuntimeError):
 
 
 class RefusedError(TransportError):
-    """The receiver refused the connection: the two sides hold different run keys."""
+    """The receiver refused the connection: the two sides hold different run keys, or encrypt differently."""
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` as (host, port)."""
-    host, _, port = endpoint.rpartition(":")
+    """``"host:port"`` (or ``"lane:host:port"``) as (host, port)."""
+    host, _, port = endpoint.removeprefix(LANE_PREFIX).rpartition(":")
     return host.strip("[]"), int(port)
-
-
-def _mac(key: bytes, nonce: bytes, peer: bytes) -> bytes:
-    return hmac.new(key, nonce + peer, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], min(len(view) - got, CHUNK))
-        if n == 0:
-            raise ConnectionError("the connection closed mid-message")
-        got += n
-
-
-def _buffer(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes, not zero-filled first (``bytearray(size)`` would write it all once
-    more before the socket does)."""
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
-
-
-def _send_frame(sock: socket.socket, key: str, extra: bytes, payload: Buffer) -> None:
-    k = key.encode()
-    body = memoryview(payload).cast("B")
-    sock.sendall(HEADER.pack(MAGIC, len(k), len(extra), len(body)) + k + extra)
-    if len(body):
-        sock.sendall(body)
 
 
 @dataclass
@@ -106,25 +75,33 @@ class Stats:
     resent: int = 0
     """Messages sent again alone after their connection failed before they were acknowledged."""
     resent_bytes: int = 0
+    tampered: int = 0
+    """Messages dropped on arrival because a record failed its seal (sent again by their sender)."""
+    relayed: int = 0
+    """Messages this rank passed on between two ranks that cannot be reached."""
 
 
 @dataclass
 class _Peer:
-    """One outgoing connection (made on first use, made again after a failure)."""
+    """One outgoing connection (made on first use, made again after a failure), or a lane from the peer."""
 
     endpoint: str
     lock: threading.Lock = field(default_factory=threading.Lock)
-    sock: socket.socket | None = None
+    link: Link | None = None
 
 
 class Transport:
     """This rank's endpoint for bulk bytes: listens on ``host:port`` (0: any free port), names itself
     ``peer_id`` and accepts only callers holding ``run_key`` (empty: anyone).  ``advertise``: the host other
-    ranks reach it at (default: ``host``, or 127.0.0.1 when listening on all interfaces)."""
+    ranks reach it at (default: ``host``, or 127.0.0.1 when listening on all interfaces); ``encrypt``: seal
+    every byte after the handshake; ``reachable=False``: no other server can open a connection to it (see
+    the module's docstring)."""
 
     def __init__(self, peer_id: str, run_key: str = "", host: str = "127.0.0.1", port: int = 0,
-                 advertise: str = "", max_message: int = 1 << 34, inbox_ttl: float = 300.0):
+                 advertise: str = "", max_message: int = 1 << 34, inbox_ttl: float = 300.0, encrypt: bool = True,
+                 reachable: bool = True):
         self.peer_id, self.key, self.max_message = peer_id, run_key.encode(), max_message
+        self.encrypt, self.reachable = encrypt, reachable
         self.box = Inbox(inbox_ttl, max_keys=4096)
         self.stats = Stats()
         self.handlers: dict[str, Callable[[str, str, bytearray, dict], bool]] = {}
@@ -133,15 +110,27 @@ class Transport:
         keeps it out of the inbox (a request served at once, a message stored otherwise)."""
         self.fault: Callable[[str], bool] | None = None
         """Tests: ``fault(key)`` True makes the next send of that key break its connection half-way."""
+        self.tamper: Callable[[str], bool] | None = None
+        """Tests: ``tamper(key)`` True flips one bit of that send's payload on the way out."""
         self._peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
+        self._lanes_in: dict[str, Link] = {}
+        """Lanes opened to this rank by ranks that cannot be reached, by their endpoint, until a send takes one."""
+        self._lane_arrived = threading.Condition(self._peers_lock)
+        self._lanes_out: dict[str, float] = {}
+        """Reachable endpoints this rank keeps a lane to (when it cannot be reached), and when it last dealt
+        with each."""
+        self._lane_links: dict[str, Link] = {}
         self._closed = threading.Event()
         self._server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                             reuse_port=False, backlog=64)
         self.port = self._server.getsockname()[1]
         if not advertise:
             advertise = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.endpoint = f"{advertise}:{self.port}"
+        self.address = f"{advertise}:{self.port}"
+        """Where this rank listens (reached directly by the ranks of its own server)."""
+        self.endpoint = self.address if reachable else LANE_PREFIX + self.address
+        """What other ranks send to."""
         self._conns: set[socket.socket] = set()
         threading.Thread(target=self._accept, name="transport-accept", daemon=True).start()
 
@@ -156,89 +145,204 @@ class Transport:
 
     def _serve(self, conn: socket.socket) -> None:
         self._conns.add(conn)
+        kept = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            nonce = os.urandom(NONCE)
-            conn.sendall(nonce)
-            head = bytearray(2)
-            _recv_exact(conn, memoryview(head))
-            peer = bytearray(struct.unpack(">H", head)[0])
-            _recv_exact(conn, memoryview(peer))
-            mac = bytearray(32)
-            _recv_exact(conn, memoryview(mac))
-            if not hmac.compare_digest(bytes(mac), _mac(self.key, nonce, bytes(peer))):
-                log.warning("refused a transport connection: wrong run key (claimed peer %s)",
-                            peer.decode(errors="replace"))
-                conn.sendall(REFUSED)
+            try:
+                link = greet(conn, self.key, self.encrypt, self.peer_id)
+            except Refused as e:
+                log.warning("%s", e)
                 return
-            conn.sendall(WELCOME)
-            sender = peer.decode()
-            conn.settimeout(None)
-            while not self._closed.is_set():
-                header = bytearray(HEADER.size)
-                try:
-                    _recv_exact(conn, memoryview(header))
-                except ConnectionError:
-                    return
-                magic, klen, xlen, plen = HEADER.unpack(header)
-                if magic != MAGIC or klen > MAX_KEY or xlen > MAX_EXTRA or plen > self.max_message:
-                    log.warning("refused a malformed message from %s", sender)
-                    return
-                meta = bytearray(klen + xlen)
-                _recv_exact(conn, memoryview(meta))
-                payload = _buffer(plen)
-                _recv_exact(conn, payload)
-                conn.sendall(ACK)
-                key = meta[:klen].decode()
-                extra = json.loads(meta[klen:]) if xlen else {}
-                self.stats.received += plen
-                handler = self._handler(key)
-                if handler is not None and handler(key, sender, payload, extra):
-                    continue
-                self.box.put(key, sender, payload, extra.get("group", ()) if isinstance(extra, dict) else ())
-        except (OSError, ValueError) as e:
+            if link.role == LANE:
+                kept = self._keep_lane_in(link)
+                return
+            self._read_frames(link)
+        except OSError as e:
             if not self._closed.is_set():
                 log.debug("transport connection ended: %s", e)
         finally:
             self._conns.discard(conn)
-            conn.close()
+            if not kept:
+                conn.close()
+
+    def _read_frames(self, link: Link) -> None:
+        """Read, acknowledge and deliver the frames of one connection until it ends."""
+        while not self._closed.is_set():
+            try:
+                key, meta, payload = link.read_frame(self.max_message)
+            except Tampered as e:
+                self.stats.tampered += 1
+                log.warning("dropped a message from %s: %s (its sender sends it again)", link.peer, e)
+                return
+            except Malformed as e:
+                log.warning("refused a malformed message from %s: %s", link.peer, e)
+                return
+            except ConnectionError:
+                return
+            extra = json.loads(meta) if meta else {}
+            if not isinstance(extra, dict):
+                extra = {}
+            relayed = "_relay" in extra
+            if relayed and not self._pass_on(key, payload, extra, link.peer):
+                return  # not acknowledged: the sender tries again
+            link.write_ack()
+            if relayed:
+                continue
+            sender = str(extra.pop("_from", link.peer))
+            self.stats.received += len(payload)
+            handler = self._handler(key)
+            if handler is not None and handler(key, sender, payload, extra):
+                continue
+            self.box.put(key, sender, payload, extra.get("group", ()))
+
+    def _pass_on(self, key: str, payload: memoryview, extra: dict, sender: str) -> bool:
+        """A message between two ranks that cannot be reached: send it on over the receiver's lane."""
+        target = str(extra.pop("_relay"))
+        within = float(extra.pop("_within", 30.0))
+        try:
+            self.send(target, key, payload, time.monotonic() + max(0.05, within), {**extra, "_from": sender})
+        except TransportError as e:
+            log.info("could not pass %s on to %s: %s", key, target, e)
+            return False
+        self.stats.relayed += 1
+        return True
 
     def _handler(self, key: str) -> Callable[[str, str, bytearray, dict], bool] | None:
         best = max((p for p in self.handlers if key.startswith(p)), key=len, default=None)
         return self.handlers.get(best) if best is not None else None
 
+    # ------------------------------------------------------------------------------------- lanes
+    def _keep_lane_in(self, link: Link) -> bool:
+        """A rank that cannot be reached opened a lane: keep it for the next send to its endpoint."""
+        if not link.endpoint.startswith(LANE_PREFIX):
+            log.warning("refused a lane from %s: it announces no lane endpoint", link.peer)
+            return False
+        link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        with self._lane_arrived:
+            old = self._lanes_in.pop(link.endpoint, None)
+            self._lanes_in[link.endpoint] = link
+            self._lane_arrived.notify_all()
+        if old is not None:
+            old.sock.close()
+        return True
+
+    def _wait_lane(self, endpoint: str, deadline: float) -> Link:
+        with self._lane_arrived:
+            while endpoint not in self._lanes_in:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    raise ConnectionError(f"{endpoint} opened no lane to this rank in time (it cannot be reached)")
+                self._lane_arrived.wait(min(left, 0.5))
+            return self._lanes_in.pop(endpoint)
+
+    def reach(self, endpoints: list[str]) -> None:
+        """This rank is about to deal with the ranks at ``endpoints``: when it cannot be reached, open (or keep)
+        a lane to each reachable one, so that they can send to it."""
+        if self.reachable:
+            return
+        now = time.monotonic()
+        for endpoint in endpoints:
+            if endpoint.startswith(LANE_PREFIX) or endpoint == self.endpoint:
+                continue
+            with self._peers_lock:
+                fresh = endpoint not in self._lanes_out
+                self._lanes_out[endpoint] = now
+            if fresh:
+                threading.Thread(target=self._hold_lane, args=(endpoint,), name="transport-lane",
+                                 daemon=True).start()
+
+    def _hold_lane(self, endpoint: str) -> None:
+        """Keep a lane open to ``endpoint`` (again after it breaks) while this rank deals with it."""
+        wait = 0.1
+        while not self._closed.is_set():
+            with self._peers_lock:
+                if time.monotonic() - self._lanes_out.get(endpoint, 0.0) > LANE_IDLE:
+                    self._lanes_out.pop(endpoint, None)
+                    return
+            try:
+                link = self._dial(endpoint, time.monotonic() + HANDSHAKE_TIMEOUT, LANE)
+            except Refused as e:
+                log.warning("could not open a lane to %s: %s", endpoint, e)
+                with self._peers_lock:
+                    self._lanes_out.pop(endpoint, None)
+                return
+            except OSError as e:
+                log.debug("could not open a lane to %s yet: %s", endpoint, e)
+                self._closed.wait(wait)
+                wait = min(2.0, wait * 2)
+                continue
+            wait = 0.1
+            link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                link.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
+            with self._peers_lock:
+                self._lane_links[endpoint] = link
+            try:
+                self._read_frames(link)
+            except OSError as e:
+                log.debug("the lane to %s ended: %s", endpoint, e)
+            finally:
+                with self._peers_lock:
+                    self._lane_links.pop(endpoint, None)
+                link.sock.close()
+
+    def _relay_for(self, deadline: float) -> str:
+        """A reachable rank this rank holds a lane to, to pass a message to a rank that cannot be reached."""
+        while True:
+            with self._peers_lock:
+                live = sorted(self._lane_links)
+            if live:
+                return live[0]
+            if time.monotonic() >= deadline or self._closed.is_set():
+                raise ConnectionError("neither this rank nor its receiver can be reached, and no reachable rank "
+                                      "holds a lane to pass the message on")
+            time.sleep(0.05)
+
     # ----------------------------------------------------------------------------------- sending
+    def _route(self, endpoint: str) -> str:
+        """Where a message for ``endpoint`` goes first: the endpoint itself (a connection, or its lane), its
+        address on this server, or ``""`` when it must be passed on by a reachable rank."""
+        if not endpoint.startswith(LANE_PREFIX):
+            return endpoint
+        address = endpoint.removeprefix(LANE_PREFIX)
+        if parse_endpoint(address)[0] == parse_endpoint(self.address)[0]:
+            return address  # a rank of this server
+        return endpoint if self.reachable else ""
+
     def send(self, endpoint: str, key: str, payload: Buffer, deadline: float, extra: dict | None = None) -> None:
         """Deliver one message to the rank at ``endpoint`` (acknowledged), sending it again on a new connection
         if its connection fails, until ``deadline`` (``time.monotonic``); raises TransportError then."""
-        meta = json.dumps(extra).encode() if extra else b""
-        peer = self._peer(endpoint)
+        route = self._route(endpoint)
+        if route == endpoint:
+            self.reach([endpoint])
         attempt = 0
         while True:
+            hop, hop_extra = route, extra
             try:
+                if not hop:
+                    hop = self._relay_for(deadline)
+                    hop_extra = {**(extra or {}), "_relay": endpoint, "_within": deadline - time.monotonic()}
+                meta = json.dumps(hop_extra).encode() if hop_extra else b""
+                peer = self._peer(hop)
                 with peer.lock:
                     try:
-                        sock = peer.sock or self._connect(endpoint, deadline)
-                        peer.sock = sock
-                        sock.settimeout(max(0.05, deadline - time.monotonic()))
-                        if self.fault is not None and self.fault(key):
-                            self._break_mid_message(sock, key, meta, payload)
-                        _send_frame(sock, key, meta, payload)
-                        ack = sock.recv(1)
-                        if ack != ACK:
-                            raise ConnectionError("the receiver closed the connection")
+                        link = peer.link or self._dial(hop, deadline, FRAMES)
+                        peer.link = link
+                        link.sock.settimeout(max(0.05, deadline - time.monotonic()))
+                        link.tamper = self.tamper
+                        link.write_frame(key, meta, payload, cut=self.fault is not None and self.fault(key))
+                        link.read_ack()
                     except OSError:
                         # dropped before the lock is let go: a message queued behind this one to the same
                         # rank opens a new connection instead of failing on the dead one (and moving twice)
-                        if peer.sock is not None:
-                            peer.sock.close()
-                            peer.sock = None
+                        if peer.link is not None:
+                            peer.link.sock.close()
+                            peer.link = None
                         raise
                 self.stats.sent += memoryview(payload).nbytes
                 return
-            except RefusedError:
-                raise
+            except Refused as e:
+                raise RefusedError(f"{endpoint}: {e}") from None
             except OSError as e:
                 attempt += 1
                 if time.monotonic() >= deadline or self._closed.is_set():
@@ -248,15 +352,6 @@ class Transport:
                 log.info("sending %s to %s again (attempt %d): %s", key, endpoint, attempt + 1, e)
                 time.sleep(min(0.2 * attempt, max(0.0, deadline - time.monotonic())))
 
-    def _break_mid_message(self, sock: socket.socket, key: str, meta: bytes, payload: Buffer) -> None:
-        """Fault injection: write the header and half the payload, then cut the connection."""
-        k = key.encode()
-        body = memoryview(payload).cast("B")
-        sock.sendall(HEADER.pack(MAGIC, len(k), len(meta), len(body)) + k + meta)
-        sock.sendall(body[:len(body) // 2])
-        sock.shutdown(socket.SHUT_RDWR)
-        raise ConnectionError("fault injected: connection cut mid-message")
-
     def _peer(self, endpoint: str) -> _Peer:
         with self._peers_lock:
             peer = self._peers.get(endpoint)
@@ -264,25 +359,25 @@ class Transport:
                 peer = self._peers[endpoint] = _Peer(endpoint)
             return peer
 
-    def _connect(self, endpoint: str, deadline: float) -> socket.socket:
-        host, port = parse_endpoint(endpoint)
-        sock = socket.create_connection((host, port), timeout=max(0.05, min(HANDSHAKE_TIMEOUT,
-                                                                              deadline - time.monotonic())))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = bytearray(NONCE)
-        _recv_exact(sock, memoryview(nonce))
-        me = self.peer_id.encode()
-        sock.sendall(struct.pack(">H", len(me)) + me + _mac(self.key, bytes(nonce), me))
-        if sock.recv(1) != WELCOME:
+    def _dial(self, endpoint: str, deadline: float, role: int) -> Link:
+        """A new connection to ``endpoint`` after its handshake (a ``lane:`` endpoint: the next lane it opens)."""
+        if endpoint.startswith(LANE_PREFIX):
+            return self._wait_lane(endpoint, deadline)
+        sock = socket.create_connection(parse_endpoint(endpoint), timeout=max(0.05, min(
+            HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return call(sock, self.key, self.encrypt, self.peer_id, self.endpoint, role)
+        except BaseException:
             sock.close()
-            raise RefusedError(f"{endpoint} refused this island: it holds another run key")
-        return sock
+            raise
 
     def socket_inodes(self) -> set[int]:
         """Inodes of this transport's live connections (what :class:`peers.wire.counters.WireCounter` counts)."""
         socks = list(self._conns)
         with self._peers_lock:
-            socks += [p.sock for p in self._peers.values() if p.sock is not None]
+            socks += [p.link.sock for p in self._peers.values() if p.link is not None]
+            socks += [link.sock for link in list(self._lane_links.values()) + list(self._lanes_in.values())]
         out = set()
         for s in socks:
             try:
@@ -304,10 +399,18 @@ class Transport:
             except OSError:
                 pass
         with self._peers_lock:
+            links = [p.link for p in self._peers.values() if p.link is not None]
+            links += list(self._lane_links.values()) + list(self._lanes_in.values())
             for peer in self._peers.values():
-                if peer.sock is not None:
-                    peer.sock.close()
-                    peer.sock = None
+                peer.link = None
+            self._lanes_in.clear()
+            self._lane_arrived.notify_all()
+        for link in links:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            link.sock.close()
 
 
 def send_all(transport: Transport, messages: list[tuple[str, str, Buffer, dict | None]], deadline: float

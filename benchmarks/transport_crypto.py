@@ -1,0 +1,159 @@
+"""What sealing the direct transport's bytes costs, side by side with sending them in the clear.
+
+Three measurements in one run:
+
+1. the AEADs alone, on one core: GB/s sealing and opening 4 MiB records (the transport's record size) with
+   AES-256-GCM (what the transport uses) and ChaCha20-Poly1305;
+2. one message of a model's fp32 pseudo-gradient between two transports on loopback, encrypted and plain,
+   alternating;
+3. whole rounds: two islands (each its own DHT and :class:`~peers.averaging.sharded.ShardedAverager`, in this
+   process) average a pseudo-gradient of that size over encrypted and plain transports, alternating round by
+   round so that both see the same machine load.
+
+On loopback the bytes cost nothing to move and 2 cores run both ends, so (2) and (3) show the whole cost
+of the cipher; over a real link it hides behind the link's rate.  Writes a table (Markdown and JSON)::
+
+    python -m benchmarks.transport_crypto --numel 40000000 --rounds 3 --out experiments/results/transport-crypto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305  # noqa: E402
+
+from peers.averaging.sharded import ShardedAverager  # noqa: E402
+from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
+from peers.settings import AveragerSettings, NetworkSettings, Scope  # noqa: E402
+from peers.wire.layout import CanonicalLayout  # noqa: E402
+from peers.wire.transport import Transport, tensor_bytes  # noqa: E402
+
+RECORD = 1 << 22
+FAST = dict(matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=20.0, vote_timeout=10.0,
+            allreduce_timeout=120.0, target_group_size=2)
+
+
+def aead_rates(seconds: float = 1.0) -> dict[str, dict[str, float]]:
+    """GB/s sealing and opening 4 MiB records, per cipher, on this thread."""
+    data = os.urandom(RECORD)
+    out: dict[str, dict[str, float]] = {}
+    for name, cipher in (("AES-256-GCM", AESGCM), ("ChaCha20-Poly1305", ChaCha20Poly1305)):
+        aead, nonce = cipher(os.urandom(32)), bytes(12)
+        sealed = aead.encrypt(nonce, data, None)
+        rates = {}
+        for what, fn in (("seal", lambda: aead.encrypt(nonce, data, None)), ("open", lambda: aead.decrypt(nonce, sealed, None))):
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                n += 1
+            rates[what] = n * RECORD / (time.perf_counter() - t0) / 1e9
+        out[name] = rates
+    return out
+
+
+def one_message(numel: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds to deliver one fp32 message of ``numel`` values, encrypted and plain, alternating."""
+    payload = tensor_bytes(torch.randn(numel))
+    times: dict[str, list[float]] = {"encrypted": [], "plain": []}
+    pairs = {mode: (Transport("a", "bench", encrypt=enc), Transport("b", "bench", encrypt=enc))
+             for mode, enc in (("encrypted", True), ("plain", False))}
+    try:
+        for i in range(repeats):
+            for mode, (a, b) in pairs.items():
+                t0 = time.perf_counter()
+                a.send(b.endpoint, f"m{i}", payload, time.monotonic() + 120)
+                times[mode].append(time.perf_counter() - t0)
+                b.box.release(f"m{i}", drop=True)
+    finally:
+        for a, b in pairs.values():
+            a.close()
+            b.close()
+    return times
+
+
+def rounds(numel: int, n_rounds: int, bucket: int) -> dict[str, list[float]]:
+    """Seconds per averaging round of two islands, encrypted and plain transports, alternating."""
+    layout = CanonicalLayout.build([("w", (numel,))], bucket)
+    dhts = [start_dht(NetworkSettings())]
+    dhts.append(start_dht(NetworkSettings(initial_peers=visible_maddrs(dhts[0]))))
+    made: list = []
+    averagers = {}
+    for mode, enc in (("encrypted", True), ("plain", False)):
+        transports = [Transport(str(d.peer_id), "bench", encrypt=enc) for d in dhts]
+        made += transports
+        averagers[mode] = [ShardedAverager(layout, {"w": torch.zeros(numel)}, {"w": (0, 0, numel)}, None, d,
+                                           AveragerSettings(**FAST), Scope(prefix=f"crypto-{mode}"), transport=t)
+                           for d, t in zip(dhts, transports)]
+    deltas = [{"w": torch.randn(numel, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    times: dict[str, list[float]] = {"encrypted": [], "plain": []}
+    try:
+        for r in range(n_rounds):
+            for mode, avgs in averagers.items():
+                results: list = [None, None]
+
+                def one(i: int) -> None:
+                    results[i] = avgs[i].average(deltas[i], 1.0, {"config_fingerprint": "bench"}, str(r),
+                                                 expected_group_size=2)
+
+                t0 = time.perf_counter()
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                took = time.perf_counter() - t0
+                if not all(res is not None and res[0].ok for res in results):
+                    raise RuntimeError(f"a {mode} round failed: {[res[0].reason for res in results if res]}")
+                times[mode].append(took)
+                print(f"  round {r} {mode:9s} {took:6.2f} s", flush=True)
+    finally:
+        for avgs in averagers.values():
+            for a in avgs:
+                a.shutdown()
+        for t in made:
+            t.close()
+        for d in dhts:
+            d.shutdown()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=40_000_000, help="values of the fp32 pseudo-gradient")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (and messages) per mode")
+    parser.add_argument("--bucket", type=int, default=4_000_000, help="values per bucket of the round's layout")
+    parser.add_argument("--out", default="", help="folder for the table (Markdown and JSON)")
+    args = parser.parse_args()
+
+    aead = aead_rates()
+    for name, r in aead.items():
+        print(f"{name:18s} seal {r['seal']:.2f} GB/s  open {r['open']:.2f} GB/s (one core, 4 MiB records)")
+    message = one_message(args.numel, args.rounds)
+    whole = rounds(args.numel, args.rounds, args.bucket)
+    med = {k: {"message": statistics.median(message[k]), "round": statistics.median(whole[k])} for k in message}
+    mb = args.numel * 4 / 1e6
+    rows = [f"| what | encrypted | plain | ratio |", "|---|---|---|---|"]
+    for what, label in (("message", f"one message of {mb:.0f} MB"), ("round", f"a round of 2 islands, {mb:.0f} MB")):
+        e, p = med["encrypted"][what], med["plain"][what]
+        rows.append(f"| {label} (median of {args.rounds}) | {e:.3f} s | {p:.3f} s | {e / p:.2f}x |")
+    table = "\n".join(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(table + "\n")
+        (out / "results.json").write_text(json.dumps({"aead": aead, "message": message, "rounds": whole,
+                                                      "numel": args.numel}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Islands behind NAT: the same short DiLoCo run twice over emulated links, every island reachable, then with
+some islands behind NAT (no inbound TCP connection reaches their host; they run with
+``--averaging.client_mode true``), side by side.
+
+The NAT'ed islands open every connection themselves; the others send them their bytes back over those lanes,
+and two NAT'ed islands reach each other through a reachable one (:mod:`peers.wire.transport`).  Reports, per
+arm, the rounds committed, whether θ_global ended identical on every island, and the median round time (the
+exchange and the whole ``allreduce_seconds``), as a table, JSON and a PNG::
+
+    sudo python -m experiments.nat --islands 2 --nat 1 --rate 50mbit --rtt 100
+    sudo python -m experiments.nat --islands 3 --nat 1,2 --rate 50mbit --rtt 100
+
+Needs root and TUN devices (the delay line of :mod:`experiments.delay_line`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from diloco.config import Config, ConfigError
+from diloco.config import loader as config_load
+from experiments import netns
+from experiments.islands import launch_islands, variant
+
+DEFAULTS: dict[str, Any] = {
+    "model.preset": "small",
+    "inner.batch_size": 8,
+    "diloco.inner_steps": 20,
+    "diloco.outer_steps": 4,
+    "logging.eval_batches": 2,
+    "logging.samples": 0,
+    "checkpoint.every": 0,
+    "averaging.matchmaking_time": 10.0,
+    "averaging.request_timeout": 5.0,
+    "averaging.matchmaking_timeout": 90.0,
+    "averaging.vote_timeout": 30.0,
+    "averaging.allreduce_timeout": 120.0,
+    "averaging.startup_timeout": 60.0,
+    "wandb.mode": "offline",
+}
+
+
+def _rounds(run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "round_ok" in record:
+            rows.append(record)
+    return rows
+
+
+def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: float, out: Path) -> dict[str, Any]:
+    """One run of ``islands`` islands, those in ``nat`` behind NAT; what :func:`main` reports of it."""
+    with netns.EmulatedNetwork(islands, rate=rate, rtt_ms=rtt_ms, nat=nat, delay_line=True) as network:
+        def wrap(cmd: list[str], i: int) -> list[str]:
+            return network.wrap(cmd + (["--averaging.client_mode", "true"] if i in nat else []), i)
+
+        c = variant(cfg, **{"logging.run_dir": str(out)})
+        launched = launch_islands(c, islands, network, wrap=wrap)
+    summaries = launched["islands"]
+    rounds = [_rounds(out / f"island{i}") for i in range(islands)]
+    ok = [sum(1 for r in rs if r.get("round_ok")) for rs in rounds]
+    took = [float(r["allreduce_seconds"]) for rs in rounds for r in rs if r.get("round_ok") and "allreduce_seconds" in r]
+    exchange = [float(r["exchange_seconds"]) for rs in rounds for r in rs
+                if r.get("round_ok") and isinstance(r.get("exchange_seconds"), (int, float))]
+    checksums = {s.get("theta_checksum") for s in summaries}
+    return {"nat": list(nat), "rounds_committed": ok, "rounds_planned": cfg.diloco.outer_steps,
+            "theta_identical": len(checksums) == 1 and None not in checksums,
+            "round_seconds_median": statistics.median(took) if took else float("nan"),
+            "exchange_seconds_median": statistics.median(exchange) if exchange else float("nan"),
+            "round_seconds": took}
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (arm, r) in enumerate(results.items()):
+        ax.scatter([i] * len(r["round_seconds"]), r["round_seconds"], alpha=0.6)
+        ax.hlines(r["round_seconds_median"], i - 0.25, i + 0.25, color="black")
+    ax.set_xticks(range(len(results)), list(results))
+    ax.set_ylabel("seconds per round (allreduce_seconds)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diloco.command import run_command
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--islands", type=int, default=2)
+    parser.add_argument("--nat", default="1", help="indices of the islands behind NAT, comma-separated")
+    parser.add_argument("--rate", default="50mbit", help="every island's link (e.g. 50mbit)")
+    parser.add_argument("--rtt", type=float, default=100.0, help="round-trip time in ms")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results/nat"),
+                        help="where results.md, results.json and round_seconds.png go")
+    args, rest = parser.parse_known_args(argv)
+
+    def body() -> int:
+        try:
+            nat = tuple(int(x) for x in args.nat.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError([f"--nat must list island indices such as 1,2, got {args.nat!r}"]) from None
+        if not nat or max(nat) >= args.islands or min(nat) < 0 or len(set(nat)) >= args.islands:
+            raise ConfigError([f"--nat must name between 1 and {args.islands - 1} of the islands "
+                               f"0..{args.islands - 1}, leaving one reachable, got {args.nat!r}"])
+        ok, why = netns.available(delay=True)
+        if not ok:
+            raise ConfigError([f"the emulated links need root and TUN devices: {why}"])
+        cfg = config_load.load(None, rest, defaults=DEFAULTS)
+        results = {}
+        arms = (("all reachable", ()), (f"island{'s' if len(nat) > 1 else ''} {args.nat} behind NAT", nat))
+        for arm, hidden in arms:
+            print(f"== {arm} ==", flush=True)
+            results[arm] = run_arm(cfg, args.islands, hidden, args.rate, args.rtt,
+                                   args.out / "runs" / ("nat" if hidden else "open"))
+            print(json.dumps({k: v for k, v in results[arm].items() if k != "round_seconds"}), flush=True)
+        base, hid = results.values()
+        ratio = hid["round_seconds_median"] / base["round_seconds_median"]
+        title = f"{args.islands} islands, {args.rate}, RTT {args.rtt:g} ms, {cfg.model.preset} model"
+        rows = [f"# Islands behind NAT: {title}", "",
+                "| arm | rounds committed | θ_global identical | round s (median) | exchange s (median) |",
+                "|---|---|---|---|---|"]
+        for arm, r in results.items():
+            rows.append(f"| {arm} | {r['rounds_committed']} of {r['rounds_planned']} | {r['theta_identical']} | "
+                        f"{r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} |")
+        rows += ["", f"Round time behind NAT / all reachable: {ratio:.2f}x"]
+        table = "\n".join(rows)
+        print(table)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.md").write_text(table + "\n")
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        _plot(results, args.out / "round_seconds.png", title)
+        return 0
+
+    return run_command(body, (netns.NetworkSetupError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

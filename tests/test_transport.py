@@ -1,0 +1,157 @@
+"""The direct transport's connections: sealed bytes, a tampered message dropped and sent again, keys and modes
+that do not match refused in one line, and ranks that cannot be reached taking part through lanes and relays
+(real sockets on loopback; distinct 127.0.0.x addresses stand for distinct servers)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from peers.wire.transport import RefusedError, Transport
+
+MARKER = b"plain pseudo-gradient bytes " * 400_000
+"""11 MB: several sealed records, one write in the clear."""
+
+
+@pytest.fixture
+def transports():
+    made: list[Transport] = []
+
+    def make(*args, **kwargs) -> Transport:
+        t = Transport(*args, **kwargs)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _received(t: Transport, key: str, sender: str, timeout: float = 10.0) -> bytes:
+    got = t.box.wait_for(key, lambda m: sender in m, time.monotonic() + timeout)
+    assert sender in got, f"{key} from {sender} never arrived"
+    return bytes(got[sender])
+
+
+class _Tap:
+    """A TCP forwarder that keeps a copy of every byte it carries (what an onlooker on the link sees)."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target, self.seen = target, bytearray()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.server.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            self.seen += data
+            dst.sendall(data)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_an_onlooker_sees_the_payload_only_when_encryption_is_off(transports, encrypt):
+    a = transports("a", "key", encrypt=encrypt)
+    b = transports("b", "key", encrypt=encrypt)
+    tap = _Tap(("127.0.0.1", b.port))
+    try:
+        a.send(tap.endpoint, "part", MARKER, time.monotonic() + 10)
+        assert _received(b, "part", "a") == MARKER
+    finally:
+        tap.close()
+    assert (MARKER[:64] in tap.seen) is not encrypt
+    assert len(tap.seen) >= len(MARKER)
+
+
+def test_a_tampered_message_is_dropped_and_sent_again_never_delivered(transports):
+    a, b = transports("a", "key"), transports("b", "key")
+    flipped: list[str] = []
+    a.tamper = lambda key: key == "part" and not flipped and not flipped.append(key)
+    payload = bytes(range(256)) * 40_000  # 10 MB: several sealed records
+    a.send(b.endpoint, "part", payload, time.monotonic() + 10)
+    assert flipped == ["part"]
+    assert _received(b, "part", "a") == payload
+    assert b.stats.tampered == 1 and a.stats.resent == 1
+    assert b.stats.received == len(payload)  # delivered once: the tampered copy never reached the inbox
+
+
+def test_a_public_run_is_encrypted_and_open_to_anyone(transports):
+    a, b = transports("a", ""), transports("b", "")
+    a.send(b.endpoint, "x", b"hello", time.monotonic() + 5)
+    assert _received(b, "x", "a") == b"hello"
+
+
+@pytest.mark.parametrize("theirs, match", [
+    (dict(run_key="other"), "holds another run key"),
+    (dict(run_key="key", encrypt=False), "set --averaging.encrypt alike"),
+])
+def test_a_key_or_mode_that_does_not_match_is_refused_in_one_line(transports, theirs, match):
+    mine = transports("a", "key")
+    theirs = transports("b", **theirs)
+    with pytest.raises(RefusedError, match=match) as e:
+        theirs.send(mine.endpoint, "x", b"hello", time.monotonic() + 5)
+    assert "\n" not in str(e.value)
+    assert mine.box.senders("x") == [] and not mine.stats.received
+
+
+def _unreachable(transports, name: str, host: str) -> Transport:
+    """A rank no other server can open a connection to: its listening socket is closed at once."""
+    t = transports(name, "key", host=host, reachable=False)
+    t._server.close()
+    return t
+
+
+def test_a_rank_behind_nat_receives_over_the_lane_it_opened(transports):
+    public = transports("public", "key", host="127.0.0.2")
+    hidden = _unreachable(transports, "hidden", "127.0.0.3")
+    assert hidden.endpoint.startswith("lane:127.0.0.3:")
+    done = threading.Event()
+
+    def send_back() -> None:  # waits for the lane
+        public.send(hidden.endpoint, "back", b"to the hidden rank", time.monotonic() + 10)
+        done.set()
+
+    threading.Thread(target=send_back, daemon=True).start()
+    time.sleep(0.3)
+    assert not done.is_set()  # nothing can reach it before it opens a lane
+    hidden.send(public.endpoint, "out", b"from the hidden rank", time.monotonic() + 10)
+    assert _received(public, "out", "hidden") == b"from the hidden rank"
+    assert _received(hidden, "back", "public") == b"to the hidden rank"
+    assert done.wait(5)
+
+
+def test_two_ranks_behind_nat_reach_each_other_through_a_reachable_one(transports):
+    public = transports("public", "key", host="127.0.0.2")
+    first = _unreachable(transports, "first", "127.0.0.3")
+    second = _unreachable(transports, "second", "127.0.0.4")
+    for t in (first, second):
+        t.reach([public.endpoint])
+    payload = bytes(range(256)) * 4096
+    first.send(second.endpoint, "part", payload, time.monotonic() + 10)
+    assert _received(second, "part", "first") == payload  # from the original sender, not the relay
+    assert public.stats.relayed == 1 and public.box.senders("part") == []
