@@ -30,9 +30,9 @@ class NetworkSettings:
     startup_timeout: float = 20.0
     """Seconds to connect to initial peers before giving up with an error."""
     transport_port: int = 0
-    """TCP port rank 0 of this island takes a round's bytes and requests for state on (rank r: this + r); 0
-    picks free ports. Open it (and the next ones for the other ranks) next to the DHT's port on a server other
-    islands reach."""
+    """TCP port this island takes a round's bytes and requests for state on, for all its ranks (rank 0 hands
+    each connection to the rank it is for); 0 picks a free port. Open it next to the DHT's port on a server
+    other islands reach: those two are all the ports an island needs."""
     encrypt: bool = True
     """Seal every byte islands send each other over the direct transport (AES-256-GCM, fresh keys per
     connection); false sends them in the clear after the authenticated handshake. Every island of a run

@@ -155,3 +155,17 @@ def test_two_ranks_behind_nat_reach_each_other_through_a_reachable_one(transport
     first.send(second.endpoint, "part", payload, time.monotonic() + 10)
     assert _received(second, "part", "first") == payload  # from the original sender, not the relay
     assert public.stats.relayed == 1 and public.box.senders("part") == []
+
+
+def test_the_ranks_of_a_server_share_one_port(transports):
+    """Rank 1 listens on no TCP port: rank 0 hands it the connections that name it, and it does the handshake."""
+    owner = transports("rank0", "key")
+    second = transports("rank1", "key", port=owner.port, slot=1)
+    assert second.endpoint == f"127.0.0.1:{owner.port}/1" and second._server.family == socket.AF_UNIX
+    other = transports("other", "key")
+    for target, key in ((second, "to-1"), (owner, "to-0")):
+        other.send(target.endpoint, key, key.encode() * 1000, time.monotonic() + 10)
+        assert _received(target, key, "other") == key.encode() * 1000
+    assert owner.box.senders("to-1") == [] and second.box.senders("to-0") == []
+    second.send(owner.endpoint, "back", b"from rank 1", time.monotonic() + 10)
+    assert _received(owner, "back", "rank1") == b"from rank 1"

@@ -211,7 +211,7 @@ class PeerNode:
             return
         self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
         self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
-        self.membership.maddrs = visible_maddrs(self.dht)
+        self.membership.maddrs = [] if self._dht_client(rt) else visible_maddrs(self.dht)
         self.membership.endpoint = self.transport.endpoint
         self.membership.start_heartbeat()
         self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping,
@@ -291,31 +291,55 @@ class PeerNode:
         remember(self.run_dir, KNOWN_PEERS, "\n".join(dict.fromkeys(merged[:MAX_KNOWN_PEERS])) + "\n")
 
     def _start_transport(self, run_key: str) -> Transport:
-        """This rank's transport: on the address the DHT listens on, at ``transport_port`` + local rank (0: a
-        free port), announced at the announced address when there is one."""
-        a = self.a
+        """Collective: this island's transports, one port for the server: rank 0 listens on the address the DHT
+        listens on, at ``transport_port`` (0: a free port), announced at the announced address when there is
+        one; the other ranks take the connections for them from rank 0 (see :mod:`peers.wire.transport`)."""
+        a, rt = self.a, self.rt
         host = _ip_of(a.host_maddrs) or "127.0.0.1"
-        advertise = _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(self.dht))
-        port = a.transport_port + _local_rank(self.rt) if a.transport_port else 0
-        try:
-            return Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise,
-                             encrypt=a.encrypt, reachable=not a.client_mode)
-        except OSError as e:
-            raise PeerNetworkError(f"could not listen for round bytes on {host}:{port} ({e.strerror or e}); free the "
-                                   f"port or pick another with --averaging.transport_port") from None
+        transport, advertise, error = None, "", ""
+        if rt.is_main:
+            advertise = _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(self.dht))
+            try:
+                transport = Transport(str(self.dht.peer_id), run_key, host=host, port=a.transport_port,
+                                      advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode)
+            except OSError as e:
+                error = (f"could not listen for round bytes on {host}:{a.transport_port} ({e.strerror or e}); free "
+                         f"the port or pick another with --averaging.transport_port")
+        port, advertise, error = rt.bcast((transport.port if transport is not None else 0, advertise, error))
+        if error:
+            raise PeerNetworkError(error)
+        if not rt.is_main:
+            try:
+                transport = Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise,
+                                      encrypt=a.encrypt, reachable=not a.client_mode, slot=rt.rank)
+            except OSError as e:
+                error = f"rank {rt.rank} could not take its share of the transport's port {port}: {e.strerror or e}"
+        rt.raise_if_any(error, PeerNetworkError)
+        return transport
+
+    def _dht_client(self, rt: Runtime) -> bool:
+        """Whether this rank's DHT serves nobody: every rank but the island's first, whose bytes and requests
+        come over the transport (over hivemind's daemon, ``--averaging.transport p2p``, every rank serves)."""
+        return rt.rank > 0 and self.a.transport != "p2p"
 
     def _start_dht(self, run_key: str, remembered: list[str], alone_ok: bool = False, port: int = 0) -> Any:
         """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
         islands it ``remembered`` from before a restart (if none answers: alone, when it has no initial
-        peers or ``alone_ok``), the other ranks bootstrap from it (and from the initial peers).  Rank ``r``
-        of a server listens on the configured port + local rank (port 0 stays 0, unless ``port`` says which
-        one this rank listened on before) and keeps its identity in ``<identity_path>.rank<r>``."""
+        peers or ``alone_ok``), the other ranks bootstrap from it (and from the initial peers).  An island's first
+        rank listens on the configured port (+ its local rank when several islands share a server; port 0
+        stays 0, unless ``port`` says which one it listened on before); the island's other ranks run client
+        nodes on loopback (see :meth:`_dht_client`).  Rank ``r`` keeps its identity in
+        ``<identity_path>.rank<r>``."""
         a, rt = self.a, self.rt
         local_rank = _local_rank(rt)
         key = a.identity_path or str(self.run_dir / IDENTITY)
         identity = f"{key}.rank{local_rank}" if local_rank else key
 
         def network(initial: list[str]) -> NetworkSettings:
+            if self._dht_client(rt):  # reached by nobody: no port of the server to open for it
+                return dataclasses.replace(a, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                           announce_maddrs=[], identity_path=identity, run_key=run_key,
+                                           client_mode=True)
             return dataclasses.replace(
                 a, initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
                 announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,

@@ -6,15 +6,21 @@ memory to another's.  Measured side by side on loopback (2 cores, 160 MB of fp32
 all-gather over this path ran as fast as a gloo ``all_reduce`` of the same tensor (0.112 s against 0.110 s),
 while the same halves over hivemind's p2p daemon took 6.4x as long and hivemind's own all-reduce 18x.
 
-Every rank listens on one TCP port.  A connection starts with the handshake of :mod:`peers.wire.secure`:
-both ends prove they hold the run's key (a public run has an empty key: anyone may connect, as over
-hivemind), agree on fresh keys, and every byte after it is sealed with AES-GCM (``encrypt=False``: sent in
-the clear).  A message is one frame: a header (its key, the length of a small JSON ``extra`` and of the
+A server's ranks take connections on one TCP port (below).  A connection starts with the handshake of
+:mod:`peers.wire.secure`: both ends prove they hold the run's key (a public run has an empty key: anyone may
+connect, as over hivemind), agree on fresh keys, and every byte after it is sealed with AES-GCM
+(``encrypt=False``: sent in the clear).  A message is one frame: a header (its key, the length of a small JSON ``extra`` and of the
 payload), then the payload, written from the caller's buffer and read into the one buffer it is kept in.
 The receiver acknowledges every whole message; a message whose connection fails before its acknowledgement,
 or that fails its seal on the way, is sent again on a new connection, alone, until its deadline
 (:attr:`Stats.resent` counts them).  Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender
 until someone takes them.
+
+**One port per server.**  The ranks of a server share the port of their rank 0 (``slot`` 0): rank ``r``
+announces ``HOST:PORT/r``, a connection names the rank it is for in its first two bytes, and rank 0 hands
+it to rank ``r``'s process over a Unix socket (the file descriptor itself, ``SCM_RIGHTS``), which does the
+handshake and reads it: the bytes never pass through rank 0, and every rank still sends its own parts on
+its own connections, so a server fills its link with several TCP streams.
 
 **Ranks that cannot be reached** (an island behind a NAT or a firewall: ``reachable=False``) announce
 ``lane:HOST:PORT`` instead of ``HOST:PORT``.  They open every connection themselves: to send, as anyone; to
@@ -31,6 +37,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +45,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peers.wire.inbox import Inbox
-from peers.wire.secure import FRAMES, HANDSHAKE_TIMEOUT, LANE, Link, Malformed, Refused, Tampered, call, greet
+from peers.wire.secure import (
+    FRAMES,
+    HANDSHAKE_TIMEOUT,
+    LANE,
+    Link,
+    Malformed,
+    Refused,
+    Tampered,
+    call,
+    greet,
+    recv_exact,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +64,8 @@ LANE_PREFIX = "lane:"
 """What a rank that cannot be reached puts before its ``HOST:PORT``."""
 LANE_IDLE = 600.0
 """Seconds a lane to a rank stays open after this rank last dealt with it."""
+SLOT = struct.Struct(">H")
+"""What a connection names first: the rank of the server behind the port it is for."""
 KEEPALIVE = 20
 """Seconds of silence before the kernel probes a lane, so that a NAT keeps its mapping."""
 
@@ -61,9 +81,21 @@ class RefusedError(TransportError):
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"lane:host:port"``) as (host, port)."""
-    host, _, port = endpoint.removeprefix(LANE_PREFIX).rpartition(":")
+    """``"host:port"`` (or ``"lane:host:port"``, ``"host:port/slot"``) as (host, port)."""
+    host, _, port = endpoint.removeprefix(LANE_PREFIX).partition("/")[0].rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def slot_of(endpoint: str) -> int:
+    """Which rank of the server behind the port an endpoint names (``host:port/slot``; none: 0)."""
+    _, _, slot = endpoint.partition("/")
+    return int(slot) if slot else 0
+
+
+def _slot_address(host: str, port: int, slot: int) -> str:
+    """The Unix socket (abstract: nothing on disk) where the rank of ``slot`` takes connections handed over
+    by the rank that owns ``host:port``."""
+    return f"\0diloco-transport-{host}-{port}-{slot}"
 
 
 @dataclass
@@ -95,13 +127,14 @@ class Transport:
     ``peer_id`` and accepts only callers holding ``run_key`` (empty: anyone).  ``advertise``: the host other
     ranks reach it at (default: ``host``, or 127.0.0.1 when listening on all interfaces); ``encrypt``: seal
     every byte after the handshake; ``reachable=False``: no other server can open a connection to it (see
-    the module's docstring)."""
+    the module's docstring); ``slot``: this rank's share of the port ``port`` its server's rank 0 owns (0:
+    this rank owns ``port``); ``streams``: connections at most to one rank, for messages in flight together."""
 
     def __init__(self, peer_id: str, run_key: str = "", host: str = "127.0.0.1", port: int = 0,
                  advertise: str = "", max_message: int = 1 << 34, inbox_ttl: float = 300.0, encrypt: bool = True,
-                 reachable: bool = True):
+                 reachable: bool = True, slot: int = 0, streams: int = 4):
         self.peer_id, self.key, self.max_message = peer_id, run_key.encode(), max_message
-        self.encrypt, self.reachable = encrypt, reachable
+        self.encrypt, self.reachable, self.streams = encrypt, reachable, max(1, streams)
         self.box = Inbox(inbox_ttl, max_keys=4096)
         self.stats = Stats()
         self.handlers: dict[str, Callable[[str, str, bytearray, dict], bool]] = {}
@@ -112,7 +145,8 @@ class Transport:
         """Tests: ``fault(key)`` True makes the next send of that key break its connection half-way."""
         self.tamper: Callable[[str], bool] | None = None
         """Tests: ``tamper(key)`` True flips one bit of that send's payload on the way out."""
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, list[_Peer]] = {}
+        self._turn = 0
         self._peers_lock = threading.Lock()
         self._lanes_in: dict[str, Link] = {}
         """Lanes opened to this rank by ranks that cannot be reached, by their endpoint, until a send takes one."""
@@ -122,17 +156,29 @@ class Transport:
         with each."""
         self._lane_links: dict[str, Link] = {}
         self._closed = threading.Event()
-        self._server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                            reuse_port=False, backlog=64)
-        self.port = self._server.getsockname()[1]
+        self.host, self.slot = host, slot
+        self._handoff: dict[int, socket.socket] = {}
+        self._handoff_lock = threading.Lock()
+        if slot == 0:
+            self._server = socket.create_server((host, port), reuse_port=False, backlog=64,
+                                                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self.port = self._server.getsockname()[1]
+        else:
+            if not port:
+                raise ValueError("a transport that shares a port needs the port of the rank that owns it")
+            self.port = port
+            self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._server.bind(_slot_address(host, port, slot))
+            self._server.listen(16)
         if not advertise:
             advertise = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.address = f"{advertise}:{self.port}"
-        """Where this rank listens (reached directly by the ranks of its own server)."""
+        self.address = f"{advertise}:{self.port}" + (f"/{slot}" if slot else "")
+        """Where this rank is reached (directly, by the ranks of its own server)."""
         self.endpoint = self.address if reachable else LANE_PREFIX + self.address
         """What other ranks send to."""
         self._conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept, name="transport-accept", daemon=True).start()
+        threading.Thread(target=self._accept if slot == 0 else self._accept_handed, name="transport-accept",
+                         daemon=True).start()
 
     # --------------------------------------------------------------------------------- receiving
     def _accept(self) -> None:
@@ -143,11 +189,59 @@ class Transport:
                 return
             threading.Thread(target=self._serve, args=(conn,), name="transport-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _accept_handed(self) -> None:
+        """A rank that shares its server's port: take the connections the port's owner hands over."""
+        while not self._closed.is_set():
+            try:
+                owner, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._take_handed, args=(owner,), name="transport-handed", daemon=True).start()
+
+    def _take_handed(self, owner: socket.socket) -> None:
+        with owner:
+            while not self._closed.is_set():
+                try:
+                    msg, fds, _, _ = socket.recv_fds(owner, 1, 4)
+                except OSError:
+                    return
+                if not msg:
+                    return
+                for fd in fds:
+                    threading.Thread(target=self._serve, args=(socket.socket(fileno=fd), True),
+                                     name="transport-conn", daemon=True).start()
+
+    def _hand_over(self, conn: socket.socket, slot: int) -> None:
+        """Pass a connection for the rank of ``slot`` to its process (it does the handshake)."""
+        with self._handoff_lock:
+            for _ in range(2):  # a link to a rank that restarted fails once
+                link = self._handoff.get(slot)
+                try:
+                    if link is None:
+                        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        link.connect(_slot_address(self.host, self.port, slot))
+                        self._handoff[slot] = link
+                    socket.send_fds(link, [b"c"], [conn.fileno()])
+                    return
+                except OSError as e:
+                    log.debug("could not hand a connection to the rank of slot %d: %s", slot, e)
+                    if link is not None:
+                        link.close()
+                    self._handoff.pop(slot, None)
+
+    def _serve(self, conn: socket.socket, handed: bool = False) -> None:
         self._conns.add(conn)
         kept = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not handed:
+                conn.settimeout(HANDSHAKE_TIMEOUT)
+                head = bytearray(SLOT.size)
+                recv_exact(conn, memoryview(head))
+                (slot,) = SLOT.unpack(head)
+                if slot != self.slot:
+                    self._hand_over(conn, slot)
+                    return
             try:
                 link = greet(conn, self.key, self.encrypt, self.peer_id)
             except Refused as e:
@@ -323,22 +417,23 @@ class Transport:
                     hop = self._relay_for(deadline)
                     hop_extra = {**(extra or {}), "_relay": endpoint, "_within": deadline - time.monotonic()}
                 meta = json.dumps(hop_extra).encode() if hop_extra else b""
-                peer = self._peer(hop)
-                with peer.lock:
-                    try:
-                        link = peer.link or self._dial(hop, deadline, FRAMES)
-                        peer.link = link
-                        link.sock.settimeout(max(0.05, deadline - time.monotonic()))
-                        link.tamper = self.tamper
-                        link.write_frame(key, meta, payload, cut=self.fault is not None and self.fault(key))
-                        link.read_ack()
-                    except OSError:
-                        # dropped before the lock is let go: a message queued behind this one to the same
-                        # rank opens a new connection instead of failing on the dead one (and moving twice)
-                        if peer.link is not None:
-                            peer.link.sock.close()
-                            peer.link = None
-                        raise
+                peer = self._take(hop)
+                try:
+                    link = peer.link or self._dial(hop, deadline, FRAMES)
+                    peer.link = link
+                    link.sock.settimeout(max(0.05, deadline - time.monotonic()))
+                    link.tamper = self.tamper
+                    link.write_frame(key, meta, payload, cut=self.fault is not None and self.fault(key))
+                    link.read_ack()
+                except OSError:
+                    # dropped before the lock is let go: a message queued behind this one on the same
+                    # connection opens a new one instead of failing on the dead one (and moving twice)
+                    if peer.link is not None:
+                        peer.link.sock.close()
+                        peer.link = None
+                    raise
+                finally:
+                    peer.lock.release()
                 self.stats.sent += memoryview(payload).nbytes
                 return
             except Refused as e:
@@ -352,12 +447,22 @@ class Transport:
                 log.info("sending %s to %s again (attempt %d): %s", key, endpoint, attempt + 1, e)
                 time.sleep(min(0.2 * attempt, max(0.0, deadline - time.monotonic())))
 
-    def _peer(self, endpoint: str) -> _Peer:
+    def _take(self, endpoint: str) -> _Peer:
+        """One of this rank's connections to ``endpoint``, its lock held: a free one (``streams`` at most; one
+        to a lane), else the next in turn once it is free.  A message waits for its acknowledgement on its
+        connection, so several in flight to one rank need several connections; over a long round trip they
+        also fill more of the link than one TCP window does."""
+        n = 1 if endpoint.startswith(LANE_PREFIX) else self.streams
         with self._peers_lock:
-            peer = self._peers.get(endpoint)
-            if peer is None:
-                peer = self._peers[endpoint] = _Peer(endpoint)
-            return peer
+            pool = self._peers.setdefault(endpoint, [_Peer(endpoint) for _ in range(n)])
+            self._turn += 1
+            turn = self._turn
+        for peer in pool:
+            if peer.lock.acquire(blocking=False):
+                return peer
+        peer = pool[turn % n]
+        peer.lock.acquire()
+        return peer
 
     def _dial(self, endpoint: str, deadline: float, role: int) -> Link:
         """A new connection to ``endpoint`` after its handshake (a ``lane:`` endpoint: the next lane it opens)."""
@@ -367,6 +472,7 @@ class Transport:
             HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(SLOT.pack(slot_of(endpoint)))
             return call(sock, self.key, self.encrypt, self.peer_id, self.endpoint, role)
         except BaseException:
             sock.close()
@@ -376,7 +482,7 @@ class Transport:
         """Inodes of this transport's live connections (what :class:`peers.wire.counters.WireCounter` counts)."""
         socks = list(self._conns)
         with self._peers_lock:
-            socks += [p.link.sock for p in self._peers.values() if p.link is not None]
+            socks += [p.link.sock for pool in self._peers.values() for p in pool if p.link is not None]
             socks += [link.sock for link in list(self._lane_links.values()) + list(self._lanes_in.values())]
         out = set()
         for s in socks:
@@ -398,11 +504,16 @@ class Transport:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        with self._handoff_lock:
+            for link in self._handoff.values():
+                link.close()
+            self._handoff.clear()
         with self._peers_lock:
-            links = [p.link for p in self._peers.values() if p.link is not None]
+            links = [p.link for pool in self._peers.values() for p in pool if p.link is not None]
             links += list(self._lane_links.values()) + list(self._lanes_in.values())
-            for peer in self._peers.values():
-                peer.link = None
+            for pool in self._peers.values():
+                for peer in pool:
+                    peer.link = None
             self._lanes_in.clear()
             self._lane_arrived.notify_all()
         for link in links:
@@ -444,4 +555,5 @@ def tensor_bytes(t: Any) -> memoryview:
     return memoryview(t.contiguous().numpy()).cast("B")
 
 
-__all__ = ["Transport", "TransportError", "RefusedError", "Stats", "send_all", "parse_endpoint", "tensor_bytes"]
+__all__ = ["Transport", "TransportError", "RefusedError", "Stats", "send_all", "parse_endpoint", "slot_of",
+           "tensor_bytes"]

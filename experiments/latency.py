@@ -1,0 +1,100 @@
+"""Round time against the link's round trip: the same short DiLoCo run over emulated links of one rate and
+several RTTs, side by side, against what the bytes alone take.
+
+For each RTT, two islands train over the userspace delay line (:mod:`experiments.delay_line`); the report
+gives the median round time (matchmaking, exchange and vote, as the last island to arrive sees it), the bytes one island sends per round ÷ the rate, the budget ``bytes ÷ rate + 6 RTT + 0.5 s``, and the
+round trips the protocol adds (the round time above the RTT-0 run, divided by the RTT)::
+
+    sudo python -m experiments.latency --rate 50mbit --rtts 0,100,250
+
+Needs root and TUN devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from diloco.config import ConfigError
+from diloco.config import loader as config_load
+from experiments import netns
+from experiments.nat import DEFAULTS, run_arm
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rtts = [r["rtt_ms"] for r in rows]
+    ax.plot(rtts, [r["round_seconds_median"] for r in rows], "o-", label="round (median)")
+    ax.plot(rtts, [r["budget_seconds"] for r in rows], "--", label="bytes ÷ rate + 6 RTT + 0.5 s")
+    ax.plot(rtts, [r["bytes_seconds"] for r in rows], ":", label="bytes ÷ rate")
+    ax.set_xlabel("round-trip time (ms)")
+    ax.set_ylabel("seconds")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diloco.command import run_command
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--islands", type=int, default=2)
+    parser.add_argument("--rate", default="50mbit", help="every island's link (e.g. 50mbit)")
+    parser.add_argument("--rtts", default="0,100,250", help="round-trip times in ms, comma-separated")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results/latency"),
+                        help="where results.md, results.json and round_seconds.png go")
+    args, rest = parser.parse_known_args(argv)
+
+    def body() -> int:
+        try:
+            rtts = [float(x) for x in args.rtts.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError([f"--rtts must list milliseconds such as 0,100,250, got {args.rtts!r}"]) from None
+        if not rtts or min(rtts) < 0:
+            raise ConfigError([f"--rtts must list round-trip times of 0 ms or more, got {args.rtts!r}"])
+        ok, why = netns.available(delay=True)
+        if not ok:
+            raise ConfigError([f"the emulated links need root and TUN devices: {why}"])
+        cfg = config_load.load(None, rest, defaults=DEFAULTS)
+        rate_bits = netns.parse_rate(args.rate)
+        rows = []
+        for rtt in rtts:
+            print(f"== RTT {rtt:g} ms ==", flush=True)
+            r = run_arm(cfg, args.islands, (), args.rate, rtt, args.out / "runs" / f"rtt{rtt:g}")
+            r["bytes_seconds"] = r["payload_bytes_per_round"] * 8 / rate_bits
+            r["budget_seconds"] = r["bytes_seconds"] + 6 * rtt / 1000 + 0.5
+            rows.append(r)
+        base = rows[0]["round_seconds_median"] if rtts[0] == 0 else float("nan")
+        title = f"{args.islands} islands, {args.rate}, {cfg.model.preset} model"
+        table = [f"# Round time against RTT: {title}", "",
+                 "| RTT ms | rounds committed | θ identical | round s (median) | bytes ÷ rate s | budget s | "
+                 "within budget | round trips added |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            added = (r["round_seconds_median"] - base) / (r["rtt_ms"] / 1000) if r["rtt_ms"] else float("nan")
+            r["round_trips_added"] = added
+            table.append(f"| {r['rtt_ms']:g} | {r['rounds_committed']} of {r['rounds_planned']} | "
+                         f"{r['theta_identical']} | {r['round_seconds_median']:.2f} | {r['bytes_seconds']:.2f} | "
+                         f"{r['budget_seconds']:.2f} | {r['round_seconds_median'] <= r['budget_seconds']} | "
+                         f"{'' if added != added else f'{added:.1f}'} |")
+        text = "\n".join(table)
+        print(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.md").write_text(text + "\n")
+        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+        _plot(rows, args.out / "round_seconds.png", title)
+        return 0
+
+    return run_command(body, (netns.NetworkSetupError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
