@@ -24,6 +24,7 @@ from pathlib import Path
 from diloco.config.loader import load
 from diloco.launch.proctable import descendants
 from diloco.launch.simulate import Cluster
+from experiments.report import save_results
 
 SHAPES = [("tp=2", dict(tp=2)), ("dp=2 x tp=2", dict(dp=2, tp=2))]
 ADDRESSES = ["127.0.0.2", "127.0.0.3"]
@@ -83,12 +84,10 @@ def main() -> None:
     for r in rows:
         table.append(f"| {r['island']} | {r['ranks']} | {r['ports']} | {', '.join(r['by_process'])} |")
     text = "\n".join(table)
-    print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.md").write_text(text + "\n")
-        (out / "results.json").write_text(json.dumps(rows, indent=1))
+        save_results(Path(args.out), text, rows)
+    else:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Three measurements in one run:
    round so that both see the same machine load.
 
 On loopback the bytes cost nothing to move and 2 cores run both ends, so (2) and (3) show the whole cost
-of the cipher; over a real link it hides behind the link's rate.  Writes a table (Markdown and JSON)::
+of the cipher; over a real link it hides behind the link's rate.  Writes ``results.md`` and ``results.json``::
 
     python -m benchmarks.transport_crypto --numel 40000000 --rounds 3 --out experiments/results/transport-crypto
 """
@@ -19,10 +19,8 @@ of the cipher; over a real link it hides behind the link's rate.  Writes a table
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +29,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305  # noqa: E402
 
+from benchmarks.round_cost import run_round  # noqa: E402
+from experiments.report import save_results  # noqa: E402
 from peers.averaging.sharded import ShardedAverager  # noqa: E402
 from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
 from peers.settings import AveragerSettings, NetworkSettings, Scope  # noqa: E402
@@ -98,21 +98,9 @@ def rounds(numel: int, n_rounds: int, bucket: int) -> dict[str, list[float]]:
     try:
         for r in range(n_rounds):
             for mode, avgs in averagers.items():
-                results: list = [None, None]
-
-                def one(i: int) -> None:
-                    results[i] = avgs[i].average(deltas[i], 1.0, {"config_fingerprint": "bench"}, str(r),
-                                                 expected_group_size=2)
-
-                t0 = time.perf_counter()
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                took = time.perf_counter() - t0
-                if not all(res is not None and res[0].ok for res in results):
-                    raise RuntimeError(f"a {mode} round failed: {[res[0].reason for res in results if res]}")
+                took, results = run_round(avgs, deltas, str(r), expected=2)
+                if not all(res is not None and res.ok for res in results):
+                    raise RuntimeError(f"a {mode} round failed: {[res.reason for res in results if res]}")
                 times[mode].append(took)
                 print(f"  round {r} {mode:9s} {took:6.2f} s", flush=True)
     finally:
@@ -141,18 +129,15 @@ def main() -> None:
     whole = rounds(args.numel, args.rounds, args.bucket)
     med = {k: {"message": statistics.median(message[k]), "round": statistics.median(whole[k])} for k in message}
     mb = args.numel * 4 / 1e6
-    rows = [f"| what | encrypted | plain | ratio |", "|---|---|---|---|"]
+    rows = ["| what | encrypted | plain | ratio |", "|---|---|---|---|"]
     for what, label in (("message", f"one message of {mb:.0f} MB"), ("round", f"a round of 2 islands, {mb:.0f} MB")):
         e, p = med["encrypted"][what], med["plain"][what]
         rows.append(f"| {label} (median of {args.rounds}) | {e:.3f} s | {p:.3f} s | {e / p:.2f}x |")
     table = "\n".join(rows)
-    print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.md").write_text(table + "\n")
-        (out / "results.json").write_text(json.dumps({"aead": aead, "message": message, "rounds": whole,
-                                                      "numel": args.numel}, indent=1))
+        save_results(Path(args.out), table, {"aead": aead, "message": message, "rounds": whole, "numel": args.numel})
+    else:
+        print(table)
 
 
 if __name__ == "__main__":

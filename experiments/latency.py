@@ -13,13 +13,13 @@ Needs root and TUN devices.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from diloco.config import ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
+from experiments.report import save_results
 from experiments.nat import DEFAULTS, run_arm
 
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         table = [f"# Round time against RTT: {title}", "",
                  "| RTT ms | rounds committed | θ identical | round s (median) | bytes ÷ rate s | budget s | "
                  "within budget | round trips added |", "|---|---|---|---|---|---|---|---|"]
+        phases = ("group", "exchange", "vote")
         for r in rows:
             added = (r["round_seconds_median"] - base) / (r["rtt_ms"] / 1000) if r["rtt_ms"] else float("nan")
             r["round_trips_added"] = added
@@ -85,11 +86,19 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['theta_identical']} | {r['round_seconds_median']:.2f} | {r['bytes_seconds']:.2f} | "
                          f"{r['budget_seconds']:.2f} | {r['round_seconds_median'] <= r['budget_seconds']} | "
                          f"{'' if added != added else f'{added:.1f}'} |")
+        table += ["", "Where the round trips go (median seconds of each phase over both islands' committed rounds; "
+                  "round trips: above the RTT-0 run, divided by the RTT):", "",
+                  "| RTT ms | " + " | ".join(f"{p} s (round trips)" for p in phases) + " |",
+                  "|---|" + "---|" * len(phases)]
+        for r in rows:
+            cells = []
+            for p in phases:
+                v, v0 = r[f"{p}_seconds_median"], rows[0][f"{p}_seconds_median"]
+                trips = f" ({(v - v0) / (r['rtt_ms'] / 1000):.1f})" if r["rtt_ms"] and rtts[0] == 0 else ""
+                cells.append(f"{v:.2f}{trips}")
+            table.append(f"| {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
         text = "\n".join(table)
-        print(text)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(text + "\n")
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+        save_results(args.out, text, rows)
         _plot(rows, args.out / "round_seconds.png", title)
         return 0
 

@@ -26,6 +26,7 @@ from typing import Any
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
+from experiments.report import save_results
 from experiments.islands import launch_islands, variant
 
 DEFAULTS: dict[str, Any] = {
@@ -73,15 +74,18 @@ def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: 
             if r.get("round_ok") and "allreduce_seconds" in r:
                 by_step.setdefault(int(r["outer_step"]), []).append(float(r["allreduce_seconds"]))
     took = [min(v) for _, v in sorted(by_step.items())]
-    exchange = [float(r["exchange_seconds"]) for rs in rounds for r in rs
-                if r.get("round_ok") and isinstance(r.get("exchange_seconds"), (int, float))]
+
+    def phase(name: str) -> float:
+        values = [float(r[name]) for rs in rounds for r in rs if r.get("round_ok") and isinstance(r.get(name), (int, float))]
+        return statistics.median(values) if values else float("nan")
     checksums = {s.get("theta_checksum") for s in summaries}
     sent = [s["payload_bytes_sent"] / max(1, s["rounds_ok"]) for s in summaries]
     return {"nat": list(nat), "rtt_ms": rtt_ms, "rounds_committed": ok, "rounds_planned": cfg.diloco.outer_steps,
             "payload_bytes_per_round": max(sent) if sent else 0,
             "theta_identical": len(checksums) == 1 and None not in checksums,
             "round_seconds_median": statistics.median(took) if took else float("nan"),
-            "exchange_seconds_median": statistics.median(exchange) if exchange else float("nan"),
+            "exchange_seconds_median": phase("exchange_seconds"), "group_seconds_median": phase("group_seconds"),
+            "vote_seconds_median": phase("vote_seconds"),
             "round_seconds": took}
 
 
@@ -145,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} |")
         rows += ["", f"Round time behind NAT / all reachable: {ratio:.2f}x"]
         table = "\n".join(rows)
-        print(table)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(table + "\n")
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        save_results(args.out, table, results)
         _plot(results, args.out / "round_seconds.png", title)
         return 0
 

@@ -264,6 +264,14 @@ def json_safe(x: Any) -> Any:
     return str(x)
 
 
+def save_results(out: Path, table: str, data: Any) -> None:
+    """Print ``table`` and keep it in ``out/results.md``, with ``data`` in ``out/results.json`` (strict JSON)."""
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(json_safe(data), indent=1))
+
+
 def write_report(
     results: list[RunResult],
     out_dir: Path,

@@ -18,8 +18,8 @@ METRIC_NAMES = ("loss", "perplexity", "lr", "outer_lr", "eval/loss", "eval/perpl
                 "tokens_per_second", "pseudo_grad_norm", "allreduce_seconds", "bytes_sent", "bytes_received",
                 "compute_utilization", "outer_step", "tokens", "round_ok", "round_failure",
                 "averaged_pseudo_grad_norm", "averaging_backend", "used_fallback", "overlap_seconds",
-                "stall_seconds", "send_seconds", "fragment", "unsent_norm", "exchange_seconds", "round_payload_bytes",
-                "parts_resent", "tokens_per_second_per_device", "mfu", "peak_memory_gb",
+                "stall_seconds", "send_seconds", "fragment", "unsent_norm", "exchange_seconds", "group_seconds",
+                "vote_seconds", "round_payload_bytes", "parts_resent", "tokens_per_second_per_device", "mfu", "peak_memory_gb",
                 "eval/bits_per_byte")
 
 

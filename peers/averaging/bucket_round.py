@@ -15,7 +15,8 @@ from peers.result import RoundResult
 from peers.settings import AveragerSettings
 
 SHARED = ("ok", "reason", "group_size", "total_weight", "peers", "gathered", "majority_peers", "in_minority",
-          "retryable", "members_left", "left_behind", "exchange_seconds")
+          "retryable", "members_left", "left_behind", "exchange_seconds", "matchmaking_seconds", "allreduce_seconds",
+          "vote_seconds")
 """The fields of a round's result that the island's rank 0 tells its other ranks (the rest is per rank)."""
 
 
