@@ -186,6 +186,22 @@ def test_membership_counts_islands_not_ranks():
     assert json.dumps(registry)  # plain values only
 
 
+def test_islands_behind_nat_count_the_reachable_ones():
+    registry: dict[str, dict] = {}
+    hidden = Membership(_FakeDHT("A", registry), "run")
+    other_hidden = Membership(_FakeDHT("B", registry), "run")
+    hidden.endpoint, other_hidden.endpoint = "lane:10.0.0.1:4000", "lane:10.0.0.2:4000"
+    hidden.announce(1)
+    other_hidden.announce(1)
+    assert hidden.reachable_others() == 0
+    public = Membership(_FakeDHT("C", registry), "run")
+    public.endpoint = "10.0.0.3:4000"
+    public.announce(1)
+    assert hidden.reachable_others() == 1 and public.reachable_others() == 0
+    public.leave()
+    assert hidden.reachable_others() == 0
+
+
 def test_a_run_that_ends_out_of_sync_says_so():
     from diloco.engine.state_transfer import StateTransfer
 

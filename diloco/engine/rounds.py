@@ -118,7 +118,8 @@ class RoundMetrics:
     """Of :attr:`allreduce_seconds`, those the exchange of the pseudo-gradient's bytes took (the rest: forming
     the group, the vote, the island's own gather and scatter)."""
     group_seconds: float = 0.0
-    """Of :attr:`allreduce_seconds`, those spent until the round's group formed (matchmaking)."""
+    """Of :attr:`allreduce_seconds`, those spent forming the round's group: matchmaking, then hivemind's step
+    that hands every member the others' metadata."""
     vote_seconds: float = 0.0
     """Of :attr:`allreduce_seconds`, those spent agreeing on the result (the vote)."""
     round_payload_bytes: int = 0
@@ -748,7 +749,7 @@ class OuterRounds:
             send_seconds=f.send_seconds, fragment=f.fragment, inner_steps=f.steps, weight=f.weight,
             group_weight=float(result.total_weight), unsent_norm=self._unsent_norm(),
             exchange_seconds=float(result.exchange_seconds), round_payload_bytes=int(result.island_bytes_sent),
-            group_seconds=max(0.0, float(result.matchmaking_seconds) - float(result.allreduce_seconds)),
+            group_seconds=float(result.matchmaking_seconds),
             vote_seconds=float(result.vote_seconds),
             parts_resent=int(result.parts_resent))
 

@@ -132,6 +132,10 @@ class StateTransfer:
                 ok = wait_until(lambda: self.peers.membership.live_count() >= a.wait_for_islands, a.matchmaking_timeout)
                 log.info("%d of %d expected islands registered%s", self.peers.membership.live_count(), a.wait_for_islands,
                          "" if ok else " (gave up waiting)")
+            if a.client_mode and self.peers.membership.others() and not self.peers.membership.reachable_others():
+                log.warning("every island of the run registered so far is behind NAT (--averaging.client_mode true): "
+                            "none can carry the others' bytes, so no round can commit until an island that takes "
+                            "incoming connections joins")
             return not all(m.outer_step <= self.stats.outer_step and not m.averaging for m in self.peers.membership.others())
 
         if not self.main_decides(look) or not self.can_download():

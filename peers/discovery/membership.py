@@ -206,6 +206,14 @@ class Membership:
             return []
         return [e for _, e in ranks]
 
+    def reachable_others(self) -> int:
+        """Live islands other than this one whose ranks take incoming connections (their transport endpoints
+        are not lanes: see :mod:`peers.wire.transport`), i.e. those that can carry the bytes of islands behind
+        NAT."""
+        return len({m.island or m.peer_id for m in self.members().values()
+                    if not m.left and (m.island or m.peer_id) != self.island and m.endpoint
+                    and not m.endpoint.startswith("lane:")})
+
     def others(self) -> list[Member]:
         """Live islands other than this one (one entry per island, however many ranks it has)."""
         return [m for island, m in self.islands().items() if island != self.island]
