@@ -12,46 +12,33 @@ Needs root and TUN devices.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from diloco.config import ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
+from experiments.nat import DEFAULTS, figure, link_parser, run_arm, save_figure
 from experiments.report import save_results
-from experiments.nat import DEFAULTS, run_arm
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = figure()
     rtts = [r["rtt_ms"] for r in rows]
     ax.plot(rtts, [r["round_seconds_median"] for r in rows], "o-", label="round (median)")
     ax.plot(rtts, [r["budget_seconds"] for r in rows], "--", label="bytes ÷ rate + 6 RTT + 0.5 s")
     ax.plot(rtts, [r["bytes_seconds"] for r in rows], ":", label="bytes ÷ rate")
     ax.set_xlabel("round-trip time (ms)")
     ax.set_ylabel("seconds")
-    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, ax, title, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     from diloco.command import run_command
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--islands", type=int, default=2)
-    parser.add_argument("--rate", default="50mbit", help="every island's link (e.g. 50mbit)")
+    parser = link_parser(__doc__, "experiments/results/latency")
     parser.add_argument("--rtts", default="0,100,250", help="round-trip times in ms, comma-separated")
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/latency"),
-                        help="where results.md, results.json and round_seconds.png go")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:

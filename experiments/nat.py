@@ -26,8 +26,8 @@ from typing import Any
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
-from experiments.report import save_results
 from experiments.islands import launch_islands, variant
+from experiments.report import save_results
 
 DEFAULTS: dict[str, Any] = {
     "model.preset": "small",
@@ -89,34 +89,52 @@ def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: 
             "round_seconds": took}
 
 
-def _plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+def figure() -> tuple[Any, Any]:
+    """A figure and its axes, drawn off screen, sized for the results folders."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, (arm, r) in enumerate(results.items()):
-        ax.scatter([i] * len(r["round_seconds"]), r["round_seconds"], alpha=0.6)
-        ax.hlines(r["round_seconds_median"], i - 0.25, i + 0.25, color="black")
-    ax.set_xticks(range(len(results)), list(results))
-    ax.set_ylabel("seconds per round (last island to arrive)")
+    return plt.subplots(figsize=(6, 3.5))
+
+
+def save_figure(fig: Any, ax: Any, title: str, path: Path) -> None:
+    """Title ``ax``, write ``fig`` to ``path`` (PNG) and free it."""
+    import matplotlib.pyplot as plt
+
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def link_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """The options the link experiments share: the islands, their link's rate and the results folder."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--islands", type=int, default=2)
+    parser.add_argument("--rate", default="50mbit", help="every island's link (e.g. 50mbit)")
+    parser.add_argument("--out", type=Path, default=Path(out),
+                        help="where results.md, results.json and round_seconds.png go")
+    return parser
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    fig, ax = figure()
+    for i, (arm, r) in enumerate(results.items()):
+        ax.scatter([i] * len(r["round_seconds"]), r["round_seconds"], alpha=0.6)
+        ax.hlines(r["round_seconds_median"], i - 0.25, i + 0.25, color="black")
+    ax.set_xticks(range(len(results)), list(results))
+    ax.set_ylabel("seconds per round (last island to arrive)")
+    save_figure(fig, ax, title, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     from diloco.command import run_command
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--islands", type=int, default=2)
+    parser = link_parser(__doc__, "experiments/results/nat")
     parser.add_argument("--nat", default="1", help="indices of the islands behind NAT, comma-separated")
-    parser.add_argument("--rate", default="50mbit", help="every island's link (e.g. 50mbit)")
     parser.add_argument("--rtt", type=float, default=100.0, help="round-trip time in ms")
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/nat"),
-                        help="where results.md, results.json and round_seconds.png go")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
