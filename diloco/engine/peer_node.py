@@ -211,7 +211,7 @@ class PeerNode:
             return
         self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
         self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
-        self.membership.maddrs = [] if self._dht_client(rt) else visible_maddrs(self.dht)
+        self.membership.maddrs = [] if self._dht_client() else visible_maddrs(self.dht)
         self.membership.endpoint = self.transport.endpoint
         self.membership.start_heartbeat()
         self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping,
@@ -317,10 +317,10 @@ class PeerNode:
         rt.raise_if_any(error, PeerNetworkError)
         return transport
 
-    def _dht_client(self, rt: Runtime) -> bool:
+    def _dht_client(self) -> bool:
         """Whether this rank's DHT serves nobody: every rank but the island's first, whose bytes and requests
         come over the transport (over hivemind's daemon, ``--averaging.transport p2p``, every rank serves)."""
-        return rt.rank > 0 and self.a.transport != "p2p"
+        return self.rt.rank > 0 and self.a.transport != "p2p"
 
     def _start_dht(self, run_key: str, remembered: list[str], alone_ok: bool = False, port: int = 0) -> Any:
         """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
@@ -336,7 +336,7 @@ class PeerNode:
         identity = f"{key}.rank{local_rank}" if local_rank else key
 
         def network(initial: list[str]) -> NetworkSettings:
-            if self._dht_client(rt):  # reached by nobody: no port of the server to open for it
+            if self._dht_client():  # reached by nobody: no port of the server to open for it
                 return dataclasses.replace(a, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                            announce_maddrs=[], identity_path=identity, run_key=run_key,
                                            client_mode=True)

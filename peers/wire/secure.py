@@ -128,8 +128,8 @@ class _Sealer:
 
 @dataclass
 class Link:
-    """A connection after its handshake: frames go one way (``sends_frames`` says whether this end writes
-    them), acknowledgements the other."""
+    """A connection after its handshake: frames go one way (from the caller, or from the listener on a lane:
+    ``role``), acknowledgements the other."""
 
     sock: socket.socket
     peer: str
@@ -142,18 +142,13 @@ class Link:
     tamper: Callable[[str], bool] | None = None
     """Tests: ``tamper(key)`` True flips one bit of that message's payload on the way out."""
 
-    @property
-    def encrypted(self) -> bool:
-        """Whether the records after the handshake are sealed."""
-        return self.tx.aead is not None
-
     # ------------------------------------------------------------------------------ records
-    def _write(self, data: Buffer, flip: bool = False) -> None:
+    def _write(self, data: Buffer, flip: bool = False, scratch: memoryview | None = None) -> None:
         if self.tx.aead is None:
             self.sock.sendall(data)
             return
         view = memoryview(data).cast("B")
-        out = buffer(len(view) + TAG)
+        out = (scratch if scratch is not None else buffer(len(view) + TAG))[:len(view) + TAG]
         self.tx.aead.encrypt_into(self.tx.nonce(), view, None, out)
         if flip:
             out[0] ^= 1
@@ -181,12 +176,14 @@ class Link:
             self.sock.sendall(head + k + extra)
         else:
             self._write(head)
-            self._write(k + extra)
+            if k or extra:  # as read_frame reads it: no record for nothing
+                self._write(k + extra)
         end = len(body) // 2 if cut else len(body)
         flip = self.tamper is not None and len(body) > 0 and self.tamper(key)
         step = CHUNK if self.tx.aead is not None else max(end, 1)  # in the clear: one write of it all
+        scratch = buffer(min(end, CHUNK) + TAG) if self.tx.aead is not None and end else None
         for start in range(0, end, step):
-            self._write(body[start:min(start + step, end)], flip and start == 0)
+            self._write(body[start:min(start + step, end)], flip and start == 0, scratch)
         if cut:
             self.sock.shutdown(socket.SHUT_RDWR)
             raise ConnectionError("fault injected: connection cut mid-message")
@@ -208,7 +205,11 @@ class Link:
             scratch = buffer(min(plen, CHUNK) + TAG)
             for start in range(0, plen, CHUNK):
                 self._read(payload[start:min(start + CHUNK, plen)], scratch)
-        return meta[:klen].decode(), bytes(meta[klen:]), payload
+        try:
+            key = meta[:klen].decode()
+        except UnicodeDecodeError:
+            raise Malformed(f"a frame whose {klen}-byte key is not UTF-8") from None
+        return key, bytes(meta[klen:]), payload
 
     def write_ack(self) -> None:
         """Acknowledge the whole message just read."""

@@ -9,8 +9,9 @@ while the same halves over hivemind's p2p daemon took 6.4x as long and hivemind'
 A server's ranks take connections on one TCP port (below).  A connection starts with the handshake of
 :mod:`peers.wire.secure`: both ends prove they hold the run's key (a public run has an empty key: anyone may
 connect, as over hivemind), agree on fresh keys, and every byte after it is sealed with AES-GCM
-(``encrypt=False``: sent in the clear).  A message is one frame: a header (its key, the length of a small JSON ``extra`` and of the
-payload), then the payload, written from the caller's buffer and read into the one buffer it is kept in.
+(``encrypt=False``: sent in the clear).  A message is one frame: a header (its key, the length of a small
+JSON ``extra`` and of the payload), then the payload, written from the caller's buffer and read into the one
+buffer it is kept in.
 The receiver acknowledges every whole message; a message whose connection fails before its acknowledgement,
 or that fails its seal on the way, is sent again on a new connection, alone, until its deadline
 (:attr:`Stats.resent` counts them).  Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender
@@ -273,7 +274,11 @@ class Transport:
                 return
             except ConnectionError:
                 return
-            extra = json.loads(meta) if meta else {}
+            try:
+                extra = json.loads(meta) if meta else {}
+            except ValueError:
+                log.warning("refused a message from %s whose extra is not JSON", link.peer)
+                return
             if not isinstance(extra, dict):
                 extra = {}
             relayed = "_relay" in extra
@@ -478,12 +483,16 @@ class Transport:
             sock.close()
             raise
 
+    def _links(self) -> list[Link]:
+        """Every connection this rank made or holds a lane on (the caller holds ``_peers_lock``)."""
+        made = [p.link for pool in self._peers.values() for p in pool if p.link is not None]
+        return made + list(self._lane_links.values()) + list(self._lanes_in.values())
+
     def socket_inodes(self) -> set[int]:
         """Inodes of this transport's live connections (what :class:`peers.wire.counters.WireCounter` counts)."""
         socks = list(self._conns)
         with self._peers_lock:
-            socks += [p.link.sock for pool in self._peers.values() for p in pool if p.link is not None]
-            socks += [link.sock for link in list(self._lane_links.values()) + list(self._lanes_in.values())]
+            socks += [link.sock for link in self._links()]
         out = set()
         for s in socks:
             try:
@@ -509,8 +518,7 @@ class Transport:
                 link.close()
             self._handoff.clear()
         with self._peers_lock:
-            links = [p.link for pool in self._peers.values() for p in pool if p.link is not None]
-            links += list(self._lane_links.values()) + list(self._lanes_in.values())
+            links = self._links()
             for pool in self._peers.values():
                 for peer in pool:
                     peer.link = None
