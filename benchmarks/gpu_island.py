@@ -9,7 +9,7 @@ mixed precision on the card.  Not a test; needs CUDA (``--smoke`` runs the same 
 1. The card: its name, and the bf16 ceiling (an 8192^3 matrix product, the mean of 10 after 3 warm-ups).
 2. Inner steps on real text (the embedded corpus), as an island takes them (``ModelParts`` + the inner AdamW +
    ``take_inner_step``), per preset: fp32 (TF32 tensor cores), bf16 autocast with foreach AdamW, with fused
-   AdamW, and with compiled blocks.  MFU = tokens/s x FLOPs/token (6N + 6Ld·seq) / the data sheet's dense
+   AdamW, with Muon on the blocks' matrices (``--inner.optimizer muon``), and with compiled blocks.  MFU = tokens/s x FLOPs/token (6N + 6Ld·seq) / the data sheet's dense
    peak at the compute precision; also against the measured ceiling.
 3. The outer state of the largest preset: Δ from the GPU parameters into host buffers (a blocking
    ``.to("cpu")`` per parameter, against pinned buffers filled by asynchronous copies on a side stream), the
@@ -54,11 +54,12 @@ from diloco.model.transformer import (  # noqa: E402
 from outer_optim import OuterOptimizer  # noqa: E402
 from pipeline import ModelParts, ParallelSettings  # noqa: E402
 
-# (label, param_dtype, compile, fused AdamW)
-ROWS = (("fp32 (tf32), fused AdamW", "fp32", False, True),
-        ("bf16 autocast, foreach AdamW", "bf16", False, False),
-        ("bf16 autocast, fused AdamW", "bf16", False, True),
-        ("bf16 autocast + compile, fused", "bf16", True, True))
+# (label, param_dtype, compile, fused AdamW, inner optimizer)
+ROWS = (("fp32 (tf32), fused AdamW", "fp32", False, True, "adamw"),
+        ("bf16 autocast, foreach AdamW", "bf16", False, False, "adamw"),
+        ("bf16 autocast, fused AdamW", "bf16", False, True, "adamw"),
+        ("bf16 autocast, Muon + fused AdamW", "bf16", False, True, "muon"),
+        ("bf16 autocast + compile, fused", "bf16", True, True, "adamw"))
 BATCH = {"tiny": 4, "small": 8, "150m": 16, "1b": 4}
 
 
@@ -112,8 +113,8 @@ def ceiling(device: torch.device, smoke: bool) -> float:
     return 2 * n ** 3 / seconds
 
 
-def inner_row(preset: str, label: str, dtype: str, compiled: bool, fused: bool, device: torch.device,
-              corpus: Any, steps: int, warmup: int, measured_peak: float) -> dict[str, Any]:
+def inner_row(preset: str, label: str, dtype: str, compiled: bool, fused: bool, optimizer: str,
+              device: torch.device, corpus: Any, steps: int, warmup: int, measured_peak: float) -> dict[str, Any]:
     """tokens/s, MFU and peak memory of an island's inner steps at one setting."""
     free(device)
     cfg = ModelConfig(preset=preset)
@@ -121,7 +122,7 @@ def inner_row(preset: str, label: str, dtype: str, compiled: bool, fused: bool, 
     batch = BATCH[preset]
     model = ModelParts(build_model(cfg), None, ParallelSettings(param_dtype=dtype, compile=compiled),
                        loss_fn=lm_loss, device=device)
-    inner = InnerOptimConfig(batch_size=batch, warmup_steps=1)
+    inner = InnerOptimConfig(optimizer=optimizer, batch_size=batch, warmup_steps=1)
     opt, sched = build_inner_optimizer(list(model.named_parameters()), inner, steps + warmup)
     if not fused:  # the same AdamW, one kernel per operation and parameter list (torch's default on CPU)
         opt = torch.optim.AdamW(opt.param_groups, lr=inner.lr, betas=(inner.beta1, inner.beta2), foreach=True)
@@ -262,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             "sheet_bf16_tflops": sheet / 1e12 if sheet else None, "cpu_threads": torch.get_num_threads()}
     results.add(card)
     for preset in presets:
-        for label, dtype, compiled, fused in ROWS:
+        for label, dtype, compiled, fused, optimizer in ROWS:
             try:
-                results.add(inner_row(preset, label, dtype, compiled, fused, device, corpus, args.steps,
+                results.add(inner_row(preset, label, dtype, compiled, fused, optimizer, device, corpus, args.steps,
                                       args.warmup, measured))
             except torch.OutOfMemoryError as e:
                 results.add({"section": "error", "preset": preset, "row": label, "error": str(e).splitlines()[0]})

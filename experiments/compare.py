@@ -227,7 +227,8 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
                  f"{format_bytes(4 * _param_count(cfg))}), {T} steps per worker of {cfg.inner.batch_size}×"
                  f"{cfg.model.seq_len} byte tokens, {islands} workers, data `{cfg.data.path}`, {os.cpu_count()} CPU "
                  f"core(s) shared by all workers; DiLoCo outer {cfg.diloco.outer_optimizer} "
-                 f"(lr {cfg.diloco.outer_lr}, momentum {cfg.diloco.outer_momentum}), inner AdamW lr {cfg.inner.lr}")
+                 f"(lr {cfg.diloco.outer_lr}, momentum {cfg.diloco.outer_momentum}), "
+                 f"inner {'Muon + AdamW' if cfg.inner.optimizer == 'muon' else 'AdamW'} lr {cfg.inner.lr}")
     notes.append("wall-clock is each run's training loop (first evaluation to last), excluding process start, "
                  "data loading and (DiLoCo) DHT bootstrap; launch-to-exit: "
                  + ", ".join(f"{r.name} {r.extra.get('launcher_wall_seconds', float('nan')):.0f} s" for r in results))

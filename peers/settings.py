@@ -80,9 +80,11 @@ class AveragerSettings:
     request_timeout: float = 3.0
     """Timeout of a single matchmaking request (must be below matchmaking_time)."""
     allreduce_timeout: float = 120.0
-    """Give up an all-reduce that has not finished after this many seconds."""
+    """Seconds to wait for the other members' parts of Δ in each stage of a round's exchange (reduce-scatter,
+    then all-gather); a part not there by then fails the round (retried among the members left)."""
     next_chunk_timeout: float = 30.0
-    """Give up on a peer that sends no data for this many seconds during an all-reduce."""
+    """Give up on a peer that sends nothing for this many seconds in hivemind's all-reduce of the group's
+    metadata while the group forms (Δ's parts wait up to `allreduce_timeout`)."""
     vote_timeout: float = 15.0
     """Seconds to wait for every group member to confirm the averaged result."""
     state_download_timeout: float = 60.0

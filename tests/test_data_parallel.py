@@ -73,9 +73,11 @@ def test_a_dp2_island_is_one_process_accumulating_two_batches_and_its_checkpoint
 
 def test_an_island_whose_fsdp_shards_are_uneven_trains_and_resumes(tmp_path):
     """ffn_dim 65 and vocab_size 259 do not split in two: FSDP gives its two ranks 33 and 32 rows of the
-    feed-forward and embedding matrices.  The dp=2 island trains as one process accumulating two batches, and
-    its round-2 checkpoint, resharded onto one process, ends round 3 where the uninterrupted run did."""
-    uneven = {"model.ffn_dim": 65, "model.vocab_size": 259}
+    feed-forward and embedding matrices.  With Muon as the inner optimizer (each rank orthogonalises the whole
+    matrix gathered from the uneven shards), the dp=2 island trains as one process accumulating two batches, and
+    its round-2 checkpoint (Muon's momentum resharded too) resumed on one process ends round 3 where the
+    uninterrupted run did."""
+    uneven = {"model.ffn_dim": 65, "model.vocab_size": 259, "inner.optimizer": "muon"}
     reference = tmp_path / "reference"
     Island(island_config(reference, **uneven, **{"inner.grad_accum": 2})).run()
     dp2 = tmp_path / "dp2"
@@ -85,6 +87,9 @@ def test_an_island_whose_fsdp_shards_are_uneven_trains_and_resumes(tmp_path):
     pieces = [checkpoint.load(dp2 / "checkpoints" / f"rank{r}" / "ckpt-000002.pt")["island"]["specs"] for r in (0, 1)]
     assert [p["layers.0.feed_forward.w1.weight"][2] for p in pieces] == [33, 32]
     assert [p["tok_embeddings.weight"][2] for p in pieces] == [130, 129]
+    state = checkpoint.load(dp2 / "checkpoints" / "rank0" / "ckpt-000002.pt")
+    kinds = {tuple(sorted(s)) for s in state["inner_optimizer"]["state"].values()}
+    assert kinds == {("momentum_buffer", "step"), ("exp_avg", "exp_avg_sq", "step")}, kinds
     one = tmp_path / "dp1"
     summary = Island(island_config(one, **uneven, **{
         "inner.grad_accum": 2, "checkpoint.dir": str(dp2 / "checkpoints"),

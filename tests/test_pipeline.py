@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.config import ModelConfig
+from diloco.config import InnerOptimConfig, ModelConfig
+from diloco.model.inner import build_inner_optimizer, orthogonalize
 from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from pipeline.mesh import exit_worker
@@ -60,8 +61,13 @@ def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
     return out
 
 
-def make_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
+def make_optimizer(named_params, kind: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW, or the island's Muon (on the blocks' matrices, AdamW on the rest) at a constant learning rate."""
+    if kind == "muon":
+        cfg = InnerOptimConfig(optimizer="muon", lr=LR, weight_decay=0.1, warmup_steps=0, min_lr_ratio=1.0)
+        return build_inner_optimizer(list(named_params), cfg, STEPS)[0]
+    return torch.optim.AdamW([p for _, p in named_params], lr=LR, weight_decay=0.1, betas=(0.9, 0.95),
+                             foreach=True)
 
 
 # --------------------------------------------------------------------------------- single process
@@ -201,7 +207,7 @@ def test_single_process_island_matches_plain_training():
     cfg = tiny_model_config()
     ref = build_model(cfg)
     island = ModelParts(build_model(cfg), None, ParallelSettings(activation_checkpointing=True))
-    opt, ref_opt = make_optimizer(island.parameters()), make_optimizer(ref.parameters())
+    opt, ref_opt = make_optimizer(island.named_parameters()), make_optimizer(ref.named_parameters())
     for x in batches(3):
         loss = island.train_step(x[:, :-1], x[:, 1:])
         norm = island.clip_grad_norm_(CLIP)
@@ -218,6 +224,24 @@ def test_single_process_island_matches_plain_training():
         torch.testing.assert_close(p, dict(ref.named_parameters())[name].detach())
 
 
+def test_muon_takes_the_blocks_matrices_and_orthogonalises_their_update():
+    """Muon steps the blocks' 2-D weights with an orthogonalised update (singular values near 1, whatever the
+    gradient's scale) and AdamW the rest; it trains the tiny model, along another path than AdamW."""
+    g = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)) * 1e3
+    singular = torch.linalg.svdvals(orthogonalize(g))
+    assert 0.5 < singular.min() and singular.max() < 1.5, singular
+    assert orthogonalize(g.T).shape == (64, 24)
+    model = build_model(tiny_model_config())
+    opt = make_optimizer(model.named_parameters(), "muon")
+    muon = {id(p) for group in opt.param_groups if group["muon"] for p in group["params"]}
+    taken = sorted(n for n, p in model.named_parameters() if id(p) in muon)
+    assert taken == sorted(n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers."))
+    assert len(taken) == 7 * 4  # wq wk wv wo w1 w2 w3 of each block; not the embeddings, the head or the norms
+    muon_run, adamw_run = reference_run("muon"), reference_run("adamw")
+    assert muon_run["losses"][-1] < muon_run["losses"][0] - 0.2
+    assert abs(muon_run["losses"][-1] - adamw_run["losses"][-1]) > 1e-3
+
+
 # ----------------------------------------------------------------------------- distributed checks
 CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 one-layer stages)
     dict(name="tp2-pp2-gpipe", tp=2, pp=2, schedule="gpipe", microbatches=4),
@@ -226,9 +250,12 @@ CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 
          virtual_stages=2),
     dict(name="dp2-tp2", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1),
     dict(name="dp2-pp2", dp=2, tp=1, pp=2, schedule="1f1b", microbatches=2),
+    # Muon orthogonalises whole matrices: gathered from FSDP's and TP's shards of one parameter at once
+    dict(name="dp2-tp2-muon", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1, optimizer="muon"),
 ]
 CASES_2 = [
     dict(name="dp2", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
+    dict(name="tp2-muon", tp=2, pp=1, schedule="1f1b", microbatches=1, optimizer="muon"),
     dict(name="dp2-bf16", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, param_dtype="bf16"),
     dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
@@ -240,10 +267,10 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     """Train one island for STEPS steps and save what this rank sees."""
     from pipeline.mesh import init_island_mesh
 
-    settings = ParallelSettings(**{k: v for k, v in case.items() if k != "name"})
+    settings = ParallelSettings(**{k: v for k, v in case.items() if k not in ("name", "optimizer")})
     mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60, dp=settings.dp)
     island = ModelParts(build_model(tiny_model_config()), mesh, settings)
-    opt = make_optimizer(island.parameters())
+    opt = make_optimizer(island.named_parameters(), case.get("optimizer", "adamw"))
     losses, norms = [], []
 
     def mine(x: torch.Tensor) -> torch.Tensor:  # this data-parallel replica's rows
@@ -345,11 +372,11 @@ def launch(cases: list[dict], world: int, out_dir: Path) -> None:
                              + "\n----\n".join(log.read_text()[-3000:] for log in logs))
 
 
-def reference_run() -> dict:
-    """The single-process run every island must reproduce."""
+def reference_run(kind: str) -> dict:
+    """The single-process run every island stepping with the optimizer ``kind`` must reproduce."""
     torch.set_num_threads(1)
     model = build_model(tiny_model_config())
-    opt = make_optimizer(model.parameters())
+    opt = make_optimizer(model.named_parameters(), kind)
     losses, norms = [], []
     for x in batches(STEPS):
         loss = lm_loss(model(x[:, :-1]), x[:, 1:])
@@ -367,8 +394,8 @@ def reference_run() -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return reference_run()
+def reference() -> dict[str, dict]:
+    return {kind: reference_run(kind) for kind in ("adamw", "muon")}
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +412,8 @@ def results_2(tmp_path_factory) -> Path:
     return out
 
 
-def check_case(case: dict, world: int, out: Path, ref: dict) -> None:
+def check_case(case: dict, world: int, out: Path, references: dict[str, dict]) -> None:
+    ref = references[case.get("optimizer", "adamw")]
     seen: dict[str, list[ShardSpec]] = {}
     for rank in range(world):
         r = torch.load(out / f"{case['name']}-rank{rank}.pt", weights_only=False)
@@ -437,9 +465,9 @@ def test_dp2_bf16_gathers_bf16_over_fp32_shards_that_round_trip_exactly(results_
         assert r["dtypes"] == ["torch.float32"]
         moved, back = r["round_trip"]
         assert moved > 1e-3 and back == 0.0
-        for got, want in zip(r["losses"], reference["losses"], strict=True):
+        for got, want in zip(r["losses"], reference["adamw"]["losses"], strict=True):
             assert got == pytest.approx(want, rel=0.02)  # bf16 matrix products: close, not equal
-        assert r["losses"] != pytest.approx(reference["losses"], rel=1e-6)
+        assert r["losses"] != pytest.approx(reference["adamw"]["losses"], rel=1e-6)
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=[c["name"] for c in CASES_4])

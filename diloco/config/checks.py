@@ -60,6 +60,8 @@ def validate(cfg: Config) -> list[str]:
     for name in ("warmup_steps",):
         if getattr(i, name) < 0:
             p.append(f"--inner.{name} must be 0 or more, got {getattr(i, name)}")
+    if not 0 <= i.muon_momentum < 1:
+        p.append(f"--inner.muon_momentum must be in [0, 1), got {i.muon_momentum}")
     if i.grad_clip < 0:
         p.append(f"--inner.grad_clip must be 0 (off) or positive, got {i.grad_clip}")
     dl = cfg.diloco

@@ -76,8 +76,12 @@ class DataConfig:
 
 @dataclass
 class InnerOptimConfig:
+    optimizer: str = "adamw"
+    """`adamw`, or `muon`: Muon (orthogonalised Nesterov momentum, Jordan et al. 2024) on the blocks' 2-D weights,
+    AdamW on the embeddings, the output head and the norms, one learning rate for both (Muon's update is
+    scaled to AdamW's RMS, as Moonlight does); with DiLoCo's outer step this is MuLoCo (Thérien et al. 2025)."""
     lr: float = 3e-3
-    """Peak learning rate of the inner AdamW."""
+    """Peak learning rate of the inner optimizer."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     warmup_steps: int = 50
@@ -88,6 +92,8 @@ class InnerOptimConfig:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum (with `--inner.optimizer muon`)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     batch_size: int = 16
@@ -99,7 +105,7 @@ class InnerOptimConfig:
 @dataclass
 class DilocoConfig:
     inner_steps: int = 50
-    """H: inner AdamW steps between two outer rounds."""
+    """H: inner steps between two outer rounds."""
     outer_steps: int = 10
     """Number of outer rounds to run."""
     outer_optimizer: str = "nesterov"
@@ -249,6 +255,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.preset": tuple(MODEL_PRESETS),
+    "inner.optimizer": ("adamw", "muon"),
     "diloco.outer_optimizer": ("nesterov", "avg", "sparseloco"),
     "diloco.overlap": ("none", "delayed", "eager"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),

@@ -15,6 +15,7 @@ live objects of :class:`RankState`, reads them to save and writes them to resume
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,7 @@ class CheckpointManager:
 
     @torch.no_grad()
     def _load_resharded(self, first: dict[str, Any], path: Path) -> None:
-        """Fill this rank's pieces of the model, AdamW's moments, θ_global and the outer momentum from the files
+        """Fill this rank's pieces of the model, the inner optimizer's state (AdamW's moments, Muon's momentum), θ_global and the outer momentum from the files
         every rank of an island of another shape wrote at the step of ``path`` (read one after the other: at
         most one old rank's state in memory beside this rank's own)."""
         st = self.state
@@ -178,8 +179,7 @@ class CheckpointManager:
         if missing:
             raise CheckpointError(f"resharding the checkpoint of a {saved['shape']} island needs every rank's file, "
                                   f"but {', '.join(missing)} is missing; restore it or resume with the same shape")
-        moments = {n: {k: torch.zeros(p.shape, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-                   for n, p in st.params.items()}
+        moments: dict[str, dict[str, torch.Tensor]] = {n: {} for n in st.params}  # AdamW's or Muon's, per key
         momentum = dict(zip(st.outer.names, st.outer.momentum_buffers())) if st.outer.mu else {}
         copied: dict[str, int] = {n: 0 for n in st.params}
         seen: set[tuple[str, tuple[int, ...]]] = set()
@@ -198,9 +198,11 @@ class CheckpointManager:
                 pairs = [(st.params[n], piece), (st.outer.theta_global[n], state["outer_optimizer"]["master"][n])]
                 if n in momentum:
                     pairs.append((momentum[n], old_momentum[n]))
-                adam = inner.get(inner_index[n], {})
-                pairs += [(moments[n][k], adam[k]) for k in moments[n] if k in adam]
-                step = adam.get("step", step)
+                kept = inner.get(inner_index[n], {})
+                for k, t in kept.items():
+                    if k != "step" and torch.is_tensor(t) and t.numel() == math.prod(old.local_shape):
+                        pairs.append((moments[n].setdefault(k, torch.zeros(st.params[n].shape)), t))
+                step = kept.get("step", step)
                 got = [copy_overlap(dst, new, src.reshape(old.local_shape), old) for dst, src in pairs]
                 copied[n] += got[0]
         short = [n for n, c in copied.items() if c != st.params[n].numel()]
@@ -213,7 +215,7 @@ class CheckpointManager:
         own["param_groups"] = [{**old, "params": mine["params"]} for old, mine in
                                zip(first["inner_optimizer"]["param_groups"], own["param_groups"], strict=True)]
         if step is not None:
-            own["state"] = {i: {"step": step.clone(), **moments[n]} for i, n in enumerate(names)}
+            own["state"] = {i: {"step": step.clone(), **moments[n]} for i, n in enumerate(names) if moments[n]}
         st.inner_opt.load_state_dict(own)
         st.outer.step_count = int(first["outer_optimizer"]["step_count"])
         was = saved["dp"] * int(first.get("config", {}).get("inner", {}).get("grad_accum", 1))

@@ -1,4 +1,5 @@
-"""The inner optimizer (AdamW with linear warm-up and cosine decay) and the one inner step."""
+"""The inner optimizer (AdamW, or Muon on the hidden matrices with AdamW on the rest; linear warm-up and
+cosine decay) and the one inner step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import torch
 from diloco.config import InnerOptimConfig
 from diloco.data.batches import ShardedBatches
 from pipeline import ModelParts
+from pipeline.shards import is_dtensor, shard_spec_of
+
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+"""The quintic Newton–Schulz coefficients of Muon (Jordan et al., 2024), as in ``torch.optim.Muon``."""
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float,
@@ -23,20 +28,89 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's Newton–Schulz iteration: ``g`` (a whole 2-D matrix) made nearly semi-orthogonal (U S' V^T with S'
+    near 1, where U S V^T = g), in bf16 on a GPU as the paper does, in fp32 on a CPU (where bf16 is slower)."""
+    a, b, c = NEWTON_SCHULZ
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(g.dtype)
+
+
+def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    """Whether Muon takes this parameter: a 2-D weight inside a block (the embeddings, the output head, the norms
+    and biases stay with AdamW, as in the Muon and MuLoCo papers)."""
+    return param.dim() == 2 and (name.startswith("layers.") or ".layers." in name)
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """Muon on the param groups marked ``muon`` and torch's own AdamW (fused on CUDA) on the others.
+
+    Muon: Nesterov momentum, orthogonalised by :func:`orthogonalize`, scaled to AdamW's update RMS
+    (``0.2 * sqrt(max(rows, cols))``, Moonlight's rule, so both share ``lr``, its schedule and the weight decay).
+    Newton–Schulz needs the whole matrix: a TP or FSDP shard is gathered inside the island, every rank
+    orthogonalises the same whole matrix and keeps its own slice, so a split island steps exactly as one
+    process does (one all-gather of each hidden matrix per step, as FSDP's forward does, plus the
+    Newton–Schulz FLOPs on every rank).  The state of a Muon parameter is its ``momentum_buffer`` and ``step``.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        groups = self.param_groups
+        try:  # AdamW.step walks self.param_groups: show it its own groups only
+            self.param_groups = [g for g in groups if not g["muon"]]
+            super().step()
+        finally:
+            self.param_groups = groups
+        for group in groups:
+            if group["muon"]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._muon_step(p, group)
+
+    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:  # a step count too: AdamW's loader expects one in every state
+            state["step"], state["momentum_buffer"] = torch.tensor(0.0), torch.zeros_like(p)
+        state["step"] += 1
+        buf, grad, momentum = state["momentum_buffer"], p.grad, group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum)
+        whole = update.full_tensor() if is_dtensor(update) else update
+        ortho = shard_spec_of(p).slice_of(orthogonalize(whole))
+        rows, cols = p.shape
+        local = p.to_local() if is_dtensor(p) else p
+        local.mul_(1 - group["lr"] * group["weight_decay"])
+        local.add_(ortho, alpha=-group["lr"] * 0.2 * math.sqrt(max(rows, cols)))
+
+
 def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg: InnerOptimConfig,
                           total_steps: int, progress: Callable[[], float] | None = None
                           ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (no weight decay on norms and other 1-D weights) and its warm-up + cosine schedule (over
-    ``total_steps``, or over ``progress()``, the fraction of the run done, when the steps are not known
-    in advance)."""
-    decay, no_decay = [], []
-    for _, p in params:
+    """The inner optimizer of ``cfg.optimizer`` (AdamW; or Muon on the hidden matrices, see :class:`MuonAdamW`),
+    no weight decay on norms and other 1-D weights, and its warm-up + cosine schedule (over ``total_steps``, or
+    over ``progress()``, the fraction of the run done, when the steps are not known in advance)."""
+    muon = cfg.optimizer == "muon"
+    hidden, decay, no_decay = [], [], []
+    for name, p in params:
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (hidden if muon and is_hidden_matrix(name, p) else decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay, "muon": False},
+              {"params": no_decay, "weight_decay": 0.0, "muon": False}]
+    if muon:
+        groups.append({"params": hidden, "weight_decay": cfg.weight_decay, "muon": True,
+                       "momentum": cfg.muon_momentum})
+    everything = hidden + decay + no_decay
     # one fused kernel per step on CUDA (torchtitan's default); CPU keeps the foreach implementation
-    fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused or None)
+    fused = all(p.is_cuda for p in everything) and bool(everything)
+    kind = MuonAdamW if muon else torch.optim.AdamW
+    opt = kind(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio,
                                  progress() if progress is not None else None))
@@ -46,7 +120,7 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
 def take_inner_step(model: ModelParts, batches: ShardedBatches, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: InnerOptimConfig,
                sync_grads: Callable[[float], float] | None = None) -> float:
-    """One inner AdamW step of an island or a baseline worker: ``grad_accum`` micro-batches forward
+    """One inner step of an island or a baseline worker: ``grad_accum`` micro-batches forward
     and backward, ``sync_grads(loss)`` (the baseline's all-reduce; returns the loss to report),
     clipping over the whole model, optimizer and schedule step.  Returns the step's mean loss."""
     total = 0.0

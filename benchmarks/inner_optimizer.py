@@ -1,0 +1,138 @@
+"""What Muon costs per inner step against AdamW, through the island's own code (``ModelParts`` +
+``build_inner_optimizer`` + ``take_inner_step``) on real text (the embedded corpus).  Not a test.
+
+    python benchmarks/inner_optimizer.py                          # a 40M model on this machine's CPU
+    python benchmarks/inner_optimizer.py --device cuda --preset 150m --batch 16
+    python benchmarks/inner_optimizer.py --smoke                  # the code paths, tiny model, seconds
+
+The two optimizers take turns, ``--rounds`` blocks of ``--steps`` timed steps each (after ``--warmup``), so a
+machine that slows down mid-run slows both alike; the figure is each one's fastest block.  Also timed: the
+optimizer's step alone.  Muon's extra work is Newton–Schulz on every block matrix (5 iterations of three
+matrix products), independent of the batch, so its share falls as the batch grows.  Writes ``--out``
+(default experiments/results/inner-optimizer/): ``results.json`` and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from diloco.config import DataConfig, InnerOptimConfig, ModelConfig, resolve_model  # noqa: E402
+from diloco.data.batches import ShardedBatches  # noqa: E402
+from diloco.data.corpus import load_corpus  # noqa: E402
+from diloco.engine.runtime import use_device  # noqa: E402
+from diloco.model.inner import build_inner_optimizer, take_inner_step  # noqa: E402
+from diloco.model.transformer import build_model, count_parameters, lm_loss  # noqa: E402
+from experiments.report import markdown_table  # noqa: E402
+from pipeline import ModelParts, ParallelSettings  # noqa: E402
+
+MODEL_40M = dict(dim=640, n_layers=8, n_heads=10, ffn_dim=1728, seq_len=256)
+"""The 40M-parameter model of the CPU measurements (byte tokens)."""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Arm:
+    """One optimizer's island: its own model (same seed), optimizer and batches."""
+
+    def __init__(self, kind: str, cfg: ModelConfig, batch: int, device: torch.device, corpus: Any, dtype: str):
+        self.kind = kind
+        self.model = ModelParts(build_model(cfg), None, ParallelSettings(param_dtype=dtype), loss_fn=lm_loss,
+                                device=device)
+        self.inner = InnerOptimConfig(optimizer=kind, batch_size=batch, warmup_steps=1)
+        self.opt, self.sched = build_inner_optimizer(list(self.model.named_parameters()), self.inner, 10 ** 6)
+        self.batches = ShardedBatches(corpus.train, cfg.seq_len, batch, 0, 1, 0)
+        self.device = device
+        self.blocks: list[float] = []
+        self.opt_steps: list[float] = []
+
+    def step(self) -> None:
+        take_inner_step(self.model, self.batches, self.opt, self.sched, self.inner)
+
+    def block(self, steps: int) -> None:
+        """Time ``steps`` inner steps, then the optimizer's step alone (on the last gradients, kept)."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        sync(self.device)
+        self.blocks.append((time.perf_counter() - t0) / steps)
+        x, y = self.batches.next_batch()
+        self.model.train_step(x, y)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.opt.step()
+        sync(self.device)
+        self.opt_steps.append(time.perf_counter() - t0)
+        self.opt.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="", help="a model preset (default: the 40M model of MODEL_40M)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="--parallel.param_dtype of the island (auto: bf16 on CUDA)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    ap.add_argument("--rounds", type=int, default=3, help="blocks per optimizer, taking turns")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "experiments" / "results" / "inner-optimizer"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, one block of one step: the code paths")
+    args = ap.parse_args(argv)
+    cfg = ModelConfig(preset=args.preset or "small")
+    if not args.preset and not args.smoke:
+        for k, v in MODEL_40M.items():
+            setattr(cfg, k, v)
+    if args.smoke:
+        cfg, args.steps, args.rounds, args.warmup = ModelConfig(preset="tiny"), 1, 1, 1
+    resolve_model(cfg)
+    device = torch.device(args.device)
+    use_device(device)
+    corpus = load_corpus(DataConfig(max_bytes=4_000_000))
+    arms = [Arm(kind, cfg, args.batch, device, corpus, args.dtype) for kind in ("adamw", "muon")]
+    for arm in arms:
+        for _ in range(args.warmup):
+            arm.step()
+    for _ in range(args.rounds):
+        for arm in arms:
+            arm.block(args.steps)
+    adamw, muon = arms
+    params = count_parameters(adamw.model.modules[0])
+    rows = [{"optimizer": a.kind, "step_s": min(a.blocks), "optimizer_step_s": min(a.opt_steps),
+             "tokens_per_s": args.batch * cfg.seq_len / min(a.blocks)} for a in arms]
+    extra = min(muon.blocks) / min(adamw.blocks) - 1
+    summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "threads": torch.get_num_threads(), "params": params, "batch": f"{args.batch}x{cfg.seq_len}",
+               "model": {k: getattr(cfg, k) for k in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len")},
+               "rows": rows, "muon_extra_step_fraction": extra}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    table = markdown_table(["optimizer", "inner step (s)", "optimizer step alone (s)", "tokens/s"],
+                           [[r["optimizer"], f"{r['step_s']:.3f}", f"{r['optimizer_step_s']:.3f}",
+                             f"{r['tokens_per_s']:.0f}"] for r in rows])
+    text = (f"# Muon against AdamW per inner step\n\n{params / 1e6:.1f}M parameters, batch {summary['batch']}, "
+            f"{summary['device']} ({summary['threads']} threads); fastest of {args.rounds} blocks of "
+            f"{args.steps} steps each, the two taking turns.\n\n{table}\n\nMuon's inner step: "
+            f"{extra * 100:+.1f}% against AdamW's.\n")
+    (out / "results.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
