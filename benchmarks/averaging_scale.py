@@ -96,7 +96,7 @@ class TreeSampler:
     process tree and its process count; keeps the peaks."""
 
     def __init__(self, every: float = 0.2):
-        from diloco.launch.proctable import descendants
+        from peers.proctable import descendants
 
         self.descendants = descendants
         self.peak_kb: dict[int, int] = {}

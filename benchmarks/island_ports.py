@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from diloco.config.loader import load
-from diloco.launch.proctable import descendants
 from diloco.launch.simulate import Cluster
 from experiments.report import save_results
+from peers.proctable import descendants
 
 SHAPES = [("tp=2", dict(tp=2)), ("dp=2 x tp=2", dict(dp=2, tp=2))]
 ADDRESSES = ["127.0.0.2", "127.0.0.3"]

@@ -61,7 +61,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.launch.proctable import is_running, read_stat
 from experiments.delay_line import (
     DEFAULT_MTU,
     TUN_NAME,
@@ -70,6 +69,7 @@ from experiments.delay_line import (
     bucket_bytes,
     start_forwarder,
 )
+from peers.proctable import is_running, read_stat
 
 DEFAULT_PREFIX = "dlc-"
 FALLBACK_NOTE = "running on loopback without a bandwidth cap"
@@ -199,11 +199,15 @@ def _kill_namespace_processes(namespaces: list[str], grace: float = 3.0) -> None
         time.sleep(0.02)
 
 
-def _delete_namespaces(namespaces: list[str]) -> None:
-    existing = set(list_namespaces(""))
-    for ns in namespaces:
-        if ns in existing:
+def _delete_namespaces(namespaces: list[str], patience: float = 5.0) -> None:
+    # a namespace whose last process is still on its way out can refuse deletion (busy): try again a while
+    deadline = time.monotonic() + patience
+    while left := sorted(set(namespaces) & set(list_namespaces(""))):
+        for ns in left:
             _run(["ip", "netns", "delete", ns], check=False)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
 
 
 def _owner_file(base: str) -> Path:

@@ -5,7 +5,8 @@ One floor per concept; a module imports its own floor and the floors below it, n
 checks it, ``tests/test_imports.py``):
 
 0. plain data and math: :mod:`peers.settings` (what the config section ``averaging`` *is*),
-   :mod:`peers.result` (the one result every averager returns), :mod:`peers.fingerprints`;
+   :mod:`peers.result` (the one result every averager returns), :mod:`peers.fingerprints`,
+   :mod:`peers.proctable` (who started whom, from ``/proc``);
 1. :mod:`peers.discovery`: the DHT, the run key, the member registry (who is in the run);
 2. :mod:`peers.wire`: the bytes (the canonical layout, moving pieces inside an island, the transport between
    islands, codecs' payloads on the wire, state for joiners, traffic counters);

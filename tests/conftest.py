@@ -105,7 +105,7 @@ def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0)
     import tomli_w
 
     from diloco.config import to_dict
-    from diloco.launch.proctable import descendants
+    from peers.proctable import descendants
 
     path = where / f"config-{nproc}-{len(list(where.glob('config-*.toml')))}.toml"
     path.write_text(tomli_w.dumps(to_dict(cfg)))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from diloco.launch.proctable import is_running
 from experiments.netns import (
     EmulatedNetwork,
     add_link_arguments,
@@ -28,6 +27,7 @@ from experiments.netns import (
     link_arguments,
     list_namespaces,
 )
+from peers.proctable import is_running
 from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]

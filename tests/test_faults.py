@@ -14,8 +14,8 @@ import re
 import signal
 
 from diloco.engine.metrics import read_metrics
-from diloco.launch.proctable import descendants
 from diloco.launch.simulate import Cluster
+from peers.proctable import descendants
 from tests.conftest import PART_LOST, real_failures, tiny_config, wait_until
 
 ROUNDS = 8
@@ -215,7 +215,9 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     s = summaries[1]
     assert s["rounds_ok"] + s["rounds_failed"] + s["rounds_caught_up"] == 8, s
     failures = real_failures(summaries[1])
-    assert len(failures) == 1 and failures[0].startswith("round 3") and "moved past this round" in failures[0], \
+    # the fault makes it late for round 3; on a loaded machine (two test workers on 2 cores) it may be late
+    # again for a later round, which it must handle the same way
+    assert failures and failures[0].startswith("round 3") and all("moved past this round" in f for f in failures), \
         failures
     caught = re.search(r"caught up with the run at outer step (\d+) .*; (\d+) of its H steps into the round",
                        (cluster.run_dirs[1] / "train.log").read_text())
@@ -228,7 +230,9 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     step, phase = int(caught[1]), int(caught[2])
     later = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r and r["outer_step"] > step]
     assert later and 0 < later[0]["inner_steps"] <= 40 - phase, (phase, later[0])
-    assert all(r["round_ok"] == 1 and r["num_peers"] == 3 for r in later if PART_LOST not in r["round_failure"]), later
+    assert all(r["round_ok"] == 1 and r["num_peers"] == 3 for r in later
+               if PART_LOST not in r["round_failure"] and "moved past this round" not in r["round_failure"]), later
+    assert any(r["round_ok"] for r in later), later  # it averages with them again
 
 
 def test_sigterm_and_ctrl_c_end_islands_cleanly_with_a_checkpoint(tmp_path, no_leaked_daemons):

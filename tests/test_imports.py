@@ -22,7 +22,7 @@ FLOORS = {  # inside a package, its parts from the bottom up: a part imports its
     "diloco": [{"diloco.errors", "diloco.progress"}, {"diloco.config"}, {"diloco.command"}, {"diloco.data"},
                {"diloco.model"}, {"diloco.inference"}, {"diloco.engine"}, {"diloco.launch"}, {"diloco.cli"},
                {"diloco"}],
-    "peers": [{"peers.settings", "peers.result", "peers.fingerprints"}, {"peers.discovery"}, {"peers.wire"},
+    "peers": [{"peers.settings", "peers.result", "peers.fingerprints", "peers.proctable"}, {"peers.discovery"}, {"peers.wire"},
               {"peers.group"}, {"peers.averaging"}, {"peers"}],
 }
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from diloco.launch.proctable import is_running
 from experiments.netns import (
     EmulatedNetwork,
     available,
@@ -23,6 +22,7 @@ from experiments.netns import (
     list_namespaces,
     parse_rate,
 )
+from peers.proctable import is_running
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.launch.proctable import descendants
 from diloco.model import checkpoint
 from diloco.model.checkpoint import BackgroundWriter, CheckpointError
 from peers.averaging.sharded import ShardedAverager
 from peers.discovery.dht import start_dht, visible_maddrs
+from peers.proctable import descendants
 from peers.settings import AveragerSettings, NetworkSettings, Scope
 from peers.wire.layout import CanonicalLayout
 

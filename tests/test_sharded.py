@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.launch.proctable import descendants
+from peers.proctable import descendants
 from pipeline.mesh import exit_worker
 
 # full shapes in model order; island A's split of each (rank 0, rank 1); None: the rank lacks it

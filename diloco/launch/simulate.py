@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,8 +27,10 @@ import torch
 
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
-from diloco.launch.proctable import descendants
+from diloco.engine.peer_node import IDENTITY
+from peers.discovery.dht import peer_id_of
 from peers.discovery.run_key import new_run_key
+from peers.proctable import descendants
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""
@@ -182,13 +186,32 @@ class Cluster:
         raise SimulationError(f"island {i} did not become reachable within {timeout:.0f} s; see {self.logs[i]}")
 
     def start_all(self, startup_timeout: float = 90.0) -> None:
-        """Start island 0, wait until it is reachable, then start the others joining it."""
+        """Start every island at once, the others joining island 0 at the address it will have (its identity
+        and port are chosen here; they wait for its port); where no port can be chosen here (island 0 listens
+        in another network namespace), start island 0 first and the others once it is reachable."""
+        address = self._first_address()
         self.start(0)
         if self.n > 1:
-            peers = self.wait_reachable(0, startup_timeout)
+            peers = [address] if address else self.wait_reachable(0, startup_timeout)
             for i in range(1, self.n):
                 self.configs[i]["averaging"]["initial_peers"] = peers
                 self.start(i)
+
+    def _first_address(self) -> str | None:
+        """Island 0's full multiaddr, fixed in its config before it starts (None where its IP is not local)."""
+        a = self.configs[0]["averaging"]
+        m = re.fullmatch(r"/ip4/([\d.]+)/tcp/0", a["host_maddrs"][0]) if len(a["host_maddrs"]) == 1 else None
+        if m is None or self.n == 1:
+            return None
+        try:
+            with socket.socket() as s:
+                s.bind((m[1], 0))
+                port = s.getsockname()[1]
+        except OSError:
+            return None
+        peer_id = peer_id_of(a.get("identity_path") or str(self.run_dirs[0] / IDENTITY))
+        a["host_maddrs"] = [f"/ip4/{m[1]}/tcp/{port}"]
+        return f"/ip4/{m[1]}/tcp/{port}/p2p/{peer_id}"
 
     def alive(self, i: int) -> bool:
         return i in self.procs and self.procs[i].poll() is None

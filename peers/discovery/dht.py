@@ -106,7 +106,11 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
         os.makedirs(os.path.dirname(os.path.abspath(settings.identity_path)), exist_ok=True)
         kwargs["identity_path"] = settings.identity_path
     deadline = time.monotonic() + settings.startup_timeout
+    tcp = [a for a in settings.initial_peers if _TCP.match(a)]
     while True:
+        # an initial peer still starting: wait for its port rather than start (and drop) a daemon per try
+        while tcp and time.monotonic() + 1.0 < deadline and not any(listens(a, timeout=0.5) for a in tcp):
+            time.sleep(0.2)
         try:
             with signals_ignored_by_children():
                 return hivemind.DHT(initial_peers=settings.initial_peers or None, start=True, await_ready=True,
@@ -131,15 +135,28 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
         f"and the address local to this machine? [{detail}]")
 
 
+def peer_id_of(identity_path: str) -> str:
+    """The peer ID of the private key at ``identity_path``, written there first if there is none: with it and a
+    port chosen in advance, an island's address is known before it starts, so the others can start at once."""
+    if not os.path.isfile(identity_path):
+        os.makedirs(os.path.dirname(os.path.abspath(identity_path)), exist_ok=True)
+        hivemind.p2p.P2P.generate_identity(identity_path)
+    with open(identity_path, "rb") as f:
+        return str(hivemind.p2p.PeerID.from_identity(f.read()))
+
+
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """The full multiaddrs (with /p2p/PEER_ID) other islands can pass as initial peers."""
     return [str(a) for a in dht.get_visible_maddrs()]
 
 
+_TCP = re.compile(r"/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)")
+
+
 def listens(maddr: str, timeout: float = 2.0) -> bool:
     """Whether something accepts TCP connections at ``maddr`` (/ip4|ip6|dns*/HOST/tcp/PORT/...): a cheap
     check before restarting a node to join it (a stopped process's port still accepts)."""
-    m = re.match(r"/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)", maddr)
+    m = _TCP.match(maddr)
     if not m:
         return False
     try:

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from peers.proctable import descendants
+
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
@@ -89,30 +91,10 @@ def tcp_connections(family: int) -> dict[int, WireBytes]:
                 pos += (length + 3) & ~3
 
 
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return kids
-
-
 def daemons(root: int, name: str = "p2pd") -> list[int]:
-    """Processes called ``name`` among the descendants of ``root``."""
-    found, todo = [], _children(root)
-    while todo:
-        pid = todo.pop()
-        todo += _children(pid)
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == name:
-                    found.append(pid)
-        except OSError:
-            continue  # the process exited meanwhile
-    return found
+    """Processes called ``name`` among the descendants of ``root`` (from every process's parent in ``/proc``:
+    the kernel's lists of children can miss some while other processes start and exit)."""
+    return sorted(pid for pid, stat in descendants(root).items() if stat.name == name)
 
 
 def process_sockets(pids: list[int]) -> set[int]:

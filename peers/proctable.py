@@ -1,7 +1,8 @@
 """Read the Linux process table (``/proc``): who started whom, process groups, zombies.
 
 Launchers use it to find every process an island started (torchrun workers, DHT children, p2pd
-daemons) so that none outlives a run.
+daemons) so that none outlives a run; the traffic counters, to find hivemind's p2p daemons and their sockets.
+Plain data of the operating system: any floor of ``peers`` and above may import it.
 """
 
 from __future__ import annotations
