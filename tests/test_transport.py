@@ -169,3 +169,23 @@ def test_the_ranks_of_a_server_share_one_port(transports):
     assert owner.box.senders("to-1") == [] and second.box.senders("to-0") == []
     second.send(owner.endpoint, "back", b"from rank 1", time.monotonic() + 10)
     assert _received(owner, "back", "rank1") == b"from rank 1"
+
+
+def test_a_rank_declines_the_parts_of_a_group_it_never_learned_of_back_to_their_sender(transports):
+    """A group lists rank x, but x's matchmaking never learned of it: x knows no endpoint of that group's
+    members, only that a's part reached it.  Its decline still reaches a, at the endpoint a announced when it
+    called x, so a's exchange ends with x declined instead of waiting out its deadline for x's part."""
+    from peers.wire.encoded import DirectChannel
+
+    a, x = transports("a", "run-key"), transports("x", "run-key")
+    ca, cx = DirectChannel(a, 1 << 20), DirectChannel(x, 1 << 20)
+    ca.endpoints = {"x": x.endpoint}  # a has the group's metadata; x has none
+    key = "rs.b0.0123456789abcdef.round.9"
+    out: list = []
+    sending = threading.Thread(target=lambda: out.append(ca.exchange(key, ["a", "x"], {"x": b"part"}, {"x": 4}, 60.0)))
+    sending.start()
+    assert x.box.wait_for(key, lambda m: "a" in m, time.monotonic() + 10), "a's part never reached x"
+    cx.decline(key, ["a"], 10.0)
+    sending.join(30)
+    assert out and out[0].missing == out[0].declined == ["x"], out
+    assert x.callers == {"a": a.endpoint}

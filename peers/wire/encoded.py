@@ -208,7 +208,7 @@ class DirectChannel:
 
     def _on_message(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
         timeout = self._declined.newcomer(key, sender)
-        if timeout is not None and sender in self.endpoints:  # a round we declined: say so again
+        if timeout is not None and self._endpoint(sender):  # a round we declined: say so again
             threading.Thread(target=self._send, args=(sender, key, b"", timeout, ()), daemon=True).start()
         if isinstance(extra, dict) and extra.get("packed"):  # entropy-coded on the wire: decode it here
             raw = unpack_at_most(payload, self.max_bytes)
@@ -253,8 +253,13 @@ class DirectChannel:
         out.got[me] = payload
         return out
 
+    def _endpoint(self, peer: str) -> str | None:
+        """Where ``peer``'s rank is reached: from the group's metadata, else as it announced itself when it called
+        this rank (a member of a group this rank never learned of, whose parts it declines)."""
+        return self.endpoints.get(peer) or self.transport.callers.get(peer)
+
     def _send(self, peer: str, key: str, payload: Payload, timeout: float, group: Sequence[str]) -> None:
-        endpoint = self.endpoints.get(peer)
+        endpoint = self._endpoint(peer)
         if endpoint is None:
             log.debug("no transport endpoint for %s: its part of %s is not sent", peer, key)
             return

@@ -142,6 +142,9 @@ class Transport:
         """By key prefix: called (in the connection's reader thread) with (key, sender, payload, extra) for a
         message whose key starts with it (the longest prefix wins) before it goes to the inbox; returning True
         keeps it out of the inbox (a request served at once, a message stored otherwise)."""
+        self.callers: dict[str, str] = {}
+        """Peer id -> the endpoint it announced when it called this rank (checked by the handshake): where to
+        answer a rank that sent us something although we never learned of it from a group's metadata."""
         self.fault: Callable[[str], bool] | None = None
         """Tests: ``fault(key)`` True makes the next send of that key break its connection half-way."""
         self.tamper: Callable[[str], bool] | None = None
@@ -251,6 +254,8 @@ class Transport:
             if link.role == LANE:
                 kept = self._keep_lane_in(link)
                 return
+            if link.endpoint:
+                self.callers[link.peer] = link.endpoint
             self._read_frames(link)
         except OSError as e:
             if not self._closed.is_set():
