@@ -53,6 +53,7 @@ from diloco.model.transformer import (  # noqa: E402
 )
 from outer_optim import OuterOptimizer  # noqa: E402
 from pipeline import ModelParts, ParallelSettings  # noqa: E402
+from pipeline.balance import sync_device  # noqa: E402
 
 # (label, param_dtype, compile, fused AdamW, inner optimizer)
 ROWS = (("fp32 (tf32), fused AdamW", "fp32", False, True, "adamw"),
@@ -80,20 +81,15 @@ class Results:
         print(json.dumps(row), flush=True)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int) -> float:
     """Mean seconds of ``fn`` over ``reps`` after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
-    sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    sync(device)
+    sync_device(device)
     return (time.perf_counter() - t0) / reps
 
 
@@ -130,7 +126,7 @@ def inner_row(preset: str, label: str, dtype: str, compiled: bool, fused: bool, 
     batches = ShardedBatches(corpus.train, cfg.seq_len, batch, 0, 1, 0)
     t_first = time.perf_counter()
     take_inner_step(model, batches, opt, sched, inner)
-    sync(device)
+    sync_device(device)
     first = time.perf_counter() - t_first
     seconds = timed(lambda: take_inner_step(model, batches, opt, sched, inner), device, steps, warmup)
     tokens_per_s = batch * cfg.seq_len / seconds

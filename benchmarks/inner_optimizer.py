@@ -35,14 +35,10 @@ from diloco.model.inner import build_inner_optimizer, take_inner_step  # noqa: E
 from diloco.model.transformer import build_model, count_parameters, lm_loss  # noqa: E402
 from experiments.report import markdown_table  # noqa: E402
 from pipeline import ModelParts, ParallelSettings  # noqa: E402
+from pipeline.balance import sync_device  # noqa: E402
 
 MODEL_40M = dict(dim=640, n_layers=8, n_heads=10, ffn_dim=1728, seq_len=256)
 """The 40M-parameter model of the CPU measurements (byte tokens)."""
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Arm:
@@ -64,18 +60,18 @@ class Arm:
 
     def block(self, steps: int) -> None:
         """Time ``steps`` inner steps, then the optimizer's step alone (on the last gradients, kept)."""
-        sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
-        sync(self.device)
+        sync_device(self.device)
         self.blocks.append((time.perf_counter() - t0) / steps)
         x, y = self.batches.next_batch()
         self.model.train_step(x, y)
-        sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         self.opt.step()
-        sync(self.device)
+        sync_device(self.device)
         self.opt_steps.append(time.perf_counter() - t0)
         self.opt.zero_grad(set_to_none=True)
 

@@ -37,7 +37,7 @@ _WHERE = {
     "check_schedule": "pipeline_parallel", "model_layer_costs": "pipeline_parallel", "model_part": "pipeline_parallel",
     "stage_layer_split": "pipeline_parallel",
     "is_skeleton": "materialize", "materialize": "materialize", "apply_fsdp": "data_parallel", "fsdp_placement": "data_parallel", "MESH_DIMS": "mesh",
-    "ShardSpec": "shards", "copy_overlap": "shards", "local_grad": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
+    "ShardSpec": "shards", "copy_overlap": "shards", "local_grad": "shards", "local_tensor": "shards", "local_state": "shards", "restore_dtensor_state": "shards",
     "shard_spec_of": "shards",
     "apply_tensor_parallel": "tensor_parallel", "check_tensor_parallel": "settings",
     "tensor_parallel_plan": "tensor_parallel",

@@ -31,7 +31,13 @@ from pipeline.pipeline_parallel import (
     check_schedule,
 )
 from pipeline.settings import ParallelSettings, check_tensor_parallel
-from pipeline.shards import ShardSpec, is_dtensor, local_grad, shard_spec_of
+from pipeline.shards import (
+    ShardSpec,
+    is_dtensor,
+    local_grad,
+    local_tensor,
+    shard_spec_of,
+)
 from pipeline.stage_clock import StageClock, measured_line
 
 log = logging.getLogger(__name__)
@@ -199,7 +205,7 @@ class ModelParts:
     def local_named_parameters(self) -> dict[str, torch.Tensor]:
         """``{name: local shard}``: detached tensors sharing storage with the parameters (writing
         into them updates the model); see :meth:`shard_spec` for where each sits in the full tensor."""
-        return {name: _local(p).detach() for name, p in self.named_parameters()}
+        return {name: local_tensor(p).detach() for name, p in self.named_parameters()}
 
     def shard_spec(self, name: str) -> ShardSpec:
         """Where the local tensor of parameter ``name`` sits in the full parameter."""
@@ -361,6 +367,3 @@ class ModelParts:
         dist.broadcast(total, src=dist.get_global_rank(group, self.mesh["pp"].size() - 1), group=group)
         return total
 
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if is_dtensor(p) else p

@@ -80,6 +80,11 @@ def shard_spec_of(param: torch.Tensor) -> ShardSpec:
                      replicated or not sharded)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t``: the local tensor of a DTensor, a plain tensor itself (the same storage)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The local part of ``param.grad`` laid out like the local parameter (None without a grad).
 

@@ -11,7 +11,7 @@ import torch
 from diloco.config import InnerOptimConfig
 from diloco.data.batches import ShardedBatches
 from pipeline import ModelParts
-from pipeline.shards import is_dtensor, shard_spec_of
+from pipeline.shards import is_dtensor, local_tensor, shard_spec_of
 
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 """The quintic Newton–Schulz coefficients of Muon (Jordan et al., 2024), as in ``torch.optim.Muon``."""
@@ -85,7 +85,7 @@ class MuonAdamW(torch.optim.AdamW):
         whole = update.full_tensor() if is_dtensor(update) else update
         ortho = shard_spec_of(p).slice_of(orthogonalize(whole))
         rows, cols = p.shape
-        local = p.to_local() if is_dtensor(p) else p
+        local = local_tensor(p)
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(ortho, alpha=-group["lr"] * 0.2 * math.sqrt(max(rows, cols)))
 
