@@ -29,6 +29,9 @@ commands:
                         (--share-gpus: several islands' processes on one GPU when there are too few)
   baseline --workers K  synchronous data parallelism (DDP, gradients all-reduced every step) on K workers
   generate MODEL        continue a prompt with a trained model (checkpoint, run dir or exported folder; --help)
+  plan                  the fastest run within a loss budget for your servers and link, with each server's command
+  probe --listen        answer link probes on this server (prints the address to give the other side)
+  probe --initial-peers ADDR   round trip, rate of 1 and N TCP streams, loss and reachability to a listener
   eval MODEL            held-out loss and perplexity of a trained model on any --data.path (--per-document)
   export --format hf MODEL OUT   write θ_global as a Hugging Face Llama folder (transformers loads it)
   experiment compare    single worker vs synchronous baseline vs DiLoCo: plots and tables (--help)
@@ -127,6 +130,49 @@ def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
     return 0
 
 
+def cmd_probe(argv: list[str]) -> int:
+    """``diloco probe --listen`` or ``diloco probe --initial-peers ADDR``: the link between two servers."""
+    from peers.wire import probe
+
+    parser = argparse.ArgumentParser(prog="diloco probe", description=probe.__doc__.split("\n\n")[0])
+    parser.add_argument("--listen", action="store_true", help="answer probes (run this on the other server first)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default every interface)")
+    parser.add_argument("--port", type=int, default=probe.PROBE_PORT, help=f"port (default {probe.PROBE_PORT})")
+    parser.add_argument("--initial-peers", "--initial_peers", dest="peer",
+                        help="the listener: HOST:PORT or /ip4/HOST/tcp/PORT")
+    parser.add_argument("--seconds", type=float, default=3.0, help="how long each rate is measured (default 3)")
+    parser.add_argument("--streams", type=int, default=8, help="streams side by side for the N-stream rate (default 8)")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        if args.listen == bool(args.peer):
+            raise ConfigError(["give either --listen (on one server) or --initial-peers ADDR (on the other)"])
+        if args.seconds <= 0 or args.streams < 1:
+            raise ConfigError([f"--seconds must be positive and --streams at least 1, got {args.seconds} and "
+                               f"{args.streams}"])
+        if args.listen:
+            def ready(host: str, port: int) -> None:
+                print(f"probe listener on /ip4/{host}/tcp/{port}; on the other server run: "
+                      f"diloco probe --initial-peers /ip4/<THIS SERVER'S ADDRESS>/tcp/{port}", flush=True)
+
+            probe.serve(args.host, args.port, ready=ready)
+            return 0
+        try:
+            host, port = probe.parse_address(args.peer)
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+        result = probe.probe(host, port, seconds=args.seconds, streams=args.streams)
+        print(f"round trip {result.rtt_ms:.1f} ms, 1 stream {result.rate_1_mbit:,.1f} Mbit/s, {result.streams} "
+              f"streams {result.rate_n_mbit:,.1f} Mbit/s, loss "
+              f"{'unknown' if result.loss is None else f'{result.loss:.2%}'}, this side "
+              f"{'accepts' if result.caller_accepts else 'does NOT accept (NAT or firewall)'} connections",
+              file=sys.stderr, flush=True)
+        print(result.line(), flush=True)
+        return 0
+
+    return run_command(body, (probe.ProbeError,), "interrupted: the probe stopped")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console command."""
     argv = sys.argv[1:] if argv is None else argv
@@ -143,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         from diloco.data import prepared
 
         return prepared.main(argv[1:])
+    if argv and argv[0] == "probe":
+        return cmd_probe(argv[1:])
     plugin = _plugin_command(argv[0]) if argv else None
     if plugin is not None:
         return plugin(argv[1:])

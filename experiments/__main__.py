@@ -12,6 +12,7 @@ commands:
   sweeps    H, islands and outer-optimizer sweeps next to the paper's numbers (... sweeps --help)
   overlap   compute utilization and wall-clock against link rate, blocking vs rounds in flight (... overlap --help)
   hetero    islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP (... hetero --help)
+  plan-check  diloco plan's predictions against runs over emulated links (... plan-check --help)
   horizon   the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run (... horizon --help)
 """
 
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.overlap_sweep import main as run
     elif command == "hetero":
         from experiments.hetero import main as run
+    elif command == "plan-check":
+        from experiments.plan_check import main as run
     elif command == "horizon":
         from experiments.horizon import main as run
     else:

@@ -47,13 +47,25 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _rounds(run_dir: Path) -> list[dict[str, Any]]:
+def round_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every round record of one island's ``metrics.jsonl``."""
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "round_ok" in record:
             rows.append(record)
     return rows
+
+
+def round_seconds(rounds: list[list[dict[str, Any]]]) -> list[float]:
+    """Each committed round's time as the last island to arrive sees it (the smallest ``allreduce_seconds`` of
+    its islands: the others' also count their wait for it), in round order; ``rounds``: each island's records."""
+    by_step: dict[int, list[float]] = {}
+    for rs in rounds:
+        for r in rs:
+            if r.get("round_ok") and "allreduce_seconds" in r:
+                by_step.setdefault(int(r["outer_step"]), []).append(float(r["allreduce_seconds"]))
+    return [min(v) for _, v in sorted(by_step.items())]
 
 
 def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: float, out: Path) -> dict[str, Any]:
@@ -65,15 +77,9 @@ def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: 
         c = variant(cfg, **{"logging.run_dir": str(out)})
         launched = launch_islands(c, islands, network, wrap=wrap)
     summaries = launched["islands"]
-    rounds = [_rounds(out / f"island{i}") for i in range(islands)]
+    rounds = [round_records(out / f"island{i}") for i in range(islands)]
     ok = [sum(1 for r in rs if r.get("round_ok")) for rs in rounds]
-    # a round as the last island to arrive sees it: the others' allreduce_seconds also count their wait for it
-    by_step: dict[int, list[float]] = {}
-    for rs in rounds:
-        for r in rs:
-            if r.get("round_ok") and "allreduce_seconds" in r:
-                by_step.setdefault(int(r["outer_step"]), []).append(float(r["allreduce_seconds"]))
-    took = [min(v) for _, v in sorted(by_step.items())]
+    took = round_seconds(rounds)
 
     def phase(name: str) -> float:
         values = [float(r[name]) for rs in rounds for r in rs if r.get("round_ok") and isinstance(r.get(name), (int, float))]

@@ -9,7 +9,7 @@ checks it, ``tests/test_imports.py``):
    :mod:`peers.proctable` (who started whom, from ``/proc``);
 1. :mod:`peers.discovery`: the DHT, the run key, the member registry (who is in the run);
 2. :mod:`peers.wire`: the bytes (the canonical layout, moving pieces inside an island, the transport between
-   islands, codecs' payloads on the wire, state for joiners, traffic counters);
+   islands, codecs' payloads on the wire, state for joiners, traffic counters, the link probe);
 3. :mod:`peers.group`: a round's group with the other islands (hivemind's matchmaking) and its vote;
 4. :mod:`peers.averaging`: the island's averagers (sharded over its ranks, the torch fallback, local).
 

@@ -3,7 +3,8 @@ move inside an island (:mod:`.exchange`), how a round's parts travel between isl
 plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, with
 :mod:`.deflate` on the wire), θ_global for joiners (:mod:`.state_share`), messages that arrive early
 (:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
-(:mod:`.p2p_loop`) and the kernel's byte counts (:mod:`.counters`).
+(:mod:`.p2p_loop`), the kernel's byte counts (:mod:`.counters`) and the link between two servers, measured
+before a run (:mod:`.probe`, ``diloco probe``).
 
 Everything about reaching another island's ranks (ports, NAT, encryption) belongs here.
 

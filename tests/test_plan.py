@@ -1,0 +1,167 @@
+"""`diloco probe` (real sockets, on loopback and over an emulated link behind NAT) and `diloco plan` (its model's
+directions, its command lines against the real config loader, and its one-line refusals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from diloco import cli
+from diloco.config.schema import Config, resolve_model
+from experiments import plan as planner
+from experiments.netns import EmulatedNetwork, available
+from peers.wire import probe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def listener():
+    """A probe listener on a free loopback port, stopped afterwards."""
+    stop, port = threading.Event(), []
+    ready = threading.Event()
+    thread = threading.Thread(target=probe.serve, args=("127.0.0.1", 0),
+                              kwargs={"ready": lambda h, p: (port.append(p), ready.set()), "stop": stop}, daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    yield port[0]
+    stop.set()
+    thread.join(5)
+
+
+def test_a_probe_on_loopback_measures_every_field_and_its_line_reads_back(listener):
+    result = probe.probe("127.0.0.1", listener, seconds=0.3, streams=2, pings=5)
+    assert 0 < result.rtt_ms < 1000
+    assert result.rate_1_mbit > 0 and result.rate_n_mbit > 0 and result.streams == 2
+    assert result.caller_accepts and result.listener_accepts
+    assert result.loss is None or 0 <= result.loss < 1
+    assert probe.read_probe(result.line()) == result
+    link = planner.Link.from_probe(result, "test")
+    assert link.rate(1) == pytest.approx(result.rate_1_mbit * 1e6)
+    assert link.rate(2) == pytest.approx(result.rate_n_mbit * 1e6)
+
+
+def test_addresses_and_lines_that_are_not_a_probe_are_refused():
+    assert probe.parse_address("/ip4/10.0.0.2/tcp/29400/p2p/12D3KooW") == ("10.0.0.2", 29400)
+    assert probe.parse_address("example.org:80") == ("example.org", 80)
+    assert probe.parse_address("[::1]:29400") == ("::1", 29400)
+    for bad in ("foo", "/ip4/1.2.3.4/udp/5", "host:"):
+        with pytest.raises(ValueError, match="not an address to probe"):
+            probe.parse_address(bad)
+    for bad in ("{}", "not json", json.dumps({"probe": 1, "rtt_ms": 1})):
+        with pytest.raises(ValueError, match="not a line printed by `diloco probe`"):
+            probe.read_probe(bad)
+
+
+def test_probe_command_line_errors_are_one_line(capsys, listener):
+    assert cli.main(["probe"]) == 2
+    assert cli.main(["probe", "--initial-peers", "foo"]) == 2
+    assert cli.main(["probe", "--initial-peers", "127.0.0.1:1"]) == 1  # nothing listens on port 1
+    assert cli.main(["probe", "--listen", "--host", "127.0.0.1", "--port", str(listener)]) == 1  # taken
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 4 and all(line.startswith("error: ") for line in lines) and "Traceback" not in err
+    assert "either --listen" in lines[0] and "not an address" in lines[1]
+    assert "could not be reached" in lines[2] and "cannot listen" in lines[3]
+
+
+def test_a_probe_over_a_capped_link_sees_the_cap_and_a_host_behind_nat():
+    ok, why = available(delay=True)
+    if not ok:
+        pytest.skip(why)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with EmulatedNetwork(2, rate="20mbit", rtt_ms=20, nat=(0,), delay_line=True,
+                         run_id=f"p{os.getpid()}{secrets.token_hex(2)}") as net:
+        serve = net.popen([sys.executable, "-m", "diloco.cli", "probe", "--listen", "--port", "29400"], 1, env=env,
+                          stdout=subprocess.PIPE, text=True)
+        assert "probe listener" in serve.stdout.readline()
+        done = subprocess.run(net.wrap([sys.executable, "-m", "diloco.cli", "probe", "--initial-peers",
+                                        f"{net.host(1).address}:29400", "--seconds", "0.5", "--streams", "2"], 0),
+                              capture_output=True, text=True, timeout=120, env=env)
+        net.reap(serve)
+    assert done.returncode == 0, done.stderr
+    result = probe.read_probe(done.stdout.strip().splitlines()[-1])
+    assert result.rtt_ms >= 19  # nothing comes back sooner than the emulated round trip
+    assert 0 < result.rate_1_mbit < 25 and 0 < result.rate_n_mbit < 25  # the 20 Mbit/s cap, with slack
+    assert not result.caller_accepts  # host 0 is behind NAT: the listener could not connect back
+    assert "does NOT accept" in done.stderr
+
+
+def _inputs(**link) -> planner.Inputs:
+    p = planner.MODEL_PRESETS["1b"]
+    model = planner.Model("1b", p["dim"], p["n_layers"], p["n_heads"], p["ffn_dim"], p["seq_len"], 32000)
+    return planner.Inputs(model, planner.Servers(), planner.Link(**{"rate_bits": 1e9, "rtt_s": 0.05, **link}),
+                          tokens=20e9, batch_tokens=524288, max_loss_penalty=0.01)
+
+
+def test_the_model_counts_the_parameters_our_transformer_builds():
+    import torch
+
+    from diloco.model.transformer import Transformer, count_parameters
+
+    cfg = Config().model
+    cfg.preset, cfg.vocab_size = "small", 256
+    resolve_model(cfg)
+    with torch.device("meta"):
+        real = count_parameters(Transformer(cfg))
+    p = planner.MODEL_PRESETS["small"]
+    assert planner.Model("small", p["dim"], p["n_layers"], p["n_heads"], p["ffn_dim"], p["seq_len"], 256).params == real
+
+
+def test_the_plan_keeps_its_budget_ranks_by_wall_clock_and_slower_links_cost_more():
+    fast, slow = planner.make_plan(_inputs()), planner.make_plan(_inputs(rate_bits=50e6, rtt_s=0.2))
+    for plan in (fast, slow):
+        assert plan.within_budget and plan.best
+        assert all(c.loss_penalty <= 0.01 for c in plan.best)
+        assert [c.wall_s for c in plan.best] == pytest.approx(sorted(c.wall_s for c in plan.best), rel=0.011)
+        assert plan.best[0].wall_s <= plan.default.wall_s  # the default is one of the candidates it weighed
+        assert plan.sync.utilization < plan.best[0].utilization  # every-step all-reduce over the internet
+        assert set(plan.sources) >= {"compute of one device", "round: fixed seconds and round trips"}
+    assert slow.default.utilization < fast.default.utilization
+    assert slow.default.round_s > fast.default.round_s
+    assert slow.best[0].bytes_per_round <= fast.best[0].bytes_per_round  # a slower link picks fewer bytes
+
+
+def test_every_flag_of_the_printed_commands_is_a_real_config_key():
+    plan = planner.make_plan(_inputs())
+    lines = planner.command_lines(plan.inputs, plan.best[0])
+    assert len(lines) == plan.inputs.servers.count
+    for line in lines:
+        words = shlex.split(line.splitlines()[-1].replace(
+            "ADDR", "/ip4/10.0.0.1/tcp/31337/p2p/QmaYNG8T8Rmo4Nh8gYuL5aGRT9349GDoHyfo8SysEb8MRG"))
+        ns, rest = cli._split_args(words[words.index("train"):])
+        cfg = cli.load_config(ns, rest)  # raises ConfigError on an unknown key or a bad value
+        assert cfg.diloco.inner_steps == plan.best[0].H
+        assert cfg.averaging.compression == plan.best[0].codec
+        assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == plan.inputs.servers.gpus
+
+
+def test_a_plan_that_cannot_fit_says_which_memory_and_bad_input_is_one_line(capsys):
+    assert planner.main(["--model", "1b", "--gpu-memory", "2", "--servers", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "no configuration fits" in out and "GB per GPU, more than 90% of the 2 GB of a H100" in out
+    for argv, expected in ((["--model", "3b"], "--model 3b is not a preset"),
+                           (["--gpu", "tpu"], "--gpu tpu is not a kind"),
+                           (["--probe", "nonsense"], "--probe must be a line printed by `diloco probe`"),
+                           (["--tokens", "lots"], "--tokens must be a number"),
+                           (["--link", "fast"], "--link:")):
+        assert planner.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
+
+
+def test_the_plan_names_what_it_assumed_and_every_source(capsys):
+    assert planner.main(["--model", "150m", "--tokens", "3B"]) == 0
+    out = capsys.readouterr().out
+    assert "assumed (not given): link 1 Gbit/s; RTT 50 ms" in out
+    assert "experiments/results/gpu-island-h100/results.json" in out
+    assert "experiments/results/published/loss-gaps.json" in out
+    assert "torchrun --nproc-per-node 8 -m diloco.cli train" in out and "--initial-peers ADDR" in out
