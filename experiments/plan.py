@@ -90,6 +90,9 @@ class Link:
     streams: int = 8
     loss: float | None = None
     source: str = "given"
+    joiners_accept: bool = True
+    """Whether the servers that join (those that ran ``diloco probe --initial-peers``) accept connections: False
+    puts them in ``--averaging.client_mode``."""
 
     def rate(self, streams: int) -> float:
         """Bits/s of ``streams`` TCP streams together."""
@@ -103,7 +106,7 @@ class Link:
     @classmethod
     def from_probe(cls, p: LinkProbe, source: str) -> "Link":
         return cls(rate_bits=p.rate_n_mbit * 1e6, rtt_s=p.rtt_ms / 1e3, rate_1_bits=p.rate_1_mbit * 1e6,
-                   streams=p.streams, loss=p.loss, source=source)
+                   streams=p.streams, loss=p.loss, source=source, joiners_accept=p.caller_accepts)
 
 
 @dataclass
@@ -633,19 +636,28 @@ def _island(inputs: Inputs, results: Path) -> tuple[Sources, Device, list[Shape]
 
 def predict(inputs: Inputs, H: int, codec: str, overlap: str, results: Path = RESULTS) -> Candidate:
     """The prediction for one given configuration on the fastest island shape that fits (what the check
-    experiment runs)."""
+    experiment runs); ``H = 0``: the synchronous alternative."""
     sources, device, shapes = _island(inputs, results)
     fitting = [s for s in shapes if not s.why_not]
     if not fitting:
         raise PlanError(f"no island shape fits: {shapes[0].why_not}")
-    return diloco_candidate(inputs, fitting[0], round_model(sources, device), loss_model(sources), H, codec,
-                            overlap)
+    rounds = round_model(sources, device)
+    if H == 0:
+        return sync_candidate(inputs, fitting[0], rounds)
+    return diloco_candidate(inputs, fitting[0], rounds, loss_model(sources), H, codec, overlap)
 
 
 # ---- output -------------------------------------------------------------------------------------------------
 
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.1f} min"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.3g}{unit}"
+    return f"{n:,.0f}"
 
 
 def _bytes(n: float) -> str:
@@ -660,17 +672,19 @@ def command_lines(inputs: Inputs, c: Candidate) -> list[str]:
     m, s = inputs.model, inputs.servers
     island_tokens = c.shape.dp * c.shape.micro * c.shape.accum * m.seq
     rounds = max(1, math.ceil(inputs.tokens / (s.count * island_tokens * c.H)))
-    run = "torchrun --nproc-per-node" if s.kind != "cpu" else "python -m diloco.cli"
-    launcher = f"{run} {s.gpus} -m diloco.cli train" if s.kind != "cpu" else f"{run} train"
-    flags = (f"{m.flags()} {c.shape.flags()} --parallel.compile true --diloco.inner_steps {c.H} "
+    launcher = f"torchrun --nproc-per-node {s.gpus} -m diloco.cli train" if s.gpus > 1 else "diloco train"
+    compile_flag = " --parallel.compile true" if s.kind != "cpu" else ""
+    flags = (f"{m.flags()} {c.shape.flags()}{compile_flag} --diloco.inner_steps {c.H} "
              f"--diloco.outer_steps {rounds} --averaging.compression {c.codec} "
              f"--diloco.overlap {'none' if c.overlap == 'blocking' else 'delayed'}"
              + (f" --diloco.fragments {c.fragments}" if c.fragments > 1 else "")
              + f" --data.num_shards {s.count}")
     lines = [f"# server 0\n{launcher} {flags} --data.shard_index 0 --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337"]
+    nat = "" if inputs.link.joiners_accept else " --averaging.client_mode true"
+    why = "" if inputs.link.joiners_accept else "; behind NAT by diloco probe: it opens every connection itself"
     for i in range(1, s.count):
-        lines.append(f"# server {i} (ADDR: the multiaddr server 0 prints)\n{launcher} {flags} --data.shard_index {i} "
-                     f"--averaging.host_maddrs /ip4/0.0.0.0/tcp/31337 --initial-peers ADDR")
+        lines.append(f"# server {i} (ADDR: the multiaddr server 0 prints{why})\n{launcher} {flags} "
+                     f"--data.shard_index {i} --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337{nat} --initial-peers ADDR")
     return lines
 
 
@@ -683,15 +697,17 @@ def format_plan(plan: Plan) -> str:
            "",
            f"link: {link.rate_bits / 1e6:,.0f} Mbit/s ({link.rate(s.gpus) / 1e6:,.0f} Mbit/s over {s.gpus} streams, "
            f"{link.rate(1) / 1e6:,.0f} over one), RTT {link.rtt_s * 1e3:g} ms ({link.source}); budget "
-           f"{i.tokens / 1e9:,.3g}B tokens, {i.batch_tokens:,} tokens per island step, "
+           f"{_count(i.tokens)} tokens, {i.batch_tokens:,} tokens per island step, "
            f"${s.price_per_gpu_hour:g} per GPU-hour, loss penalty ≤ {i.max_loss_penalty:.1%}"]
     if i.assumed:
         out.append("assumed (not given): " + "; ".join(i.assumed))
     out += ["", "## The island's shape", "",
             "| shape | step | tokens/s per island | MFU | memory per GPU | fits |", "|---|---|---|---|---|---|"]
     for sh in plan.shapes[:6]:
-        out.append(f"| {sh.label()} | {sh.step_s * 1e3:,.0f} ms | {sh.tokens_per_s:,.0f} | "
-                   f"{sh.mfu:.1%} | {sh.memory_gb:,.1f} GB | {'yes' if not sh.why_not else sh.why_not} |")
+        mfu = f"{sh.mfu:.1%}" if plan.device.mfu else "n/a (no peak)"
+        memory = f"{sh.memory_gb:,.1f} GB" if plan.device.memory_gb else "not checked"
+        out.append(f"| {sh.label()} | {sh.step_s * 1e3:,.0f} ms | {sh.tokens_per_s:,.0f} | {mfu} | {memory} | "
+                   f"{'yes' if not sh.why_not else sh.why_not} |")
     if not plan.best:
         out += ["", "no configuration fits: " + "; ".join(sorted({sh.why_not for sh in plan.shapes}))]
         return "\n".join(out)
@@ -734,12 +750,24 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     from experiments.netns import parse_rate
 
     problems, assumed = [], []
-    preset = MODEL_PRESETS.get(args.model)
-    if preset is None:
-        problems.append(f"--model {args.model} is not a preset; use one of {', '.join(MODEL_PRESETS)}")
-        preset = MODEL_PRESETS["1b"]
-    model = Model(args.model, preset["dim"], preset["n_layers"], preset["n_heads"], preset["ffn_dim"],
-                  preset["seq_len"], args.vocab_size)
+    if args.dims:
+        try:
+            dim, layers, heads, ffn, seq = (int(x) for x in args.dims.split(","))
+            if min(dim, layers, heads, ffn, seq) < 1 or dim % heads:
+                raise ValueError
+            model = Model("custom", dim, layers, heads, ffn, seq, args.vocab_size)
+        except ValueError:
+            problems.append(f"--dims must be DIM,LAYERS,HEADS,FFN,SEQ (positive, DIM divisible by HEADS), such as "
+                            f"4096,32,32,14336,8192, got {args.dims!r}")
+            args.dims = ""
+    if not args.dims:
+        preset = MODEL_PRESETS.get(args.model)
+        if preset is None:
+            problems.append(f"--model {args.model} is not a preset; use one of {', '.join(MODEL_PRESETS)} "
+                            f"(or --dims)")
+            preset = MODEL_PRESETS["1b"]
+        model = Model(args.model, preset["dim"], preset["n_layers"], preset["n_heads"], preset["ffn_dim"],
+                      preset["seq_len"], args.vocab_size)
     kind = args.gpu.lower()
     if kind not in DATA_SHEET and kind != "cpu":
         problems.append(f"--gpu {args.gpu} is not a kind the plan knows; use one of {', '.join(DATA_SHEET)} "
@@ -772,7 +800,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         link = Link(rate, (50.0 if args.rtt is None else args.rtt) / 1e3, source="given" if args.link else "assumed")
     tokens = parse_count(args.tokens, "--tokens") if args.tokens else 20 * model.params
     if not args.tokens:
-        assumed.append(f"{tokens / 1e9:,.3g}B tokens (20 per parameter)")
+        assumed.append(f"{_count(tokens)} tokens (20 per parameter)")
     for given, text in ((args.servers_given, "2 servers"), (args.gpus_given, f"{args.gpus} GPUs per server"),
                         (args.gpu_given, f"{args.gpu.upper()} GPUs"), (args.price_given, f"${args.price:g}/GPU-hour")):
         if not given:
@@ -792,6 +820,8 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="diloco plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="1b", help=f"preset: {', '.join(MODEL_PRESETS)} (default 1b)")
+    p.add_argument("--dims", default="", help="a model of other dimensions: DIM,LAYERS,HEADS,FFN,SEQ "
+                   "(Llama 3 8B: 4096,32,32,14336,8192)")
     p.add_argument("--vocab-size", type=int, default=32000, help="tokenizer vocabulary (default 32000)")
     p.add_argument("--servers", type=int, default=2, help="servers, one island each (default 2)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per server (default 8)")

@@ -130,10 +130,12 @@ def test_the_plan_keeps_its_budget_ranks_by_wall_clock_and_slower_links_cost_mor
     assert slow.best[0].bytes_per_round <= fast.best[0].bytes_per_round  # a slower link picks fewer bytes
 
 
-def test_every_flag_of_the_printed_commands_is_a_real_config_key():
-    plan = planner.make_plan(_inputs())
+@pytest.mark.parametrize("behind_nat", [False, True])
+def test_every_flag_of_the_printed_commands_is_a_real_config_key(behind_nat):
+    plan = planner.make_plan(_inputs(joiners_accept=not behind_nat))
     lines = planner.command_lines(plan.inputs, plan.best[0])
     assert len(lines) == plan.inputs.servers.count
+    assert ["client_mode" in line for line in lines] == [False] + [behind_nat] * (len(lines) - 1)
     for line in lines:
         words = shlex.split(line.splitlines()[-1].replace(
             "ADDR", "/ip4/10.0.0.1/tcp/31337/p2p/QmaYNG8T8Rmo4Nh8gYuL5aGRT9349GDoHyfo8SysEb8MRG"))
@@ -142,6 +144,7 @@ def test_every_flag_of_the_printed_commands_is_a_real_config_key():
         assert cfg.diloco.inner_steps == plan.best[0].H
         assert cfg.averaging.compression == plan.best[0].codec
         assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == plan.inputs.servers.gpus
+        assert cfg.averaging.client_mode == (behind_nat and "--initial-peers" in line)
 
 
 def test_a_plan_that_cannot_fit_says_which_memory_and_bad_input_is_one_line(capsys):

@@ -7,20 +7,16 @@ batch (``inner.batch_size`` × ``inner.grad_accum``), the same inner AdamW and s
 (``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers
 after **every** step, as torch DDP does.
 
-How gradients are averaged (and why not through DDP hooks): after the backward pass each worker
-flattens its gradients (plus its loss, 4 bytes) into one fp32 buffer and calls
-``torch.distributed.all_reduce`` on it (gloo on CPU, NCCL on GPU), then divides by ``k``, clips the
-global norm and steps AdamW.  That is mathematically what DDP computes (DDP also all-reduces the
-mean gradient before the optimizer step), but the time blocked in the all-reduce can be measured
-exactly: ``comm_seconds`` is the time spent inside ``all_reduce``, ``compute_seconds`` the time in
-forward/backward/optimizer steps and evaluations.  DDP would overlap part of the all-reduce with the
-backward pass; with a link-bound all-reduce that hides at most the backward time, so this baseline
-is pessimistic by at most ``backward seconds`` per step.  Identical initial parameters are checked
-with a checksum all-reduce instead of DDP's broadcast of rank 0's parameters (every worker builds
-the model from the same seed).
+How gradients are averaged: with torch's own DDP (:class:`TimedDDP`, the composable ``replicate``), in
+buckets of 25 MB all-reduced while the backward pass still runs (gloo on CPU, NCCL on GPU), as a user of
+synchronous training would run it; with ``grad_accum`` micro-batches, only the last one's backward reduces.
+``comm_seconds`` is what DDP could not hide: the time from the last bucket's gradients being ready to the
+backward pass returning (plus one all-reduce of the loss, for the reported mean); ``compute_seconds`` the
+rest of the forward/backward/optimizer steps and the evaluations.  Every worker builds the model from the
+same seed, and a checksum all-reduce checks that they start equal before DDP's own broadcast.
 
 ``payload_bytes_sent`` is what a ring all-reduce makes each worker send per step: ``2·(k−1)/k`` × the
-buffer size (:func:`peers.wire.counters.ring_allreduce_bytes`); the summary's
+fp32 gradients' size (:func:`peers.wire.counters.ring_allreduce_bytes`); the summary's
 ``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire.counters`).
 
 Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
@@ -84,6 +80,40 @@ def worker_threads(cfg: Config, workers: int) -> int:
 
 # ------------------------------------------------------------------------------------------ worker
 
+DDP_BUCKET_MB = 25
+"""torch DDP's default bucket size."""
+
+
+class TimedDDP:
+    """torch's own DDP on ``module`` (the composable ``replicate``: the module and its parameter names stay as
+    they are), with a communication hook that notes when each bucket's gradients were ready, so that a step
+    can tell how long it waited for the all-reduces after its last gradient: the part DDP could not hide
+    under the backward pass."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, workers: int):
+        from torch.distributed._composable import replicate
+
+        self.module, self.workers = module, workers
+        self.last_ready = 0.0
+        replicate(module, bucket_cap_mb=DDP_BUCKET_MB, **({"device_id": device} if device.type == "cuda" else {}))
+        module.register_comm_hook(None, self._all_reduce)
+
+    def _all_reduce(self, state, bucket):  # no annotations: DDP checks them as objects, not as strings
+        """DDP's default hook (the mean over workers), noting when the bucket (a ``dist.GradBucket``) was ready."""
+        self.last_ready = time.perf_counter()
+        tensor = bucket.buffer().div_(self.workers)
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def require_sync(self, last_micro_batch: bool) -> None:
+        """Reduce gradients in the step's last micro-batch only (DDP's ``no_sync`` for the others)."""
+        self.module.set_requires_gradient_sync(last_micro_batch)
+
+    def waited(self) -> float:
+        """Seconds since the last bucket was ready: called right after the backward pass returns, how long it
+        waited for the all-reduces still running."""
+        return max(0.0, time.perf_counter() - self.last_ready)
+
+
 
 def _device_for(cfg: Config, rank: int) -> torch.device:
     if cfg.device == "auto":
@@ -125,9 +155,9 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             raise BaselineError("workers built different initial parameters; use the same --model.* and --seed")
 
         numel = sum(p.numel() for p in params)
-        flat = torch.zeros(numel + 1, dtype=torch.float32, device=device)  # gradients, then the loss
-        step_bytes = ring_allreduce_bytes(flat.numel() * flat.element_size(), workers)
+        step_bytes = ring_allreduce_bytes(numel * 4, workers)
         wire = WireCounter(own=True)  # gloo's connections are this process's own
+        ddp = TimedDDP(model.modules[0], device, workers) if workers > 1 else None
         tokens_per_step = workers * batches.tokens_per_batch * accum
         throughput = Throughput(flops_per_token(m), workers, device,
                                 peak_flops(device, model.compute_dtype, cfg.parallel.peak_tflops))
@@ -146,37 +176,19 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                 losses.append(model.eval_loss(x, y))
             return float(sum(losses) / len(losses))
 
-        def all_reduce_grads(local_loss: float) -> float:
-            """The synchronous step: average the gradients (and the loss) of every worker."""
+        loss_buffer = torch.zeros(1, dtype=torch.float64, device=device)
+
+        def after_backward(local_loss: float) -> float:
+            """DDP has averaged the gradients: count how long the step waited for it, average the loss."""
             nonlocal comm, comm_window, bytes_sent
-            offset = 0
-            for p in params:
-                n = p.numel()
-                if p.grad is None:
-                    flat[offset:offset + n].zero_()
-                else:
-                    flat[offset:offset + n].copy_(p.grad.reshape(-1))
-                offset += n
-            flat[-1] = local_loss
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
             t1 = time.perf_counter()
-            dist.all_reduce(flat)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            waited = time.perf_counter() - t1
+            loss_buffer[0] = local_loss
+            dist.all_reduce(loss_buffer)
+            waited = ddp.waited() + time.perf_counter() - t1
             comm += waited
             comm_window += waited
-            flat.div_(workers)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
             bytes_sent += step_bytes
-            return float(flat[-1].item())
+            return float(loss_buffer.item()) / workers
 
         compute = comm = 0.0
         comm_window = 0.0
@@ -194,7 +206,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         for step in range(total_steps):
             t0, comm_before = time.perf_counter(), comm
             step_loss = take_inner_step(model, batches, opt, sched, cfg.inner,
-                                        sync_grads=all_reduce_grads if workers > 1 else None)
+                                        sync_grads=after_backward if ddp else None,
+                                        gradient_sync=ddp.require_sync if ddp else None)
             compute += time.perf_counter() - t0 - (comm - comm_before)
             tokens += tokens_per_step
             step_losses.append(step_loss)
@@ -237,8 +250,9 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             "compute_seconds": compute, "comm_seconds": comm, "wall_seconds": wall,
             "compute_seconds_per_rank": per_rank[:, 0].tolist(), "comm_seconds_per_rank": per_rank[:, 1].tolist(),
             "theta_checksum": checksum(dict(model.named_parameters())), "losses": step_losses,
-            "comm_method": "explicit all_reduce of the flattened fp32 gradients (+loss) after backward, "
-                           f"backend {backend}; comm_seconds = time blocked in all_reduce",
+            "comm_method": f"torch DDP (buckets of {DDP_BUCKET_MB} MB all-reduced during the backward pass), "
+                           f"backend {backend}; comm_seconds = time the step waited for them after its last "
+                           f"gradient was ready, plus the loss's all-reduce",
             "failures": [], "stopped_early": False,
         }
         if rank == 0:

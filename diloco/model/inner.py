@@ -119,12 +119,16 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
 
 def take_inner_step(model: ModelParts, batches: ShardedBatches, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: InnerOptimConfig,
-               sync_grads: Callable[[float], float] | None = None) -> float:
+               sync_grads: Callable[[float], float] | None = None,
+               gradient_sync: Callable[[bool], None] | None = None) -> float:
     """One inner step of an island or a baseline worker: ``grad_accum`` micro-batches forward
-    and backward, ``sync_grads(loss)`` (the baseline's all-reduce; returns the loss to report),
-    clipping over the whole model, optimizer and schedule step.  Returns the step's mean loss."""
+    and backward, ``sync_grads(loss)`` (the baseline's; returns the loss to report), clipping over the
+    whole model, optimizer and schedule step.  ``gradient_sync(last)`` is told before each micro-batch
+    whether it is the step's last (DDP reduces the gradients of that one only).  Returns the step's mean loss."""
     total = 0.0
-    for _ in range(cfg.grad_accum):
+    for i in range(cfg.grad_accum):
+        if gradient_sync is not None:
+            gradient_sync(i == cfg.grad_accum - 1)
         x, y = batches.next_batch()
         total += model.train_step(x, y, loss_scale=1.0 / cfg.grad_accum) / cfg.grad_accum
     if sync_grads is not None:
