@@ -155,10 +155,23 @@ def test_a_plan_that_cannot_fit_says_which_memory_and_bad_input_is_one_line(caps
                            (["--gpu", "tpu"], "--gpu tpu is not a kind"),
                            (["--probe", "nonsense"], "--probe must be a line printed by `diloco probe`"),
                            (["--tokens", "lots"], "--tokens must be a number"),
-                           (["--link", "fast"], "--link:")):
+                           (["--link", "fast"], "--link:"),
+                           (["--dims", "4096,32,30,14336"], "--dims must be DIM,LAYERS,HEADS,FFN,SEQ")):
         assert planner.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
+
+
+def test_a_model_too_large_for_one_server_fits_nowhere_and_a_smaller_one_needs_checkpointing():
+    def shapes(dims: str) -> list[planner.Shape]:
+        args = planner.parser().parse_args(["--dims", dims])
+        args.servers_given = args.gpus_given = args.gpu_given = args.price_given = False
+        inputs = planner.inputs_from_args(args)
+        return planner.island_shapes(inputs, planner.device_for(inputs, planner.Sources()))
+
+    assert all(s.why_not for s in shapes("8192,80,64,28672,8192"))  # 70B dims: 160 GB a GPU before activations
+    fitting = [s for s in shapes("6656,60,52,17920,2048") if not s.why_not]  # 33B dims
+    assert fitting and all(s.checkpointing or s.tp > 1 for s in fitting)
 
 
 def test_the_plan_names_what_it_assumed_and_every_source(capsys):
