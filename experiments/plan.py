@@ -244,6 +244,23 @@ class Sources:
                 out[key] = float(r["seconds"]) / n
         return out
 
+    def wire_ratios(self) -> dict[str, float]:
+        """Bytes on the wire ÷ the codec's bytes of each entropy-coded codec, from a compare run that used them."""
+        data = self._read("compare-entropy/results.json")
+        c = data["config"]
+        m, k, rounds = c["model"], int(data["islands"]), int(c["diloco"]["outer_steps"])
+        params = Model("", m["dim"], m["n_layers"], m["n_heads"], m["ffn_dim"], m["seq_len"], m["vocab_size"]).params
+        out = {}
+        for run in data["runs"]:
+            name = str(run["name"]).removeprefix("diloco-codec-")
+            if name != run["name"] and name in CODEC_CHOICES and make_codec(name).skewed:
+                codec = make_codec(name)
+                exchange = 2 * (k - 1) / k if reduce_scatters(codec, k) else k - 1
+                out[name] = float(run["bytes_per_worker"]) / (rounds * exchange * codec.nbytes(params))
+        self.note("entropy coding on the wire: " + ", ".join(f"{n} × {r:.3f}" for n, r in out.items()),
+                  "experiments/results/compare-entropy/results.json (bytes sent ÷ the codec's bytes)")
+        return out
+
     def loss_gaps(self) -> dict[str, Any]:
         return self._read("published/loss-gaps.json")
 
@@ -466,6 +483,9 @@ class RoundModel:
     round_trips: float
     host_s_per_param: float
     handover_s_per_param: float
+    wire_ratio: dict[str, float] = field(default_factory=dict)
+    """Bytes on the wire ÷ the codec's bytes, for the codecs entropy coding shrinks (``--averaging.entropy_coding``,
+    on by default)."""
 
 
 @dataclass
@@ -531,7 +551,7 @@ def loss_model(sources: Sources) -> LossModel:
 def round_model(sources: Sources, device: Device) -> RoundModel:
     fixed, trips = sources.round_overhead()
     host = sources.host_seconds_per_param(device.source)
-    return RoundModel(fixed, trips, sum(host.values()), sources.handover_seconds_per_param())
+    return RoundModel(fixed, trips, sum(host.values()), sources.handover_seconds_per_param(), sources.wire_ratios())
 
 
 def codec_bytes_per_value(codec: str) -> float:
@@ -544,7 +564,7 @@ def diloco_candidate(inputs: Inputs, shape: Shape, rounds: RoundModel, losses: L
     """What a DiLoCo run of this shape, H, codec and overlap predicts."""
     m, k = inputs.model, inputs.servers.count
     c = Candidate(name or f"H={H} {codec} {overlap}", shape, H=H, codec=codec, overlap=overlap)
-    per_round = codec_bytes_per_value(codec) * m.params / c.fragments
+    per_round = codec_bytes_per_value(codec) * m.params / c.fragments * rounds.wire_ratio.get(codec, 1.0)
     codec_obj = make_codec(codec)
     c.bytes_per_round = per_round * (2 * (k - 1) / k if reduce_scatters(codec_obj, k) else (k - 1))
     streams = inputs.servers.gpus  # each rank sends its own part of Δ
@@ -852,7 +872,12 @@ def main(argv: list[str] | None = None) -> int:
     args.gpu_given, args.price_given = "--gpu" in given, "--price" in given
 
     def body() -> int:
-        plan = make_plan(inputs_from_args(args), top=args.top)
+        inputs = inputs_from_args(args)
+        try:
+            plan = make_plan(inputs, top=args.top)
+        except (KeyError, StopIteration, TypeError, ZeroDivisionError) as e:
+            raise PlanError(f"a file under {RESULTS} lacks a figure the plan reads ({e!r}); restore "
+                            f"experiments/results/ from the repository") from None
         print(format_plan(plan), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(plan_json(plan), indent=2) + "\n")

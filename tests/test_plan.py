@@ -128,6 +128,9 @@ def test_the_plan_keeps_its_budget_ranks_by_wall_clock_and_slower_links_cost_mor
     assert slow.default.utilization < fast.default.utilization
     assert slow.default.round_s > fast.default.round_s
     assert slow.best[0].bytes_per_round <= fast.best[0].bytes_per_round  # a slower link picks fewer bytes
+    ratios = planner.Sources().wire_ratios()  # entropy coding, as a compare run measured it
+    assert set(ratios) == {"int8", "int4"} and all(0.5 < r < 1 for r in ratios.values())
+    assert ratios["int4"] < ratios["int8"]
 
 
 @pytest.mark.parametrize("behind_nat", [False, True])
