@@ -25,6 +25,7 @@ from typing import Any
 
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
+from diloco.engine.metrics import read_metrics
 from experiments import netns
 from experiments.islands import launch_islands, variant
 from experiments.report import save_results
@@ -49,12 +50,7 @@ DEFAULTS: dict[str, Any] = {
 
 def round_records(run_dir: Path) -> list[dict[str, Any]]:
     """Every round record of one island's ``metrics.jsonl``."""
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "round_ok" in record:
-            rows.append(record)
-    return rows
+    return [r for r in read_metrics(run_dir) if "round_ok" in r]
 
 
 def round_seconds(rounds: list[list[dict[str, Any]]]) -> list[float]:

@@ -36,8 +36,9 @@ from typing import Any
 
 from diloco.command import run_command
 from diloco.config import ConfigError
-from diloco.config.schema import MODEL_PRESETS
-from diloco.engine.throughput import PEAK_TFLOPS
+from diloco.config.schema import MODEL_PRESETS, ModelConfig
+from diloco.engine.throughput import sheet_peak as peak_of
+from diloco.model.transformer import flops_per_token
 from outer_optim.codecs import make_codec, reduce_scatters
 from peers.wire.probe import LinkProbe, read_probe
 
@@ -121,6 +122,12 @@ class Model:
     seq: int
     vocab: int
 
+    @classmethod
+    def of_preset(cls, name: str, vocab: int) -> "Model":
+        """The dimensions of preset ``name`` (one of :data:`MODEL_PRESETS`) with a vocabulary of ``vocab``."""
+        p = MODEL_PRESETS[name]
+        return cls(name, p["dim"], p["n_layers"], p["n_heads"], p["ffn_dim"], p["seq_len"], vocab)
+
     @property
     def params(self) -> int:
         return self.layers * (4 * self.dim ** 2 + 3 * self.dim * self.ffn + 2 * self.dim) + self.dim \
@@ -128,9 +135,9 @@ class Model:
 
     @property
     def flops_per_token(self) -> float:
-        """As :func:`diloco.model.transformer.flops_per_token` counts them."""
-        n = self.params - self.dim * self.vocab
-        return 6.0 * n + 6.0 * self.layers * self.dim * self.seq
+        """:func:`diloco.model.transformer.flops_per_token` of these dimensions."""
+        return flops_per_token(ModelConfig(preset="", dim=self.dim, n_layers=self.layers, n_heads=self.heads,
+                                           ffn_dim=self.ffn, seq_len=self.seq, vocab_size=self.vocab))
 
     def flags(self) -> str:
         preset = MODEL_PRESETS.get(self.name)
@@ -249,7 +256,7 @@ class Sources:
         data = self._read("compare-entropy/results.json")
         c = data["config"]
         m, k, rounds = c["model"], int(data["islands"]), int(c["diloco"]["outer_steps"])
-        params = Model("", m["dim"], m["n_layers"], m["n_heads"], m["ffn_dim"], m["seq_len"], m["vocab_size"]).params
+        params = Model.of_preset(m["preset"], m["vocab_size"]).params
         out = {}
         for run in data["runs"]:
             name = str(run["name"]).removeprefix("diloco-codec-")
@@ -339,13 +346,10 @@ def device_for(inputs: Inputs, sources: Sources) -> Device:
     best = [r for r in rows if "compile" in str(r.get("row", ""))] or rows
     model = inputs.model
     row = min(best, key=lambda r: abs(math.log(float(r["params"]) / model.params)))
-    preset = MODEL_PRESETS.get(str(row["preset"]), {})
-    row_model = Model(str(row["preset"]), preset.get("dim", model.dim), preset.get("n_layers", model.layers),
-                      preset.get("n_heads", model.heads), preset.get("ffn_dim", model.ffn),
-                      preset.get("seq_len", model.seq), _row_vocab(row, preset))
+    row_model = _row_model(row, model)
     row_flops = float(row["tokens_per_s"]) * row_model.flops_per_token
-    sheet_peak = _sheet_peak(kind)
-    measured_peak = _sheet_peak(measured_on.lower())
+    sheet_peak = peak_of(kind) or 0.0
+    measured_peak = peak_of(measured_on) or 0.0
     note = f"{row['row']} of {row['preset']} on one {measured_on or kind}"
     if sheet_peak and measured_peak and kind not in measured_on.lower():
         row_flops *= sheet_peak / measured_peak
@@ -364,20 +368,14 @@ def device_for(inputs: Inputs, sources: Sources) -> Device:
                   act_bytes=max(act, 2.0), source=source, note=note)
 
 
-def _row_vocab(row: dict[str, Any], preset: dict[str, int]) -> int:
-    """The vocabulary a measured row ran with, from its parameter count."""
-    if not preset:
-        return 256
-    body = preset["n_layers"] * (4 * preset["dim"] ** 2 + 3 * preset["dim"] * preset["ffn_dim"] + 2 * preset["dim"]) \
-        + preset["dim"]
-    return max(1, round((float(row["params"]) - body) / (2 * preset["dim"])))
-
-
-def _sheet_peak(name: str) -> float:
-    for part, (bf16, _tf32) in PEAK_TFLOPS:
-        if part.lower() in name:
-            return bf16 * 1e12
-    return 0.0
+def _row_model(row: dict[str, Any], model: Model) -> Model:
+    """The model a measured row ran: its preset, with the vocabulary its parameter count implies (``model``'s
+    dimensions with byte tokens for a row of no preset)."""
+    name = str(row["preset"])
+    if name not in MODEL_PRESETS:
+        return replace(model, vocab=256)
+    body = Model.of_preset(name, 0)  # every parameter but the embedding and the output head
+    return Model.of_preset(name, max(1, round((float(row["params"]) - body.params) / (2 * body.dim))))
 
 
 def _batch_tokens(batch: str) -> int:
@@ -781,13 +779,10 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
                             f"4096,32,32,14336,8192, got {args.dims!r}")
             args.dims = ""
     if not args.dims:
-        preset = MODEL_PRESETS.get(args.model)
-        if preset is None:
+        if args.model not in MODEL_PRESETS:
             problems.append(f"--model {args.model} is not a preset; use one of {', '.join(MODEL_PRESETS)} "
                             f"(or --dims)")
-            preset = MODEL_PRESETS["1b"]
-        model = Model(args.model, preset["dim"], preset["n_layers"], preset["n_heads"], preset["ffn_dim"],
-                      preset["seq_len"], args.vocab_size)
+        model = Model.of_preset(args.model if args.model in MODEL_PRESETS else "1b", args.vocab_size)
     kind = args.gpu.lower()
     if kind not in DATA_SHEET and kind != "cpu":
         problems.append(f"--gpu {args.gpu} is not a kind the plan knows; use one of {', '.join(DATA_SHEET)} "

@@ -23,7 +23,6 @@ from typing import Any
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
-from diloco.config.schema import MODEL_PRESETS
 from experiments import netns
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.nat import round_records, round_seconds
@@ -69,8 +68,7 @@ def calibrate(cfg: Config, out: Path) -> Path:
 
 
 def _model(cfg: Config) -> Model:
-    p = MODEL_PRESETS[cfg.model.preset]
-    return Model(cfg.model.preset, p["dim"], p["n_layers"], p["n_heads"], p["ffn_dim"], p["seq_len"], 256)
+    return Model.of_preset(cfg.model.preset, 256)
 
 
 def probe_link(network: netns.EmulatedNetwork) -> tuple[Link, str]:

@@ -96,8 +96,7 @@ def test_a_probe_over_a_capped_link_sees_the_cap_and_a_host_behind_nat():
 
 
 def _inputs(**link) -> planner.Inputs:
-    p = planner.MODEL_PRESETS["1b"]
-    model = planner.Model("1b", p["dim"], p["n_layers"], p["n_heads"], p["ffn_dim"], p["seq_len"], 32000)
+    model = planner.Model.of_preset("1b", 32000)
     return planner.Inputs(model, planner.Servers(), planner.Link(**{"rate_bits": 1e9, "rtt_s": 0.05, **link}),
                           tokens=20e9, batch_tokens=524288, max_loss_penalty=0.01)
 
@@ -112,8 +111,7 @@ def test_the_model_counts_the_parameters_our_transformer_builds():
     resolve_model(cfg)
     with torch.device("meta"):
         real = count_parameters(Transformer(cfg))
-    p = planner.MODEL_PRESETS["small"]
-    assert planner.Model("small", p["dim"], p["n_layers"], p["n_heads"], p["ffn_dim"], p["seq_len"], 256).params == real
+    assert planner.Model.of_preset("small", 256).params == real
 
 
 def test_the_plan_keeps_its_budget_ranks_by_wall_clock_and_slower_links_cost_more():

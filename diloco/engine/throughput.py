@@ -34,10 +34,15 @@ def peak_flops(device: torch.device, compute_dtype: torch.dtype, override_tflops
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for part, (bf16, tf32) in PEAK_TFLOPS:
-        if part in name:
-            return (bf16 if compute_dtype == torch.bfloat16 else tf32) * 1e12
+    return sheet_peak(torch.cuda.get_device_name(device), bf16=compute_dtype == torch.bfloat16)
+
+
+def sheet_peak(name: str, bf16: bool = True) -> float | None:
+    """The data sheet's dense peak FLOP/s of the GPU called ``name`` (any part of it, in any case: ``"H100"``,
+    ``"NVIDIA H200"``), at bf16 or else tf32; None for a GPU not in :data:`PEAK_TFLOPS`."""
+    for part, (bf16_tflops, tf32_tflops) in PEAK_TFLOPS:
+        if part.lower() in name.lower():
+            return (bf16_tflops if bf16 else tf32_tflops) * 1e12
     return None
 
 
