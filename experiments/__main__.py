@@ -14,6 +14,7 @@ commands:
   hetero    islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP (... hetero --help)
   plan-check  diloco plan's predictions against runs over emulated links (... plan-check --help)
   horizon   the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run (... horizon --help)
+  auto-codec  --averaging.compression auto against fixed codecs over a link that slows down (... auto-codec --help)
 """
 
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.plan_check import main as run
     elif command == "horizon":
         from experiments.horizon import main as run
+    elif command == "auto-codec":
+        from experiments.auto_codec import main as run
     else:
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -604,8 +604,9 @@ class EmulatedNetwork:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
-    def _shape(self, ns: str, dev: str, queue_ms: float = 0) -> None:
-        """Cap ``dev``'s egress at the link rate with a queue of ``queue_ms`` (default: ``self.queue_ms``)."""
+    def _shape(self, ns: str, dev: str, queue_ms: float = 0, verb: str = "add") -> None:
+        """Cap ``dev``'s egress at the link rate with a queue of ``queue_ms`` (default: ``self.queue_ms``);
+        ``verb`` "change": a cap already there takes the rate of now."""
         rate_bytes = self.rate_bits / 8
         burst = bucket_bytes(self.rate_bits, 4096)  # a couple of Ethernet frames
         tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst), "latency", f"{queue_ms or self.queue_ms:g}ms"]
@@ -613,11 +614,23 @@ class EmulatedNetwork:
             quarter = self.rtt_ms / 4  # two egress points per direction
             # netem must hold a full bandwidth-delay product in flight
             limit = max(1000, int(rate_bytes * (self.rtt_ms / 1000) / 1000))
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                  "delay", f"{quarter:g}ms", "limit", str(limit)])
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+            if verb == "add":
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                      "delay", f"{quarter:g}ms", "limit", str(limit)])
+            _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
         else:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+            _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", *tbf])
+
+    def set_rate(self, rate: str | int | float) -> None:
+        """Change the rate of every host's link at once, in both directions, while the network runs (a link that
+        slows down or speeds up in the middle of a run).  Only the bridge path (``delay_line=False``)."""
+        if self.delay_line:
+            raise NetworkSetupError("changing a running network's rate needs the bridge path, not the delay line")
+        with self._lock:
+            self.rate, self.rate_bits = str(rate), parse_rate(rate)
+            for h in self.hosts:
+                self._shape(h.namespace, h.interface, queue_ms=SENDER_QUEUE_MS, verb="change")
+                self._shape(self.hub, h.bridge_port, verb="change")
 
     def _add_host_ns(self, h: Host) -> None:
         self._add_ns(h.namespace)

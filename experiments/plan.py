@@ -39,7 +39,7 @@ from diloco.config import ConfigError
 from diloco.config.schema import MODEL_PRESETS, ModelConfig
 from diloco.engine.throughput import sheet_peak as peak_of
 from diloco.model.transformer import flops_per_token
-from outer_optim.codecs import make_codec, reduce_scatters
+from outer_optim.codecs import AUTO_CODECS, exchange_factor, make_codec
 from peers.wire.probe import LinkProbe, read_probe
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,7 +59,7 @@ HOST_BYTES_PER_PARAM = 12
 MEMORY_HEADROOM = 0.9
 """Share of a GPU's memory a plan may fill (the allocator's fragmentation, NCCL buffers)."""
 H_CHOICES = (25, 50, 100, 250, 500, 1000)
-CODEC_CHOICES = ("none", "fp16", "int8", "int4", "sign")
+CODEC_CHOICES = AUTO_CODECS
 OVERLAP_CHOICES = ("blocking", "delayed", "streaming")
 STREAMING_FRAGMENTS = 4
 
@@ -262,8 +262,7 @@ class Sources:
             name = str(run["name"]).removeprefix("diloco-codec-")
             if name != run["name"] and name in CODEC_CHOICES and make_codec(name).skewed:
                 codec = make_codec(name)
-                exchange = 2 * (k - 1) / k if reduce_scatters(codec, k) else k - 1
-                out[name] = float(run["bytes_per_worker"]) / (rounds * exchange * codec.nbytes(params))
+                out[name] = float(run["bytes_per_worker"]) / (rounds * exchange_factor(codec, k) * codec.nbytes(params))
         self.note("entropy coding on the wire: " + ", ".join(f"{n} × {r:.3f}" for n, r in out.items()),
                   "experiments/results/compare-entropy/results.json (bytes sent ÷ the codec's bytes)")
         return out
@@ -563,8 +562,7 @@ def diloco_candidate(inputs: Inputs, shape: Shape, rounds: RoundModel, losses: L
     m, k = inputs.model, inputs.servers.count
     c = Candidate(name or f"H={H} {codec} {overlap}", shape, H=H, codec=codec, overlap=overlap)
     per_round = codec_bytes_per_value(codec) * m.params / c.fragments * rounds.wire_ratio.get(codec, 1.0)
-    codec_obj = make_codec(codec)
-    c.bytes_per_round = per_round * (2 * (k - 1) / k if reduce_scatters(codec_obj, k) else (k - 1))
+    c.bytes_per_round = per_round * exchange_factor(make_codec(codec), k)
     streams = inputs.servers.gpus  # each rank sends its own part of Δ
     c.round_s = rounds.fixed_s + rounds.round_trips * inputs.link.rtt_s + 8 * c.bytes_per_round \
         / inputs.link.rate(streams) + rounds.host_s_per_param * m.params / c.fragments

@@ -41,7 +41,7 @@ Decoding is elementwise (no reductions), so the same payload gives bit-identical
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -455,17 +455,34 @@ LOSSY_CODECS = tuple(n for n, e in REGISTRY.items() if e.build(0.02, 2).lossy)
 """The formats that drop part of Δ (what they drop can be carried into later rounds: error feedback)."""
 
 
+AUTO = "auto"
+"""``--averaging.compression auto``: each round, the group picks one of ``--averaging.auto_codecs`` from the link
+it measured (:func:`choose_codec`)."""
+AUTO_CODECS = ("none", "fp16", "int8", "int4", "sign")
+"""What ``auto`` picks from by default, the most faithful first (the order of :data:`REGISTRY`; ``topk``, whose
+error depends on its density, is left out unless named)."""
+COMPRESSIONS = CODECS + (AUTO,)
+"""Every value ``--averaging.compression`` takes: a codec, or ``auto``."""
+
+
 def unknown_codec(name: str) -> str:
-    """Why ``name`` is no codec, in one sentence naming those that exist ('' when it is one)."""
-    if name in REGISTRY:
+    """Why ``name`` is no value of ``--averaging.compression``, in one sentence naming those that exist ('' when it
+    is one)."""
+    if name in COMPRESSIONS:
         return ""
-    return f"--averaging.compression {name} is not a codec; use one of {', '.join(CODECS)}"
+    return f"--averaging.compression {name} is not a codec; use one of {', '.join(COMPRESSIONS)}"
+
+
+def may_drop(compression: str) -> bool:
+    """Whether ``--averaging.compression compression`` may drop part of Δ in a round (a lossy codec, or ``auto``,
+    which may pick one): what it drops can then be carried into later rounds (error feedback)."""
+    return compression in LOSSY_CODECS or compression == AUTO
 
 
 def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> Codec:
     """The codec called ``name`` (one of :data:`CODECS`); the topk settings are validated for every name."""
     if name not in REGISTRY:
-        raise ValueError(unknown_codec(name))
+        raise ValueError(unknown_codec(name) or f"{name} picks a codec each round (choose_codec), it is none")
     if (isinstance(topk_density, bool) or not isinstance(topk_density, (int, float))
             or not math.isfinite(topk_density) or not 0 < topk_density <= 1):
         raise ValueError(f"--averaging.topk_density must be a finite number in (0, 1], not {topk_density!r}")
@@ -486,6 +503,39 @@ def reduce_scatters(codec: Codec, group_size: int) -> bool:
     2 members, for the same bytes), lossy dense codecs from 3 members on (at 2 the all-gather spares the
     owner's second quantization), top-k never."""
     return is_dense(codec) and (group_size > 2 or not codec.lossy)
+
+
+def exchange_factor(codec: Codec, group_size: int) -> float:
+    """Bytes each member of a group of ``group_size`` sends in a round, per byte of its own payload (and as many
+    received): ``2·(n − 1)/n`` by reduce-scatter, ``n − 1`` by all-gather (see :mod:`peers.wire.encoded`)."""
+    n = max(1, group_size)
+    return 2 * (n - 1) / n if reduce_scatters(codec, n) else float(n - 1)
+
+
+def choose_codec(names: Sequence[str], numels: Sequence[int], group_size: int,
+                 seconds_for: Callable[[float], float | None], budget: float, *, explore: bool = False,
+                 topk_density: float = 0.02, topk_bits: int = 2) -> str:
+    """``auto``'s pick for one round: the first (most faithful) of ``names`` whose bytes the link moves within
+    ``budget`` seconds, ``seconds_for(bytes each member sends)`` telling how long the group's slowest member
+    takes (None when some member has not measured its link yet).  The last of ``names`` (the fewest bytes) when
+    none fits, the budget is unknown (NaN) or the link is.  ``explore``: the links' figures are pessimistic
+    (they could not tell latency from rate yet), so take the next codec up from what they allow, whose exchange
+    tells the two apart.  ``numels``: the round's buckets; a function of its arguments only, so every member
+    given the same figures picks the same codec."""
+    if not names:
+        raise ValueError("auto needs at least one codec to pick from")
+    if not budget == budget:
+        return names[-1]
+    fits = len(names) - 1
+    for i, name in enumerate(names):
+        codec = make_codec(name, topk_density=topk_density, topk_bits=topk_bits)
+        seconds = seconds_for(sum(codec.nbytes(n) for n in numels) * exchange_factor(codec, group_size))
+        if seconds is None:
+            return names[-1]
+        if seconds <= budget:
+            fits = i
+            break
+    return names[max(0, fits - 1) if explore else fits]
 
 
 def codec_table(numel: int = 1 << 20) -> str:

@@ -66,6 +66,9 @@ class RoundResult:
     parts_resent: int = 0
     """Parts of this round sent again alone after their connection failed (the round went on; the island's
     averagers: over all its ranks)."""
+    codec: str = ""
+    """The codec the round's pseudo-gradient travelled in (``--averaging.compression auto`` picks one each
+    round; '' when no exchange began)."""
     fallback_reason: str = ""
     """Why the hivemind attempt was abandoned for the torch fallback (``auto`` only)."""
 

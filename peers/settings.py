@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from outer_optim.codecs import LOSSY_CODECS
+from outer_optim.codecs import AUTO_CODECS, may_drop
 
 
 @dataclass
@@ -90,7 +90,9 @@ class AveragerSettings:
     state_download_timeout: float = 60.0
     """Seconds a joining island spends downloading the global state from a peer."""
     compression: str = "none"
-    """Wire format of pseudo-gradients: `none` (fp32), `fp16` (half precision), `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), with error feedback for the lossy ones (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers)."""
+    """Wire format of pseudo-gradients: `none` (fp32), `fp16` (half precision), `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), with error feedback for the lossy ones (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers); or `auto`: each round the group picks the most faithful of `auto_codecs` whose bytes the link, as measured in earlier rounds, moves in the time overlap hides plus `diloco.max_comm_fraction` of the round (the fewest bytes until every member has measured its link); the error feedback carries across changes of codec."""
+    auto_codecs: list[str] = field(default_factory=lambda: list(AUTO_CODECS))
+    """With `compression auto`: the codecs it may pick, the most faithful first."""
     topk_density: float = 0.02
     """Fraction of each chunk of 4096 values the `topk` codec sends, in (0, 1]."""
     topk_bits: int = 2
@@ -112,7 +114,7 @@ class AveragerSettings:
 def codec_backend_problem(compression: str, backend: str) -> str:
     """Why pseudo-gradients of codec ``compression`` cannot be averaged by ``backend`` ('' when they can): the
     torch all-reduce carries fp32 only, the lossy codecs travel over hivemind's groups."""
-    if compression in LOSSY_CODECS and backend not in ("hivemind", "auto"):
+    if may_drop(compression) and backend not in ("hivemind", "auto"):
         return (f"--averaging.compression {compression} travels over hivemind: use --averaging.backend hivemind "
                 f"or auto (got {backend})")
     return ""

@@ -192,6 +192,46 @@ def test_error_feedback_is_kept_only_by_committed_rounds(dhts):
         torch.testing.assert_close(sent + rest, part)
 
 
+def test_auto_codec_is_the_groups_choice_and_its_error_feedback_carries_across_codecs(dhts):
+    """Two single-process islands under ``--averaging.compression auto``.  Round 0: no link measured yet, both
+    pick the fewest bytes (sign), whose dropped part enters the buffers on commit.  Round 1: a budget far
+    above what the measured link needs, both pick fp32, which sends what sign had dropped: the buffers empty,
+    and what was averaged is the exact mean of Δ + e.  Round 2: one member's budget is tiny, and the group
+    takes the smallest budget: sign again, on both."""
+    make, made = dhts
+    layout = CanonicalLayout.build([("w", (NUMEL,))], bucket_numel=4096)
+    settings = AveragerSettings(compression="auto", target_group_size=2, error_feedback_in="buffer", **FAST)
+    feedback = [{}, {}]
+    avgs = [ShardedAverager(layout, {"w": torch.zeros(NUMEL)}, {"w": (0, 0, NUMEL)}, None, d, settings,
+                            feedback=f) for d, f in zip(make(2), feedback)]
+    made.extend(avgs)
+
+    def round_(rnd: int, budgets: tuple[float, float]):
+        deltas = [{"w": torch.randn(NUMEL, generator=torch.Generator().manual_seed(10 * rnd + i))} for i in range(2)]
+        carried = [torch.cat([feedback[i][b.index] for b in layout.buckets]) if feedback[i] else torch.zeros(NUMEL)
+                   for i in range(2)]
+        pendings = _together([lambda i=i: avgs[i].start(deltas[i], 1.0, {"config_fingerprint": "x",
+                                                                          "hide_seconds": budgets[i]}, str(rnd))
+                              for i in range(2)])
+        outcomes = _together([lambda i=i: avgs[i].finish(pendings[i]) for i in range(2)])
+        assert all(r.ok for r, _ in outcomes), [r.reason for r, _ in outcomes]
+        assert torch.equal(outcomes[0][1]["w"], outcomes[1][1]["w"])  # bit-identical on both members
+        for a, p in zip(avgs, pendings):
+            a.commit(p)
+        codecs = {r.codec for r, _ in outcomes}
+        assert len(codecs) == 1
+        return codecs.pop(), deltas, carried, outcomes[0][1]["w"]
+
+    assert round_(0, (1e6, 1e6))[0] == "sign"
+    assert all(len(f) == len(layout.buckets) and max(t.abs().max() for t in f.values()) > 0 for f in feedback)
+    assert all(a.link.fitted() is not None for a in avgs)  # each island (its rank 0) measured its exchange
+    codec, deltas, carried, averaged = round_(1, (1e6, 1e6))
+    assert codec == "none"
+    torch.testing.assert_close(averaged, (deltas[0]["w"] + carried[0] + deltas[1]["w"] + carried[1]) / 2)
+    assert all(max(t.abs().max() for t in f.values()) == 0 for f in feedback)  # fp32 sent all that waited
+    assert round_(2, (1e6, 1e-9))[0] == "sign"
+
+
 @pytest.mark.parametrize("compression,kept_in,budget", [("topk", "buffer", ""), ("topk", "params", ""),
                                                          ("sign", "params", "1.024K")])
 def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leaked_daemons, compression, kept_in,
@@ -232,6 +272,28 @@ def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leak
         assert (sum(float(t.abs().sum()) for t in carried.values()) > 0) == (compression == "sign")
 
 
+def test_islands_under_auto_pick_the_same_codec_every_round_and_end_in_sync(tmp_path, no_leaked_daemons):
+    """``--averaging.compression auto`` end to end: every island records the same codec for each round (the
+    fewest bytes first, before any link was measured), θ_global stays bit-identical, and after a round in fp32
+    nothing waits unsent."""
+    from outer_optim.codecs import AUTO_CODECS
+
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 2,
+        "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0, "averaging.matchmaking_time": 5.0,
+        "averaging.compression": "auto", "diloco.outer_steps": 4, "diloco.inner_steps": 8,
+        "diloco.max_comm_fraction": 0.9})
+    result = simulate(cfg, 2)
+    assert result["theta_global_max_abs_diff"] == 0.0
+    rounds = [[r for r in read_metrics(tmp_path / f"island{i}") if "round_ok" in r] for i in range(2)]
+    assert all(s["rounds_ok"] == 4 for s in result["islands"]), [s["failures"] for s in result["islands"]]
+    codecs = [[r["codec"] for r in island] for island in rounds]
+    assert codecs[0] == codecs[1] and codecs[0][0] == "sign" and set(codecs[0]) <= set(AUTO_CODECS), codecs
+    for island in rounds:
+        assert island[0]["unsent_norm"] > 0
+        assert all(r["unsent_norm"] == 0 for r in island if r["codec"] == "none"), island
+
+
 @pytest.mark.parametrize("args, words", [
     (["--averaging.compression", "zip"], "--averaging.compression is 'zip' but must be one of"),
     (["--averaging.compression", "topk", "--averaging.topk_density", "0"], "--averaging.topk_density must be in (0, 1]"),
@@ -239,6 +301,9 @@ def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leak
     (["--averaging.compression", "topk", "--averaging.topk_bits", "3"], "--averaging.topk_bits must be 2 or 4"),
     (["--averaging.compression", "int8", "--averaging.error_feedback_decay", "0"], "error_feedback_decay"),
     (["--averaging.compression", "int4", "--averaging.backend", "torch"], "travels over hivemind"),
+    (["--averaging.compression", "auto", "--averaging.backend", "torch"], "travels over hivemind"),
+    (["--averaging.compression", "auto", "--averaging.auto_codecs", "int4,zip"], "--averaging.auto_codecs must list"),
+    (["--averaging.compression", "auto", "--averaging.owner_feedback", "true"], "owner_feedback takes a fixed codec"),
     (["--diloco.outer_optimizer", "sparseloco"], "sparseloco needs error feedback on a lossy codec"),
     (["--averaging.compression", "topk", "--averaging.error_feedback_in", "param"],
      "--averaging.error_feedback_in must be buffer or params, got 'param'"),

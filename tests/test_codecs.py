@@ -374,8 +374,11 @@ def test_bad_settings_name_the_setting(kwargs, setting):
 
 
 def test_unknown_codec():
-    with pytest.raises(ValueError, match="--averaging.compression zip is not a codec; use one of none, fp16, int8, int4, sign, topk"):
+    with pytest.raises(ValueError, match="--averaging.compression zip is not a codec; use one of none, fp16, int8, int4, sign, "
+                                         "topk, auto"):
         make_codec("zip")
+    with pytest.raises(ValueError, match="auto picks a codec each round"):
+        make_codec("auto")
 
 
 # ---- bit packing ---------------------------------------------------------------------------------
@@ -436,9 +439,10 @@ def test_the_config_choices_the_docs_and_the_experiments_read_the_registry():
 
     from diloco.config.schema import CHOICES
     from experiments.compare import CODEC_ARMS
-    from outer_optim.codecs import CODECS, REGISTRY, codec_table
+    from outer_optim.codecs import AUTO, AUTO_CODECS, CODECS, REGISTRY, codec_table
 
-    assert CHOICES["averaging.compression"] == CODECS == tuple(REGISTRY)
+    assert CHOICES["averaging.compression"] == CODECS + (AUTO,) and CODECS == tuple(REGISTRY)
+    assert list(AUTO_CODECS) == [n for n in CODECS if n in AUTO_CODECS]  # the registry's order: most faithful first
     assert set(LOSSY_CODECS) == {n for n in CODECS if make_codec(n).lossy} and "none" not in LOSSY_CODECS
     assert all(settings["averaging.compression"] in CODECS for settings in CODEC_ARMS.values())
     docs = (Path(__file__).parent.parent / "docs" / "low-bit-codecs.md").read_text()
@@ -449,8 +453,64 @@ def test_the_config_choices_the_docs_and_the_experiments_read_the_registry():
 def test_a_codec_that_is_gone_is_refused_at_config_time_naming_those_that_exist(gone):
     from diloco.config import ConfigError
     from diloco.config.loader import load
-    from outer_optim.codecs import CODECS
+    from outer_optim.codecs import COMPRESSIONS
 
     with pytest.raises(ConfigError) as e:
         load(None, ["--averaging.compression", gone])
-    assert e.value.problems == [f"--averaging.compression is {gone!r} but must be one of {', '.join(CODECS)}"]
+    assert e.value.problems == [f"--averaging.compression is {gone!r} but must be one of {', '.join(COMPRESSIONS)}"]
+
+
+# ---- auto: the codec each round's group picks from its measured link ---------------------------------
+
+def test_auto_picks_the_most_faithful_codec_whose_bytes_fit_and_the_fewest_bytes_when_unsure():
+    from outer_optim.codecs import AUTO_CODECS, choose_codec, exchange_factor
+
+    numels = [4096, 1000]
+    sent = {n: sum(make_codec(n).nbytes(k) for k in numels) * exchange_factor(make_codec(n), 2) for n in AUTO_CODECS}
+    assert [sent[n] for n in AUTO_CODECS] == sorted((sent[n] for n in AUTO_CODECS), reverse=True)
+    per_byte = 1e-6  # 1 MB/s, no latency
+
+    def pick(budget: float) -> str:
+        return choose_codec(AUTO_CODECS, numels, 2, lambda b: b * per_byte, budget)
+
+    for name in AUTO_CODECS:  # each budget just fits one codec's bytes
+        assert pick(sent[name] * per_byte) == name
+    assert pick(sent["none"] * per_byte * 10) == "none"
+    assert pick(sent["sign"] * per_byte / 2) == "sign"  # nothing fits: the fewest bytes
+    assert pick(float("nan")) == "sign"  # no budget measured yet
+    assert choose_codec(AUTO_CODECS, numels, 2, lambda b: None, 1e9) == "sign"  # a member's link unmeasured
+    assert choose_codec(["int8", "int4"], numels, 2, lambda b: b * per_byte, 1e9) == "int8"
+    # pessimistic figures (latency not yet told from rate): one codec up from what they allow, never past the first
+    explored = [choose_codec(AUTO_CODECS, numels, 2, lambda b: b * per_byte, sent[n] * per_byte, explore=True)
+                for n in AUTO_CODECS]
+    assert explored == ["none", "none", "fp16", "int8", "int4"]
+    # 3 members of a dense codec reduce-scatter: 4/3 of a payload each rather than 2
+    assert exchange_factor(make_codec("int8"), 3) == pytest.approx(4 / 3) and exchange_factor(make_codec("topk"), 3) == 2
+
+
+def test_a_link_fit_separates_latency_from_rate_once_rounds_differ_in_size():
+    from peers.wire.link_fit import LinkFit, explore, group_seconds
+
+    fit = LinkFit()
+    assert fit.fitted() is None and fit.published() == {} and not explore([fit.published()])
+    fit.add(1e6, 0.2)  # one size: all of it charged to the bytes (larger payloads look slower than they are)
+    assert fit.fitted() == (0.0, pytest.approx(0.2e-6))
+    assert not fit.separated() and explore([fit.published()])
+    fit.add(0, 1.0)
+    fit.add(1e6, float("nan"))
+    assert len(fit.samples) == 1  # what is no measurement is ignored
+    for size in (4e6, 2e6, 8e6):  # 0.1 s of latency, 10 MB/s
+        fit.add(size, 0.1 + size / 1e7)
+    latency, per_byte = fit.fitted()
+    assert latency == pytest.approx(0.1) and per_byte == pytest.approx(1e-7)
+    assert fit.separated() and not explore([fit.published()])
+    fast = {"latency": 0.05, "per_byte": 1e-8}
+    assert group_seconds([fit.published(), fast], 1e6) == pytest.approx(latency + per_byte * 1e6)  # the slowest
+    assert group_seconds([fit.published(), {}], 1e6) is None
+    assert group_seconds([{"latency": "x", "per_byte": 1}], 1e6) is None  # untrusted metadata
+    fit.add(2e6, 0.1 + 2e6 / 1e6)  # the link slowed to 1 MB/s: the next prediction is at the new rate
+    assert fit.fitted()[1] == pytest.approx(1e-6, rel=0.1)
+    fit = LinkFit(keep=3)
+    for i in range(5):
+        fit.add(1e6, 1.0 + i)
+    assert [t for _, t in fit.samples] == [3.0, 4.0, 5.0]

@@ -94,6 +94,10 @@ def test_two_hosts_rate_reach_and_cleanup(netns_ok):
         bps = net.measure_rate(0, 1, seconds=2)
         print(f"measured {bps / 1e6:.2f} Mbit/s at a 20mbit cap")
         assert 0.5 * 20e6 <= bps <= 1.1 * 20e6
+        net.set_rate("4mbit")  # a link that slows down in the middle of a run, both ways
+        assert net.rate_bits == 4e6
+        for src, dst in ((0, 1), (1, 0)):
+            assert 0.5 * 4e6 <= net.measure_rate(src, dst, seconds=1) <= 1.1 * 4e6
         # a process left running in a namespace is ended by close()
         sleeper = net.popen(["sleep", "60"], 1)
     assert net.closed

@@ -8,7 +8,7 @@ import re
 
 from diloco.config.budget import parse_budget
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
-from outer_optim.codecs import LOSSY_CODECS
+from outer_optim.codecs import AUTO, CODECS, may_drop
 from peers.settings import codec_backend_problem
 
 WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
@@ -197,7 +197,7 @@ def budget_problems(dl: DilocoConfig) -> list[str]:
 def codec_problems(cfg: Config) -> list[str]:
     """What is wrong with the wire format settings (the low-bit codecs and SparseLoCo)."""
     a, p = cfg.averaging, []
-    encoded = a.compression in LOSSY_CODECS
+    encoded = may_drop(a.compression)
     if not 0 < a.topk_density <= 1:
         p.append(f"--averaging.topk_density must be in (0, 1], got {a.topk_density}")
     if a.topk_bits not in (2, 4):
@@ -206,11 +206,18 @@ def codec_problems(cfg: Config) -> list[str]:
         p.append(f"--averaging.error_feedback_decay must be in (0, 1], got {a.error_feedback_decay}")
     if backend_problem := codec_backend_problem(a.compression, a.backend):
         p.append(backend_problem)
+    if a.compression == AUTO:
+        if not a.auto_codecs or any(c not in CODECS for c in a.auto_codecs):
+            p.append(f"--averaging.auto_codecs must list codecs among {', '.join(CODECS)}, most faithful first; "
+                     f"got {','.join(a.auto_codecs) or 'none'}")
+        if a.owner_feedback:
+            p.append("--averaging.owner_feedback takes a fixed codec, not --averaging.compression auto: "
+                     "name the codec, or leave owner_feedback off")
     if a.error_feedback_in not in ("buffer", "params"):
         p.append(f"--averaging.error_feedback_in must be buffer or params, got {a.error_feedback_in!r}")
     if cfg.diloco.outer_optimizer == "sparseloco" and not (encoded and a.error_feedback):
         p.append("--diloco.outer_optimizer sparseloco needs error feedback on a lossy codec: add "
-                 "--averaging.compression topk (or int8, int4, sign) with --averaging.error_feedback true")
+                 "--averaging.compression topk (or int8, int4, sign, auto) with --averaging.error_feedback true")
     return p
 
 

@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from outer_optim.codecs import CODECS
+from outer_optim.codecs import COMPRESSIONS
 from peers.settings import AveragerSettings, NetworkSettings
 from pipeline.settings import ParallelSettings
 
@@ -125,7 +125,7 @@ class DilocoConfig:
     sync_every: str = ""
     """How much each island trains before it joins the next round: steps (empty: `inner_steps`), seconds of compute (`90s`: a fast island does more steps instead of waiting for a slow one), tokens (`2M`, `500K`) or `auto` (seconds chosen after every round so that communication stays under `max_comm_fraction`). Not part of the run's fingerprint: islands with different budgets average together."""
     max_comm_fraction: float = 0.05
-    """With `sync_every auto`: the largest fraction of a round its communication may take."""
+    """With `sync_every auto` or `averaging.compression auto`: the largest fraction of a round its communication may take (beyond what overlap hides)."""
     merge_alpha: float = 0.0
     """α: with `overlap none`, a fragment's parameters become α·θ_local + (1−α)·θ_global when its round is applied (0: θ_global, as plain DiLoCo; Streaming DiLoCo uses 0.5 with τ=1)."""
     round_thread: bool = True
@@ -259,7 +259,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "diloco.outer_optimizer": ("nesterov", "avg", "sparseloco"),
     "diloco.overlap": ("none", "delayed", "eager"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
-    "averaging.compression": CODECS,
+    "averaging.compression": COMPRESSIONS,
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "parallel.balance": ("params", "layers", "profile"),
@@ -319,7 +319,8 @@ def resolve_model(model: ModelConfig) -> None:
 # Keys that must be equal on every island of a run for their pseudo-gradients to be averaged.
 FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
                         "diloco.fragments",
-                        "averaging.compression", "averaging.topk_density", "averaging.topk_bits", "averaging.run_id")
+                        "averaging.compression", "averaging.topk_density", "averaging.topk_bits", "averaging.auto_codecs",
+                        "averaging.run_id")
 
 
 def config_fingerprint(cfg: Config, tokenizer: str = "") -> str:
@@ -329,6 +330,8 @@ def config_fingerprint(cfg: Config, tokenizer: str = "") -> str:
     import json
 
     shared = {k: v for k, v in flatten(cfg).items() if k.startswith(FINGERPRINT_PREFIXES)}
+    if shared["averaging.compression"] != "auto":  # (fingerprints of runs from before auto stay as they were)
+        del shared["averaging.auto_codecs"]
     if tokenizer:
         shared["tokenizer"] = tokenizer
     return hashlib.sha1(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]

@@ -60,7 +60,7 @@ from diloco.model.inner import take_inner_step
 from diloco.model.transformer import flops_per_token
 from diloco.progress import Progress
 from outer_optim import OuterOptimizer, checksum
-from outer_optim.codecs import LOSSY_CODECS
+from outer_optim.codecs import may_drop
 from outer_optim.fragments import split_into_fragments
 from peers.averaging.sharded import FeedbackBuffers
 from peers.discovery.dht import mute_shutdown_noise
@@ -178,7 +178,7 @@ class Island:
                                   params=self.params, exchange=self.exchange,
                                   norm=IslandNorm(round_rt, self.layout, self.specs), peers=self.peers,
                                   transfer=self.transfer, unsent=self.unsent, fingerprint=self.fingerprint,
-                                  keeps_unsent=a.compression in LOSSY_CODECS and a.error_feedback, hooks=hooks,
+                                  keeps_unsent=may_drop(a.compression) and a.error_feedback, hooks=hooks,
                                   round_rt=round_rt, background=d.round_thread)
         self.metrics: MetricsLogger | NullMetrics = NullMetrics()
         ck = cfg.checkpoint

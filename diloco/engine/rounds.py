@@ -126,6 +126,9 @@ class RoundMetrics:
     """Payload bytes the island sent in this round (all its ranks)."""
     parts_resent: int = 0
     """Parts of this round sent again alone after their connection failed (the round went on)."""
+    codec: str = ""
+    """The codec the round's pseudo-gradient travelled in (``--averaging.compression auto`` picks one each round;
+    '' when no exchange began)."""
 
     @classmethod
     def skipped(cls, stats: RunStats, outer_lr: float, reason: str) -> RoundMetrics:
@@ -357,6 +360,8 @@ class RoundSchedule:
         """Per fragment: ``stats.tokens`` when its parameters last took θ_global (the weight of its next Δ)."""
         self.budget: Budget = parse_budget(d.sync_every, d.inner_steps)
         self.max_comm_fraction = d.max_comm_fraction
+        self.hidden_steps = d.overlap_steps
+        """Inner steps a round in flight runs under (0 when the island waits for each round)."""
         self.auto: float | None = None
         """auto: compute seconds per round the group agreed on (None until measured: H steps meanwhile)."""
         self.last_comm_seconds = float("nan")
@@ -459,11 +464,15 @@ class RoundSchedule:
 
     def report(self) -> dict[str, float]:
         """What the island tells the group with its next pseudo-gradient: the inner steps of the round it is
-        sending and, for ``auto``, the compute seconds per step and its last round's stall."""
+        sending and, for a budget of ``auto``, the compute seconds per step and its last round's stall; for
+        ``--averaging.compression auto``, the seconds of exchange it can take: the overlap's steps, plus
+        ``max_comm_fraction`` of the round's wall-clock time."""
         s = self.stats
         steps = s.inner_step - self.mark[2]
-        return {"steps": steps, "comm_seconds": self.last_comm_seconds,
-                "step_seconds": (s.compute_seconds - self.mark[0]) / steps if steps else float("nan")}
+        step_seconds = (s.compute_seconds - self.mark[0]) / steps if steps else float("nan")
+        f = self.max_comm_fraction
+        return {"steps": steps, "comm_seconds": self.last_comm_seconds, "step_seconds": step_seconds,
+                "hide_seconds": step_seconds * (self.hidden_steps + steps * f / (1 - f))}
 
     def finished(self, result: RoundResult, stall: float) -> None:
         """A round this island took part in ended after keeping it from training ``stall`` seconds: remember
@@ -751,7 +760,7 @@ class OuterRounds:
             exchange_seconds=float(result.exchange_seconds), round_payload_bytes=int(result.island_bytes_sent),
             group_seconds=float(result.matchmaking_seconds),
             vote_seconds=float(result.vote_seconds),
-            parts_resent=int(result.parts_resent))
+            parts_resent=int(result.parts_resent), codec=result.codec)
 
     def _adopted(self, adopted: Adoption) -> None:
         """Another island's θ_global replaced ours during the round (``phase`` None: it did not): train on from it,

@@ -16,7 +16,7 @@ from peers.settings import AveragerSettings
 
 SHARED = ("ok", "reason", "group_size", "total_weight", "peers", "gathered", "majority_peers", "in_minority",
           "retryable", "members_left", "left_behind", "exchange_seconds", "matchmaking_seconds", "allreduce_seconds",
-          "vote_seconds")
+          "vote_seconds", "codec")
 """The fields of a round's result that the island's rank 0 tells its other ranks (the rest is per rank)."""
 
 
@@ -57,6 +57,8 @@ class PendingRound:
     bytes_sent: int = 0
     bytes_received: int = 0
     parts_resent: int = 0
+    codec: str = ""
+    """The codec the round's buckets travel in ('' under ``auto`` until the group picked one)."""
     feedback: dict[int, torch.Tensor] = field(default_factory=dict)
     """With a lossy codec and error feedback: each owned bucket's buffer after this round (kept only if the
     round commits)."""

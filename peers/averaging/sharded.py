@@ -60,7 +60,15 @@ import hivemind
 import torch
 import torch.distributed as dist
 
-from outer_optim.codecs import ErrorFeedback, is_dense, make_codec
+from outer_optim.codecs import (
+    AUTO,
+    Codec,
+    ErrorFeedback,
+    choose_codec,
+    is_dense,
+    make_codec,
+    may_drop,
+)
 from peers.averaging.bucket_round import (
     PendingRound,
     from_shared,
@@ -75,6 +83,7 @@ from peers.settings import AveragerSettings, Scope, codec_backend_problem
 from peers.wire.encoded import DirectChannel, EncodedChannel, average_encoded
 from peers.wire.exchange import BucketExchange, shape_of
 from peers.wire.layout import CanonicalLayout, spec_tuple
+from peers.wire.link_fit import LinkFit, explore, group_seconds
 from peers.wire.round_keys import parts_key
 from peers.wire.transport import Transport, TransportError
 
@@ -135,10 +144,18 @@ class ShardedAverager:
             raise ValueError(backend_problem)
         if backend != "torch" and dht is None:
             raise ValueError(f"backend {backend!r} needs this rank's hivemind DHT")
-        self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
-                                topk_bits=settings.topk_bits)
-        self.feedback = ErrorFeedback(self.codec, settings.error_feedback_decay) \
-            if self.codec.lossy and settings.error_feedback else None
+        self.auto = settings.compression == AUTO
+        """``--averaging.compression auto``: the group picks each round's codec (:meth:`_pick`)."""
+        names = list(settings.auto_codecs) if self.auto else [settings.compression]
+        self.codecs: dict[str, Codec] = {n: make_codec(n, topk_density=settings.topk_density,
+                                                       topk_bits=settings.topk_bits) for n in names}
+        """The codecs a round may travel in, by name: the one of ``settings.compression``, or ``auto``'s choices."""
+        self.decay = settings.error_feedback_decay if settings.error_feedback and may_drop(settings.compression) \
+            else None
+        """β of the error feedback (None without one); under ``auto`` even a lossless round goes through it, which
+        sends what earlier rounds dropped and empties the buffers."""
+        self.link = LinkFit()
+        """``auto``: this island's link as its exchanges measured it (rank 0's; published with each round)."""
         self.buffers: dict[int, torch.Tensor] = feedback if feedback is not None else {}
         """Error feedback of this rank's owned buckets (what the codec dropped, carried into the next round):
         the caller's dict, updated in place, so that it outlives this averager (checkpoints, reconnects)."""
@@ -147,7 +164,8 @@ class ShardedAverager:
         bucket, what the re-encoding of the averaged parts this island owned left out, added to its parts next
         round (owner feedback: see :func:`peers.wire.encoded.average_encoded`); the caller's dict ``carry``, like
         :attr:`buffers`."""
-        if self.feedback is not None and settings.owner_feedback and is_dense(self.codec):
+        fixed = next(iter(self.codecs.values()))
+        if self.decay is not None and settings.owner_feedback and not self.auto and is_dense(fixed) and fixed.lossy:
             self.carry = carry if carry is not None else {}
         self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
         self.drop: Callable[[int], bool] | None = None
@@ -170,13 +188,14 @@ class ShardedAverager:
         if backend != "torch":
             try:
                 numel = max((b.numel for b in layout.buckets), default=1)
-                coding = settings.entropy_coding and self.codec.skewed
+                largest = max(c.nbytes(numel) for c in self.codecs.values())
+                coding = settings.entropy_coding and fixed.skewed
                 if settings.transport == "p2p":
                     members = MemberCheck(dht, scope.registry) if scope.private else None
-                    self.channel = EncodedChannel(dht, scope.prefix, self.codec.nbytes(numel), members,
+                    self.channel = EncodedChannel(dht, scope.prefix, largest, members,
                                                   ttl=max(60.0, 4 * settings.allreduce_timeout), entropy_coding=coding)
                 else:
-                    self.channel = DirectChannel(self.transport, self.codec.nbytes(numel), entropy_coding=coding)
+                    self.channel = DirectChannel(self.transport, largest, entropy_coding=coding)
                 if self.rank == 0:
                     self.matcher = self.matcher or VerifiedAverager(dht, [], settings, scope)
                     self.matcher.parts = self.channel  # parts of a group that listed us arrive here
@@ -254,10 +273,13 @@ class ShardedAverager:
         meta["layout_fingerprint"] = self.layout_fingerprint
         meta["island_id"] = self.island_id
         meta["ranks"] = self.ranks
+        if self.auto and self.rank == 0:
+            meta["link"] = self.link.published()
         refusal = self.exchange.precheck(local_deltas, weight, buckets)
         owned = self.exchange.gather(local_deltas, buckets) if not refusal else {}
         mine = [b for b in self.exchange.owned if buckets is None or b in buckets]
-        pending = PendingRound(owned, float(weight), meta, round_id, refusal, t0, buckets, mine)
+        pending = PendingRound(owned, float(weight), meta, round_id, refusal, t0, buckets, mine,
+                               codec="" if self.auto else self.settings.compression)
         if self.backend != "torch" and not refusal:
             pending.thread = threading.Thread(target=self._run, args=(pending, on_stage, matchmaking_timeout,
                                                                       expected_group_size),
@@ -331,7 +353,9 @@ class ShardedAverager:
 
         def exchange(meta: dict[str, dict], peers: list[str], round_id: str) -> Exchange:
             group = {p: {"ranks": meta[p].get("ranks"), "weight": meta[p].get("weight")} for p in peers}
-            self._tell_ranks("group", round_id, {"peers": peers, "group": group})
+            if self.auto:
+                pending.codec = self._pick(meta, peers, pending.buckets)
+            self._tell_ranks("group", round_id, {"peers": peers, "group": group, "codec": pending.codec})
             told.append(True)
             mine = self._exchange_buckets(pending, group, peers, round_id)
             reports = [mine] + self._hear_ranks(round_id, time.monotonic() + self.settings.allreduce_timeout + 10.0)
@@ -342,6 +366,9 @@ class ShardedAverager:
         self._last = (result.matchmaking_seconds, result.exchange_seconds, result.vote_seconds, result.seconds)
         if not told:  # no exchange: the ranks waiting for the group learn there is none
             self._tell_ranks("group", rid, {"none": True})
+        result.codec = pending.codec if told else ""
+        if self.auto and result.ok:
+            self.link.add(result.bytes_sent, result.exchange_seconds)
         self._tell_ranks("verdict", rid, shared_fields(result))
         pending.result = result
         if not result.ok:
@@ -361,6 +388,7 @@ class ShardedAverager:
         told = json.loads(bytes(seen[leader])) if leader in seen else {"none": True}
         exchanged = not told.get("none")
         if exchanged:
+            pending.codec = str(told.get("codec", pending.codec))
             report = self._exchange_buckets(pending, told["group"], told["peers"], rid)
             self._send_to(0, self._key("done", rid), report)
         verdict = box.wait_for(verdict_key, lambda m: leader in m, deadline)
@@ -381,6 +409,8 @@ class ShardedAverager:
         each island's ranks and weight).  Fills ``pending`` (averages, feedback, bytes) and returns this
         rank's report to rank 0: the fingerprints of its averaged buckets, or why it has none."""
         t0 = time.perf_counter()
+        codec = self.codecs[pending.codec]
+        self.channel.entropy_coding = self.settings.entropy_coding and codec.skewed
         if isinstance(self.channel, DirectChannel):
             for p in peers:
                 for peer, endpoint in group[p]["ranks"]:
@@ -402,11 +432,11 @@ class ShardedAverager:
             if self.carry is not None:
                 carry = self.carry[b] if b in self.carry else torch.zeros(self.layout.buckets[b].numel)
             bucket = self.layout.buckets[b]
-            out = average_encoded(self.channel, self.codec, f"b{b}." + parts_key(members, round_id),
+            out = average_encoded(self.channel, codec, f"b{b}." + parts_key(members, round_id),
                                   self.peer_id, members, owners, payload, bucket.numel,
                                   self.settings.allreduce_timeout, carry,
                                   flat[bucket.start:bucket.end] if flat is not None else None,
-                                  pending.owned[b] if self.codec.lossy else None)
+                                  pending.owned[b] if codec.lossy else None)
             return b, out
 
         prints: dict[int, list[float]] = {}
@@ -466,15 +496,30 @@ class ShardedAverager:
         keeps of it in ``pending.owned[b]`` (what a torch fallback averages) and the new feedback buffer in
         ``pending.feedback[b]`` (installed by :meth:`commit`).  Deterministic: a round averaged again encodes
         the same bytes."""
-        delta = pending.owned[b]
-        if self.feedback is None:
-            payload = self.codec.encode(delta)
-            if self.codec.lossy:
-                pending.owned[b] = self.codec.decode(payload, delta.numel())
+        delta, codec = pending.owned[b], self.codecs[pending.codec]
+        if self.decay is None:
+            payload = codec.encode(delta)
+            if codec.lossy:
+                pending.owned[b] = codec.decode(payload, delta.numel())
             return payload
         carried = self.buffers.get(b) if self.settings.error_feedback_in == "buffer" else None
-        payload, pending.owned[b], pending.feedback[b] = self.feedback.prepare(delta, carried)
+        payload, pending.owned[b], pending.feedback[b] = ErrorFeedback(codec, self.decay).prepare(delta, carried)
         return payload
+
+    def _pick(self, meta: dict[str, dict], peers: list[str], buckets: Collection[int] | None) -> str:
+        """``auto``: the codec of the round whose group is ``peers`` (their metadata ``meta``), from the links and
+        budgets they published (:func:`outer_optim.codecs.choose_codec`): the same on every member."""
+        def told(p: str, key: str) -> Any:
+            m = meta[p].get(key)
+            return m if isinstance(m, dict) else {} if key == "link" else as_float(m)
+
+        links = [told(p, "link") for p in peers]
+        budget = min((b for b in (told(p, "hide_seconds") for p in peers) if b == b), default=float("nan"))
+        numels = [self.layout.buckets[b].numel for b in (buckets if buckets is not None
+                                                         else range(len(self.layout.buckets)))]
+        return choose_codec(list(self.codecs), numels, len(peers), lambda sent: group_seconds(links, sent), budget,
+                            explore=explore(links), topk_density=self.settings.topk_density,
+                            topk_bits=self.settings.topk_bits)
 
     # ------------------------------------------------------------------------- inside the island
     def _tell_ranks(self, kind: str, round_id: str, message: dict) -> None:

@@ -116,11 +116,13 @@ class VerifiedAverager(MissedGroups):
 
     def __init__(self, dht: hivemind.DHT, template: Sequence[torch.Tensor], settings: AveragerSettings,
                  scope: Scope = Scope(), transport: Transport | None = None):
+        self._numel = sum(t.numel() for t in template)
         self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
-                                topk_bits=settings.topk_bits)
+                                topk_bits=settings.topk_bits) if self._numel else None
+        """What :meth:`average` encodes with (None without a template: the caller's exchange encodes, e.g. with the
+        codec ``--averaging.compression auto`` picks for the round)."""
         self.settings, self.scope = settings, scope
         self.dht = dht
-        self._numel = sum(t.numel() for t in template)
         self._lock = threading.Lock()
         self.moved_past: Callable[[str], bool] | None = None
         """Whether every other island has moved past round ``round_id`` (averaged it without us, or gave

@@ -3,11 +3,12 @@ move inside an island (:mod:`.exchange`), how a round's parts travel between isl
 plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, with
 :mod:`.deflate` on the wire), θ_global for joiners (:mod:`.state_share`), messages that arrive early
 (:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
-(:mod:`.p2p_loop`), the kernel's byte counts (:mod:`.counters`) and the link between two servers, measured
-before a run (:mod:`.probe`, ``diloco probe``).
+(:mod:`.p2p_loop`), the kernel's byte counts (:mod:`.counters`), the link between two servers, measured
+before a run (:mod:`.probe`, ``diloco probe``), and during it, from the rounds' exchanges (:mod:`.link_fit`,
+what ``--averaging.compression auto`` picks its codec by).
 
 Everything about reaching another island's ranks (ports, NAT, encryption) belongs here.
 
-May import: :mod:`peers.settings`, :mod:`peers.fingerprints`, :mod:`peers.discovery` (the member check of a
+May import: :mod:`peers.settings`, :mod:`peers.result`, :mod:`peers.fingerprints`, :mod:`peers.discovery` (the member check of a
 private run), :mod:`outer_optim`, hivemind.
 """

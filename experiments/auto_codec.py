@@ -1,0 +1,180 @@
+"""``--averaging.compression auto`` against fixed codecs over a link that slows down in the middle of the run.
+
+Two islands of the ``small`` model train H steps a round, blocking, over an emulated link capped at ``--fast``;
+once island 0 has committed ``--switch`` rounds, the link drops to ``--slow`` in both directions (``tc tbf``,
+:meth:`experiments.netns.EmulatedNetwork.set_rate`).  The same run with each of ``--codecs`` (default: fp32,
+int4 and auto).  Per arm: the codec of each round, the compute utilization before and after the drop (the
+inner steps' share of each round's wall-clock), the held-out loss at the end and the bytes sent::
+
+    sudo python -m experiments auto-codec [--fast 20mbit] [--slow 3mbit] [--switch 3] [--out DIR]
+
+Writes ``results.md``, ``results.json`` and ``utilization.png``.  Needs root (links capped by ``tc tbf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco.command import run_command
+from diloco.config import Config, ConfigError
+from diloco.config import loader as config_load
+from experiments import netns
+from experiments.islands import CompareError, launch_islands, variant
+from experiments.nat import round_records
+from experiments.report import markdown_table, save_results
+
+DEFAULTS: dict[str, Any] = {
+    "model.preset": "small", "inner.batch_size": 16, "inner.warmup_steps": 10, "threads": 1,
+    "diloco.inner_steps": 25, "diloco.outer_steps": 8,
+    "logging.eval_every": 1000, "logging.eval_batches": 4, "logging.samples": 0, "checkpoint.every": 0,
+    "wandb.mode": "disabled", "averaging.matchmaking_time": 5.0, "averaging.request_timeout": 3.0,
+    "averaging.matchmaking_timeout": 120.0, "averaging.vote_timeout": 30.0, "averaging.allreduce_timeout": 300.0,
+    "averaging.next_chunk_timeout": 60.0,
+}
+
+
+def slow_down_after(network: netns.EmulatedNetwork, run_dir: Path, rounds: int, rate: str,
+                    done: threading.Event) -> threading.Thread:
+    """A thread that sets the link to ``rate`` once island 0 under ``run_dir`` has committed ``rounds`` rounds."""
+    def watch() -> None:
+        while not done.is_set():
+            if sum(bool(r.get("round_ok")) for r in _records(run_dir / "island0")) >= rounds:
+                network.set_rate(rate)
+                print(f"   link slowed to {rate} after round {rounds}", flush=True)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, name="slow-down", daemon=True)
+    thread.start()
+    return thread
+
+
+def _records(island: Path) -> list[dict[str, Any]]:
+    try:
+        return round_records(island)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return []
+
+
+def utilization(records: list[dict[str, Any]]) -> float:
+    """The inner steps' share of the wall-clock of these rounds: 1 − Σ stall ÷ Σ (time since the previous
+    round's record)."""
+    walls = [b["time"] - a["time"] for a, b in zip(records, records[1:])]
+    stalls = [r["stall_seconds"] for r in records[1:]]
+    return 1 - sum(stalls) / sum(walls) if walls and sum(walls) > 0 else float("nan")
+
+
+def run_arm(cfg: Config, codec: str, fast: str, slow: str, switch: int, out: Path) -> dict[str, Any]:
+    """One run of two islands with ``codec``; the link drops from ``fast`` to ``slow`` after ``switch`` rounds."""
+    run_dir = out / "runs" / codec
+    c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"auto-codec-{codec}",
+                        "averaging.compression": codec})
+    done = threading.Event()
+    with netns.EmulatedNetwork(2, rate=fast) as network:
+        watcher = slow_down_after(network, run_dir, switch, slow, done)
+        try:
+            summaries = launch_islands(c, 2, network=network)["islands"]
+        finally:
+            done.set()
+            watcher.join(5)
+    records = [round_records(run_dir / f"island{i}") for i in range(2)]
+    worst = []
+    # record i closes round i + 1, whose wall-clock runs from record i − 1: rounds 2 … switch ran on the fast link
+    for phase in (slice(0, switch), slice(switch - 1, None)):
+        worst.append(min(utilization(rs[phase]) for rs in records))
+    return {"codec": codec, "codecs": [r["codec"] for r in records[0]], "utilization_fast": worst[0],
+            "utilization_slow": worst[1],
+            "utilization": min(s["compute_seconds"] / s["wall_seconds"] for s in summaries),
+            "eval_loss": summaries[0]["eval_loss_end"], "wall_s": max(s["wall_seconds"] for s in summaries),
+            "bytes_sent": summaries[0]["bytes_sent"], "rounds_ok": [s["rounds_ok"] for s in summaries],
+            "per_round": [[1 - r["stall_seconds"] / (b["time"] - a["time"]) if b["time"] > a["time"] else None
+                           for a, b, r in zip(rs, rs[1:], rs[1:])] for rs in records]}
+
+
+def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: str, switch: int) -> Path:
+    table = markdown_table(
+        ["codec", "codec of each round", f"utilization at {fast}", f"after the drop to {slow}", "whole run",
+         "held-out loss", "bytes sent (island 0)", "wall s"],
+        [[r["codec"], " ".join(r["codecs"]), f"{r['utilization_fast']:.1%}", f"{r['utilization_slow']:.1%}",
+          f"{r['utilization']:.1%}", f"{r['eval_loss']:.4f}", f"{r['bytes_sent'] / 1e6:.1f} MB",
+          f"{r['wall_s']:.0f}"] for r in rows])
+    lines = [f"# `--averaging.compression auto` over a link that slows down: 2 islands of `{cfg.model.preset}`, "
+             f"H={cfg.diloco.inner_steps}, {cfg.diloco.outer_steps} blocking rounds", "",
+             f"`sudo python -m experiments auto-codec --fast {fast} --slow {slow} --switch {switch}`: the link "
+             f"drops from {fast} to {slow} once island 0 committed round {switch}. Utilization: the worse island's "
+             f"share of compute in the rounds' wall-clock, before and after the drop; `auto` may let communication "
+             f"take `--diloco.max_comm_fraction` ({cfg.diloco.max_comm_fraction:g}) of a round.", "", table, "",
+             "![utilization per round](utilization.png)", ""]
+    save_results(out, "\n".join(lines), rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for r in rows:
+        per = [min(v for v in vals if v is not None) for vals in zip(*r["per_round"])]
+        ax.plot(range(2, len(per) + 2), per, marker="o", label=r["codec"])
+    ax.set_xticks(range(2, cfg.diloco.outer_steps + 1))
+    ax.axvline(switch + 0.5, color="grey", linestyle="--", linewidth=0.8)
+    ax.text(switch + 0.6, 0.05, f"{fast} → {slow}", fontsize=8, color="grey")
+    ax.set_xlabel("round")
+    ax.set_ylabel("compute utilization (worse island)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "utilization.png", dpi=110)
+    plt.close(fig)
+    return out / "results.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments auto-codec [--fast R] [--slow R] [--switch N] [--codecs A,B] [--out DIR]``."""
+    parser = argparse.ArgumentParser(prog="python -m experiments auto-codec", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fast", default="20mbit", help="the link's rate at the start")
+    parser.add_argument("--slow", default="3mbit", help="its rate once --switch rounds committed")
+    parser.add_argument("--switch", type=int, default=3, help="rounds committed before the link slows down")
+    parser.add_argument("--codecs", default="none,int4,auto", help="the arms: codecs, or auto")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results/auto-codec"), help="output directory")
+    args, rest = parser.parse_known_args(argv)
+
+    def body() -> int:
+        problems = []
+        for r in (args.fast, args.slow):
+            try:
+                netns.parse_rate(r)
+            except ValueError as e:
+                problems.append(f"--fast/--slow: {e}")
+        cfg = config_load.load(None, rest, defaults=DEFAULTS)
+        if not 0 < args.switch < cfg.diloco.outer_steps:
+            problems.append(f"--switch must be between 1 and --diloco.outer_steps − 1 ({cfg.diloco.outer_steps - 1}), "
+                            f"got {args.switch}")
+        codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+        problems += [p for c in codecs for p in config_load.apply(variant(cfg), {"averaging.compression": c})]
+        if problems:
+            raise ConfigError(problems)
+        ok, why = netns.available()
+        if not ok:
+            raise CompareError(f"auto-codec needs emulated links: {why}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for codec in codecs:
+            print(f"\n== {codec}: {args.fast}, then {args.slow} after round {args.switch} ==", flush=True)
+            rows.append(run_arm(cfg, codec, args.fast, args.slow, args.switch, args.out))
+        write(rows, args.out, cfg, args.fast, args.slow, args.switch)
+        return 0
+
+    from diloco.launch.simulate import SimulationError
+
+    return run_command(body, (CompareError, SimulationError, netns.NetworkSetupError),
+                       "interrupted: every island and emulated link was removed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
