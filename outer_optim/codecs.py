@@ -17,6 +17,12 @@ int4: blocks of B=128 values; scale s = absmax/7, codes q in [-7, 7] stored as t
     byte, low nibble first (odd N is padded with one zero nibble).
     Layout: all ceil(N/128) scales, then the nibbles.  nbytes = 4*ceil(N/128) + ceil(N/2).
 
+int2: blocks of B=256 values; per block two bfloat16 magnitudes lo <= hi fitted to the block's |x| by least
+    squares (Lloyd iterations, as topk's grid below, with M=2), and per value a 2-bit code, its sign and the
+    nearer magnitude: code 0 decodes to -hi, 1 to -lo, 2 to +lo, 3 to +hi (a shorter last block is fitted to
+    its own values).  Layout: all ceil(N/256) (lo, hi) pairs, then the codes, four per byte.
+    nbytes = 4*ceil(N/256) + ceil(N/4).
+
 sign: blocks of B=256 values; per block a bfloat16 scale s = mean |x| over the block's values (the
     scale that minimises the squared error for these signs; a shorter last block averages its own
     values), and one bit per value: 1 for x >= 0, decoding to +s, and 0, decoding to -s.
@@ -334,6 +340,88 @@ def fit_grid(mag: torch.Tensor, m: int, iterations: int = 8) -> tuple[torch.Tens
     return lo.to(torch.float32), hi.to(torch.float32)
 
 
+class FittedLevels:
+    """``bits``-bit codes of a sign and one of M = 2**bits/2 magnitudes equally spaced from lo to hi, lo and hi
+    fitted to each row of values by least squares (:func:`fit_grid`) and rounded to bfloat16; code c < M decodes
+    to -m_(M-1-c), code c >= M to +m_(c-M), so codes ascend with their values (``topk``'s kept values, ``int2``)."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.levels = 1 << bits
+        self.magnitudes = self.levels // 2
+        j = torch.arange(self.magnitudes, dtype=torch.float32)
+        self._grid = torch.cat([j.flip(0), j]) / (self.magnitudes - 1)  # u of code c, c = 0 .. V-1
+        self._sign = torch.cat([-torch.ones(self.magnitudes), torch.ones(self.magnitudes)])
+
+    def level_values(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """(rows, V) float32: the value each code decodes to, for grids (lo, hi) of shape (rows,)."""
+        return self._sign * (lo[:, None] + (hi - lo)[:, None] * self._grid)
+
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, 2) bfloat16 grids (lo, hi) and (rows, k) int32 codes of ``values`` (rows, k)."""
+        grid = torch.stack(fit_grid(values.abs(), self.magnitudes), dim=1)
+        grid = grid.clamp_(max=torch.finfo(torch.bfloat16).max).to(torch.bfloat16)
+        lo, hi = grid.to(torch.float32).unbind(1)
+        j = _grid_index(values.abs(), lo, hi, self.magnitudes).to(torch.int32)
+        return grid, torch.where(values >= 0, self.magnitudes + j, self.magnitudes - 1 - j)
+
+    def dequantize(self, grids: torch.Tensor, codes: torch.Tensor, what: str) -> torch.Tensor:
+        """(rows, k) float32 values of ``codes`` (rows, k) on the little-endian bfloat16 ``grids`` (rows, 4 bytes);
+        a grid that is not finite with 0 <= lo <= hi is refused, naming ``what`` was corrupt."""
+        lo, hi = from_le(grids.reshape(-1, 2), torch.bfloat16).view(-1, 2).to(torch.float32).unbind(1)
+        if not (bool(torch.isfinite(hi).all()) and bool((lo >= 0).all()) and bool((hi >= lo).all())):
+            raise ValueError(f"corrupt {what} payload: a {'chunk' if what == 'topk' else 'block'}'s magnitudes "
+                             f"must be finite with 0 <= lo <= hi")
+        return self.level_values(lo, hi).gather(1, codes.long())
+
+
+class FittedBlockCodec:
+    """``int2``: blocks of ``block`` values, each a sign and one of two magnitudes fitted to its block
+    (:class:`FittedLevels`); see the module docstring."""
+
+    name = "int2"
+    lossy = True
+    skewed = False  # two bits that split every block's values about evenly are close to random bits
+
+    def __init__(self, block: int = 256, bits: int = 2):
+        self.block, self.fitted = block, FittedLevels(bits)
+
+    def nbytes(self, numel: int) -> int:
+        """Exact payload size for ``numel`` values."""
+        return 4 * -(-numel // self.block) + -(-numel * self.fitted.bits // 8)
+
+    def _rows(self, numel: int) -> list[tuple[int, int, int]]:
+        """(start, rows, length): the full blocks as one group of rows, then the shorter last block if any."""
+        full = numel // self.block
+        return [(start, rows, length) for start, rows, length in ((0, full, self.block),
+                                                                  (full * self.block, 1, numel % self.block))
+                if rows and length]
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Every block's grid, then every value's code; see the module docstring."""
+        _check_values(values)
+        grids, codes = [], []
+        for start, rows, length in self._rows(values.numel()):
+            grid, code = self.fitted.quantize(values[start:start + rows * length].view(rows, length))
+            grids.append(to_bytes(to_le(grid)))
+            codes.append(code.reshape(-1))
+        return b"".join(grids) + to_bytes(_pack_codes(torch.cat(codes), self.fitted.bits))
+
+    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        """A new float32 tensor of ``numel`` values."""
+        _check_payload(self, payload, numel)
+        data = from_bytes(payload)
+        nblocks = -(-numel // self.block)
+        codes = _unpack_codes(data[4 * nblocks:], numel, self.fitted.bits)
+        out, block = [], 0
+        for start, rows, length in self._rows(numel):
+            grids = data[4 * block:4 * (block + rows)].view(rows, 4)
+            out.append(self.fitted.dequantize(grids, codes[start:start + rows * length].view(rows, length),
+                                              self.name).view(-1))
+            block += rows
+        return torch.cat(out)
+
+
 class TopKCodec:
     """Per-chunk top-k by magnitude, values on a fitted sign-and-magnitude grid; see the module docstring."""
 
@@ -343,11 +431,7 @@ class TopKCodec:
 
     def __init__(self, density: float, bits: int):
         self.density, self.bits = density, bits
-        self.levels = 1 << bits
-        self.magnitudes = self.levels // 2
-        j = torch.arange(self.magnitudes, dtype=torch.float32)
-        self._grid = torch.cat([j.flip(0), j]) / (self.magnitudes - 1)  # u of code c, c = 0 .. V-1
-        self._sign = torch.cat([-torch.ones(self.magnitudes), torch.ones(self.magnitudes)])
+        self.fitted = FittedLevels(bits)
 
     def _k(self, length: int) -> int:
         return max(1, min(length, math.floor(self.density * length + 0.5)))
@@ -364,10 +448,6 @@ class TopKCodec:
         """Exact payload size for ``numel`` values."""
         return sum(rows * self._chunk_bytes(length) for rows, length in self._chunk_lengths(numel))
 
-    def level_values(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """(rows, V) float32: the value each code decodes to, for grids (lo, hi) of shape (rows,)."""
-        return self._sign * (lo[:, None] + (hi - lo)[:, None] * self._grid)
-
     def _encode_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
         rows, length = chunks.shape
         k = self._k(length)
@@ -378,25 +458,16 @@ class TopKCodec:
         need = k - above.sum(dim=1, keepdim=True)
         keep = above | (tied & (tied.cumsum(dim=1) <= need))
         index = keep.nonzero()[:, 1].view(rows, k)  # row-major, so ascending inside each chunk
-        kept = chunks.gather(1, index)
-        grid = torch.stack(fit_grid(kept.abs(), self.magnitudes), dim=1)
-        grid = grid.clamp_(max=torch.finfo(torch.bfloat16).max).to(torch.bfloat16)
-        lo, hi = grid.to(torch.float32).unbind(1)
-        j = _grid_index(kept.abs(), lo, hi, self.magnitudes).to(torch.int32)
-        code = torch.where(kept >= 0, self.magnitudes + j, self.magnitudes - 1 - j)
+        grid, code = self.fitted.quantize(chunks.gather(1, index))
         stream = pack_rows([(index, TOPK_INDEX_BITS), (code, self.bits)])
         return torch.cat([to_le(grid).view(rows, 4), stream], dim=1)
 
     def _decode_chunks(self, data: torch.Tensor, length: int) -> torch.Tensor:
-        k = self._k(length)
-        lo, hi = from_le(data[:, :4].reshape(-1, 2), torch.bfloat16).view(-1, 2).to(torch.float32).unbind(1)
-        if not (bool(torch.isfinite(hi).all()) and bool((lo >= 0).all()) and bool((hi >= lo).all())):
-            raise ValueError("corrupt topk payload: a chunk's magnitudes must be finite with 0 <= lo <= hi")
-        index, code = unpack_rows(data[:, 4:], k, (TOPK_INDEX_BITS, self.bits))
+        index, code = unpack_rows(data[:, 4:], self._k(length), (TOPK_INDEX_BITS, self.bits))
+        kept = self.fitted.dequantize(data[:, :4], code, self.name)
         if int(index.max()) >= length or not bool((index[:, 1:] > index[:, :-1]).all()):
             raise ValueError("corrupt topk payload: chunk indices must ascend and stay inside the chunk")
-        out = torch.zeros(data.shape[0], length, dtype=torch.float32)
-        return out.scatter_(1, index, self.level_values(lo, hi).gather(1, code.long()))
+        return torch.zeros(data.shape[0], length, dtype=torch.float32).scatter_(1, index, kept)
 
     def encode(self, values: torch.Tensor) -> bytes:
         """Chunk by chunk: scale, then (index, level) records; see the module docstring."""
@@ -440,6 +511,8 @@ REGISTRY: dict[str, CodecEntry] = {e.name: e for e in (
                lambda d, b: BlockAbsmaxCodec("int8", bits=8, block=256)),
     CodecEntry("int4", "blocks of 128 values: one fp32 absmax scale, 4-bit codes in [−7, 7] (symmetric "
                        "blockwise absmax, not E3M0)", lambda d, b: BlockAbsmaxCodec("int4", bits=4, block=128)),
+    CodecEntry("int2", "blocks of 256 values: two bf16 magnitudes fitted to the block by least squares, and 2 bits "
+                       "per value: its sign and the nearer magnitude", lambda d, b: FittedBlockCodec(block=256, bits=2)),
     CodecEntry("sign", "blocks of 256 values: one bf16 scale, the block's mean magnitude (the scale with the least "
                        "squared error for those signs), and 1 bit per value, its sign",
                lambda d, b: BlockSignCodec(block=256)),
@@ -458,7 +531,7 @@ LOSSY_CODECS = tuple(n for n, e in REGISTRY.items() if e.build(0.02, 2).lossy)
 AUTO = "auto"
 """``--averaging.compression auto``: each round, the group picks one of ``--averaging.auto_codecs`` from the link
 it measured (:func:`choose_codec`)."""
-AUTO_CODECS = ("none", "fp16", "int8", "int4", "sign")
+AUTO_CODECS = ("none", "fp16", "int8", "int4", "int2", "sign")
 """What ``auto`` picks from by default, the most faithful first (the order of :data:`REGISTRY`; ``topk``, whose
 error depends on its density, is left out unless named)."""
 COMPRESSIONS = CODECS + (AUTO,)
@@ -482,7 +555,8 @@ def may_drop(compression: str) -> bool:
 def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> Codec:
     """The codec called ``name`` (one of :data:`CODECS`); the topk settings are validated for every name."""
     if name not in REGISTRY:
-        raise ValueError(unknown_codec(name) or f"{name} picks a codec each round (choose_codec), it is none")
+        raise ValueError(unknown_codec(name) or f"--averaging.compression {name} picks one of the codecs each round "
+                                                f"(choose_codec); make_codec takes one of {', '.join(CODECS)}")
     if (isinstance(topk_density, bool) or not isinstance(topk_density, (int, float))
             or not math.isfinite(topk_density) or not 0 < topk_density <= 1):
         raise ValueError(f"--averaging.topk_density must be a finite number in (0, 1], not {topk_density!r}")
@@ -492,7 +566,7 @@ def make_codec(name: str, *, topk_density: float = 0.02, topk_bits: int = 2) -> 
 
 
 def is_dense(codec: Codec) -> bool:
-    """Whether ``codec`` sends every value in blocks (none, fp16, int8, int4, sign), rather than a sparse choice
+    """Whether ``codec`` sends every value in blocks (none, fp16, int8, int4, int2, sign), rather than a sparse choice
     (topk)."""
     return getattr(codec, "block", 0) > 0
 

@@ -90,7 +90,7 @@ class AveragerSettings:
     state_download_timeout: float = 60.0
     """Seconds a joining island spends downloading the global state from a peer."""
     compression: str = "none"
-    """Wire format of pseudo-gradients: `none` (fp32), `fp16` (half precision), `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), with error feedback for the lossy ones (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers); or `auto`: each round the group picks the most faithful of `auto_codecs` whose bytes the link, as measured in earlier rounds, moves in the time overlap hides plus `diloco.max_comm_fraction` of the round (the fewest bytes until every member has measured its link); the error feedback carries across changes of codec."""
+    """Wire format of pseudo-gradients: `none` (fp32), `fp16` (half precision), `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `int2` (blocks of 256: a sign and one of two magnitudes fitted to the block, 2 bits a value), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), with error feedback for the lossy ones (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers); or `auto`: each round the group picks the most faithful of `auto_codecs` whose bytes the link, as measured in earlier rounds, moves in the time overlap hides plus `diloco.max_comm_fraction` of the round (the fewest bytes until every member has measured its link); the error feedback carries across changes of codec."""
     auto_codecs: list[str] = field(default_factory=lambda: list(AUTO_CODECS))
     """With `compression auto`: the codecs it may pick, the most faithful first."""
     topk_density: float = 0.02
@@ -98,7 +98,7 @@ class AveragerSettings:
     topk_bits: int = 2
     """Bits per value sent by the `topk` codec: 2 or 4."""
     error_feedback: bool = True
-    """With `fp16`, `int8`, `int4`, `sign` or `topk`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); see `owner_feedback` for what re-encoding an averaged part drops."""
+    """With `fp16`, `int8`, `int4`, `int2`, `sign`, `topk` or `auto`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); see `owner_feedback` for what re-encoding an averaged part drops."""
     error_feedback_decay: float = 1.0
     """β of the error feedback e ← β·e + Δ, in (0, 1] (SparseLoCo uses 0.95)."""
     error_feedback_in: str = "params"
