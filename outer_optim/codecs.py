@@ -340,6 +340,13 @@ def fit_grid(mag: torch.Tensor, m: int, iterations: int = 8) -> tuple[torch.Tens
     return lo.to(torch.float32), hi.to(torch.float32)
 
 
+def _row_groups(numel: int, size: int) -> list[tuple[int, int, int]]:
+    """(start, rows, length) groups of ``numel`` values cut into rows of ``size``: the full rows, then the
+    shorter last row if any (a block or chunk fitted to its own values)."""
+    full = numel // size
+    return [g for g in ((0, full, size), (full * size, 1, numel % size)) if g[1] and g[2]]
+
+
 class FittedLevels:
     """``bits``-bit codes of a sign and one of M = 2**bits/2 magnitudes equally spaced from lo to hi, lo and hi
     fitted to each row of values by least squares (:func:`fit_grid`) and rounded to bfloat16; code c < M decodes
@@ -390,18 +397,11 @@ class FittedBlockCodec:
         """Exact payload size for ``numel`` values."""
         return 4 * -(-numel // self.block) + -(-numel * self.fitted.bits // 8)
 
-    def _rows(self, numel: int) -> list[tuple[int, int, int]]:
-        """(start, rows, length): the full blocks as one group of rows, then the shorter last block if any."""
-        full = numel // self.block
-        return [(start, rows, length) for start, rows, length in ((0, full, self.block),
-                                                                  (full * self.block, 1, numel % self.block))
-                if rows and length]
-
     def encode(self, values: torch.Tensor) -> bytes:
         """Every block's grid, then every value's code; see the module docstring."""
         _check_values(values)
         grids, codes = [], []
-        for start, rows, length in self._rows(values.numel()):
+        for start, rows, length in _row_groups(values.numel(), self.block):
             grid, code = self.fitted.quantize(values[start:start + rows * length].view(rows, length))
             grids.append(to_bytes(to_le(grid)))
             codes.append(code.reshape(-1))
@@ -414,7 +414,7 @@ class FittedBlockCodec:
         nblocks = -(-numel // self.block)
         codes = _unpack_codes(data[4 * nblocks:], numel, self.fitted.bits)
         out, block = [], 0
-        for start, rows, length in self._rows(numel):
+        for start, rows, length in _row_groups(numel, self.block):
             grids = data[4 * block:4 * (block + rows)].view(rows, 4)
             out.append(self.fitted.dequantize(grids, codes[start:start + rows * length].view(rows, length),
                                               self.name).view(-1))
@@ -439,14 +439,9 @@ class TopKCodec:
     def _chunk_bytes(self, length: int) -> int:
         return 4 + (self._k(length) * (TOPK_INDEX_BITS + self.bits) + 7) // 8
 
-    def _chunk_lengths(self, numel: int) -> list[tuple[int, int]]:
-        """(number of chunks, chunk length) groups: the full chunks, then the shorter tail if any."""
-        groups = [(numel // TOPK_CHUNK, TOPK_CHUNK), (1, numel % TOPK_CHUNK)]
-        return [(rows, length) for rows, length in groups if rows and length]
-
     def nbytes(self, numel: int) -> int:
         """Exact payload size for ``numel`` values."""
-        return sum(rows * self._chunk_bytes(length) for rows, length in self._chunk_lengths(numel))
+        return sum(rows * self._chunk_bytes(length) for _, rows, length in _row_groups(numel, TOPK_CHUNK))
 
     def _encode_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
         rows, length = chunks.shape
@@ -472,18 +467,15 @@ class TopKCodec:
     def encode(self, values: torch.Tensor) -> bytes:
         """Chunk by chunk: scale, then (index, level) records; see the module docstring."""
         _check_values(values)
-        parts, start = [], 0
-        for rows, length in self._chunk_lengths(values.numel()):
-            parts.append(to_bytes(self._encode_chunks(values[start:start + rows * length].view(rows, length))))
-            start += rows * length
-        return b"".join(parts)
+        return b"".join(to_bytes(self._encode_chunks(values[start:start + rows * length].view(rows, length)))
+                        for start, rows, length in _row_groups(values.numel(), TOPK_CHUNK))
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """A new float32 tensor of ``numel`` values, zero where nothing was kept."""
         _check_payload(self, payload, numel)
         data = from_bytes(payload)
         parts, start = [], 0
-        for rows, length in self._chunk_lengths(numel):
+        for _, rows, length in _row_groups(numel, TOPK_CHUNK):
             size = rows * self._chunk_bytes(length)
             parts.append(self._decode_chunks(data[start:start + size].view(rows, -1), length).view(-1))
             start += size
