@@ -59,7 +59,9 @@ HOST_BYTES_PER_PARAM = 12
 MEMORY_HEADROOM = 0.9
 """Share of a GPU's memory a plan may fill (the allocator's fragmentation, NCCL buffers)."""
 H_CHOICES = (25, 50, 100, 250, 500, 1000)
-CODEC_CHOICES = AUTO_CODECS
+CODEC_CHOICES = tuple(c for c in AUTO_CODECS if c != "int2")
+"""The codecs the plan weighs: those whose loss it has a measurement of with AdamW inside the islands (``int2``
+was measured under Muon only, ``experiments/results/muon-compare/muon-int2``)."""
 OVERLAP_CHOICES = ("blocking", "delayed", "streaming")
 STREAMING_FRAGMENTS = 4
 
@@ -508,7 +510,10 @@ class LossModel:
         size = base / self.base[0][1] if self.base[0][1] else 1.0  # the H and islands terms shrink with size too
         h = self.per_doubling_h[0] * math.log2(H / 30)
         k = self.per_doubling_k * math.log2(max(islands, 2) / 2) * size
-        c, c_err = self.codec.get(codec, (0.0, 0.0))
+        if codec not in self.codec:
+            raise PlanError(f"the plan has no measured loss for --averaging.compression {codec}; it weighs "
+                            f"{', '.join(self.codec)}")
+        c, c_err = self.codec[codec]
         o, o_err = self.overlap.get(overlap, (0.0, 0.0))
         total = max(0.0, base + h + k + c + o)
         h_err = self.per_doubling_h[1] * abs(math.log2(H / 30))
