@@ -156,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--switch must be between 1 and --diloco.outer_steps − 1 ({cfg.diloco.outer_steps - 1}), "
                             f"got {args.switch}")
         codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-        problems += [p for c in codecs for p in config_load.apply(variant(cfg), {"averaging.compression": c})]
+        for c in codecs:
+            try:
+                variant(cfg, **{"averaging.compression": c})
+            except ConfigError as e:
+                problems += e.problems
         if problems:
             raise ConfigError(problems)
         ok, why = netns.available()

@@ -186,3 +186,28 @@ def test_markdown_table():
         markdown_table(["a", "b"], [[1]])
     with pytest.raises(ValueError):
         markdown_table(["a"], [[1]], align=["x"])
+
+
+def test_auto_codec_utilization_is_the_share_of_compute_between_round_records():
+    """``experiments auto-codec``: a round's wall-clock runs from the previous round's record; its stall is what it
+    did not train.  The first record opens the count (its round includes the start-up)."""
+    from experiments.auto_codec import utilization
+
+    records = [{"time": 100.0, "stall_seconds": 9.0}, {"time": 110.0, "stall_seconds": 1.0},
+               {"time": 130.0, "stall_seconds": 10.0}]
+    assert utilization(records) == pytest.approx(1 - 11 / 30)
+    assert math.isnan(utilization(records[:1]))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--switch", "9"], "--switch must be between 1 and --diloco.outer_steps"),
+    (["--slow", "fast"], "--fast/--slow"),
+    (["--codecs", "none,zip"], "--averaging.compression is 'zip' but must be one of"),
+])
+def test_auto_codec_refuses_bad_settings_in_one_line(tmp_path, capsys, args, words):
+    from experiments.auto_codec import main
+
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())  # refused before anything ran
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], err
