@@ -47,7 +47,7 @@ Decoding is elementwise (no reductions), so the same payload gives bit-identical
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -578,23 +578,22 @@ def exchange_factor(codec: Codec, group_size: int) -> float:
     return 2 * (n - 1) / n if reduce_scatters(codec, n) else float(n - 1)
 
 
-def choose_codec(names: Sequence[str], numels: Sequence[int], group_size: int,
-                 seconds_for: Callable[[float], float | None], budget: float, *, explore: bool = False,
-                 topk_density: float = 0.02, topk_bits: int = 2) -> str:
-    """``auto``'s pick for one round: the first (most faithful) of ``names`` whose bytes the link moves within
-    ``budget`` seconds, ``seconds_for(bytes each member sends)`` telling how long the group's slowest member
-    takes (None when some member has not measured its link yet).  The last of ``names`` (the fewest bytes) when
-    none fits, the budget is unknown (NaN) or the link is.  ``explore``: the links' figures are pessimistic
+def choose_codec(codecs: Mapping[str, Codec], numels: Sequence[int], group_size: int,
+                 seconds_for: Callable[[float], float | None], budget: float, *, explore: bool = False) -> str:
+    """``auto``'s pick for one round: the name of the first (most faithful) of ``codecs`` (by name, in order) whose
+    bytes the link moves within ``budget`` seconds, ``seconds_for(bytes each member sends)`` telling how long the
+    group's slowest member takes (None when some member has not measured its link yet).  The last (the fewest
+    bytes) when none fits, the budget is unknown (NaN) or the link is.  ``explore``: the links' figures are pessimistic
     (they could not tell latency from rate yet), so take the next codec up from what they allow, whose exchange
     tells the two apart.  ``numels``: the round's buckets; a function of its arguments only, so every member
     given the same figures picks the same codec."""
+    names = list(codecs)
     if not names:
         raise ValueError("auto needs at least one codec to pick from")
     if not budget == budget:
         return names[-1]
     fits = len(names) - 1
-    for i, name in enumerate(names):
-        codec = make_codec(name, topk_density=topk_density, topk_bits=topk_bits)
+    for i, codec in enumerate(codecs.values()):
         seconds = seconds_for(sum(codec.nbytes(n) for n in numels) * exchange_factor(codec, group_size))
         if seconds is None:
             return names[-1]

@@ -492,22 +492,23 @@ def test_auto_picks_the_most_faithful_codec_whose_bytes_fit_and_the_fewest_bytes
     from outer_optim.codecs import AUTO_CODECS, choose_codec, exchange_factor
 
     numels = [4096, 1000]
-    sent = {n: sum(make_codec(n).nbytes(k) for k in numels) * exchange_factor(make_codec(n), 2) for n in AUTO_CODECS}
+    codecs = {n: make_codec(n) for n in AUTO_CODECS}
+    sent = {n: sum(c.nbytes(k) for k in numels) * exchange_factor(c, 2) for n, c in codecs.items()}
     assert [sent[n] for n in AUTO_CODECS] == sorted((sent[n] for n in AUTO_CODECS), reverse=True)
     per_byte = 1e-6  # 1 MB/s, no latency
 
     def pick(budget: float) -> str:
-        return choose_codec(AUTO_CODECS, numels, 2, lambda b: b * per_byte, budget)
+        return choose_codec(codecs, numels, 2, lambda b: b * per_byte, budget)
 
     for name in AUTO_CODECS:  # each budget just fits one codec's bytes
         assert pick(sent[name] * per_byte) == name
     assert pick(sent["none"] * per_byte * 10) == "none"
     assert pick(sent["sign"] * per_byte / 2) == "sign"  # nothing fits: the fewest bytes
     assert pick(float("nan")) == "sign"  # no budget measured yet
-    assert choose_codec(AUTO_CODECS, numels, 2, lambda b: None, 1e9) == "sign"  # a member's link unmeasured
-    assert choose_codec(["int8", "int4"], numels, 2, lambda b: b * per_byte, 1e9) == "int8"
+    assert choose_codec(codecs, numels, 2, lambda b: None, 1e9) == "sign"  # a member's link unmeasured
+    assert choose_codec({n: codecs[n] for n in ("int8", "int4")}, numels, 2, lambda b: b * per_byte, 1e9) == "int8"
     # pessimistic figures (latency not yet told from rate): one codec up from what they allow, never past the first
-    explored = [choose_codec(AUTO_CODECS, numels, 2, lambda b: b * per_byte, sent[n] * per_byte, explore=True)
+    explored = [choose_codec(codecs, numels, 2, lambda b: b * per_byte, sent[n] * per_byte, explore=True)
                 for n in AUTO_CODECS]
     assert explored == ["none", "none", "fp16", "int8", "int4", "int2"]
     # 3 members of a dense codec reduce-scatter: 4/3 of a payload each rather than 2

@@ -517,9 +517,8 @@ class ShardedAverager:
         budget = min((b for b in (told(p, "hide_seconds") for p in peers) if b == b), default=float("nan"))
         numels = [self.layout.buckets[b].numel for b in (buckets if buckets is not None
                                                          else range(len(self.layout.buckets)))]
-        return choose_codec(list(self.codecs), numels, len(peers), lambda sent: group_seconds(links, sent), budget,
-                            explore=explore(links), topk_density=self.settings.topk_density,
-                            topk_bits=self.settings.topk_bits)
+        return choose_codec(self.codecs, numels, len(peers), lambda sent: group_seconds(links, sent), budget,
+                            explore=explore(links))
 
     # ------------------------------------------------------------------------- inside the island
     def _tell_ranks(self, kind: str, round_id: str, message: dict) -> None:
