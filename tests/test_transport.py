@@ -189,3 +189,26 @@ def test_a_rank_declines_the_parts_of_a_group_it_never_learned_of_back_to_their_
     sending.join(30)
     assert out and out[0].missing == out[0].declined == ["x"], out
     assert x.callers == {"a": a.endpoint}
+
+
+def test_a_member_whose_process_is_gone_ends_the_exchange_at_once_and_is_named_gone(transports):
+    """x took its place in the group, then died: nothing listens at its address any more.  a's part to it is
+    refused (not lost in a network) a few times in a row, so a stops waiting for x's part well before the
+    exchange's deadline and names x gone, not declined; a delivery to a live rank is still retried until its
+    deadline."""
+    from peers.wire.encoded import DirectChannel
+    from peers.wire.transport import GoneError, TransportError
+
+    a, x = transports("a", "run-key"), transports("x", "run-key")
+    ca = DirectChannel(a, 1 << 20)
+    ca.endpoints = {"x": x.endpoint}
+    x.close()
+    t0 = time.monotonic()
+    out = ca.exchange("rs.b0.0123456789abcdef.round.3", ["a", "x"], {"x": b"part"}, {"x": 4}, 60.0)
+    assert time.monotonic() - t0 < 30, "a waited for the dead member's part until its deadline"
+    assert out.missing == out.gone == ["x"] and out.declined == [], out
+    with pytest.raises(GoneError):
+        a.send(x.endpoint, "k", b"v", time.monotonic() + 60)
+    with pytest.raises(TransportError) as relayed:  # no rank to relay through: a deadline, never "gone"
+        a.send("lane:10.9.9.9:1", "k", b"v", time.monotonic() + 0.5)
+    assert not isinstance(relayed.value, GoneError)

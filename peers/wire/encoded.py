@@ -44,9 +44,9 @@ from outer_optim.codecs import Payload, reduce_scatters
 from outer_optim.tensors import all_finite
 from peers.discovery.membership import MemberCheck
 from peers.wire.deflate import pack, unpack, unpack_at_most
-from peers.wire.inbox import Inbox, LateAnswers
+from peers.wire.inbox import GONE, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
-from peers.wire.transport import Transport, TransportError
+from peers.wire.transport import GoneError, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ class Exchanged:
     """Members whose payload never came or had another size."""
     declined: list[str]
     """Those of them that declined (see :meth:`EncodedChannel.decline`)."""
+    gone: list[str]
+    """Those of them whose address refused our part: their process is gone (direct transport only)."""
     bytes_sent: int
     """Bytes sent on the wire (after entropy coding)."""
     bytes_received: int
@@ -154,7 +156,7 @@ class EncodedChannel:
         payloads = {p: unpack(got[p], expect[p]) for p in expect if p in got}
         ok = {p: b for p, b in payloads.items() if b is not None and len(b) == expect[p]}
         missing = [p for p in expect if p not in ok]
-        return Exchanged(ok, missing, [p for p in missing if p in got and not got[p]],
+        return Exchanged(ok, missing, [p for p in missing if p in got and not got[p]], [],
                          sum(len(b) for b in wire.values()), sum(len(got[p]) for p in ok))
 
     def decline(self, key: str, peers: Sequence[str], timeout: float) -> None:
@@ -235,9 +237,10 @@ class DirectChannel:
             got = self.box.wait_for(key, lambda received: all(p in received for p in expect), deadline)
         finally:
             self.box.release(key, drop=True)
-        ok = {p: got[p] for p in expect if p in got and len(got[p]) == expect[p]}
+        gone = [p for p in expect if got.get(p) is GONE]
+        ok = {p: got[p] for p in expect if p in got and p not in gone and len(got[p]) == expect[p]}
         missing = [p for p in expect if p not in ok]
-        return Exchanged(ok, missing, [p for p in missing if p in got and not len(got[p])],
+        return Exchanged(ok, missing, [p for p in missing if p in got and p not in gone and not len(got[p])], gone,
                          sum(len(b) for b in wire.values()), sum(len(got[p]) for p in ok))
 
     def decline(self, key: str, peers: Sequence[str], timeout: float) -> None:
@@ -268,6 +271,9 @@ class DirectChannel:
             if self.entropy_coding and len(payload):
                 extra["packed"] = True
             self.transport.send(endpoint, key, payload, time.monotonic() + timeout, extra or None)
+        except GoneError as e:  # it will not send its part either: the wait for it ends now, the round fails
+            log.info("%s", e)
+            self.box.put(key, peer, GONE)
         except TransportError as e:  # the member's wait ends by its timeout, the round fails
             log.debug("could not send our part of %s to %s: %s", key, peer, e)
 
@@ -287,6 +293,8 @@ class EncodedAverage:
     """Members whose part never came (or had another size)."""
     declined: list[str] = field(default_factory=list)
     """Those of them that declined, being alive outside the group."""
+    gone: list[str] = field(default_factory=list)
+    """Those of them whose address refused our part: their process is gone."""
     bytes_sent: int = 0
     bytes_received: int = 0
     carry: torch.Tensor | None = None
@@ -298,6 +306,8 @@ class EncodedAverage:
         reason = f"{len(self.missing)} of {group_size} island(s) did not send their encoded pseudo-gradient"
         if self.declined:
             reason += f" ({len(self.declined)} never learned of the group)"
+        if self.gone:
+            reason += f" ({len(self.gone)} gone: nothing listens at its address)"
         return reason, group_size - len(self.missing) + len(self.declined)
 
 
@@ -317,7 +327,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     it already (not decoded again)."""
     if not reduce_scatters(codec, len(peers)):
         gathered = channel.all_gather(key, me, peers, payload, timeout)
-        result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.bytes_sent,
+        result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.gone, gathered.bytes_sent,
                                 gathered.bytes_received, carry)
         if not result.missing:
             values = {p: sent if p == me and sent is not None else codec.decode(gathered.got[p], numel) for p in peers}
@@ -350,7 +360,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     # the stage goes first: the key must end with its round (:func:`peers.wire.round_keys.is_on_round`)
     scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
                                  timeout)
-    result = EncodedAverage(None, scattered.missing, scattered.declined, scattered.bytes_sent,
+    result = EncodedAverage(None, scattered.missing, scattered.declined, scattered.gone, scattered.bytes_sent,
                             scattered.bytes_received)
     if result.missing:
         return result
@@ -371,7 +381,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
             part.copy_(decoded)
     sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
     gathered = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
-    result.missing, result.declined = gathered.missing, gathered.declined
+    result.missing, result.declined, result.gone = gathered.missing, gathered.declined, gathered.gone
     result.bytes_sent += gathered.bytes_sent
     result.bytes_received += gathered.bytes_received
     if not result.missing:

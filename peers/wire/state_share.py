@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from peers.wire.exchange import BucketExchange
-from peers.wire.transport import Transport, TransportError
+from peers.wire.inbox import GONE
+from peers.wire.transport import GoneError, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ def download(transport: Transport, donors: list[str], buckets: Mapping[int, int]
             body = json.dumps({"bucket": b, "reply": keys[b], "reply_to": transport.endpoint}).encode()
             try:
                 transport.send(donor, f"{REQUEST}{keys[b]}", body, deadline)
+            except GoneError as e:  # it will never answer: the wait for its piece ends now
+                log.info("could not ask %s for state: %s", donor, e)
+                box.put(keys[b], donor, GONE)
             except TransportError as e:
                 log.info("could not ask %s for state: %s", donor, e)
 
@@ -126,8 +130,10 @@ def download(transport: Transport, donors: list[str], buckets: Mapping[int, int]
         steps: set = set()
         for b, numel in buckets.items():
             got = box.wait_for(keys[b], lambda m: len(m) >= len(donors), deadline)
-            if len(got) < len(donors):
-                return {}, f"{len(donors) - len(got)} of the donor island's {len(donors)} rank(s) did not answer"
+            gone = sum(v is GONE for v in got.values())
+            if len(got) < len(donors) or gone:
+                return {}, (f"{len(donors) - len(got) + gone} of the donor island's {len(donors)} rank(s) did not "
+                            f"answer" + (f" ({gone} gone: nothing listens at its address)" if gone else ""))
             pieces = [_piece(v) for v in got.values()]
             if any(p is None for p in pieces):
                 return {}, "a donor rank sent a malformed piece of state"

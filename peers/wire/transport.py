@@ -81,6 +81,16 @@ class RefusedError(TransportError):
     """The receiver refused the connection: the two sides hold different run keys, or encrypt differently."""
 
 
+class GoneError(TransportError):
+    """Nothing listens at the receiver's address any more: its machine refused :data:`GONE_AFTER` connections
+    in a row.  A live rank always listens, so its process is gone; waiting for it until the deadline would only
+    hold up the ranks that are still there."""
+
+
+GONE_AFTER = 3
+"""Connections refused in a row (the retries 0.2 s, then 0.4 s apart) after which a receiver counts as gone."""
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``"host:port"`` (or ``"lane:host:port"``, ``"host:port/slot"``) as (host, port)."""
     host, _, port = endpoint.removeprefix(LANE_PREFIX).partition("/")[0].rpartition(":")
@@ -419,7 +429,7 @@ class Transport:
         route = self._route(endpoint)
         if route == endpoint:
             self.reach([endpoint])
-        attempt = 0
+        attempt = refused = 0
         while True:
             hop, hop_extra = route, extra
             try:
@@ -450,6 +460,11 @@ class Transport:
                 raise RefusedError(f"{endpoint}: {e}") from None
             except OSError as e:
                 attempt += 1
+                # through a relay, a refusal is the relay's, not the receiver's
+                refused = refused + 1 if isinstance(e, ConnectionRefusedError) and route else 0
+                if refused >= GONE_AFTER:
+                    raise GoneError(f"could not deliver {key} to {endpoint}: nothing listens there any more "
+                                    f"({refused} connections refused in a row)") from None
                 if time.monotonic() >= deadline or self._closed.is_set():
                     raise TransportError(f"could not deliver {key} to {endpoint}: {e}") from None
                 self.stats.resent += 1
@@ -568,5 +583,5 @@ def tensor_bytes(t: Any) -> memoryview:
     return memoryview(t.contiguous().numpy()).cast("B")
 
 
-__all__ = ["Transport", "TransportError", "RefusedError", "Stats", "send_all", "parse_endpoint", "slot_of",
+__all__ = ["Transport", "TransportError", "RefusedError", "GoneError", "Stats", "send_all", "parse_endpoint", "slot_of",
            "tensor_bytes"]
