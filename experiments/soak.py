@@ -48,21 +48,27 @@ def current_round(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
-    """Rounds committed among rounds with no kill in flight, and the longest gap between two commits.
+def round_report(run_dirs: list[Path], kills: list[float], victims: list[int]) -> dict[str, float]:
+    """Rounds committed among rounds with no kill in flight, the longest gap between two commits, and the
+    longest an island of the run stood waiting in a round with a kill in flight (its ``stall_seconds``: what
+    members that will not come can cost the living, the wait for them and the round again without them).
 
     A round of an island spans from its previous round record to this one; it had a kill in flight
-    when any island was SIGKILLed within that span."""
+    when any island was SIGKILLed within that span (``kills[j]``, the time ``victims[j]`` was killed).  The
+    round a victim was killed in is not a wait of the living."""
     clean = clean_ok = retried = retried_ok = 0
+    waits: list[float] = []
     commits: list[float] = []
     spans: list[float] = []
-    for d in run_dirs:
+    for i, d in enumerate(run_dirs):
         rounds = [r for r in read_metrics(d) if "round_ok" in r]
         for prev, r in zip(rounds, rounds[1:]):
             spans.append(r["time"] - prev["time"])
             if not any(prev["time"] < k <= r["time"] for k in kills):
                 clean += 1
                 clean_ok += int(r["round_ok"])
+            elif not any(prev["time"] < k <= r["time"] and v == i for k, v in zip(kills, victims)):
+                waits.append(r.get("stall_seconds", 0.0))
         commits += [r["time"] for r in rounds if r["round_ok"]]
         retried += sum(r.get("retried", 0) for r in rounds)
         retried_ok += sum(r.get("retried", 0) * r["round_ok"] for r in rounds)
@@ -70,7 +76,9 @@ def round_report(run_dirs: list[Path], kills: list[float]) -> dict[str, float]:
     gap, gap_at = max(((b - a, a) for a, b in zip(commits, commits[1:])), default=(0.0, 0.0))
     round_s = statistics.median(spans) if spans else float("nan")
     return {"clean_rounds": clean, "clean_committed": clean_ok, "longest_gap_s": gap, "longest_gap_from": gap_at,
-            "round_s": round_s, "retried": retried, "retried_ok": retried_ok}
+            "round_s": round_s, "retried": retried, "retried_ok": retried_ok,
+            "longest_kill_wait_s": max(waits, default=0.0),
+            "median_kill_wait_s": statistics.median(waits) if waits else 0.0}
 
 
 def log_lines(log: Path, t0: float) -> list[tuple[float, str]]:
@@ -142,6 +150,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
     rng = random.Random(seed)
     kills = {i: 0 for i in range(islands)}
     kill_times: list[float] = []
+    victims: list[int] = []
     t0 = time.time()
     stop_at = cfg.diloco.outer_steps - max(6, int(2 * kill_every))  # leave rounds for the last victim to rejoin
     try:
@@ -164,6 +173,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
                 print(f"[{time.time() - t0:5.0f}s] round {leader}: SIGKILL island {victim}", flush=True)
                 cluster.kill(victim, signal.SIGKILL)
                 kill_times.append(time.time())
+                victims.append(victim)
                 kills[victim] += 1
                 time.sleep(rng.uniform(0.5, 3.0))
                 cluster.restart(victim, as_launched=True)
@@ -178,7 +188,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
         spread = cluster.theta_spread()
         finite = all(torch.isfinite(t).all() for d in cluster.run_dirs
                      for t in torch.load(d / "theta_global.pt", weights_only=True).values())
-        report = round_report(cluster.run_dirs, kill_times)
+        report = round_report(cluster.run_dirs, kill_times, victims)
         commits = sorted(r["time"] for d in cluster.run_dirs for r in read_metrics(d) if r.get("round_ok"))
         report["stall_s"], stall_from, stall_to = longest_stall(commits, [joined_intervals(log, t0)
                                                                           for log in cluster.logs])
@@ -208,6 +218,9 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
         f"({report['stall_s'] / report['round_s']:.1f} round lengths)",
         f"- rounds that lost a member mid-round and were averaged again by the islands left: {report['retried']} "
         f"({report['retried_ok']} of them committed)",
+        f"- the longest a living island stood waiting in a round with a kill in flight: "
+        f"{report['longest_kill_wait_s']:.1f} s ({report['longest_kill_wait_s'] / report['round_s']:.1f} round "
+        f"lengths; median of such rounds {report['median_kill_wait_s']:.1f} s)",
         f"- θ_global spread across islands at the end: {spread:.3g} (all finite: {finite})",
         f"- exit codes: {codes}; wall-clock: {time.time() - t0:.0f} s",
     ]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from experiments.soak import joined_intervals, longest_stall, stall_story
+from experiments.soak import joined_intervals, longest_stall, round_report, stall_story
 
 
 def test_the_longest_stall_counts_only_time_with_two_islands_in_the_run_and_says_what_they_logged(tmp_path):
@@ -29,3 +29,23 @@ def test_the_longest_stall_counts_only_time_with_two_islands_in_the_run_and_says
     story = stall_story(logs, t0, start, end)
     assert len(story) == 2 and story[0].startswith("   30s") and "averaging failed" in story[0]
     assert story[1].startswith("   35s") and "rolled back" in story[1]
+
+
+def test_a_kill_costs_the_living_the_stall_of_the_rounds_it_was_in_flight_for_not_the_victims_own(tmp_path):
+    """Island 1 is killed at t = 15 during its round; island 0's round spanning the kill stalled 4 s (waiting for it,
+    then averaging again without it), its other rounds 0.5 s; island 1's own round across its kill stalled 30 s (it
+    was restarting): that is no wait of the living."""
+    import json
+
+    rounds = {0: [(0, 0.5), (10, 0.5), (20, 4.0), (30, 0.5)], 1: [(0, 0.5), (10, 0.5), (45, 30.0), (55, 0.5)]}
+    dirs = []
+    for i, recs in rounds.items():
+        d = tmp_path / f"island{i}"
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"round_ok": 1, "outer_step": n + 1, "time": t,
+                                                              "stall_seconds": s}) + "\n"
+                                                  for n, (t, s) in enumerate(recs)))
+        dirs.append(d)
+    report = round_report(dirs, [15.0], [1])
+    assert report["longest_kill_wait_s"] == 4.0 and report["median_kill_wait_s"] == 4.0
+    assert report["clean_rounds"] == 4 and report["clean_committed"] == 4
