@@ -15,6 +15,7 @@ commands:
   plan-check  diloco plan's predictions against runs over emulated links (... plan-check --help)
   horizon   the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run (... horizon --help)
   auto-codec  --averaging.compression auto against fixed codecs over a link that slows down (... auto-codec --help)
+  frontier  held-out loss against bytes per inner optimizer and codec, over seeds, vs DDP (... frontier --help)
 """
 
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.horizon import main as run
     elif command == "auto-codec":
         from experiments.auto_codec import main as run
+    elif command == "frontier":
+        from experiments.frontier import main as run
     else:
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -88,14 +88,15 @@ COMPARE_DEFAULTS: dict[str, Any] = {
 def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, progress: bool = True,
                 latency_ms: float = 0.0, rtt_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0,
                 warm_start_steps: int = 0,
-                warm_start_lr: float | None = None, arms: list[str] = (), codecs: list[str] = ()) -> Path:
+                warm_start_lr: float | None = None, arms: list[str] = (), codecs: list[str] = (),
+                single: bool = True) -> Path:
     """Run single worker, synchronous baseline and DiLoCo (and the overlapped DiLoCo ``arms``, names of
     :data:`ARMS`, and the low-bit ``codecs``, names of :data:`CODEC_ARMS`); write the report; return ``results.md``.
 
     With ``warm_start_steps`` (and no ``checkpoint.init_from`` of the user's), all three start from the
     parameters one worker reached after that many steps at peak lr ``warm_start_lr`` (default: the inner
     lr), as the DiLoCo paper starts every run from a pretrained model; the report names the shared
-    starting point.
+    starting point.  ``single=False`` leaves the single worker (a) out (the frontier compares with DDP only).
     """
     from diloco.launch.baseline import run_baseline
     from experiments import netns
@@ -159,10 +160,11 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
             notes.append("start: every run starts from the same seeded random initialisation (no warm start)")
 
         # (a) one worker, plain AdamW
-        say("\n== (a) single worker ==", flush=True)
-        c_single = single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
-        out_single = launch_islands(c_single, 1, progress=progress)
-        single = diloco_result("single", "single", out_single)
+        one = None
+        if single:
+            say("\n== (a) single worker ==", flush=True)
+            c_single = single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
+            one = diloco_result("single", "single", launch_islands(c_single, 1, progress=progress))
 
         # (b) synchronous data parallelism over k workers
         say(f"\n== (b) synchronous data-parallel baseline, {islands} workers ==", flush=True)
@@ -203,7 +205,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         if network is not None:
             network.close()
 
-    results = [single, base, dl] + extra
+    results = [r for r in (one, base, dl) if r is not None] + extra
     if tx0 is not None:
         wire_base = max(b - a for a, b in zip(tx0, tx1))
         wire_dl = max(b - a for a, b in zip(tx1, tx2))
@@ -215,7 +217,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
                      f"each joining island); ratio {wire_base / max(wire_dl, 1):.1f}×")
         notes.append(counted_vs_link(base, [b - a for a, b in zip(tx0, tx1)]))
         notes.append(counted_vs_link(dl, [b - a for a, b in zip(tx1, tx2)]))
-    acc, checks = acceptance_lines(single, base, dl, H, capped)
+    acc, checks = acceptance_lines(one, base, dl, H, capped)
     model_lines = [wall_model_line(r, rate_bits) for r in results]
     overlapped = [r for r in extra if not r.name.startswith("diloco-codec-")]
     if overlapped:

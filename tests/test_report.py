@@ -211,3 +211,68 @@ def test_auto_codec_refuses_bad_settings_in_one_line(tmp_path, capsys, args, wor
     assert not any(tmp_path.iterdir())  # refused before anything ran
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], err
+
+
+def _compare_cell(out, optimizer: str, seed: int, losses: dict[str, float], k: int = 2, H: int = 20,
+                  rounds: int = 18) -> None:
+    """A compare run's results.json as run_compare writes it, in the frontier's cell of (optimizer, k, H, seed)."""
+    from experiments.frontier import cell_dir
+
+    names = {"single": "single", "DDP": f"baseline-ddp-{k}", "fp32": f"diloco-{k}x-H{H}"}
+    sizes = {"single": 0.0, "DDP": 1e9, "fp32": 1e9 / H, "int4": 1e9 / H / 8, "sign": 1e9 / H / 30}
+    runs = [{"name": names.get(arm, f"diloco-codec-{arm}"), "final_eval_loss": loss, "bytes_per_worker": sizes[arm]}
+            for arm, loss in losses.items()]
+    cell = cell_dir(out, optimizer, k, H, seed)
+    cell.mkdir(parents=True)
+    (cell / "results.json").write_text(json.dumps({
+        "runs": runs, "islands": k,
+        "config": {"seed": seed, "inner": {"optimizer": optimizer}, "diloco": {"inner_steps": H, "outer_steps": rounds}}}))
+
+
+def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
+    """``experiments frontier``: every cell found under OUT counts; an arm's gap is to the DDP of its own seed;
+    Muon is below AdamW beyond the spread only if every Muon seed is below every AdamW seed; the frontier goal asks
+    ≥ 1,000× fewer bytes than DDP within 1% on every seed."""
+    from experiments.frontier import collect, report
+
+    for seed, shift in ((0, 0.0), (1, 0.01), (2, -0.01)):
+        _compare_cell(tmp_path, "adamw", seed, {"single": 1.6, "DDP": 1.50 + shift, "fp32": 1.52 + shift,
+                                               "sign": 1.53 + shift})
+        _compare_cell(tmp_path, "muon", seed, {"single": 1.6, "DDP": 1.48 + shift, "fp32": 1.48 + shift,
+                                              "int4": 1.49 + shift, "sign": 1.50 + shift})
+    arms = {(a.optimizer, a.name): a for a in collect(tmp_path)}
+    assert set(arms) == {("adamw", "DDP"), ("adamw", "fp32"), ("adamw", "sign"), ("muon", "DDP"), ("muon", "fp32"),
+                         ("muon", "int4"), ("muon", "sign")}  # the single worker is no arm
+    sign = arms[("muon", "sign")]
+    assert sorted(sign.losses) == [0, 1, 2] and sign.reduction[0] == pytest.approx(600)
+    assert sign.gaps[1] == pytest.approx((1.51 - 1.49) / 1.49 * 100)
+    report(tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "Muon vs AdamW, fp32 DiLoCo, k=2, H=20, 3 seed(s)" in md
+    assert "below AdamW beyond the spread of the seeds" in md  # 1.47..1.49 against 1.51..1.53
+    assert "frontier goal (≥ 1,000× fewer bytes than DDP within 1% on every seed) not met" in md
+    assert "the most bytes saved within 1%: muon k=2 H=20 int4, 160×" in md  # sign is +1.35%
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # overlapping seeds are no verdict either way
+    _compare_cell(tmp_path / "close", "adamw", 0, {"DDP": 1.50, "fp32": 1.50})
+    _compare_cell(tmp_path / "close", "adamw", 1, {"DDP": 1.47, "fp32": 1.47})
+    _compare_cell(tmp_path / "close", "muon", 0, {"DDP": 1.49, "fp32": 1.49})
+    _compare_cell(tmp_path / "close", "muon", 1, {"DDP": 1.48, "fp32": 1.48})
+    report(tmp_path / "close")
+    assert "level with AdamW within the spread" in (tmp_path / "close" / "results.md").read_text()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seeds", "a,b"], "--seeds takes whole numbers"),
+    (["--optimizers", "sgd"], "--optimizers sgd is not a list of adamw, muon"),
+    (["--codecs", "zip"], "--codecs zip is not one of"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--report-only"], "--report-only found no finished cell under"),
+])
+def test_the_frontier_refuses_bad_settings_in_one_line(tmp_path, capsys, args, words):
+    from experiments.frontier import main
+
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], err
