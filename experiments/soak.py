@@ -238,7 +238,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
                 f"islands logged it\n\n```\n" + "\n".join(story or ["(no warnings)"]) + "\n```\n")
     (out / "results.md").write_text(f"# Soak\n\n`{command}`\n\n" + "\n".join(lines) + "\n" + story_md)
     (out / "results.json").write_text(json.dumps(json_safe(dict(
-        report, islands=rows, kill_times=[k - t0 for k in kill_times], spread=spread, exit_codes=codes,
+        report, islands=rows, kill_times=[k - t0 for k in kill_times], victims=victims, spread=spread, exit_codes=codes,
         command=command)), indent=1))
     plot_timeline(cluster.run_dirs, kill_times, t0, out / "timeline.png")
     print(f"results in {out}/ (results.md, results.json, timeline.png)")
