@@ -79,7 +79,9 @@ def key_proof(run_key: str, peer_id: str) -> str:
 
 
 def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) -> str:
-    """Publish this island's proof of the run key, then look (up to ``timeout`` s) for other islands'.
+    """Publish this island's proof of the run key, then look for other islands' (for 3 s and two reads of the
+    record, at most ``timeout`` s: proofs are stored for an hour, so an island of the run published its own long
+    before).
     Returns '' when another island proves the same key or none is there yet, and a sentence when
     islands of the run are there and none holds our key."""
     me = str(dht.peer_id)
@@ -87,10 +89,12 @@ def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) 
     deadline = time.monotonic() + timeout
     quiet_until = time.monotonic() + min(timeout, 3.0)
     foreign: set[str] = set()
+    reads = 0
     try:
         dht_store(dht, key, me, key_proof(run_key, me), get_dht_time() + 3600, timeout=timeout)
         while True:
             found = dht_get(dht, key, timeout=max(1.0, deadline - time.monotonic()))
+            reads += 1
             items = found.value if found is not None and isinstance(found.value, dict) else {}
             for subkey, item in items.items():
                 pid = str(subkey)
@@ -99,8 +103,8 @@ def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) 
                 if getattr(item, "value", None) == key_proof(run_key, pid):
                     return ""
                 foreign.add(pid)
-            if time.monotonic() > deadline or (not foreign and time.monotonic() > quiet_until):
-                break  # nobody else proved anything: a new run, or a network of bootstrap nodes only
+            if time.monotonic() > deadline or (time.monotonic() > quiet_until and (not foreign or reads >= 2)):
+                break  # nobody else proved anything (a new run, or bootstrap nodes only), or twice another key
             time.sleep(0.5)
     except DHTUnavailableError:
         return ""
