@@ -55,9 +55,12 @@ def _our_processes() -> int:
 
 def test_an_island_runs_the_same_processes_whatever_its_number_of_buckets(pair):
     """hivemind once ran one averager process per bucket (22 at 85M parameters); an island's rank now runs its
-    DHT (a process and its p2p daemon) and, on rank 0, one averager process, for 3 buckets as for 300."""
+    DHT (a process and its p2p daemon) and, on rank 0, one averager process, for 3 buckets as for 300.  Once shut
+    down, that process leaves no socket file behind (hivemind left its replica of the daemon's client open: one
+    file in /tmp per island run)."""
     dhts, made = pair
     before = _our_processes()
+    sockets = set(Path("/tmp").glob("hivemind-p2pclient-*.sock"))
     counts = []
     for buckets, prefix in ((3, "few"), (300, "many")):
         numel = 30_000
@@ -73,6 +76,7 @@ def test_an_island_runs_the_same_processes_whatever_its_number_of_buckets(pair):
         while _our_processes() > before and time.monotonic() < deadline:
             time.sleep(0.1)
     assert counts[0] == counts[1] == 1, counts  # the island's hivemind averager, whatever the buckets
+    assert set(Path("/tmp").glob("hivemind-p2pclient-*.sock")) - sockets == set()
 
 
 def test_a_part_whose_connection_fails_is_sent_again_alone_and_the_round_stays_exact(pair):

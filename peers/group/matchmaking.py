@@ -44,6 +44,8 @@ class _PseudoGradientAverager(hivemind.DecentralizedAverager):
             await super()._shutdown(timeout)
         except OSError as e:  # Ctrl-C reached its p2p daemon too: nothing is left to unregister from
             log.debug("averager shutdown: p2p daemon already gone (%r)", e)
+        finally:  # hivemind leaves its replica of the daemon open, and the replica's socket file in /tmp
+            await self._p2p.shutdown()
 
     async def _is_member(self, remote_id: PeerID) -> bool:
         """Runs in the averager process: is the calling peer registered in the run?"""
