@@ -68,4 +68,39 @@ def is_running(pid: int) -> bool:
     return stat is not None and stat.state != "Z"
 
 
-__all__ = ["ProcStat", "read_stat", "process_table", "descendants", "is_running"]
+def process_sockets(pids: list[int]) -> set[int]:
+    """Inodes of the sockets the processes ``pids`` hold."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # the process exited meanwhile
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile (the listing's own descriptor is one)
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def socket_files(pids: list[int], under: str = "/tmp/") -> set[str]:
+    """Paths under ``under`` of the Unix sockets that the processes ``pids`` hold (bound or connected), from
+    ``/proc/net/unix``: what a process killed with SIGKILL leaves on disk (hivemind's daemon and clients)."""
+    inodes = {str(i) for i in process_sockets(pids)}
+    out = set()
+    try:
+        with open("/proc/net/unix") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith(under):
+                    out.add(fields[7])
+    except OSError:
+        pass
+    return out
+
+
+__all__ = ["ProcStat", "read_stat", "process_table", "descendants", "is_running", "process_sockets", "socket_files"]

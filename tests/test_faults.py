@@ -12,6 +12,7 @@ import math
 import os
 import re
 import signal
+from pathlib import Path
 
 from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import Cluster
@@ -49,16 +50,20 @@ def _assert_in_sync(cluster: Cluster, islands: list[int]) -> list[dict]:
 
 def _killed_and_resumed(cluster: Cluster, victim: int) -> list[dict]:
     """Start the cluster, wait for ``victim``'s scripted SIGKILL, restart it with --resume, wait for the end
-    and return the summaries (after checking every island ended with the same finite θ_global)."""
+    and return the summaries (after checking every island ended with the same finite θ_global, and that the kill
+    left no socket file of hivemind's behind: the launcher removes them)."""
+    files = set(Path("/tmp").glob("hivemind-*.sock"))
     try:
         cluster.start_all()
         _wait_for(lambda: not cluster.alive(victim), 90)
         assert cluster.procs[victim].returncode == -signal.SIGKILL
         cluster.restart(victim, env={"DILOCO_FAULTS": ""})
         cluster.wait(timeout=240)
-        return _assert_in_sync(cluster, list(range(len(cluster.procs))))
+        summaries = _assert_in_sync(cluster, list(range(len(cluster.procs))))
     finally:
         cluster.stop_all()
+    assert set(Path("/tmp").glob("hivemind-*.sock")) - files == set()
+    return summaries
 
 
 # a kill during the inner steps is that of the first-island and partition tests; during matchmaking, that

@@ -5,7 +5,8 @@ import socket
 import subprocess
 import sys
 
-from peers.wire.counters import WireCounter, daemons, process_sockets
+from peers.proctable import process_sockets, socket_files
+from peers.wire.counters import WireCounter, daemons
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -53,3 +54,21 @@ def test_finds_daemons_by_name_among_descendants_and_their_sockets():
         child.stdin.close()
         child.wait(timeout=10)
         subprocess.run(["kill", str(grandchild)], check=False)
+
+
+def test_the_socket_files_of_processes_are_found_to_be_removed_after_a_sigkill(tmp_path):
+    """A process killed with SIGKILL leaves the files of the Unix sockets it bound (hivemind's daemon and its
+    clients put theirs in /tmp): the launcher finds them by the process's descriptors before the kill."""
+    path = tmp_path / "daemon.sock"
+    child = subprocess.Popen([sys.executable, "-c", "import socket, sys\n"
+                              f"s = socket.socket(socket.AF_UNIX); s.bind({str(path)!r}); s.listen()\n"
+                              "print('ready', flush=True)\n"
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert socket_files([child.pid], under=str(tmp_path)) == {str(path)}
+        assert socket_files([os.getpid()], under=str(tmp_path)) == set()
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert path.exists()  # SIGKILL left it behind: the launcher removes what it found

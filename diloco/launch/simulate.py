@@ -30,7 +30,7 @@ from diloco.engine.metrics import read_metrics
 from diloco.engine.peer_node import IDENTITY
 from peers.discovery.dht import peer_id_of
 from peers.discovery.run_key import new_run_key
-from peers.proctable import descendants
+from peers.proctable import descendants, process_table, socket_files
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""
@@ -222,7 +222,12 @@ class Cluster:
         if i in self.procs:
             proc = self.procs[i]
             # a torchrun island's ranks run in sessions of their own, with their helpers (p2pd, DHT)
-            workers = descendants(proc.pid) if self.island_size(i) > 1 and proc.poll() is None else {}
+            tree = descendants(proc.pid) if proc.poll() is None else {}
+            workers = tree if self.island_size(i) > 1 else {}
+            # what the kill leaves on disk: the socket files of hivemind's daemons and their clients (of the
+            # island's session too: helpers outlive a main process that a scripted fault killed)
+            leftovers = socket_files([proc.pid, *tree, *(pid for pid, st in process_table().items()
+                                                           if st.pgid == proc.pid)]) if sig == signal.SIGKILL else set()
             try:
                 if sig == signal.SIGKILL:
                     os.killpg(proc.pid, sig)
@@ -242,6 +247,8 @@ class Cluster:
                     except (ProcessLookupError, PermissionError):
                         pass
                 proc.wait()
+                for path in leftovers:
+                    Path(path).unlink(missing_ok=True)
 
     def restart(self, i: int, env: dict[str, str] | None = None, as_launched: bool = False) -> subprocess.Popen:
         """Start island ``i`` again with ``--resume``: with exactly the command it was launched with

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peers.proctable import descendants
+from peers.proctable import descendants, process_sockets
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -95,24 +95,6 @@ def daemons(root: int, name: str = "p2pd") -> list[int]:
     """Processes called ``name`` among the descendants of ``root`` (from every process's parent in ``/proc``:
     the kernel's lists of children can miss some while other processes start and exit)."""
     return sorted(pid for pid, stat in descendants(root).items() if stat.name == name)
-
-
-def process_sockets(pids: list[int]) -> set[int]:
-    """Inodes of the sockets the processes ``pids`` hold."""
-    inodes: set[int] = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue  # the process exited meanwhile
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue  # closed meanwhile (the listing's own descriptor is one)
-            if target.startswith("socket:["):
-                inodes.add(int(target[8:-1]))
-    return inodes
 
 
 class WireCounter:
