@@ -148,9 +148,11 @@ def verdicts(arms: list[Arm]) -> list[str]:
             verdict = "above AdamW beyond the spread of the seeds"
         else:
             verdict = "level with AdamW within the spread of the seeds (the ranges overlap)"
+        paired = ", ".join(f"{(x - y) / y * 100:+.2f}%" for x, y in zip(m, a))
         lines.append(f"Muon vs AdamW, fp32 DiLoCo, k={k}, H={H}, {len(common)} seed(s): Muon "
                      f"{statistics.mean(m):.4f} [{min(m):.4f}, {max(m):.4f}], AdamW {statistics.mean(a):.4f} "
-                     f"[{min(a):.4f}, {max(a):.4f}]: {verdict}")
+                     f"[{min(a):.4f}, {max(a):.4f}]: {verdict}; seed by seed (seeds {','.join(map(str, common))}) "
+                     f"Muon {paired}")
     within = [a for a in arms if a.name != DDP and max(a.gaps.values()) <= LOSS_GOAL]
     goal = [a for a in within if min(a.reduction.values()) >= BYTES_GOAL]
     if goal:
@@ -168,7 +170,8 @@ def verdicts(arms: list[Arm]) -> list[str]:
 
 def plot(arms: list[Arm], path: Path) -> None:
     """Left: held-out loss against bytes per worker; right: the gap to DDP against the bytes saved, with the goal's
-    corner shaded.  Points at the mean over the seeds, bars from the lowest to the highest."""
+    corner shaded.  Points at the mean over the seeds, bars from the lowest to the highest; the groups (optimizer,
+    k, H) a little apart on the bytes axis, so that the bars of arms with equal bytes do not cover each other."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -178,8 +181,9 @@ def plot(arms: list[Arm], path: Path) -> None:
     groups = list(dict.fromkeys(a.group for a in arms))
     for a in arms:
         color = f"C{groups.index(a.group) % 10}"
-        x = statistics.mean(a.bytes.values())
-        for ax, xs, ys in ((left, x, a.losses), (right, statistics.mean(a.reduction.values()), a.gaps)):
+        dodge = 1.06 ** (groups.index(a.group) - (len(groups) - 1) / 2)  # groups side by side at equal bytes
+        x = statistics.mean(a.bytes.values()) * dodge
+        for ax, xs, ys in ((left, x, a.losses), (right, statistics.mean(a.reduction.values()) * dodge, a.gaps)):
             if ax is right and a.name == DDP:
                 continue
             v = list(ys.values())
