@@ -5,10 +5,10 @@ inner optimizer, seed and tokens::
     python -m experiments frontier [--islands 2,4] [--inner-steps 20,50] [--optimizers adamw,muon]
         [--seeds 0,1,2] [--rounds 18] [--codecs CODEC,...] [--rate 20mbit] [--out DIR] [--section.key VALUE ...]
 
-A cell of the grid is one (k islands, H, inner optimizer, seed): one ``compare`` run
-(:func:`experiments.compare.run_compare`, without its single worker: DDP, fp32 DiLoCo and the codec arms of that
-optimizer, :data:`CODECS`) in ``OUT/<optimizer>-k<k>-H<H>/seed<seed>/``.  Every cell of a seed starts from that seed's one
-warm start (``OUT/warm-start/seed<seed>/``: AdamW, as compare's), so the optimizers differ from their first step
+A cell of the grid is one (k islands, H, inner optimizer, seed, codec arms): one ``compare`` run
+(:func:`experiments.compare.run_compare`, without its single worker: DDP, fp32 DiLoCo and the codec arms, by
+default those of :data:`CODECS`) in ``OUT/<optimizer>-k<k>-H<H>/seed<seed>[-<codec>...]/``.  Every cell of a
+seed starts from that seed's one warm start (``OUT/warm-start/seed<seed>/``: AdamW, as compare's), so the optimizers differ from their first step
 only.  A cell whose ``results.json`` exists is read, not run again: the grid runs slice by slice (a seed, an
 optimizer, a k or an H at a time, over days), and every command reports the whole frontier found under ``OUT``:
 ``results.md`` (each arm's bytes against DDP's, held-out loss over the seeds, and its gap to the DDP of the same
@@ -25,7 +25,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
@@ -72,9 +72,10 @@ class Arm:
         return f"{self.optimizer} k={self.islands} H={self.inner_steps}"
 
 
-def cell_dir(out: Path, optimizer: str, islands: int, inner_steps: int, seed: int) -> Path:
-    """Where one cell's compare run writes its report."""
-    return out / f"{optimizer}-k{islands}-H{inner_steps}" / f"seed{seed}"
+def cell_dir(out: Path, optimizer: str, islands: int, inner_steps: int, seed: int, codecs: Sequence[str] = ()) -> Path:
+    """Where one cell's compare run writes its report: named by its codec arms too, so that a slice of other
+    codecs is a cell of its own beside one already run (each runs its own DDP and fp32 DiLoCo)."""
+    return out / f"{optimizer}-k{islands}-H{inner_steps}" / "-".join([f"seed{seed}", *codecs])
 
 
 def arm_name(run_name: str, islands: int, inner_steps: int) -> str | None:
@@ -88,7 +89,8 @@ def arm_name(run_name: str, islands: int, inner_steps: int) -> str | None:
 
 def collect(out: Path) -> list[Arm]:
     """Every arm of every cell found under ``out`` (see :func:`cell_dir`), its seeds gathered; arms in the order
-    optimizer, k, H, then DDP, fp32 and the codecs by bytes."""
+    optimizer, k, H, then DDP, fp32 and the codecs by bytes.  A seed's DDP and fp32 DiLoCo run again in each of its
+    cells (one per set of codec arms): the last cell read counts, and each codec's gap is to its own cell's DDP."""
     arms: dict[tuple[str, int, int, str], Arm] = {}
     for path in sorted(out.glob("*-k*-H*/seed*/results.json")):
         data = json.loads(path.read_text())
@@ -233,7 +235,8 @@ def run_grid(cfg: Config, out: Path, islands: list[int], inner_steps: list[int],
         for k in islands:
             for H in inner_steps:
                 for opt in optimizers:
-                    cell = cell_dir(out, opt, k, H, seed)
+                    arms = list(codecs if codecs is not None else CODECS[opt])
+                    cell = cell_dir(out, opt, k, H, seed, arms)
                     if (cell / "results.json").exists():
                         print(f"frontier: {cell} is done; kept", flush=True)
                         continue
@@ -244,8 +247,7 @@ def run_grid(cfg: Config, out: Path, islands: list[int], inner_steps: list[int],
                     if init is not None:
                         items["checkpoint.init_from"] = str(init)
                     print(f"\nfrontier: cell {opt}, k={k}, H={H}, seed {seed} → {cell}", flush=True)
-                    run_compare(variant(cfg, **items), k, rate, cell, **link,
-                                codecs=list(codecs if codecs is not None else CODECS[opt]), single=False)
+                    run_compare(variant(cfg, **items), k, rate, cell, **link, codecs=arms, single=False)
 
 
 def _warm_start(cfg: Config, seed: int, run_dir: Path, steps: int, lr: float) -> Path:

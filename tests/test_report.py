@@ -214,7 +214,7 @@ def test_auto_codec_refuses_bad_settings_in_one_line(tmp_path, capsys, args, wor
 
 
 def _compare_cell(out, optimizer: str, seed: int, losses: dict[str, float], k: int = 2, H: int = 20,
-                  rounds: int = 18) -> None:
+                  rounds: int = 18, codecs: tuple[str, ...] = ()) -> None:
     """A compare run's results.json as run_compare writes it, in the frontier's cell of (optimizer, k, H, seed)."""
     from experiments.frontier import cell_dir
 
@@ -222,7 +222,7 @@ def _compare_cell(out, optimizer: str, seed: int, losses: dict[str, float], k: i
     sizes = {"single": 0.0, "DDP": 1e9, "fp32": 1e9 / H, "int4": 1e9 / H / 8, "sign": 1e9 / H / 30}
     runs = [{"name": names.get(arm, f"diloco-codec-{arm}"), "final_eval_loss": loss, "bytes_per_worker": sizes[arm]}
             for arm, loss in losses.items()]
-    cell = cell_dir(out, optimizer, k, H, seed)
+    cell = cell_dir(out, optimizer, k, H, seed, codecs)
     cell.mkdir(parents=True)
     (cell / "results.json").write_text(json.dumps({
         "runs": runs, "islands": k,
@@ -239,7 +239,10 @@ def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
         _compare_cell(tmp_path, "adamw", seed, {"single": 1.6, "DDP": 1.50 + shift, "fp32": 1.52 + shift,
                                                "sign": 1.53 + shift})
         _compare_cell(tmp_path, "muon", seed, {"single": 1.6, "DDP": 1.48 + shift, "fp32": 1.48 + shift,
-                                              "int4": 1.49 + shift, "sign": 1.50 + shift})
+                                              "int4": 1.49 + shift})
+        # a later slice of other codecs: a cell of its own, with its own DDP and fp32 DiLoCo
+        _compare_cell(tmp_path, "muon", seed, {"DDP": 1.48 + shift, "fp32": 1.48 + shift, "sign": 1.50 + shift},
+                      codecs=("sign",))
     arms = {(a.optimizer, a.name): a for a in collect(tmp_path)}
     assert set(arms) == {("adamw", "DDP"), ("adamw", "fp32"), ("adamw", "sign"), ("muon", "DDP"), ("muon", "fp32"),
                          ("muon", "int4"), ("muon", "sign")}  # the single worker is no arm
