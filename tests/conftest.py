@@ -15,6 +15,9 @@ os.environ["DILOCO_TEST_SESSION"] = SESSION_MARK.split("=", 1)[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+# islands of one process fork from a warm interpreter (diloco/launch/warm.py): 5 s less CPU each; the tests
+# that launch as users do set it to 0
+os.environ.setdefault("DILOCO_WARM_ISLANDS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

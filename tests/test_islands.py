@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 from diloco.launch.simulate import Cluster, simulate
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, wait_until
 
 
-def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
+def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons, monkeypatch):
+    monkeypatch.setenv("DILOCO_WARM_ISLANDS", "0")  # islands started cold, as users start them
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2,
         "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0,
@@ -31,6 +32,27 @@ def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
     assert result["theta_global_max_abs_diff"] < 1e-5
     # all islands evaluate the same θ_global on the same held-out batches
     assert len({round(s["eval_loss_end"], 6) for s in islands}) == 1  # evaluated on the same θ_global
+
+
+def test_an_island_forked_warm_is_the_island_started_cold(tmp_path, monkeypatch):
+    """The suite forks its islands from a warm interpreter (DILOCO_WARM_ISLANDS=1): such an island trains to
+    the same θ_global as one started cold, in a session of its own, with the environment it was given (a
+    scripted kill is obeyed and reported as a SIGKILL), and its output in its log."""
+    runs = {}
+    for how in ("cold", "warm", "killed"):
+        monkeypatch.setenv("DILOCO_WARM_ISLANDS", "0" if how == "cold" else "1")
+        cluster = Cluster(tiny_config(tmp_path / how, **{"diloco.outer_steps": 2}), 1,
+                          env={0: {"DILOCO_FAULTS": "kill@inner:2" if how == "killed" else ""}})
+        proc = cluster.start(0)
+        if how != "cold":
+            assert wait_until(lambda: os.getsid(proc.pid) == proc.pid == os.getpgid(proc.pid), 10)
+        cluster.wait(timeout=120, allow_failures=how == "killed")
+        runs[how] = cluster
+    assert runs["killed"].procs[0].returncode == -signal.SIGKILL
+    cold, warm = (runs[h].summaries()[0] for h in ("cold", "warm"))
+    assert warm["rounds_ok"] == cold["rounds_ok"] == 2
+    assert warm["theta_checksum"] == cold["theta_checksum"]
+    assert "round 2/2 ok" in runs["warm"].logs[0].read_text()
 
 
 def test_islands_meet_through_a_standalone_bootstrap_node(tmp_path, no_leaked_daemons):

@@ -28,6 +28,7 @@ import torch
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
 from diloco.engine.peer_node import IDENTITY
+from diloco.launch import warm
 from peers.discovery.dht import peer_id_of
 from peers.discovery.run_key import new_run_key
 from peers.proctable import descendants, process_table, socket_files
@@ -128,7 +129,7 @@ class Cluster:
         self.logs = [d / "train.log" for d in self.run_dirs]
         self.wrap = wrap
         self.env = env or {}
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | warm.WarmProcess] = {}
         self.restarts = 0
         self.gpus = gpu_assignment([self.island_size(i) for i in range(n)],
                                    visible_gpus() if cfg.device != "cpu" else [], cfg.device, share_gpus)
@@ -137,8 +138,9 @@ class Cluster:
                 (d / stale).unlink(missing_ok=True)
 
     def start(self, i: int, extra_args: list[str] = (), env: dict[str, str] | None = None,
-              append_log: bool = False) -> subprocess.Popen:
-        """Start island ``i`` (its config is written next to its log)."""
+              append_log: bool = False) -> subprocess.Popen | warm.WarmProcess:
+        """Start island ``i`` (its config is written next to its log); forked warm where
+        :func:`diloco.launch.warm.enabled` and the island is one process with its command line unwrapped."""
         d = self.configs[i]
         self.run_dirs[i].mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dirs[i] / "config.toml"
@@ -156,6 +158,9 @@ class Cluster:
             cmd = self.wrap(cmd, i)
         full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1", **parallel_env,
                     **self.env.get(i, {}), **(env or {})}
+        if warm.enabled() and size == 1 and self.wrap is None:
+            self.procs[i] = warm.start(cmd[3:], full_env, self.logs[i], append_log)
+            return self.procs[i]
         log = open(self.logs[i], "a" if append_log else "w")
         self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                          start_new_session=True)
@@ -250,7 +255,8 @@ class Cluster:
                 for path in leftovers:
                     Path(path).unlink(missing_ok=True)
 
-    def restart(self, i: int, env: dict[str, str] | None = None, as_launched: bool = False) -> subprocess.Popen:
+    def restart(self, i: int, env: dict[str, str] | None = None,
+                as_launched: bool = False) -> subprocess.Popen | warm.WarmProcess:
         """Start island ``i`` again with ``--resume``: with exactly the command it was launched with
         (``as_launched``, as a user would), or joining through any live island."""
         self.kill(i)
