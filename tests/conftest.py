@@ -100,7 +100,8 @@ def real_failures(summary: dict) -> list[str]:
 
 
 def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0) -> Path:
-    """Run ``diloco train`` with ``cfg`` under torchrun (``nproc`` gloo processes, one thread each) and return its
+    """Run ``diloco train`` with ``cfg`` under torchrun, or its warm stand-in (``nproc`` gloo processes, one thread
+    each), and return its
     log; the whole process tree is killed if it outlives ``timeout``.  Fails with the log's tail unless it exits 0."""
     import signal
     import sys
@@ -108,16 +109,20 @@ def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0)
     import tomli_w
 
     from diloco.config import to_dict
+    from diloco.launch import warm
     from peers.proctable import descendants
 
     path = where / f"config-{nproc}-{len(list(where.glob('config-*.toml')))}.toml"
     path.write_text(tomli_w.dumps(to_dict(cfg)))
     log = path.with_suffix(".log")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                                 "--nproc-per-node", str(nproc), "-m", "diloco.cli", "train", "--config", str(path)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    if warm.enabled():
+        proc = warm.start_group(["train", "--config", str(path)], nproc, env, log)
+    else:
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                                     "--nproc-per-node", str(nproc), "-m", "diloco.cli", "train", "--config",
+                                     str(path)], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         proc.wait(timeout=timeout)
     finally:

@@ -6,21 +6,25 @@ they have."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
+import tomli_w
 import torch
 
 from diloco import cli
-from diloco.config import ConfigError
+from diloco.config import ConfigError, to_dict
 from diloco.config.loader import load
 from diloco.engine.island import Island
 from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import Cluster, SimulationError, simulate, theta_spread
 from peers.discovery.dht import visible_maddrs
 from peers.discovery.membership import Membership
+from peers.proctable import process_table
 from tests.conftest import assert_joined, real_failures, tiny_config, torchrun_train
 
 RUN_TIMEOUT_S = 240
@@ -75,7 +79,9 @@ def test_islands_of_three_shapes_end_with_the_same_theta(tmp_path, no_leaked_dae
 
 
 @pytest.mark.parametrize("overlap", ["none", "eager"])
-def test_two_tp2_islands_in_one_torch_world_average_with_torch_all_reduce(tmp_path, overlap):
+def test_two_tp2_islands_in_one_torch_world_average_with_torch_all_reduce(tmp_path, overlap, monkeypatch):
+    if overlap == "none":  # under torchrun itself, as users launch it; the suite's other groups start warm
+        monkeypatch.setenv("DILOCO_WARM_ISLANDS", "0")
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "torch", "averaging.min_group_size": 2, "averaging.bucket_numel": 15_000,
         "parallel.tp": 2, "diloco.outer_steps": 2, "diloco.inner_steps": 3, "diloco.overlap": overlap,
@@ -88,6 +94,23 @@ def test_two_tp2_islands_in_one_torch_world_average_with_torch_all_reduce(tmp_pa
     assert theta_spread([d / "theta_global.pt" for d in dirs]) < 1e-6
     rounds = [r for r in read_metrics(dirs[1]) if "round_ok" in r]
     assert [r["averaging_backend"] for r in rounds] == ["torch", "torch"]
+
+
+def test_a_warm_group_whose_rank_dies_ends_as_torchrun_would(tmp_path):
+    """The suite's stand-in for torchrun (diloco/launch/warm.py) ends the other ranks when one dies and exits
+    non-zero, leaving no rank behind."""
+    from diloco.launch import warm
+
+    cfg = tiny_config(tmp_path, **{"parallel.tp": 2, "diloco.outer_steps": 3})
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps(to_dict(cfg)))
+    group = warm.start_group(["train", "--config", str(path)], 2,
+                             {**os.environ, "DILOCO_FAULTS": "kill@inner:2", "OMP_NUM_THREADS": "1"}, tmp_path / "log")
+    assert group.wait(timeout=RUN_TIMEOUT_S) == 1
+    log = (tmp_path / "log").read_text()
+    assert "rank exited with code -9" in log
+    ranks = [int(pid) for pid in re.search(r"\[warm agent\] ranks ([\d ]+)", log)[1].split()]
+    assert len(ranks) == 2 and not set(ranks) & set(process_table())
 
 
 def test_late_joiner_downloads_theta_bucket_by_bucket_over_the_transport(tmp_path, no_leaked_daemons):

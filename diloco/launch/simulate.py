@@ -140,7 +140,7 @@ class Cluster:
     def start(self, i: int, extra_args: list[str] = (), env: dict[str, str] | None = None,
               append_log: bool = False) -> subprocess.Popen | warm.WarmProcess:
         """Start island ``i`` (its config is written next to its log); forked warm where
-        :func:`diloco.launch.warm.enabled` and the island is one process with its command line unwrapped."""
+        :func:`diloco.launch.warm.enabled` and its command line is not wrapped."""
         d = self.configs[i]
         self.run_dirs[i].mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dirs[i] / "config.toml"
@@ -158,8 +158,10 @@ class Cluster:
             cmd = self.wrap(cmd, i)
         full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1", **parallel_env,
                     **self.env.get(i, {}), **(env or {})}
-        if warm.enabled() and size == 1 and self.wrap is None:
-            self.procs[i] = warm.start(cmd[3:], full_env, self.logs[i], append_log)
+        if warm.enabled() and self.wrap is None:
+            argv = ["train", "--config", str(cfg_path), *extra_args]
+            self.procs[i] = (warm.start(argv, full_env, self.logs[i], append_log) if size == 1 else
+                             warm.start_group(argv, size, full_env, self.logs[i], append_log))
             return self.procs[i]
         log = open(self.logs[i], "a" if append_log else "w")
         self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,

@@ -7,9 +7,14 @@ suite, above all: restarts after scripted kills, dozens of short runs) the impor
 
 :func:`start` forks the island from multiprocessing's fork server, which imported all of that once, and
 runs the same ``diloco.cli.main(argv)`` the console command runs, in a session of its own, with the given
-environment and its output in the given log: to the island it is the same process.  What it cannot be is an
-island of several ranks (torchrun starts those) or one whose command line is wrapped (a network namespace,
-a CPU cgroup): :class:`~diloco.launch.simulate.Cluster` starts those cold.
+environment and its output in the given log: to the island it is the same process.  :func:`start_group`
+stands in for ``torchrun --standalone --nproc-per-node N``: a forked agent in a session of its own forks the N
+ranks (each in a session of its own, with torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... set), ends
+them all when one fails, and exits 0 only when every rank did.  An island whose command line is wrapped (a
+network namespace, a CPU cgroup) cannot be forked: :class:`~diloco.launch.simulate.Cluster` starts those cold.
+
+The driver's main module is imported by each child, as multiprocessing's fork server does: a script that
+starts islands warm keeps its work under ``if __name__ == "__main__":``.
 
 Opt in with ``DILOCO_WARM_ISLANDS=1`` (the test suite does); users' islands start cold, as they will on
 their servers.
@@ -20,9 +25,14 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import runpy
 import signal
+import socket
 import subprocess
 import sys
+import time
+import traceback
+import warnings
 from pathlib import Path
 
 ENV = "DILOCO_WARM_ISLANDS"
@@ -87,9 +97,19 @@ def start(argv: list[str], env: dict[str, str], log: Path, append_log: bool = Fa
     return WarmProcess(process, ["diloco", *argv])
 
 
-def _run(argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
-    """The island, in the forked child: become what a cold ``python -m diloco.cli <argv>`` would be, run it,
-    and exit as its interpreter would."""
+def start_group(argv: list[str], nproc: int, env: dict[str, str], log: Path, append_log: bool = False) -> WarmProcess:
+    """Fork ``torchrun --standalone --nproc-per-node nproc -m diloco.cli <argv>`` warm: an agent (the returned
+    process, in a session of its own) and its ``nproc`` ranks, all writing to ``log``."""
+    process = _fork_server().Process(target=_run_group, args=(argv, nproc, env, str(log), append_log),
+                                     name="diloco-island-agent")
+    process.start()
+    return WarmProcess(process, ["torchrun", f"--nproc-per-node={nproc}", "diloco", *argv])
+
+
+def _become(argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
+    """Turn the forked child into what a cold start of ``diloco <argv>`` would be: a session of its own, its
+    output in ``log``, ``env`` for its environment, a fresh interpreter's multiprocessing start method (fork,
+    not the fork server's: hivemind starts its DHT and averager as multiprocessing children)."""
     os.setsid()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append_log else os.O_TRUNC), 0o644)
     os.dup2(fd, 1)
@@ -99,14 +119,88 @@ def _run(argv: list[str], env: dict[str, str], log: str, append_log: bool) -> No
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()
     os.environ.update(env)
-    # a fresh interpreter's start method (fork), not the fork server's: hivemind starts its DHT and
-    # averager as multiprocessing children
     multiprocessing.set_start_method(None, force=True)
     sys.argv = ["diloco", *argv]
-    from diloco.cli import main
 
+
+def _run_cli() -> None:
+    """What ``python -m diloco.cli`` runs, with ``sys.argv`` as set (the console command is launched, as a
+    cold start launches it, rather than imported: the launcher sits below the command line)."""
+    with warnings.catch_warnings():  # that the module is in sys.modules already: the fork server preloaded it
+        warnings.filterwarnings("ignore", "'diloco.cli' found in sys.modules", RuntimeWarning)
+        runpy.run_module("diloco.cli", run_name="__main__", alter_sys=True)
+
+
+def _run(argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
+    """The island, in the forked child: run it and exit as its interpreter would."""
+    _become(argv, env, log, append_log)
     try:
-        code = main(argv)
+        _run_cli()
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, past the interpreter's exit
-    sys.exit(code)
+
+
+def _run_group(argv: list[str], nproc: int, env: dict[str, str], log: str, append_log: bool) -> None:
+    """The agent of a warm torchrun group: fork the ranks, forward SIGTERM and SIGINT to them, end the others
+    when one fails (as torchrun does), and exit 0 only when all succeeded."""
+    _become(argv, env, log, append_log)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks: dict[int, int] = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _rank(argv, {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        ranks[pid] = rank
+    print(f"[warm agent] ranks {' '.join(map(str, ranks))}", flush=True)
+
+    def forward(sig: int, _frame) -> None:
+        for pid in ranks:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    failed = 0
+    while ranks:
+        pid, status = os.wait()
+        ranks.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and not failed:
+            failed = code
+            print(f"[warm agent] rank exited with code {code}; ending the others", flush=True)
+            forward(signal.SIGTERM, None)
+            deadline = time.monotonic() + 10
+            while ranks and time.monotonic() < deadline:
+                done, status = os.waitpid(-1, os.WNOHANG)
+                if done:
+                    ranks.pop(done, None)
+                else:
+                    time.sleep(0.1)
+            forward(signal.SIGKILL, None)
+    sys.stdout.flush()
+    os._exit(1 if failed else 0)
+
+
+def _rank(argv: list[str], env: dict[str, str]) -> None:
+    """One rank of a warm group, in the agent's forked child; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.update(env)
+        _run_cli()  # a rank leaves through pipeline.mesh.exit_worker, as under torchrun
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
