@@ -167,12 +167,15 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
             one = diloco_result("single", "single", launch_islands(c_single, 1, progress=progress))
 
         # (b) synchronous data parallelism over k workers
-        say(f"\n== (b) synchronous data-parallel baseline, {islands} workers ==", flush=True)
+        # as many workers as the islands have ranks: HSDP inside each island's server when it has several
+        workers = islands * cfg.parallel.dp
+        say(f"\n== (b) synchronous data-parallel baseline, {workers} workers"
+            f"{f' (HSDP, servers of {cfg.parallel.dp})' if cfg.parallel.dp > 1 else ''} ==", flush=True)
         c_base = variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
                                   "wandb.group": group})
         check_network()
         tx0 = link_tx_bytes(network) if network else None
-        s_base = run_baseline(c_base, islands, network=network, progress=progress)
+        s_base = run_baseline(c_base, workers, network=network, progress=progress)
         tx1 = link_tx_bytes(network) if network else None
         base = baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
 

@@ -28,7 +28,9 @@ def fsdp_placement(param: nn.Parameter) -> Shard:
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype,
                reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``module`` (in place) over the 1-D ``dp_mesh``: each of ``module.layers`` on its own (its
-    parameters are gathered just before it runs and freed after), then the rest at the root; return it.
+    parameters are gathered just before it runs and freed after), then the rest at the root; return it.  A 2-D
+    ``("replicate", "dp")`` mesh makes it HSDP: sharded over ``dp``, replicated (gradients all-reduced) over
+    ``replicate``.
 
     With a bf16 ``compute_dtype`` the parameters are gathered in bf16 and gradients reduced in fp32 (the
     sharded master weights and AdamW's state stay fp32).  A pipeline stage keeps its blocks gathered between

@@ -60,6 +60,18 @@ def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: floa
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
 
 
+def init_hsdp_mesh(replicas: int, dp: int, device_type: str = "cpu") -> DeviceMesh:
+    """The ``("replicate", "dp", "pp", "tp")`` mesh of an initialised world of ``replicas`` servers of ``dp``
+    ranks each (consecutive ranks share a server), no TP or PP: HSDP, FSDP over ``dp`` inside each server and
+    replicas across servers (the synchronous baseline's)."""
+    return init_device_mesh(device_type, (replicas, dp, 1, 1), mesh_dim_names=("replicate", *MESH_DIMS))
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: ``dp``, or ``("replicate", "dp")`` (HSDP) where the mesh has replicas."""
+    return mesh["replicate", "dp"] if "replicate" in (mesh.mesh_dim_names or ()) else mesh["dp"]
+
+
 def mesh_size(mesh: DeviceMesh | None, dim: str) -> int:
     """Size of ``dim`` in an island mesh (1 without a mesh, or for a dimension the mesh lacks)."""
     if mesh is None or dim not in (mesh.mesh_dim_names or ()):

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipeline.balance import BALANCES, StagePlan, plan_stages
 from pipeline.grad_clip import clip_grad_norm_
 from pipeline.materialize import is_skeleton, materialize
-from pipeline.mesh import mesh_rank, mesh_size
+from pipeline.mesh import fsdp_mesh, mesh_rank, mesh_size
 from pipeline.pipeline_parallel import (
     SCHEDULES,
     build_pipeline_stages,
@@ -155,7 +155,7 @@ class ModelParts:
             if dp > 1:
                 from pipeline.data_parallel import apply_fsdp
 
-                apply_fsdp(module, mesh["dp"], self.compute_dtype, reshard_after_forward=pp == 1)
+                apply_fsdp(module, fsdp_mesh(mesh), self.compute_dtype, reshard_after_forward=pp == 1)
             if skeleton:
                 materialize(module, self.device)
             module.train()

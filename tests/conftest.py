@@ -137,6 +137,79 @@ def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0)
     return log
 
 
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def kill_seen(processes: dict[int, str]) -> None:
+    """SIGKILL each process ``pid`` of ``{pid: name}`` that still runs under the name it was seen with (not a
+    new process under a reused pid)."""
+    for pid, name in processes.items():
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeout_s: float) -> None:
+    """Run ``script args`` as ``world`` gloo ranks (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` set, one
+    thread each, the repository on the path): forked warm as one group, or started cold, one process a rank.
+    If one rank fails or time runs out, end them all with whatever they started (DHTs, p2pd daemons) and fail
+    with their logs."""
+    import signal
+    import socket
+    import sys
+
+    from diloco.launch import warm
+    from peers.proctable import descendants
+
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if warm.enabled():
+        logs = [out_dir / "ranks.log"]
+        procs = [warm.start_group(args, world, env, logs[0], program=script)]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs, logs = [], []
+        for rank in range(world):
+            logs.append(out_dir / f"rank{rank}.log")
+            with open(logs[-1], "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, script, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))))
+    deadline = time.monotonic() + timeout_s
+    children: dict[int, str] = {}  # what the ranks started, to end it after a crash
+    tick = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            if tick % 10 == 0:
+                for p in procs:
+                    children.update({pid: stat.name for pid, stat in descendants(p.pid).items()})
+            tick += 1
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                children.update({pid: stat.name for pid, stat in descendants(p.pid).items()})
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            p.wait()
+        if any(p.returncode != 0 for p in procs):
+            kill_seen(children)
+    if any(p.returncode != 0 for p in procs):
+        raise AssertionError(f"ranks failed (exit codes {[p.returncode for p in procs]}):\n"
+                             + "\n----\n".join(log.read_text()[-4000:] for log in logs))
+
+
 @pytest.fixture
 def arrives_on_time(monkeypatch):
     """A round in flight is applied at the first step it may be, as a round on the training thread is with

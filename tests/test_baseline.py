@@ -96,3 +96,26 @@ def test_failing_worker_stops_the_others(tmp_path):
     with pytest.raises(BaselineError, match="worker 1 exited"):
         run_baseline(cfg, 2, wrap=wrap, progress=False, timeout_s=60)
     assert _baseline_pids() <= before
+
+
+def test_hsdp_over_two_servers_of_two_matches_one_worker_with_four_times_the_batch(tmp_path):
+    """``--parallel.dp 2`` makes the baseline HSDP: FSDP2 inside each server of 2 workers, the 2 servers'
+    replicas all-reducing their shards' gradients, and only a shard's gradients crossing the servers' link."""
+    cfg = tiny_config(tmp_path / "hsdp", **{"diloco.inner_steps": 2, "diloco.outer_steps": 2, "inner.grad_clip": 0.5,
+                                            "inner.grad_accum": 2, "parallel.dp": 2})
+    summary = run_baseline(cfg, 4, progress=False)
+    steps = 4
+    ref_losses, ref_params = _reference(cfg, 4, steps)
+    for got, want in zip(summary["losses"], ref_losses, strict=True):
+        assert abs(got - want) < 1e-5, (summary["losses"], ref_losses)
+    params = torch.load(tmp_path / "hsdp" / "params.pt", weights_only=True)
+    assert params.keys() == ref_params.keys()
+    worst = max((params[n] - t).abs().max().item() for n, t in ref_params.items())
+    assert worst < 1e-5, worst
+    numel = sum(t.numel() for t in ref_params.values())
+    assert summary["hsdp_shard"] == 2 and "HSDP" in summary["comm_method"]
+    assert summary["bytes_per_step"] == ring_allreduce_bytes(4 * numel // 2, 2) == 2 * numel
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+
+    with pytest.raises(BaselineError, match="servers of 2 workers, which 3 workers do not fill"):
+        run_baseline(cfg, 3, progress=False)

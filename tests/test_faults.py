@@ -232,9 +232,10 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     assert s["rounds_ok"] + s["rounds_failed"] + s["rounds_caught_up"] == 8, s
     failures = real_failures(summaries[1])
     # the fault makes it late for round 3; on a loaded machine (two test workers on 2 cores) it may be late
-    # again for a later round, which it must handle the same way
-    assert failures and failures[0].startswith("round 3") and all("moved past this round" in f for f in failures), \
-        failures
+    # again for a later round, which it must handle the same way, or find itself behind the run and take its state
+    late = ("moved past this round", "behind the run, caught up")
+    assert failures and failures[0].startswith("round 3") and "moved past this round" in failures[0], failures
+    assert all(any(why in f for why in late) for f in failures), failures
     caught = re.search(r"caught up with the run at outer step (\d+) .*; (\d+) of its H steps into the round",
                        (cluster.run_dirs[1] / "train.log").read_text())
     assert caught, "island 1 did not say where in the round it caught up"
@@ -247,7 +248,7 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     later = [r for r in read_metrics(cluster.run_dirs[1]) if "round_ok" in r and r["outer_step"] > step]
     assert later and 0 < later[0]["inner_steps"] <= 40 - phase, (phase, later[0])
     assert all(r["round_ok"] == 1 and r["num_peers"] == 3 for r in later
-               if PART_LOST not in r["round_failure"] and "moved past this round" not in r["round_failure"]), later
+               if PART_LOST not in r["round_failure"] and not any(why in r["round_failure"] for why in late)), later
     assert any(r["round_ok"] for r in later), later  # it averages with them again
 
 

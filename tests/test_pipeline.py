@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +33,7 @@ from pipeline.pipeline_parallel import (
 from pipeline.settings import ParallelSettings
 from pipeline.shards import ShardSpec, shard_spec_of
 from pipeline.tensor_parallel import check_tensor_parallel
+from tests.conftest import launch_ranks
 
 STEPS = 10
 BATCH, SEQ = 8, 16
@@ -335,41 +333,9 @@ def _worker(cases: list[dict], out_dir: str) -> None:
         destroy_island()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cases: list[dict], world: int, out_dir: Path) -> None:
-    """Run ``cases`` on a fresh gloo group of ``world`` subprocesses.  If one rank fails or time runs
-    out, the others are killed at once (so nothing waits on a dead peer) and the logs are shown."""
-    port = _free_port()
-    repo = str(Path(__file__).resolve().parents[1])
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                   RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        logs.append(out_dir / f"rank{rank}.log")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(cases), str(out_dir)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + PROC_TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if any(p.returncode != 0 for p in procs):
-        raise AssertionError("island processes failed (exit codes "
-                             f"{[p.returncode for p in procs]}):\n"
-                             + "\n----\n".join(log.read_text()[-3000:] for log in logs))
+    """Run ``cases`` on a fresh gloo group of ``world`` ranks (this file run as a script)."""
+    launch_ranks(__file__, [json.dumps(cases), str(out_dir)], world, out_dir, PROC_TIMEOUT_S)
 
 
 def reference_run(kind: str) -> dict:

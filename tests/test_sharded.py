@@ -11,8 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 
 from peers.proctable import descendants
 from pipeline.mesh import exit_worker
+from tests.conftest import kill_seen, launch_ranks
 
 # full shapes in model order; island A's split of each (rank 0, rank 1); None: the rank lacks it
 PARAMS = [("emb", (10, 6)), ("wq", (6, 6)), ("wo", (6, 8)), ("norm", (6,)), ("w2", (5, 7)), ("tail", (3,)),
@@ -78,67 +77,14 @@ def reassemble(parts: list[tuple[dict, dict]]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------- launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, cases: list[dict], out_dir: Path, world: int = 3, timeout_s: float = PROC_TIMEOUT_S) -> None:
-    """Run ``script`` as ``world`` gloo ranks with ``cases``; kill all ranks as soon as one fails."""
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                   RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        logs.append(out_dir / f"rank{rank}.log")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, script, json.dumps(cases), str(out_dir)], env=env,
-                                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    children: dict[int, str] = {}
-    tick = 0
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            if tick % 10 == 0:  # remember what the ranks started, to clean up after a crash
-                for p in procs:
-                    children.update({pid: stat.name for pid, stat in descendants(p.pid).items()})
-            tick += 1
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                children.update({pid: stat.name for pid, stat in descendants(p.pid).items()})
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            p.wait()
-        if any(p.returncode != 0 for p in procs):  # orphans of a failed rank (DHTs, averagers, p2pd): ours, by pid
-            _kill(children)
-    if any(p.returncode != 0 for p in procs):
-        raise AssertionError("island processes failed (exit codes "
-                             f"{[p.returncode for p in procs]}):\n"
-                             + "\n----\n".join(log.read_text()[-4000:] for log in logs))
+    """Run ``script`` as ``world`` gloo ranks with ``cases``; all ranks end as soon as one fails."""
+    launch_ranks(script, [json.dumps(cases), str(out_dir)], world, out_dir, timeout_s)
 
 
 def descendant_p2pd(root: int) -> list[int]:
     """p2pd daemons started (directly or not) by process ``root``."""
     return [pid for pid, stat in descendants(root).items() if stat.name == "p2pd"]
-
-
-def _kill(processes: dict[int, str]) -> None:
-    for pid, name in processes.items():
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == name:
-                    os.kill(pid, 9)
-        except OSError:
-            pass
 
 
 def alive_p2pd(pids: list[int]) -> list[int]:
@@ -161,7 +107,7 @@ def check_no_leaks(out_dir: Path, world: int = 3) -> None:
     while time.time() < deadline and alive_p2pd(pids):
         time.sleep(0.2)
     leaked = alive_p2pd(pids)
-    _kill({pid: "p2pd" for pid in leaked})
+    kill_seen({pid: "p2pd" for pid in leaked})
     assert not leaked, f"test processes left p2pd daemons running: {leaked}"
 
 

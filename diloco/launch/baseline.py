@@ -56,12 +56,13 @@ from diloco.config import Config, to_dict
 from diloco.engine.metrics import MetricsLogger
 from diloco.engine.runtime import use_device
 from diloco.engine.throughput import Throughput, peak_flops
+from diloco.launch import warm
 from diloco.model.build import build_data, build_inner, build_model
 from diloco.model.inner import take_inner_step
 from diloco.model.transformer import flops_per_token
 from outer_optim import checksum
 from peers.wire.counters import WireCounter, ring_allreduce_bytes
-from pipeline.mesh import exit_worker
+from pipeline.mesh import exit_worker, init_hsdp_mesh
 
 log = logging.getLogger("diloco.launch.baseline")
 
@@ -114,6 +115,35 @@ class TimedDDP:
         return max(0.0, time.perf_counter() - self.last_ready)
 
 
+class HSDP:
+    """Gradient sync of a model that :func:`pipeline.mesh.init_hsdp_mesh` and the model's parts made HSDP:
+    FSDP2 inside each server (parameters, gradients and AdamW's state sharded; all-gathers and
+    reduce-scatters over the server's fast links), replicas across servers (each shard's gradients
+    all-reduced over the slow link), as a user of synchronous training across GPU servers would run it
+    instead of flat DDP.
+
+    FSDP overlaps its collectives inside the forward and backward passes with no hook that tells when the
+    last gradient was ready, so :meth:`waited` is 0: the step's time is all counted as compute (an upper
+    bound of the compute utilization), and the summary's ``comm_method`` says so."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def require_sync(self, last_micro_batch: bool) -> None:
+        """Reduce gradients in the step's last micro-batch only."""
+        self.module.set_requires_gradient_sync(last_micro_batch)
+
+    def waited(self) -> float:
+        return 0.0
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (an FSDP shard gathered: a collective every worker calls), detached."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in module.named_parameters()}
+
+
 
 def _device_for(cfg: Config, rank: int) -> torch.device:
     if cfg.device == "auto":
@@ -124,7 +154,8 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one)."""
+    """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one).  With
+    ``cfg.parallel.dp > 1`` the workers are servers of ``dp`` ranks each, trained with :class:`HSDP`."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device_for(cfg, rank)
@@ -137,27 +168,35 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         torch.manual_seed(cfg.seed)
         m, H = cfg.model, cfg.diloco.inner_steps
         total_steps = cfg.diloco.outer_steps * H
-        data = build_data(cfg, rank, workers, evaluates=rank == 0)
+        shard = cfg.parallel.dp
+        # under HSDP a forward pass gathers the server's shards: every worker evaluates, rank 0 reports
+        evaluates = rank == 0 or shard > 1
+        data = build_data(cfg, rank, workers, evaluates=evaluates)
         batches, eval_batches = data.batches, data.eval_batches
-        # a worker holds the whole model: the island's precision and compilation, none of its split
-        model = build_model(cfg, None, dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1), device).parts
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt, sched = build_inner(model, cfg, total_steps)
+        # a worker holds the whole model, or under HSDP its server's share: the island's precision and
+        # compilation, no TP or PP
+        mesh = init_hsdp_mesh(workers // shard, shard, device.type) if shard > 1 else None
+        model = build_model(cfg, mesh, dataclasses.replace(cfg.parallel, dp=shard, tp=1, pp=1), device).parts
         accum = cfg.inner.grad_accum
 
         # every worker must start from the same parameters (DDP would broadcast rank 0's)
-        check = torch.tensor([float(sum(p.detach().double().sum() for p in params))], dtype=torch.float64,
-                             device=device)
+        whole = full_parameters(model.modules[0]).values()
+        numel = sum(p.numel() for p in whole)
+        check = torch.tensor([float(sum(p.double().sum() for p in whole))], dtype=torch.float64, device=device)
         lo, hi = check.clone(), check.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         if lo.item() != hi.item():
             raise BaselineError("workers built different initial parameters; use the same --model.* and --seed")
 
-        numel = sum(p.numel() for p in params)
-        step_bytes = ring_allreduce_bytes(numel * 4, workers)
+        # what crosses the servers' links: the whole gradient under DDP, this rank's shard of it under HSDP
+        step_bytes = ring_allreduce_bytes(numel * 4 // shard, workers // shard)
         wire = WireCounter(own=True)  # gloo's connections are this process's own
-        ddp = TimedDDP(model.modules[0], device, workers) if workers > 1 else None
+        if shard > 1:
+            grads: TimedDDP | HSDP | None = HSDP(model.modules[0])
+        else:
+            grads = TimedDDP(model.modules[0], device, workers) if workers > 1 else None
+        opt, sched = build_inner(model, cfg, total_steps)
         tokens_per_step = workers * batches.tokens_per_batch * accum
         throughput = Throughput(flops_per_token(m), workers, device,
                                 peak_flops(device, model.compute_dtype, cfg.parallel.peak_tflops))
@@ -184,7 +223,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             t1 = time.perf_counter()
             loss_buffer[0] = local_loss
             dist.all_reduce(loss_buffer)
-            waited = ddp.waited() + time.perf_counter() - t1
+            waited = grads.waited() + time.perf_counter() - t1
             comm += waited
             comm_window += waited
             bytes_sent += step_bytes
@@ -197,8 +236,9 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         step_losses: list[float] = []
         dist.barrier()
         t_start = time.perf_counter()
-        if rank == 0:
+        if evaluates:
             eval_start = evaluate()
+        if rank == 0:
             metrics.log({"eval/loss": eval_start, "eval/perplexity": math.exp(eval_start), "tokens": 0,
                          "outer_step": 0, "payload_bytes_sent": 0})
         compute += time.perf_counter() - t_start
@@ -206,13 +246,15 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         for step in range(total_steps):
             t0, comm_before = time.perf_counter(), comm
             step_loss = take_inner_step(model, batches, opt, sched, cfg.inner,
-                                        sync_grads=after_backward if ddp else None,
-                                        gradient_sync=ddp.require_sync if ddp else None)
+                                        sync_grads=after_backward if grads else None,
+                                        gradient_sync=grads.require_sync if grads else None)
             compute += time.perf_counter() - t0 - (comm - comm_before)
             tokens += tokens_per_step
             step_losses.append(step_loss)
             done = step + 1
             if rank != 0:
+                if shard > 1 and (done % H == 0 or done == total_steps):
+                    evaluate()
                 continue
             if done % cfg.logging.log_every == 0 or done % H == 0 or done == total_steps:
                 now = time.perf_counter()
@@ -241,6 +283,16 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         per_rank = torch.zeros(workers, 2, dtype=torch.float64, device=device)
         per_rank[rank, 0], per_rank[rank, 1] = compute, comm
         dist.all_reduce(per_rank)
+        final = full_parameters(model.modules[0])
+        if shard > 1:
+            method = (f"HSDP: FSDP2 inside servers of {shard} workers, {workers // shard} replicas all-reducing "
+                      f"their shards' gradients across servers, backend {backend}; FSDP's collectives overlap "
+                      f"the passes with no hook to time them, so comm_seconds is the loss's all-reduce alone and "
+                      f"compute_seconds (and the utilization) an upper bound")
+        else:
+            method = (f"torch DDP (buckets of {DDP_BUCKET_MB} MB all-reduced during the backward pass), backend "
+                      f"{backend}; comm_seconds = time the step waited for them after its last gradient was "
+                      f"ready, plus the loss's all-reduce")
         summary = {
             "island": name, "workers": workers, "outer_step": total_steps // H, "inner_step": total_steps,
             "tokens": tokens, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
@@ -249,15 +301,12 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             "payload_bytes_received": bytes_sent, "bytes_per_step": step_bytes,
             "compute_seconds": compute, "comm_seconds": comm, "wall_seconds": wall,
             "compute_seconds_per_rank": per_rank[:, 0].tolist(), "comm_seconds_per_rank": per_rank[:, 1].tolist(),
-            "theta_checksum": checksum(dict(model.named_parameters())), "losses": step_losses,
-            "comm_method": f"torch DDP (buckets of {DDP_BUCKET_MB} MB all-reduced during the backward pass), "
-                           f"backend {backend}; comm_seconds = time the step waited for them after its last "
-                           f"gradient was ready, plus the loss's all-reduce",
+            "theta_checksum": checksum(final), "losses": step_losses, "comm_method": method, "hsdp_shard": shard,
             "failures": [], "stopped_early": False,
         }
         if rank == 0:
             run_dir = Path(cfg.logging.run_dir)
-            torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()}, run_dir / "params.pt")
+            torch.save({n: p.cpu().clone() for n, p in final.items()}, run_dir / "params.pt")
             metrics.summary(summary)
         return summary
     finally:
@@ -331,7 +380,7 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
-def stop_processes(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+def stop_processes(procs: Sequence[subprocess.Popen | warm.WarmProcess], grace: float = 10.0) -> None:
     """SIGTERM each process group, wait up to ``grace`` s, then SIGKILL what is left and reap."""
     for p in procs:
         if p.poll() is None:
@@ -373,6 +422,10 @@ def run_baseline(cfg: Config, workers: int, network: Any = None, *,
 
     if workers < 1:
         raise BaselineError(f"the baseline needs at least one worker, got {workers}")
+    shard = cfg.parallel.dp
+    if workers % shard:
+        raise BaselineError(f"--parallel.dp {shard} makes the baseline HSDP over servers of {shard} workers, which "
+                            f"{workers} workers do not fill: use a multiple of {shard} workers or --parallel.dp 1")
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "metrics.jsonl", "params.pt"):
@@ -381,17 +434,18 @@ def run_baseline(cfg: Config, workers: int, network: Any = None, *,
     d["threads"] = worker_threads(cfg, workers)
     cfg_path = run_dir / "config.toml"
     cfg_path.write_text(tomli_w.dumps(d))
-    if network is not None:
-        if len(network.hosts) < workers:
-            raise BaselineError(f"the emulated network has {len(network.hosts)} hosts but the baseline needs {workers}")
+    if network is not None:  # one host per server: its workers share it, as GPUs of one server do
+        if len(network.hosts) < workers // shard:
+            raise BaselineError(f"the emulated network has {len(network.hosts)} hosts but the baseline needs "
+                                f"{workers // shard}")
         master = f"{network.hosts[0].address}:{DEFAULT_PORT}"
         iface = network.hosts[0].interface
-        wrap = wrap or network.wrap
+        wrap = wrap or (lambda cmd, r: network.wrap(cmd, r // shard))
     else:
         master = f"127.0.0.1:{free_port()}"
         iface = "lo"
     env = dict(os.environ, OMP_NUM_THREADS=str(d["threads"]), PYTHONUNBUFFERED="1")
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | warm.WarmProcess] = []
     logs: list[Path] = []
     previous = signal.getsignal(signal.SIGTERM)
     in_main = _in_main_thread()
@@ -409,9 +463,12 @@ def run_baseline(cfg: Config, workers: int, network: Any = None, *,
             if wrap is not None:
                 cmd = wrap(cmd, r)
             log_path = run_dir / f"rank{r}.log"
-            with open(log_path, "w") as out:
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True))
+            if warm.enabled() and wrap is None:  # the test suite's workers fork from a warm interpreter
+                procs.append(warm.start(cmd[3:], env, log_path, program="diloco.launch.baseline"))
+            else:
+                with open(log_path, "w") as out:
+                    procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                  start_new_session=True))
             logs.append(log_path)
         if progress:
             print(f"started {workers} baseline worker(s) (master {master}); logs in {run_dir}/rank*.log", flush=True)

@@ -44,6 +44,10 @@ PRELOAD = ["torch", "torch._dynamo", "hivemind", "diloco.cli", "diloco.engine.is
 _context: multiprocessing.context.ForkServerContext | None = None
 
 
+CLI = "diloco.cli"
+"""The program a warm process runs by default: the ``diloco`` command."""
+
+
 def enabled() -> bool:
     """Whether islands of this process start warm (``DILOCO_WARM_ISLANDS=1``)."""
     return os.environ.get(ENV, "") == "1"
@@ -58,9 +62,9 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
 
 
 class WarmProcess:
-    """An island forked from the fork server, with the part of :class:`subprocess.Popen`'s interface that
-    :class:`~diloco.launch.simulate.Cluster` uses (its parent is the fork server, so it is waited for
-    through multiprocessing)."""
+    """A process forked from the fork server, with the part of :class:`subprocess.Popen`'s interface that
+    :class:`~diloco.launch.simulate.Cluster` and the baseline's launcher use (its parent is the fork server, so
+    it is waited for through multiprocessing)."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]):
         self._process = process
@@ -89,25 +93,28 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def start(argv: list[str], env: dict[str, str], log: Path, append_log: bool = False) -> WarmProcess:
-    """Fork ``diloco <argv>`` from the warm fork server, with environment ``env``, stdout and stderr to ``log``,
-    in a session of its own (its process group is its pid, as with ``start_new_session``)."""
-    process = _fork_server().Process(target=_run, args=(argv, env, str(log), append_log), name="diloco-island")
+def start(argv: list[str], env: dict[str, str], log: Path, append_log: bool = False, *,
+          program: str = CLI) -> WarmProcess:
+    """Fork ``python -m <program> <argv>`` (``program`` a module, or the path of a script) from the warm fork
+    server, with environment ``env``, stdout and stderr to ``log``, in a session of its own (its process group is
+    its pid, as with ``start_new_session``)."""
+    process = _fork_server().Process(target=_run, args=(program, argv, env, str(log), append_log), name="warm")
     process.start()
-    return WarmProcess(process, ["diloco", *argv])
+    return WarmProcess(process, [program, *argv])
 
 
-def start_group(argv: list[str], nproc: int, env: dict[str, str], log: Path, append_log: bool = False) -> WarmProcess:
-    """Fork ``torchrun --standalone --nproc-per-node nproc -m diloco.cli <argv>`` warm: an agent (the returned
+def start_group(argv: list[str], nproc: int, env: dict[str, str], log: Path, append_log: bool = False, *,
+                program: str = CLI) -> WarmProcess:
+    """Fork ``torchrun --standalone --nproc-per-node nproc -m <program> <argv>`` warm: an agent (the returned
     process, in a session of its own) and its ``nproc`` ranks, all writing to ``log``."""
-    process = _fork_server().Process(target=_run_group, args=(argv, nproc, env, str(log), append_log),
-                                     name="diloco-island-agent")
+    process = _fork_server().Process(target=_run_group, args=(program, argv, nproc, env, str(log), append_log),
+                                     name="warm-agent")
     process.start()
-    return WarmProcess(process, ["torchrun", f"--nproc-per-node={nproc}", "diloco", *argv])
+    return WarmProcess(process, ["torchrun", f"--nproc-per-node={nproc}", program, *argv])
 
 
-def _become(argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
-    """Turn the forked child into what a cold start of ``diloco <argv>`` would be: a session of its own, its
+def _become(program: str, argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
+    """Turn the forked child into what a cold start of ``program <argv>`` would be: a session of its own, its
     output in ``log``, ``env`` for its environment, a fresh interpreter's multiprocessing start method (fork,
     not the fork server's: hivemind starts its DHT and averager as multiprocessing children)."""
     os.setsid()
@@ -120,30 +127,33 @@ def _become(argv: list[str], env: dict[str, str], log: str, append_log: bool) ->
     os.environ.clear()
     os.environ.update(env)
     multiprocessing.set_start_method(None, force=True)
-    sys.argv = ["diloco", *argv]
+    sys.argv = [program, *argv]
 
 
-def _run_cli() -> None:
-    """What ``python -m diloco.cli`` runs, with ``sys.argv`` as set (the console command is launched, as a
-    cold start launches it, rather than imported: the launcher sits below the command line)."""
+def _run_program(program: str) -> None:
+    """Run ``program`` as its cold start would, as ``__main__`` with ``sys.argv`` as set: a module (run, as
+    ``python -m`` does, rather than imported: the launcher sits below the command line) or a script."""
+    if program.endswith(".py"):
+        runpy.run_path(program, run_name="__main__")
+        return
     with warnings.catch_warnings():  # that the module is in sys.modules already: the fork server preloaded it
-        warnings.filterwarnings("ignore", "'diloco.cli' found in sys.modules", RuntimeWarning)
-        runpy.run_module("diloco.cli", run_name="__main__", alter_sys=True)
+        warnings.filterwarnings("ignore", f"'{program}' found in sys.modules", RuntimeWarning)
+        runpy.run_module(program, run_name="__main__", alter_sys=True)
 
 
-def _run(argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
-    """The island, in the forked child: run it and exit as its interpreter would."""
-    _become(argv, env, log, append_log)
+def _run(program: str, argv: list[str], env: dict[str, str], log: str, append_log: bool) -> None:
+    """The process, in the forked child: run it and exit as its interpreter would."""
+    _become(program, argv, env, log, append_log)
     try:
-        _run_cli()
+        _run_program(program)
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, past the interpreter's exit
 
 
-def _run_group(argv: list[str], nproc: int, env: dict[str, str], log: str, append_log: bool) -> None:
+def _run_group(program: str, argv: list[str], nproc: int, env: dict[str, str], log: str, append_log: bool) -> None:
     """The agent of a warm torchrun group: fork the ranks, forward SIGTERM and SIGINT to them, end the others
-    when one fails (as torchrun does), and exit 0 only when all succeeded."""
-    _become(argv, env, log, append_log)
+    (and what they started) when one fails, as torchrun does, and exit 0 only when all succeeded."""
+    _become(program, argv, env, log, append_log)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -151,16 +161,16 @@ def _run_group(argv: list[str], nproc: int, env: dict[str, str], log: str, appen
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _rank(argv, {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-                         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            _rank(program, {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         ranks[pid] = rank
     print(f"[warm agent] ranks {' '.join(map(str, ranks))}", flush=True)
 
     def forward(sig: int, _frame) -> None:
         for pid in ranks:
-            try:
-                os.kill(pid, sig)
+            try:  # a rank leads a session of its own: SIGKILL takes its helpers (DHT, p2pd) with it
+                os.killpg(pid, sig) if sig == signal.SIGKILL else os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -174,6 +184,10 @@ def _run_group(argv: list[str], nproc: int, env: dict[str, str], log: str, appen
         if code != 0 and not failed:
             failed = code
             print(f"[warm agent] rank exited with code {code}; ending the others", flush=True)
+            try:
+                os.killpg(pid, signal.SIGKILL)  # what the failed rank started
+            except ProcessLookupError:
+                pass
             forward(signal.SIGTERM, None)
             deadline = time.monotonic() + 10
             while ranks and time.monotonic() < deadline:
@@ -187,7 +201,7 @@ def _run_group(argv: list[str], nproc: int, env: dict[str, str], log: str, appen
     os._exit(1 if failed else 0)
 
 
-def _rank(argv: list[str], env: dict[str, str]) -> None:
+def _rank(program: str, env: dict[str, str]) -> None:
     """One rank of a warm group, in the agent's forked child; never returns."""
     code = 1
     try:
@@ -195,9 +209,10 @@ def _rank(argv: list[str], env: dict[str, str]) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.update(env)
-        _run_cli()  # a rank leaves through pipeline.mesh.exit_worker, as under torchrun
+        _run_program(program)  # a torchrun worker of diloco leaves through pipeline.mesh.exit_worker
+        code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
         traceback.print_exc()
     finally:
