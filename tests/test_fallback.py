@@ -56,7 +56,8 @@ def run_cases(out_dir: str) -> None:
         deltas = local_delta(me.island, me.island_rank, "0")
         har = HierarchicalAllReduce(layout, deltas, me.specs, ISLANDS, min_group_size=2)
         group = har.island_group
-        two = AveragerSettings(min_group_size=2, target_group_size=2, **FAST)
+        # time enough to meet on a loaded machine (two test workers on 2 cores); a group that forms is at once
+        two = AveragerSettings(min_group_size=2, target_group_size=2, **{**FAST, "matchmaking_timeout": 15.0})
         auto = ShardedAverager(layout, deltas, me.specs, group, me.dht, two, Scope(prefix="fb"), backend="auto",
                                fallback=har)
         made.append(auto)
