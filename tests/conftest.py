@@ -40,6 +40,21 @@ def tiny_config(run_dir, **overrides) -> Config:
     return load(None, {k: v for k, v in items.items()})
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked ``alone`` runs while the other workers wait between their tests: an
+    exclusive lock on a file of this test run, which every other test holds shared (setup, call, teardown)."""
+    worker = getattr(item.config, "workerinput", None)
+    if worker is None:
+        yield
+        return
+    import fcntl
+
+    with open(f"/tmp/diloco-tests-{worker['testrunuid']}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        yield
+
+
 def p2pd_pids() -> set[int]:
     """Process ids of running p2pd daemons started by this test session."""
     out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout

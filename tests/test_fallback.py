@@ -29,6 +29,7 @@ from tests.test_sharded import (
 )
 
 ISLANDS = [[0, 1], [2]]
+pytestmark = pytest.mark.alone  # hivemind's group of two and the torch fallback's timeouts, side by side
 
 
 def run_cases(out_dir: str) -> None:

@@ -14,6 +14,8 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from diloco.engine.metrics import read_metrics
 from diloco.launch.simulate import Cluster
 from peers.proctable import descendants, process_table, socket_files
@@ -220,6 +222,7 @@ def test_a_stale_member_is_left_out_and_a_rogue_one_rejected_by_all(tmp_path, no
     assert "caught up with the run at outer step" in log, log[-3000:]
 
 
+@pytest.mark.alone  # lateness is what it tests: on a loaded machine the island stays out of phase
 def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_sync(tmp_path, no_leaked_daemons):
     """Rounds in flight do not wait for a slow island: island 1 reaches round 3's group after the other two
     averaged it.  It stops looking for a group once they moved past the round (instead of waiting out
@@ -239,7 +242,7 @@ def test_an_island_late_for_a_round_in_flight_takes_the_runs_state_and_ends_in_s
     caught = re.findall(r"caught up with the run at outer step (\d+) .*; (\d+) of its H steps into the round",
                         (cluster.run_dirs[1] / "train.log").read_text())
     assert caught, "island 1 did not say where in the round it caught up"
-    caught = caught[-1]  # late again under load, it caught up again: the rounds after the last catch-up
+    caught = caught[0]  # the catch-up after round 3 (under load it may catch up again later)
     # it took the phase of the island that served the state (rounds in flight commit while the next one
     # trains), so it sends its next round with the others, after the rest of their H steps rather than H of
     # its own, and averages with them again
