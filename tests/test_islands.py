@@ -13,8 +13,7 @@ from diloco.launch.simulate import Cluster, simulate
 from tests.conftest import tiny_config, wait_until
 
 
-def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons, monkeypatch):
-    monkeypatch.setenv("DILOCO_WARM_ISLANDS", "0")  # islands started cold, as users start them
+def test_three_islands_train_and_end_in_sync(tmp_path, no_leaked_daemons):
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2,
         "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0,

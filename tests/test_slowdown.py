@@ -24,6 +24,7 @@ def _throttled_periods(cgroup: Path) -> int:
     return int(stat["nr_throttled"])
 
 
+@pytest.mark.alone  # an uncapped child must get a whole core, which a second busy test worker takes
 @pytest.mark.skipif(PROBLEM is not None, reason=f"no writable cpu cgroup: {PROBLEM}")
 def test_a_child_capped_at_0_3_of_a_core_gets_clearly_less_cpu_than_an_uncapped_one():
     # Both children run at once, each in its own cgroup (the uncapped one too), so they share the
