@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 from diloco.config import ModelConfig  # noqa: E402
 from diloco.model.transformer import build_model, count_parameters  # noqa: E402
-from pipeline.mesh import destroy_island, init_island_mesh  # noqa: E402
+from pipeline.mesh import destroy_island, free_port, init_island_mesh  # noqa: E402
 from pipeline.model_parts import ModelParts  # noqa: E402
 from pipeline.settings import ParallelSettings  # noqa: E402
 
@@ -111,16 +110,10 @@ def _worker(jobs: list[dict], args: argparse.Namespace, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(jobs: list[dict], world: int, args: argparse.Namespace) -> list[list[dict]]:
     """Run ``jobs`` (all of world size ``world``) in one gloo group; return per-rank results."""
     out = tempfile.mkdtemp(prefix="pipeline_bench_")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",

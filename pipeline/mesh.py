@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 
 import torch
@@ -58,6 +59,13 @@ def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: floa
         raise ValueError(f"the island has {world} processes but --parallel.dp * --parallel.pp * --parallel.tp = "
                          f"{size}; launch it with torchrun --nproc-per-node {size}")
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_hsdp_mesh(replicas: int, dp: int, device_type: str = "cpu") -> DeviceMesh:

@@ -116,8 +116,8 @@ def real_failures(summary: dict) -> list[str]:
 
 def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0) -> Path:
     """Run ``diloco train`` with ``cfg`` under torchrun, or its warm stand-in (``nproc`` gloo processes, one thread
-    each), and return its
-    log; the whole process tree is killed if it outlives ``timeout``.  Fails with the log's tail unless it exits 0."""
+    each), and return its log; the whole process tree is killed if it outlives ``timeout``.  Fails with the log's
+    tail unless it exits 0."""
     import signal
     import sys
 
@@ -173,11 +173,11 @@ def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeou
     If one rank fails or time runs out, end them all with whatever they started (DHTs, p2pd daemons) and fail
     with their logs."""
     import signal
-    import socket
     import sys
 
     from diloco.launch import warm
     from peers.proctable import descendants
+    from pipeline.mesh import free_port
 
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -185,9 +185,7 @@ def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeou
         logs = [out_dir / "ranks.log"]
         procs = [warm.start_group(args, world, env, logs[0], program=script)]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         procs, logs = [], []
         for rank in range(world):
             logs.append(out_dir / f"rank{rank}.log")

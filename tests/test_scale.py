@@ -60,7 +60,7 @@ def test_an_island_runs_the_same_processes_whatever_its_number_of_buckets(pair):
     file in /tmp per island run)."""
     dhts, made = pair
     before = _our_processes()
-    ours = set(socket_files(list(descendants(os.getpid()))))
+    ours = socket_files(list(descendants(os.getpid())))
     held: set[str] = set()  # the averagers' files (not other tests', which may run beside this one)
     counts = []
     for buckets, prefix in ((3, "few"), (300, "many")):

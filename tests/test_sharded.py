@@ -35,7 +35,6 @@ WEIGHTS = {"A": 1.0, "B": 3.0}
 FAST = dict(matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=6.0, vote_timeout=6.0,
             allreduce_timeout=15.0, next_chunk_timeout=5.0)
 PROC_TIMEOUT_S = 150
-REPO = str(Path(__file__).resolve().parents[1])
 
 
 def full_delta(island: str, round_id: str) -> dict[str, torch.Tensor]:

@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -62,7 +61,7 @@ from diloco.model.inner import take_inner_step
 from diloco.model.transformer import flops_per_token
 from outer_optim import checksum
 from peers.wire.counters import WireCounter, ring_allreduce_bytes
-from pipeline.mesh import exit_worker, init_hsdp_mesh
+from pipeline.mesh import exit_worker, free_port, init_hsdp_mesh
 
 log = logging.getLogger("diloco.launch.baseline")
 
@@ -85,7 +84,30 @@ DDP_BUCKET_MB = 25
 """torch DDP's default bucket size."""
 
 
-class TimedDDP:
+class GradientSync:
+    """Gradients that torch's data parallelism on ``module`` averages itself: under HSDP (the model's parts over
+    :func:`pipeline.mesh.init_hsdp_mesh`), FSDP2 inside each server (parameters, gradients and AdamW's state
+    sharded; all-gathers and reduce-scatters over the server's fast links) and replicas across servers (each
+    shard's gradients all-reduced over the slow link), as a user of synchronous training across GPU servers
+    would run it instead of flat DDP.
+
+    FSDP overlaps its collectives inside the forward and backward passes with no hook that tells when the
+    last gradient was ready, so :meth:`waited` is 0: the step's time is all counted as compute (an upper
+    bound of the compute utilization), and the summary's ``comm_method`` says so."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def require_sync(self, last_micro_batch: bool) -> None:
+        """Reduce gradients in the step's last micro-batch only (DDP's ``no_sync`` for the others)."""
+        self.module.set_requires_gradient_sync(last_micro_batch)
+
+    def waited(self) -> float:
+        """Seconds the step waited for the gradients' collectives after the backward pass: not timed here."""
+        return 0.0
+
+
+class TimedDDP(GradientSync):
     """torch's own DDP on ``module`` (the composable ``replicate``: the module and its parameter names stay as
     they are), with a communication hook that notes when each bucket's gradients were ready, so that a step
     can tell how long it waited for the all-reduces after its last gradient: the part DDP could not hide
@@ -94,7 +116,8 @@ class TimedDDP:
     def __init__(self, module: torch.nn.Module, device: torch.device, workers: int):
         from torch.distributed._composable import replicate
 
-        self.module, self.workers = module, workers
+        super().__init__(module)
+        self.workers = workers
         self.last_ready = 0.0
         replicate(module, bucket_cap_mb=DDP_BUCKET_MB, **({"device_id": device} if device.type == "cuda" else {}))
         module.register_comm_hook(None, self._all_reduce)
@@ -105,44 +128,10 @@ class TimedDDP:
         tensor = bucket.buffer().div_(self.workers)
         return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
 
-    def require_sync(self, last_micro_batch: bool) -> None:
-        """Reduce gradients in the step's last micro-batch only (DDP's ``no_sync`` for the others)."""
-        self.module.set_requires_gradient_sync(last_micro_batch)
-
     def waited(self) -> float:
         """Seconds since the last bucket was ready: called right after the backward pass returns, how long it
         waited for the all-reduces still running."""
         return max(0.0, time.perf_counter() - self.last_ready)
-
-
-class HSDP:
-    """Gradient sync of a model that :func:`pipeline.mesh.init_hsdp_mesh` and the model's parts made HSDP:
-    FSDP2 inside each server (parameters, gradients and AdamW's state sharded; all-gathers and
-    reduce-scatters over the server's fast links), replicas across servers (each shard's gradients
-    all-reduced over the slow link), as a user of synchronous training across GPU servers would run it
-    instead of flat DDP.
-
-    FSDP overlaps its collectives inside the forward and backward passes with no hook that tells when the
-    last gradient was ready, so :meth:`waited` is 0: the step's time is all counted as compute (an upper
-    bound of the compute utilization), and the summary's ``comm_method`` says so."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def require_sync(self, last_micro_batch: bool) -> None:
-        """Reduce gradients in the step's last micro-batch only."""
-        self.module.set_requires_gradient_sync(last_micro_batch)
-
-    def waited(self) -> float:
-        return 0.0
-
-
-def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (an FSDP shard gathered: a collective every worker calls), detached."""
-    from torch.distributed.tensor import DTensor
-
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in module.named_parameters()}
-
 
 
 def _device_for(cfg: Config, rank: int) -> torch.device:
@@ -155,7 +144,8 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one).  With
-    ``cfg.parallel.dp > 1`` the workers are servers of ``dp`` ranks each, trained with :class:`HSDP`."""
+    ``cfg.parallel.dp > 1`` the workers are servers of ``dp`` ranks each, trained with HSDP
+    (:class:`GradientSync`)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device_for(cfg, rank)
@@ -180,7 +170,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         accum = cfg.inner.grad_accum
 
         # every worker must start from the same parameters (DDP would broadcast rank 0's)
-        whole = full_parameters(model.modules[0]).values()
+        whole = model.full_parameters().values()
         numel = sum(p.numel() for p in whole)
         check = torch.tensor([float(sum(p.double().sum() for p in whole))], dtype=torch.float64, device=device)
         lo, hi = check.clone(), check.clone()
@@ -193,7 +183,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         step_bytes = ring_allreduce_bytes(numel * 4 // shard, workers // shard)
         wire = WireCounter(own=True)  # gloo's connections are this process's own
         if shard > 1:
-            grads: TimedDDP | HSDP | None = HSDP(model.modules[0])
+            grads: GradientSync | None = GradientSync(model.modules[0])
         else:
             grads = TimedDDP(model.modules[0], device, workers) if workers > 1 else None
         opt, sched = build_inner(model, cfg, total_steps)
@@ -252,11 +242,12 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             tokens += tokens_per_step
             step_losses.append(step_loss)
             done = step + 1
+            round_end = done % H == 0 or done == total_steps
             if rank != 0:
-                if shard > 1 and (done % H == 0 or done == total_steps):
+                if evaluates and round_end:
                     evaluate()
                 continue
-            if done % cfg.logging.log_every == 0 or done % H == 0 or done == total_steps:
+            if done % cfg.logging.log_every == 0 or round_end:
                 now = time.perf_counter()
                 tokens_per_second = (tokens - window_tokens) / max(now - window_t, 1e-9)
                 metrics.log({"loss": step_loss, "perplexity": math.exp(min(step_loss, 50)),
@@ -264,7 +255,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                              **throughput.record(tokens_per_second), "outer_step": done // H, "inner_step": done,
                              "payload_bytes_sent": bytes_sent, "num_peers": workers})
                 window_t, window_tokens = now, tokens
-            if done % H == 0 or done == total_steps:
+            if round_end:
                 t_eval = time.perf_counter()
                 eval_end = evaluate()
                 compute += time.perf_counter() - t_eval
@@ -283,7 +274,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         per_rank = torch.zeros(workers, 2, dtype=torch.float64, device=device)
         per_rank[rank, 0], per_rank[rank, 1] = compute, comm
         dist.all_reduce(per_rank)
-        final = full_parameters(model.modules[0])
+        final = model.full_parameters()
         if shard > 1:
             method = (f"HSDP: FSDP2 inside servers of {shard} workers, {workers // shard} replicas all-reducing "
                       f"their shards' gradients across servers, backend {backend}; FSDP's collectives overlap "
@@ -306,7 +297,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         }
         if rank == 0:
             run_dir = Path(cfg.logging.run_dir)
-            torch.save({n: p.cpu().clone() for n, p in final.items()}, run_dir / "params.pt")
+            torch.save(final, run_dir / "params.pt")
             metrics.summary(summary)
         return summary
     finally:
@@ -364,13 +355,6 @@ def baseline_main(argv: list[str] | None = None) -> int:
 
     return run_command(body, (BaselineError, CheckpointError))
 
-
-
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 15) -> str:

@@ -6,7 +6,8 @@ A tiny island trains for well under a second, so where one machine starts many i
 suite, above all: restarts after scripted kills, dozens of short runs) the imports are most of the work.
 
 :func:`start` forks the island from multiprocessing's fork server, which imported all of that once, and
-runs the same ``diloco.cli.main(argv)`` the console command runs, in a session of its own, with the given
+runs the same program a cold start runs (``diloco.cli`` as ``__main__``, or another module or script), in a
+session of its own, with the given
 environment and its output in the given log: to the island it is the same process.  :func:`start_group`
 stands in for ``torchrun --standalone --nproc-per-node N``: a forked agent in a session of its own forks the N
 ranks (each in a session of its own, with torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... set), ends
@@ -27,7 +28,6 @@ import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,17 +35,18 @@ import traceback
 import warnings
 from pathlib import Path
 
+from pipeline.mesh import free_port
+
 ENV = "DILOCO_WARM_ISLANDS"
 
 # imported once by the fork server; every island forked from it skips them
 PRELOAD = ["torch", "torch._dynamo", "hivemind", "diloco.cli", "diloco.engine.island", "diloco.launch.baseline",
            "diloco.launch.simulate"]
 
-_context: multiprocessing.context.ForkServerContext | None = None
-
-
 CLI = "diloco.cli"
 """The program a warm process runs by default: the ``diloco`` command."""
+
+_context: multiprocessing.context.ForkServerContext | None = None
 
 
 def enabled() -> bool:
@@ -154,9 +155,7 @@ def _run_group(program: str, argv: list[str], nproc: int, env: dict[str, str], l
     """The agent of a warm torchrun group: fork the ranks, forward SIGTERM and SIGINT to them, end the others
     (and what they started) when one fails, as torchrun does, and exit 0 only when all succeeded."""
     _become(program, argv, env, log, append_log)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ranks: dict[int, int] = {}
     for rank in range(nproc):
         pid = os.fork()
