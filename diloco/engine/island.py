@@ -51,7 +51,12 @@ from diloco.engine.rounds import (
 )
 from diloco.engine.runtime import Runtime, pick_device, return_freed_memory
 from diloco.engine.state_transfer import StateTransfer
-from diloco.engine.throughput import Throughput, peak_flops
+from diloco.engine.throughput import (
+    Throughput,
+    peak_flops,
+    peak_host_memory_gb,
+    peak_memory_gb,
+)
 from diloco.errors import TrainingError
 from diloco.inference.generate import cached_forward
 from diloco.inference.samples import Sampler
@@ -435,6 +440,7 @@ class Island:
             "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
             "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
             "theta_checksum": theta_checksum,
+            "peak_memory_gb": peak_memory_gb(self.device), "peak_host_memory_gb": peak_host_memory_gb(),
             "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
         }
         self.metrics.summary(summary)

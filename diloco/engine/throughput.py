@@ -51,6 +51,11 @@ def peak_memory_gb(device: torch.device) -> float:
     resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
+    return peak_host_memory_gb()
+
+
+def peak_host_memory_gb() -> float:
+    """This process's peak resident set so far, in GB (1e9 bytes)."""
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib * (1 if sys.platform == "darwin" else 1024) / 1e9
 

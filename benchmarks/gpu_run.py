@@ -1,0 +1,208 @@
+"""Whole runs on one GPU, as a user starts them: ``diloco train`` (one island with the round's whole host path,
+``--averaging.backend local``: everything but the network) and ``diloco simulate --islands 2 --share-gpus`` (two
+islands on one GPU averaging over real hivemind on loopback).  bf16 and compiled blocks; blocking and delayed
+overlap.  Not a test; needs CUDA (``--smoke`` runs the same code on CPU with the tiny model).
+
+    python benchmarks/gpu_run.py                                  # every case below, H = 100
+    python benchmarks/gpu_run.py --cases 1b-delayed,1b-blocking --rounds 4
+    python benchmarks/gpu_run.py --smoke                          # tiny model on CPU, H = 4: the code paths
+
+Per case it reads each island's ``metrics.jsonl`` and ``summary.json`` and reports:
+
+- the training thread's stall per round (``stall_seconds``: handing the round over, waiting for it, applying
+  it), median over the rounds from the second on (the first carries compilation and the islands' meeting;
+  with overlap the last is excluded too: the run waits for its result before it ends), as a share of the
+  round's wall time;
+- MFU inside the running loop: the median over the logged windows of inner steps (``mfu``), and over the
+  whole steady run, from the end of round 1 to the end of the last (stalls, evaluation and everything
+  else counted), and over the whole run with its start-up (compilation included);
+- utilization (compute seconds over wall seconds, the island's own figure), peak GPU and host memory per
+  island, the round's wall time, rounds committed and whether every island ended on the same θ_global;
+- recompilations and graph breaks (``TORCH_LOGS=recompiles,graph_breaks``) found in the logs.
+
+Writes ``--out`` (default experiments/results/gpu-run/): ``results.json`` (one line per case as it ends, so a
+run cut short keeps what it had), ``results.md``, and each case's logs under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name: (preset, islands, overlap, averaging backend, outer state's device)
+CASES: dict[str, tuple[str, int, str, str, str]] = {
+    "1b-delayed": ("1b", 1, "delayed", "local", "cpu"),
+    "150m-2-islands-hivemind": ("150m", 2, "delayed", "hivemind", "cpu"),
+    "1b-blocking": ("1b", 1, "none", "local", "cpu"),
+    "1b-delayed-outer-on-gpu": ("1b", 1, "delayed", "local", "cuda"),
+    "150m-delayed": ("150m", 1, "delayed", "local", "cpu"),
+}
+BATCH = {"tiny": 4, "150m": 16, "1b": 4}  # sequences per step: as benchmarks/gpu_island.py, so MFU compares
+
+
+def case_args(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bool) -> list[str]:
+    """The command line of one case."""
+    preset, islands, overlap, backend, outer_device = CASES[name]
+    if smoke:
+        preset = "tiny"
+    items = {"model.preset": preset, "inner.batch_size": BATCH[preset], "diloco.inner_steps": inner_steps,
+             "diloco.outer_steps": rounds, "diloco.overlap": overlap, "diloco.master_device": outer_device,
+             "averaging.backend": backend, "parallel.param_dtype": "fp32" if smoke else "bf16",
+             "parallel.compile": str(not smoke).lower(), "logging.run_dir": str(run_dir),
+             "logging.eval_every": rounds, "logging.samples": 0, "logging.log_every": max(inner_steps // 10, 1),
+             "checkpoint.every": 0, "wandb.mode": "disabled", "data.max_bytes": 8_000_000,
+             "averaging.run_id": f"gpu-run-{name}"}
+    if smoke:
+        items.update({"device": "cpu", "diloco.master_device": "cpu", "threads": 1})
+    args = [x for k, v in items.items() for x in (f"--{k}", str(v))]
+    if islands == 1:
+        return [sys.executable, "-m", "diloco.cli", "train", *args]
+    return [sys.executable, "-m", "diloco.cli", "simulate", "--islands", str(islands),
+            *([] if smoke else ["--share-gpus"]), *args]
+
+
+def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float, smoke: bool) -> dict[str, Any]:
+    """Run one case to its end (or its timeout) and read what its islands wrote."""
+    run_dir = out / "runs" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = case_args(name, inner_steps, rounds, run_dir, smoke)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,graph_breaks",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log = run_dir / "command.log"
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    row: dict[str, Any] = {"case": name, "command": " ".join(cmd[2:]), "rc": rc,
+                           "seconds": time.perf_counter() - t0, "timed_out": rc == -signal.SIGKILL}
+    island_dirs = [run_dir] if CASES[name][1] == 1 else sorted(run_dir.glob("island*"))
+    row["islands"] = [read_island(d, CASES[name][2]) for d in island_dirs]
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
+    row["recompiles"] = len(re.findall(r"Recompiling function", logs))
+    row["graph_breaks"] = len(re.findall(r"Graph break", logs))
+    checksums = {i.get("theta_checksum") for i in row["islands"]}
+    row["theta_identical"] = len(checksums) == 1 and None not in checksums
+    if rc != 0:
+        row["log_tail"] = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+    for f in run_dir.rglob("theta_global.pt"):  # 5 GB at 1b: not kept
+        f.unlink()
+    return row
+
+
+def read_island(run_dir: Path, overlap: str) -> dict[str, Any]:
+    """One island's figures from its metrics and summary (empty when it wrote none)."""
+    metrics, summary = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    if not metrics.exists() or not summary.exists():
+        return {}
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    s = json.loads(summary.read_text())
+    rounds = [r for r in records if "round_ok" in r]
+    steady = rounds[1:-1] if overlap != "none" and len(rounds) > 2 else rounds[1:]
+    out: dict[str, Any] = {k: s.get(k) for k in ("outer_step", "rounds_ok", "tokens", "compute_seconds",
+                                                   "stall_seconds", "wall_seconds", "theta_checksum",
+                                                   "peak_memory_gb", "peak_host_memory_gb", "eval_loss_start",
+                                                   "eval_loss_end")}
+    out["utilization"] = s["compute_seconds"] / max(s["wall_seconds"], 1e-9)
+    if steady:
+        out["stall_median_s"] = statistics.median(r["stall_seconds"] for r in steady)
+        out["send_median_s"] = statistics.median(r["send_seconds"] for r in steady)
+    if len(rounds) >= 2:
+        walls = [b["time"] - a["time"] for a, b in zip(rounds, rounds[1:])]
+        out["round_wall_s"] = statistics.median(walls)
+        if "stall_median_s" in out:
+            out["stall_share"] = out["stall_median_s"] / out["round_wall_s"]
+    steps = [r for r in records if "mfu" in r]
+    if steps:
+        flops_share = steps[-1]["mfu"] / steps[-1]["tokens_per_second_per_device"]  # FLOPs per token / peak
+        out["mfu_steps_median"] = statistics.median(r["mfu"] for r in steps[len(steps) // max(len(rounds), 1):])
+        if len(rounds) >= 2:
+            tokens = rounds[-1]["tokens"] - rounds[0]["tokens"]
+            out["mfu_steady"] = tokens / (rounds[-1]["time"] - rounds[0]["time"]) * flops_share
+        out["mfu_whole_run"] = s["tokens"] / s["wall_seconds"] * flops_share
+    return out
+
+
+def fmt(x: Any, pattern: str = "{:.3f}") -> str:
+    return "–" if x is None else pattern.format(x)
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    """The cases as a table, one line per island."""
+    lines = [header, "", "| case | island | rounds ok | median stall / round | of the round | send (training thread) "
+             "| round wall | MFU: steps / steady run / whole run | utilization | peak GPU GB | peak host GB | "
+             "recompiles, graph breaks | θ identical |", "|" + "---|" * 13]
+    for r in rows:
+        for i, isl in enumerate(r["islands"] or [{}]):
+            if not isl:
+                lines.append(f"| {r['case']} | {i} | failed (rc {r['rc']}) | | | | | | | | | | |")
+                continue
+            mfu = " / ".join(fmt(isl.get(k), "{:.1%}") for k in ("mfu_steps_median", "mfu_steady", "mfu_whole_run"))
+            lines.append(f"| {r['case']} | {i} | {isl['rounds_ok']}/{isl['outer_step']} | "
+                         f"{fmt(isl.get('stall_median_s'))} s | {fmt(isl.get('stall_share'), '{:.2%}')} | "
+                         f"{fmt(isl.get('send_median_s'))} s | {fmt(isl.get('round_wall_s'), '{:.2f}')} s | {mfu} | "
+                         f"{isl['utilization']:.1%} | {fmt(isl.get('peak_memory_gb'), '{:.1f}')} | "
+                         f"{fmt(isl.get('peak_host_memory_gb'), '{:.1f}')} | {r['recompiles']}, {r['graph_breaks']} | "
+                         f"{'yes' if r['theta_identical'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def card() -> str:
+    """The GPU's name and torch's version, from a child process (this driver imports no torch)."""
+    code = ("import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() "
+            "else 'cpu')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--inner-steps", type=int, default=100, help="H")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--case-timeout", type=float, default=240.0, help="seconds before a case is killed")
+    ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "gpu-run")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, H = 4: check the code paths")
+    args = ap.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        print(f"unknown case {unknown[0]!r}: pick from {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    if args.smoke:
+        args.inner_steps = min(args.inner_steps, 4)
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = (f"# Whole runs on one GPU ({card()})\n\n`python benchmarks/gpu_run.py --cases {','.join(cases)} "
+              f"--inner-steps {args.inner_steps} --rounds {args.rounds}{' --smoke' if args.smoke else ''}`")
+    (args.out / "results.json").write_text("")
+    rows = []
+    for name in cases:
+        row = run_case(name, args.inner_steps, args.rounds, args.out, args.case_timeout, args.smoke)
+        rows.append(row)
+        with (args.out / "results.json").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        (args.out / "results.md").write_text(markdown(rows, header))
+        print(f"{name}: rc {row['rc']} in {row['seconds']:.0f} s", flush=True)
+        if row["rc"]:
+            print(row.get("log_tail", ""), flush=True)
+    print(markdown(rows, header))
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
