@@ -46,6 +46,7 @@ CASES: dict[str, tuple[str, int, str, str, str]] = {
     "150m-2-islands-hivemind": ("150m", 2, "delayed", "hivemind", "cpu"),
     "1b-blocking": ("1b", 1, "none", "local", "cpu"),
     "1b-delayed-outer-on-gpu": ("1b", 1, "delayed", "local", "cuda"),
+    "1b-blocking-outer-on-gpu": ("1b", 1, "none", "local", "cuda"),
     "150m-delayed": ("150m", 1, "delayed", "local", "cpu"),
 }
 BATCH = {"tiny": 4, "150m": 16, "1b": 4}  # sequences per step: as benchmarks/gpu_island.py, so MFU compares

@@ -47,6 +47,10 @@ class OuterOptimizer:
             for n, p in params.items():
                 self.theta_global[n].copy_(p.detach())
         self.step_count = 0
+        largest = max((math.prod(shape) for shape in self.shapes.values()), default=0)
+        self._update = torch.empty(largest if self.nesterov else 0, dtype=torch.float32, device=self.device)
+        """Where the Nesterov update of one parameter is written, reused by every parameter: a fresh temporary
+        per parameter paid its page faults each round (a second of a 1b island's round on the host)."""
         self.lock = threading.Lock()
         """Held while θ_global or the outer momentum change, so that a thread serving them reads one state."""
 
@@ -109,7 +113,7 @@ class OuterOptimizer:
     def step(self, averaged_delta: Mapping[str, torch.Tensor]) -> None:
         """Apply one outer step with the group's averaged ``{name: Δ}``; parameters missing from it (other
         Streaming DiLoCo fragments) keep their values and momentum.  Works in place, one parameter at a time:
-        no temporary beyond one parameter's size."""
+        no temporary (the Nesterov update goes into one buffer of the largest parameter's size)."""
         for n in self.names:
             if n not in averaged_delta:
                 continue
@@ -118,7 +122,8 @@ class OuterOptimizer:
             if self.mu:
                 buf = self._momentum[n]
                 buf.mul_(self.mu).add_(d)
-                update = torch.add(d, buf, alpha=self.mu) if self.nesterov else buf
+                update = torch.add(d, buf, alpha=self.mu, out=self._update[:d.numel()].view(d.shape)) \
+                    if self.nesterov else buf
             else:
                 update = d
             theta.add_(update, alpha=-self.lr_)

@@ -23,4 +23,5 @@ def max_abs(t: torch.Tensor) -> float:
     of its size (``t.abs().amax()`` writes one)."""
     if t.numel() == 0:
         return 0.0
-    return max(float(t.amax()), -float(t.amin()))
+    lo, hi = torch.aminmax(t)  # one pass (amax then amin read t twice)
+    return max(float(hi), -float(lo))

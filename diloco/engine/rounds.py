@@ -193,6 +193,13 @@ class InFlight:
             return self.delta
         return {n: d * self.scale for n, d in self.delta.items()}
 
+    def release(self) -> None:
+        """Let go of what the round held once it was applied.  Its thread and its averager's callback refer back
+        to it, and such a cycle is freed only when Python's cycle collector next runs: rounds later, with Δ
+        and the parameters kept at sending (on a GPU, 5 GB each at 1b) still held, round after round."""
+        self.job = self.pending = None
+        self.delta, self.source, self.anchor, self.undo, self.proxy = {}, {}, {}, {}, {}
+
 
 @dataclass
 class Settled:
@@ -232,6 +239,7 @@ class RoundJob:
         except BaseException as e:  # handed to the training thread, which raises it
             self.error = e
         finally:
+            self._run = None  # the round it ran refers to this job: no cycle left behind
             self.sent.set()
 
     def done(self) -> bool:
@@ -583,6 +591,7 @@ class OuterRounds:
         parameters into it run asynchronously): one flat buffer in the canonical layout's order when the island
         is one process holding every parameter whole (the averager sends its buckets without a copy), else
         this rank's shards one after the other."""
+        self._delta_buffer()  # now: pinning gigabytes in the first round held a 1b island's GPU for seconds
 
     @property
     def blocking(self) -> bool:
@@ -725,6 +734,12 @@ class OuterRounds:
         """Collective: wait for the round in flight, validate it, commit it or roll it back, and bring the
         island's parameters onto the outcome."""
         f, self.flight = self.flight, None
+        try:
+            return self._apply(f)
+        finally:
+            f.release()
+
+    def _apply(self, f: InFlight) -> RoundMetrics:
         t0 = time.perf_counter()
         in_flight = t0 - f.t_sent
         if f.job is not None:

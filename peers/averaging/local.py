@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outer_optim.tensors import all_finite
 from peers.result import RoundResult
 
 
@@ -30,17 +31,28 @@ class LocalAverager:
 
     peer_id = "local"
 
+    def __init__(self) -> None:
+        self._out: dict[str, torch.Tensor] = {}
+        """The average handed out, one buffer per tensor kept from round to round: a fresh copy of a 1b
+        model's Δ each round paid its 5 GB of first-touch page faults again (seconds on a GPU host)."""
+
     def average(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
                 on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
                 buckets: Collection[int] | None = None, expected_group_size: int | None = None
                 ) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """Return this island's own ``{name: Δ}`` as the group's average."""
         t0 = time.perf_counter()
-        if not all(torch.isfinite(d).all() for d in deltas.values()):
+        if not all(all_finite(d) for d in deltas.values()):
             return RoundResult(False, "this island's pseudo-gradient is not finite"), None
-        out = {n: d.detach().clone() for n, d in deltas.items()}
+        out = {n: self._buffer(n, d).copy_(d.detach()) for n, d in deltas.items()}
         return RoundResult(True, backend="local", group_size=1, peers=[self.peer_id], total_weight=float(weight),
                            seconds=time.perf_counter() - t0, gathered={self.peer_id: dict(metadata)}), out
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        kept = self._out.get(name)
+        if kept is None or kept.shape != like.shape or kept.dtype != like.dtype or kept.device != like.device:
+            kept = self._out[name] = torch.empty_like(like)
+        return kept
 
     def start(self, deltas: Mapping[str, torch.Tensor], weight: float, metadata: dict, round_id: str,
               on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
