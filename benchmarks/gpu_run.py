@@ -93,13 +93,7 @@ def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float
             rc = proc.wait()
     row: dict[str, Any] = {"case": name, "command": " ".join(cmd[2:]), "rc": rc,
                            "seconds": time.perf_counter() - t0, "timed_out": rc == -signal.SIGKILL}
-    island_dirs = [run_dir] if CASES[name][1] == 1 else sorted(run_dir.glob("island*"))
-    row["islands"] = [read_island(d, CASES[name][2]) for d in island_dirs]
-    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
-    row["recompiles"] = len(re.findall(r"Recompiling function", logs))
-    row["graph_breaks"] = len(re.findall(r"Graph break", logs))
-    checksums = {i.get("theta_checksum") for i in row["islands"]}
-    row["theta_identical"] = len(checksums) == 1 and None not in checksums
+    read_case(row, run_dir)
     if rc != 0:
         row["log_tail"] = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
     for f in run_dir.rglob("theta_global.pt"):  # 5 GB at 1b: not kept
@@ -107,36 +101,54 @@ def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float
     return row
 
 
+def read_case(row: dict[str, Any], run_dir: Path) -> None:
+    """Fill ``row`` with what the case's islands wrote under ``run_dir``."""
+    name = row["case"]
+    island_dirs = [run_dir] if CASES[name][1] == 1 else sorted(run_dir.glob("island*"))
+    row["islands"] = [read_island(d, CASES[name][2]) for d in island_dirs]
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
+    row["recompiles"] = len(re.findall(r"Recompiling function", logs))
+    row["graph_breaks"] = len(re.findall(r"Graph break", logs))
+    checksums = {i.get("theta_checksum") for i in row["islands"]}
+    row["theta_identical"] = (len(checksums) == 1 and None not in checksums) if len(island_dirs) > 1 else None
+
+
 def read_island(run_dir: Path, overlap: str) -> dict[str, Any]:
-    """One island's figures from its metrics and summary (empty when it wrote none)."""
+    """One island's figures from its metrics and summary (empty when it wrote no metrics; an island that died
+    before its summary: the rounds it logged, with ``outer_step`` None)."""
     metrics, summary = run_dir / "metrics.jsonl", run_dir / "summary.json"
-    if not metrics.exists() or not summary.exists():
+    if not metrics.exists():
         return {}
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    s = json.loads(summary.read_text())
     rounds = [r for r in records if "round_ok" in r]
+    s = json.loads(summary.read_text()) if summary.exists() else {
+        "rounds_ok": sum(r["round_ok"] for r in rounds), "tokens": rounds[-1]["tokens"] if rounds else 0,
+        "compute_seconds": 0.0, "wall_seconds": 0.0,
+        "peak_memory_gb": max((r["peak_memory_gb"] for r in records if "peak_memory_gb" in r), default=None)}
     steady = rounds[1:-1] if overlap != "none" and len(rounds) > 2 else rounds[1:]
     out: dict[str, Any] = {k: s.get(k) for k in ("outer_step", "rounds_ok", "tokens", "compute_seconds",
                                                    "stall_seconds", "wall_seconds", "theta_checksum",
                                                    "peak_memory_gb", "peak_host_memory_gb", "eval_loss_start",
                                                    "eval_loss_end")}
-    out["utilization"] = s["compute_seconds"] / max(s["wall_seconds"], 1e-9)
+    out["utilization"] = s["compute_seconds"] / s["wall_seconds"] if s["wall_seconds"] else None
     if steady:
         out["stall_median_s"] = statistics.median(r["stall_seconds"] for r in steady)
         out["send_median_s"] = statistics.median(r["send_seconds"] for r in steady)
-    if len(rounds) >= 2:
-        walls = [b["time"] - a["time"] for a, b in zip(rounds, rounds[1:])]
+    # the steady run: from the end of round 1 to the end of the last steady round
+    window = [rounds[0], *steady] if steady else []
+    if len(window) >= 2:
+        walls = [b["time"] - a["time"] for a, b in zip(window, window[1:])]
         out["round_wall_s"] = statistics.median(walls)
-        if "stall_median_s" in out:
-            out["stall_share"] = out["stall_median_s"] / out["round_wall_s"]
+        out["stall_share"] = out["stall_median_s"] / out["round_wall_s"]
     steps = [r for r in records if "mfu" in r]
     if steps:
         flops_share = steps[-1]["mfu"] / steps[-1]["tokens_per_second_per_device"]  # FLOPs per token / peak
         out["mfu_steps_median"] = statistics.median(r["mfu"] for r in steps[len(steps) // max(len(rounds), 1):])
-        if len(rounds) >= 2:
-            tokens = rounds[-1]["tokens"] - rounds[0]["tokens"]
-            out["mfu_steady"] = tokens / (rounds[-1]["time"] - rounds[0]["time"]) * flops_share
-        out["mfu_whole_run"] = s["tokens"] / s["wall_seconds"] * flops_share
+        if len(window) >= 2:
+            tokens = window[-1]["tokens"] - window[0]["tokens"]
+            out["mfu_steady"] = tokens / (window[-1]["time"] - window[0]["time"]) * flops_share
+        if s["wall_seconds"]:
+            out["mfu_whole_run"] = s["tokens"] / s["wall_seconds"] * flops_share
     return out
 
 
@@ -148,19 +160,21 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     """The cases as a table, one line per island."""
     lines = [header, "", "| case | island | rounds ok | median stall / round | of the round | send (training thread) "
              "| round wall | MFU: steps / steady run / whole run | utilization | peak GPU GB | peak host GB | "
-             "recompiles, graph breaks | θ identical |", "|" + "---|" * 13]
+             "recompiles, graph breaks | θ identical (2 islands) |", "|" + "---|" * 13]
     for r in rows:
         for i, isl in enumerate(r["islands"] or [{}]):
             if not isl:
                 lines.append(f"| {r['case']} | {i} | failed (rc {r['rc']}) | | | | | | | | | | |")
                 continue
             mfu = " / ".join(fmt(isl.get(k), "{:.1%}") for k in ("mfu_steps_median", "mfu_steady", "mfu_whole_run"))
-            lines.append(f"| {r['case']} | {i} | {isl['rounds_ok']}/{isl['outer_step']} | "
+            done = f"{isl['rounds_ok']}/{isl['outer_step']}" if isl["outer_step"] is not None else \
+                f"{isl['rounds_ok']}, then rc {r['rc']}"
+            lines.append(f"| {r['case']} | {i} | {done} | "
                          f"{fmt(isl.get('stall_median_s'))} s | {fmt(isl.get('stall_share'), '{:.2%}')} | "
                          f"{fmt(isl.get('send_median_s'))} s | {fmt(isl.get('round_wall_s'), '{:.2f}')} s | {mfu} | "
-                         f"{isl['utilization']:.1%} | {fmt(isl.get('peak_memory_gb'), '{:.1f}')} | "
+                         f"{fmt(isl['utilization'], '{:.1%}')} | {fmt(isl.get('peak_memory_gb'), '{:.1f}')} | "
                          f"{fmt(isl.get('peak_host_memory_gb'), '{:.1f}')} | {r['recompiles']}, {r['graph_breaks']} | "
-                         f"{'yes' if r['theta_identical'] else 'NO'} |")
+                         f"{ {None: '–', True: 'yes', False: 'NO'}[r['theta_identical']]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,6 +185,22 @@ def card() -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
 
 
+def report(out: Path) -> int:
+    """Read again the cases a run left in ``out`` (its figures recomputed from the islands' files)."""
+    path = out / "results.json"
+    if not path.exists():
+        print(f"{path} does not exist: run the cases first (without --report-only)", file=sys.stderr)
+        return 2
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        read_case(row, out / "runs" / row["case"])
+    header = (out / "results.md").read_text().split("\n\n| case")[0] if (out / "results.md").exists() else ""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "results.md").write_text(markdown(rows, header))
+    print(markdown(rows, header))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
@@ -179,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case-timeout", type=float, default=240.0, help="seconds before a case is killed")
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "gpu-run")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, H = 4: check the code paths")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: read the cases of --out's results.json and runs/ again and rewrite results.md")
     args = ap.parse_args(argv)
+    if args.report_only:
+        return report(args.out)
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
