@@ -43,6 +43,8 @@ from outer_optim.codecs import AUTO_CODECS, exchange_factor, make_codec
 from peers.wire.probe import LinkProbe, read_probe
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GPU_RUN = "gpu-run-h100/results.json"
+"""A running island's rounds on a GPU (``benchmarks/gpu_run.py``)."""
 
 # Vendors' data sheets (no measurement of ours): memory (GB) and NVLink bandwidth one way (GB/s) per GPU.
 DATA_SHEET: dict[str, tuple[float, float]] = {
@@ -233,6 +235,24 @@ class Sources:
         stall = sum(i["stall_median_s"] for i in row["islands"]) / len(row["islands"])
         self.note("hand-over of a round in flight", "experiments/results/round-stall/results.json (40m, CPU)")
         return stall / 40e6
+
+    def gpu_round_seconds_per_param(self) -> tuple[float, float] | None:
+        """(the training thread's hold with the round on its own thread, the round's whole host work) per round
+        and parameter, measured in a running 1b island on a GPU (``benchmarks/gpu_run.py``: the median stall of
+        its delayed and of its blocking rounds); None when that run is missing."""
+        path = self.results / GPU_RUN
+        if not path.exists():
+            return None
+        rows = {r["case"]: r for r in self._jsonl(path)}
+        try:
+            delayed, blocking = (rows[c]["islands"][0]["stall_median_s"] for c in ("1b-delayed", "1b-blocking"))
+        except (KeyError, IndexError):
+            return None
+        params = Model.of_preset("1b", 256).params
+        self.note("hand-over of a round in flight, and the round's host work", f"experiments/results/{GPU_RUN} (1b "
+                  f"in its running loop on one H100: {delayed:.3f} s and {blocking:.2f} s a round; the host's "
+                  f"work, taken as is for every GPU kind)")
+        return delayed / params, blocking / params
 
     def host_seconds_per_param(self, device_file: str) -> dict[str, float]:
         """Outer-state work per parameter: Δ to the host, the Nesterov step, θ back (the gpu-island table)."""
@@ -551,9 +571,17 @@ def loss_model(sources: Sources) -> LossModel:
 
 
 def round_model(sources: Sources, device: Device) -> RoundModel:
+    """A round's fixed costs, its host work and the training thread's hold: measured in a running island on a
+    GPU when the plan is for GPUs and that run exists, else pieced together (the outer state's copies and step
+    from the device's benchmark, the hand-over from CPU islands)."""
     fixed, trips = sources.round_overhead()
-    host = sources.host_seconds_per_param(device.source)
-    return RoundModel(fixed, trips, sum(host.values()), sources.handover_seconds_per_param(), sources.wire_ratios())
+    measured = sources.gpu_round_seconds_per_param() if device.name != "cpu" else None
+    if measured is not None:
+        handover, host = measured
+    else:
+        host = sum(sources.host_seconds_per_param(device.source).values())
+        handover = sources.handover_seconds_per_param()
+    return RoundModel(fixed, trips, host, handover, sources.wire_ratios())
 
 
 def codec_bytes_per_value(codec: str) -> float:

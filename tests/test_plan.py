@@ -131,6 +131,22 @@ def test_the_plan_keeps_its_budget_ranks_by_wall_clock_and_slower_links_cost_mor
     assert ratios["int4"] < ratios["int8"]
 
 
+def test_a_gpu_plan_takes_the_rounds_host_costs_from_an_island_measured_in_its_loop(monkeypatch):
+    """On GPUs the training thread's hold and the round's host work come from a 1b island's running loop
+    (``benchmarks/gpu_run.py``), not from CPU islands; without that run the plan pieces them together."""
+    sources = planner.Sources()
+    device = planner.device_for(_inputs(), sources)
+    measured = planner.round_model(sources, device)
+    rows = {r["case"]: r for r in map(json.loads, (planner.RESULTS / planner.GPU_RUN).read_text().splitlines())}
+    params = planner.Model.of_preset("1b", 256).params
+    assert measured.handover_s_per_param * params == pytest.approx(rows["1b-delayed"]["islands"][0]["stall_median_s"])
+    assert measured.host_s_per_param * params == pytest.approx(rows["1b-blocking"]["islands"][0]["stall_median_s"])
+    assert any("gpu-run" in where for where in sources.used.values())
+    monkeypatch.setattr(planner, "GPU_RUN", "no-such-run/results.json")
+    pieced = planner.round_model(planner.Sources(), device)
+    assert pieced.handover_s_per_param != measured.handover_s_per_param
+
+
 @pytest.mark.parametrize("behind_nat", [False, True])
 def test_every_flag_of_the_printed_commands_is_a_real_config_key(behind_nat):
     plan = planner.make_plan(_inputs(joiners_accept=not behind_nat))
