@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from diloco.launch import tail  # noqa: E402
 
 # name: (preset, islands, overlap, averaging backend, outer state's device)
 CASES: dict[str, tuple[str, int, str, str, str]] = {
@@ -95,7 +98,7 @@ def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float
                            "seconds": time.perf_counter() - t0, "timed_out": rc == -signal.SIGKILL}
     read_case(row, run_dir)
     if rc != 0:
-        row["log_tail"] = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        row["log_tail"] = tail(log, 25)
     for f in run_dir.rglob("theta_global.pt"):  # 5 GB at 1b: not kept
         f.unlink()
     return row

@@ -55,7 +55,7 @@ from diloco.config import Config, to_dict
 from diloco.engine.metrics import MetricsLogger
 from diloco.engine.runtime import use_device
 from diloco.engine.throughput import Throughput, peak_flops
-from diloco.launch import warm
+from diloco.launch import tail, warm
 from diloco.model.build import build_data, build_inner, build_model
 from diloco.model.inner import take_inner_step
 from diloco.model.transformer import flops_per_token
@@ -357,13 +357,6 @@ def baseline_main(argv: list[str] | None = None) -> int:
 
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
 def stop_processes(procs: Sequence[subprocess.Popen | warm.WarmProcess], grace: float = 10.0) -> None:
     """SIGTERM each process group, wait up to ``grace`` s, then SIGKILL what is left and reap."""
     for p in procs:
@@ -461,14 +454,14 @@ def run_baseline(cfg: Config, workers: int, network: Any = None, *,
             for r, p in enumerate(procs):
                 if p.poll() not in (None, 0):
                     raise BaselineError(f"baseline worker {r} exited with code {p.returncode}; its log {logs[r]} "
-                                        f"ends with:\n{_tail(logs[r])}")
+                                        f"ends with:\n{tail(logs[r])}")
             if progress:
                 seen = _print_progress(logs[0], seen, t0)
             time.sleep(0.5)
         for r, p in enumerate(procs):
             if p.returncode != 0:
                 raise BaselineError(f"baseline worker {r} exited with code {p.returncode}; its log {logs[r]} "
-                                    f"ends with:\n{_tail(logs[r])}")
+                                    f"ends with:\n{tail(logs[r])}")
         if progress:
             _print_progress(logs[0], seen, t0)
     except KeyboardInterrupt:

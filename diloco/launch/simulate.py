@@ -28,7 +28,7 @@ import torch
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
 from diloco.engine.peer_node import IDENTITY
-from diloco.launch import warm
+from diloco.launch import tail, warm
 from peers.discovery.dht import peer_id_of
 from peers.discovery.run_key import new_run_key
 from peers.proctable import descendants, process_table, socket_files
@@ -106,14 +106,6 @@ def gpu_assignment(sizes: list[int], gpus: list[str], device: str, share: bool =
         out.append(",".join(gpus[(start + j) % len(gpus)] for j in range(n)))
         start += n
     return out
-
-
-def tail(path: Path, n: int = 15) -> str:
-    """The last ``n`` lines of a log file."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 class Cluster:
