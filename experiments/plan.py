@@ -189,11 +189,11 @@ class Sources:
             raise PlanError(f"{path} is missing or unreadable; it holds figures `diloco plan` needs (restore it "
                             f"from the repository)") from None
 
-    def _jsonl(self, path: Path) -> list[dict[str, Any]]:
+    def _jsonl(self, path: Path, writer: str = "benchmarks/gpu_island.py") -> list[dict[str, Any]]:
         try:
             return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except (OSError, ValueError):
-            raise PlanError(f"{path} is missing or is not a results.json of benchmarks/gpu_island.py") from None
+            raise PlanError(f"{path} is missing or is not a results.json of {writer}") from None
 
     def device_rows(self, kind: str, compute_file: Path | None) -> tuple[list[dict[str, Any]], str, str]:
         """The single-device rows measured for ``kind`` (or read from ``compute_file``), the device's name and
@@ -243,7 +243,7 @@ class Sources:
         path = self.results / GPU_RUN
         if not path.exists():
             return None
-        rows = {r["case"]: r for r in self._jsonl(path)}
+        rows = {r["case"]: r for r in self._jsonl(path, "benchmarks/gpu_run.py")}
         try:
             delayed, blocking = (rows[c]["islands"][0]["stall_median_s"] for c in ("1b-delayed", "1b-blocking"))
         except (KeyError, IndexError):

@@ -587,11 +587,15 @@ class OuterRounds:
         self.hooks = hooks
         self.flight: InFlight | None = None
         self._delta_views: dict[str, torch.Tensor] | None = None
-        """Where Δ is written each round, allocated once (pinned on a GPU host, so that the copies of the
-        parameters into it run asynchronously): one flat buffer in the canonical layout's order when the island
-        is one process holding every parameter whole (the averager sends its buckets without a copy), else
-        this rank's shards one after the other."""
-        self._delta_buffer()  # now: pinning gigabytes in the first round held a 1b island's GPU for seconds
+        """Where Δ is written each round, allocated once, at start (pinned on a GPU host, so that the copies of
+        the parameters into it run asynchronously; pinning gigabytes in the first round held a 1b island's GPU
+        for seconds): one flat buffer in the canonical layout's order when the island is one process holding
+        every parameter whole (the averager sends its buckets without a copy), else this rank's shards one
+        after the other.  None when the outer state is on a GPU: Δ is computed there."""
+        if self.outer.device.type == "cpu":
+            flat = torch.empty(exchange.layout.total_numel if exchange.whole else outer.flat.numel(),
+                               pin_memory=torch.cuda.is_available())
+            self._delta_views = exchange.flat_views(flat) if exchange.whole else outer.views(flat)
 
     @property
     def blocking(self) -> bool:
@@ -663,7 +667,7 @@ class OuterRounds:
             h.starting(rnd, state)
         if self.transfer.outvoted(rnd, state, wait=self.blocking):
             return self._leave_out(rnd)
-        f.delta = self.outer.pseudo_gradient(source, f.names, out=self._delta_buffer())
+        f.delta = self.outer.pseudo_gradient(source, f.names, out=self._delta_views)
         for h in self.hooks:
             f.delta = h.outgoing(rnd, f.delta)
         f.meta["state_fingerprint"] = state
@@ -677,13 +681,6 @@ class OuterRounds:
         if self.mode == "eager":
             f.proxy = self.outer.peek({n: f.delta[n] for n in f.names})
         return None
-
-    def _delta_buffer(self) -> dict[str, torch.Tensor] | None:
-        if self._delta_views is None and self.outer.device.type == "cpu":
-            flat = torch.empty(self.exchange.layout.total_numel if self.exchange.whole else self.outer.flat.numel(),
-                               pin_memory=torch.cuda.is_available())
-            self._delta_views = self.exchange.flat_views(flat) if self.exchange.whole else self.outer.views(flat)
-        return self._delta_views
 
     def round(self) -> RoundMetrics:
         """Collective: one whole round, blocking (catch up, or send and apply)."""
