@@ -1,6 +1,7 @@
-"""Islands behind NAT: the same short DiLoCo run twice over emulated links, every island reachable, then with
-some islands behind NAT (no inbound TCP connection reaches their host; they run with
-``--averaging.client_mode true``), side by side.
+"""Islands behind NAT: the same short DiLoCo run three times over emulated links, every island reachable, then
+with some islands behind NAT (no inbound TCP connection reaches their host), once run with
+``--averaging.client_mode true`` and once without it (they find it out themselves, when a reachable island
+cannot connect back: :mod:`peers.wire.dial_back`), side by side.
 
 The NAT'ed islands open every connection themselves; the others send them their bytes back over those lanes,
 and two NAT'ed islands reach each other through a reachable one (:mod:`peers.wire.transport`).  Reports, per
@@ -64,11 +65,13 @@ def round_seconds(rounds: list[list[dict[str, Any]]]) -> list[float]:
     return [min(v) for _, v in sorted(by_step.items())]
 
 
-def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: float, out: Path) -> dict[str, Any]:
-    """One run of ``islands`` islands, those in ``nat`` behind NAT; what :func:`main` reports of it."""
+def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: float, out: Path,
+            declared: bool = True) -> dict[str, Any]:
+    """One run of ``islands`` islands, those in ``nat`` behind NAT (``declared``: started with
+    ``--averaging.client_mode true``); what :func:`main` reports of it."""
     with netns.EmulatedNetwork(islands, rate=rate, rtt_ms=rtt_ms, nat=nat, delay_line=True) as network:
         def wrap(cmd: list[str], i: int) -> list[str]:
-            return network.wrap(cmd + (["--averaging.client_mode", "true"] if i in nat else []), i)
+            return network.wrap(cmd + (["--averaging.client_mode", "true"] if i in nat and declared else []), i)
 
         c = variant(cfg, **{"logging.run_dir": str(out)})
         launched = launch_islands(c, islands, network, wrap=wrap)
@@ -85,6 +88,8 @@ def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: 
     return {"nat": list(nat), "rtt_ms": rtt_ms, "rounds_committed": ok, "rounds_planned": cfg.diloco.outer_steps,
             "payload_bytes_per_round": max(sent) if sent else 0,
             "theta_identical": len(checksums) == 1 and None not in checksums,
+            "behind_nat": [bool(s.get("behind_nat")) for s in summaries],
+            "found_by_dial_back": [bool(s.get("behind_nat_found_by_dial_back")) for s in summaries],
             "round_seconds_median": statistics.median(took) if took else float("nan"),
             "exchange_seconds_median": phase("exchange_seconds"), "group_seconds_median": phase("group_seconds"),
             "vote_seconds_median": phase("vote_seconds"),
@@ -152,22 +157,27 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError([f"the emulated links need root and TUN devices: {why}"])
         cfg = config_load.load(None, rest, defaults=DEFAULTS)
         results = {}
-        arms = (("all reachable", ()), (f"island{'s' if len(nat) > 1 else ''} {args.nat} behind NAT", nat))
-        for arm, hidden in arms:
+        hidden_name = f"island{'s' if len(nat) > 1 else ''} {args.nat} behind NAT"
+        arms = (("all reachable", (), "open", True), (f"{hidden_name}, declared", nat, "nat", True),
+                (f"{hidden_name}, found by dial-back", nat, "nat-found", False))
+        for arm, hidden, folder, declared in arms:
             print(f"== {arm} ==", flush=True)
-            results[arm] = run_arm(cfg, args.islands, hidden, args.rate, args.rtt,
-                                   args.out / "runs" / ("nat" if hidden else "open"))
+            results[arm] = run_arm(cfg, args.islands, hidden, args.rate, args.rtt, args.out / "runs" / folder,
+                                   declared=declared)
             print(json.dumps({k: v for k, v in results[arm].items() if k != "round_seconds"}), flush=True)
-        base, hid = results.values()
-        ratio = hid["round_seconds_median"] / base["round_seconds_median"]
+        base = results["all reachable"]
         title = f"{args.islands} islands, {args.rate}, RTT {args.rtt:g} ms, {cfg.model.preset} model"
         rows = [f"# Islands behind NAT: {title}", "",
-                "| arm | rounds committed | θ_global identical | round s (median) | exchange s (median) |",
-                "|---|---|---|---|---|"]
+                "| arm | rounds committed | θ_global identical | behind NAT (found by dial-back) | round s (median) "
+                "| exchange s (median) | round / all reachable |",
+                "|---|---|---|---|---|---|---|"]
         for arm, r in results.items():
+            hidden = ", ".join(f"island{i}{' (found)' if found else ''}"
+                               for i, (behind, found) in enumerate(zip(r["behind_nat"], r["found_by_dial_back"]))
+                               if behind) or "none"
             rows.append(f"| {arm} | {r['rounds_committed']} of {r['rounds_planned']} | {r['theta_identical']} | "
-                        f"{r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} |")
-        rows += ["", f"Round time behind NAT / all reachable: {ratio:.2f}x"]
+                        f"{hidden} | {r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} | "
+                        f"{r['round_seconds_median'] / base['round_seconds_median']:.2f}x |")
         table = "\n".join(rows)
         save_results(args.out, table, results)
         _plot(results, args.out / "round_seconds.png", title)

@@ -27,6 +27,10 @@ class NetworkSettings:
     client_mode: bool = False
     """Accept no incoming connections (an island behind a NAT or a firewall): it opens every connection
     itself, and other islands send it their bytes back over them; it takes full part in the rounds."""
+    dial_back: bool = True
+    """On joining a run, ask a reachable island to connect back to the address this island would announce and
+    to its DHT's port; if none can, take part as with ``client_mode`` true (and say so) instead of announcing
+    an address nobody reaches. False: trust ``client_mode`` as given."""
     startup_timeout: float = 20.0
     """Seconds to connect to initial peers before giving up with an error."""
     transport_port: int = 0
@@ -108,7 +112,7 @@ class AveragerSettings:
     entropy_coding: bool = True
     """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
     transport: str = "direct"
-    """How a round's bytes travel between islands: `direct` (plain TCP between the ranks: as fast as a gloo all-reduce, not encrypted; the run key authenticates every connection) or `p2p` (hivemind's daemon: encrypted, several times slower)."""
+    """How a round's bytes travel between islands: `direct` (TCP between the ranks, sealed with AES-GCM unless --averaging.encrypt false: as fast as a gloo all-reduce; the run key authenticates every connection) or `p2p` (hivemind's daemon: encrypted, several times slower)."""
 
 
 def codec_backend_problem(compression: str, backend: str) -> str:

@@ -261,3 +261,21 @@ def test_killed_owner_leaves_nothing_after_cleanup_stale(delay_line_ok):
     assert sorted(cleanup_stale(info["base"])) == sorted(f"{info['base']}-{x}" for x in ("hub", "h0", "h1"))
     assert _ns_of(info["base"]) == []
     assert _forwarder_gone(info["forwarder"])
+
+
+def test_an_island_behind_nat_that_did_not_say_so_finds_it_out_and_trains(delay_line_ok, tmp_path):
+    """Island 1's host takes no incoming connection and its command has no ``--averaging.client_mode``: the
+    reachable island cannot connect back to it, so it takes part through lanes; every round commits on both and
+    θ_global ends identical (before the dial-back, every round of such a run failed)."""
+    from experiments.nat import run_arm
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "unused", **{
+        "diloco.outer_steps": 2, "diloco.inner_steps": 4, "averaging.backend": "hivemind",
+        "averaging.min_group_size": 2, "averaging.matchmaking_time": 2.0, "averaging.request_timeout": 1.0,
+        "averaging.matchmaking_timeout": 60.0, "averaging.startup_timeout": 30.0})
+    r = run_arm(cfg, 2, (1,), "50mbit", 10.0, tmp_path / "runs", declared=False)
+    assert r["behind_nat"] == [False, True] and r["found_by_dial_back"] == [False, True], r
+    assert r["rounds_committed"] == [2, 2] and r["theta_identical"], r
+    log = (tmp_path / "runs" / "island1" / "train.log").read_text()
+    assert "no island of the run could connect to" in log and "taking part behind NAT" in log

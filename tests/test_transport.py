@@ -212,3 +212,37 @@ def test_a_member_whose_process_is_gone_ends_the_exchange_at_once_and_is_named_g
     with pytest.raises(TransportError) as relayed:  # no rank to relay through: a deadline, never "gone"
         a.send("lane:10.9.9.9:1", "k", b"v", time.monotonic() + 0.5)
     assert not isinstance(relayed.value, GoneError)
+
+
+def test_a_dial_back_finds_a_listener_that_can_be_reached_and_one_that_cannot(transports):
+    """A joining island asks a reachable one to connect back: its own listener counts only when the nonce it
+    wrote comes back; an address nothing answers at, or one on another 'server' (127.0.0.2: the listener is
+    bound to 127.0.0.1, as a private address behind a NAT is), is named among those not reached, and the
+    answer comes back over the asker's lane."""
+    from peers.wire.dial_back import ask_dial_back, serve_dial_back
+
+    responder = transports("responder", "k", host="127.0.0.1")
+    serve_dial_back(responder)
+    found = ask_dial_back("island", "k", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.1", [])
+    assert found.reached is True and found.failed == [] and found.answered == 1
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    nobody = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    found = ask_dial_back("island", "k", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.1", [nobody])
+    assert found.reached is False and found.failed == [nobody], found
+
+    found = ask_dial_back("island", "k", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.2", [])
+    assert found.reached is False and found.failed == found.addresses and found.answered == 1, found
+
+
+def test_a_dial_back_that_nobody_answers_knows_nothing(transports):
+    """Asked with the wrong run key, the responder refuses the question: the asker learns nothing (None), and
+    does not conclude that it is behind NAT."""
+    from peers.wire.dial_back import ask_dial_back, serve_dial_back
+
+    responder = transports("responder", "k", host="127.0.0.1")
+    serve_dial_back(responder)
+    found = ask_dial_back("island", "other", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.1", [],
+                          timeout=3.0)
+    assert found.reached is None and found.answered == 0

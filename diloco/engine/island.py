@@ -440,6 +440,7 @@ class Island:
             "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
             "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
             "theta_checksum": theta_checksum,
+            "behind_nat": self.peers.a.client_mode, "behind_nat_found_by_dial_back": self.peers.behind_nat,
             "peak_memory_gb": peak_memory_gb(self.device), "peak_host_memory_gb": peak_host_memory_gb(),
             "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
         }

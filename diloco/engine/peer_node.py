@@ -40,11 +40,12 @@ from peers.discovery.dht import (
     tcp_port,
     visible_maddrs,
 )
-from peers.discovery.membership import Membership
+from peers.discovery.membership import Membership, reachable_islands
 from peers.discovery.run_key import check_run_key, key_check_key, new_run_key
 from peers.group.averager import VerifiedAverager
 from peers.settings import NetworkSettings, Scope
 from peers.wire.counters import WireCounter
+from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
 from peers.wire.exchange import BucketExchange
 from peers.wire.layout import CanonicalLayout
 from peers.wire.state_share import Provider, StateServer
@@ -117,6 +118,9 @@ class PeerNode:
         self.alone = AloneWatch(a.rejoin_after)
         self.transport: Transport | None = None
         """Where this rank takes a round's bytes and requests for state (:mod:`peers.wire.transport`)."""
+        self.behind_nat = False
+        """Whether the islands asked could not connect back to this one (on rank 0; then the island takes part
+        as ``--averaging.client_mode true`` would)."""
         self._server: StateServer | None = None
         self._provide: Provider = lambda: None
         self._lock = threading.Lock()
@@ -214,6 +218,9 @@ class PeerNode:
         self.membership.maddrs = [] if self._dht_client() else visible_maddrs(self.dht)
         self.membership.endpoint = self.transport.endpoint
         self.membership.start_heartbeat()
+        if not self.transport.reachable:
+            threading.Thread(target=self._hold_lanes, args=(self.membership, self.transport), name="lanes",
+                             daemon=True).start()
         self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping,
                                    lambda: len(self.membership.others()))
         self._connected()
@@ -228,6 +235,15 @@ class PeerNode:
             self.count_bytes(0, 0, through_torch=False)  # the daemon's counts go with it
             self.disconnect()
             self.connect(rejoin=known)
+
+    def _hold_lanes(self, membership: Membership, transport: Transport) -> None:
+        """An island behind NAT: keep a lane open to every reachable rank of the run while connected, so that
+        any of them can reach it first (a joiner downloading θ_global from it, say), not only the members of
+        a round's group it has dealt with."""
+        while self.membership is membership and not self._stopping():
+            transport.reach([m.endpoint for m in membership.members().values()
+                             if not m.left and m.endpoint and m.island != membership.island])
+            time.sleep(membership.period)
 
     def disconnect(self) -> None:
         """Announce leaving, stop the averagers and the DHT (idempotent)."""
@@ -298,7 +314,7 @@ class PeerNode:
         host = _ip_of(a.host_maddrs) or "127.0.0.1"
         transport, advertise, error = None, "", ""
         if rt.is_main:
-            advertise = _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(self.dht))
+            advertise = _advertised_ip(a, self.dht)
             try:
                 transport = Transport(str(self.dht.peer_id), run_key, host=host, port=a.transport_port,
                                       advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode)
@@ -308,6 +324,8 @@ class PeerNode:
         port, advertise, error = rt.bcast((transport.port if transport is not None else 0, advertise, error))
         if error:
             raise PeerNetworkError(error)
+        if transport is not None and transport.reachable:
+            serve_dial_back(transport)
         if not rt.is_main:
             try:
                 transport = Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise,
@@ -366,6 +384,7 @@ class PeerNode:
                 if remembered:
                     log.info("bootstrapped through --initial-peers and %d remembered peer address(es)",
                              len(remembered))
+                dht = self._behind_nat_if_unreached(dht, initial, network, open_keys, run_key)
                 boot = visible_maddrs(dht)
             except PeerNetworkError as e:
                 error, kind = str(e), type(e)
@@ -373,8 +392,11 @@ class PeerNode:
         if error:
             raise kind(error)
         if rt.global_rank != 0:
+            initial = list(boot) + [p for p in a.initial_peers if p not in boot]
             try:
-                dht = start_dht(network(list(boot) + [p for p in a.initial_peers if p not in boot]), open_keys)
+                dht = start_dht(network(initial), open_keys)
+                if rt.is_main:
+                    dht = self._behind_nat_if_unreached(dht, initial, network, open_keys, run_key)
             except PeerNetworkError as e:
                 error = f"rank {rt.global_rank}: {e}"
         try:
@@ -383,7 +405,51 @@ class PeerNode:
             if dht is not None:
                 dht.shutdown()
             raise
+        if rt.bcast(self.behind_nat) and not self.a.client_mode:
+            self.a = dataclasses.replace(self.a, client_mode=True)
         return dht
+
+    def _behind_nat_if_unreached(self, dht: Any, initial: list[str], network: Callable[..., NetworkSettings],
+                                 open_keys: tuple[str, ...], run_key: str) -> Any:
+        """On an island's rank 0 that joins a run (``initial`` peers) and has not declared itself behind NAT:
+        ask the run's reachable islands to connect back (:mod:`peers.wire.dial_back`).  When none can, restart
+        the DHT node as a client and take part as ``--averaging.client_mode true`` would (:attr:`behind_nat`);
+        the DHT node to use from now on."""
+        a = self.a
+        if a.client_mode or not a.dial_back or not initial or a.transport != "direct":
+            return dht
+        found = self._dial_back(dht, run_key)
+        if found.reached is None:
+            log.info("could not learn whether other islands can reach this one (%s); taking part as reachable",
+                     "no reachable island registered to ask" if not found.asked else
+                     f"none of {len(found.asked)} island(s) asked answered")
+            return dht
+        if found.reached:
+            log.info("reachable: an island of the run connected back to %s", ", ".join(found.addresses))
+            return dht
+        log.warning("no island of the run could connect to %s (a NAT or a firewall drops connections to this "
+                    "server): taking part behind NAT, as with --averaging.client_mode true; to be reachable, "
+                    "open or forward the ports and announce the public address with --averaging.announce_maddrs",
+                    ", ".join(found.failed))
+        self.behind_nat = True
+        port = tcp_port(dht)
+        dht.shutdown()
+        settings = network(initial)
+        return start_dht(dataclasses.replace(settings, client_mode=True, host_maddrs=[
+            _shift_port(m, 0, port) for m in settings.host_maddrs]), open_keys)
+
+    def _dial_back(self, dht: Any, run_key: str) -> Reachability:
+        """Wait (up to the startup timeout) for reachable islands in the run's registry, then ask up to two of
+        them to connect back to this island's transport port and DHT port."""
+        a = self.a
+        responders = reachable_islands(dht, a.run_id, a.startup_timeout)
+        if not responders:
+            return Reachability(None, [])
+        advertise = _advertised_ip(a, dht)
+        announced = next((m for m in map(_TCP_MADDR.match, a.announce_maddrs) if m), None)
+        dht_address = f"{announced[1]}:{announced[2]}" if announced else f"{advertise}:{tcp_port(dht)}"
+        return ask_dial_back(str(dht.peer_id), run_key, a.encrypt, responders, _ip_of(a.host_maddrs) or "127.0.0.1",
+                             a.transport_port, advertise, [dht_address])
 
 
 class AloneWatch:
@@ -469,6 +535,17 @@ def _ip_of(maddrs: list[str]) -> str:
         if found:
             return found[1]
     return ""
+
+
+_TCP_MADDR = re.compile(r"/ip[46]/([^/]+)/tcp/(\d+)")
+"""An IP multiaddr with a TCP port: (ip, port)."""
+
+
+def _advertised_ip(a: NetworkSettings, dht: Any) -> str:
+    """The IP address this island's transport announces: the announced one, else the one it listens on, else
+    (listening on every interface) the DHT's first visible address that is not loopback."""
+    host = _ip_of(a.host_maddrs) or "127.0.0.1"
+    return _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(dht))
 
 
 def _visible_ip(dht: Any) -> str:

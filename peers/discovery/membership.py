@@ -323,6 +323,34 @@ class Membership:
         return max(1, len(self.islands()))
 
 
+def reachable_islands(dht: hivemind.DHT, prefix: str, timeout: float, most: int = 2) -> list[str]:
+    """The transport endpoints of up to ``most`` registered islands that take incoming connections (their
+    first ranks' endpoints are not lanes), waiting up to ``timeout`` seconds for one to register: what an
+    island joining the run asks to connect back to it (:mod:`peers.wire.dial_back`).
+
+    Islands that all join at once through a bare bootstrap node would each wait for another to register
+    first: those waiting say so under ``<prefix>.waiting``, and the one of them with the smallest peer id stops
+    waiting ([]: it learns nothing, and registers), so that the others can ask it."""
+    me, key = str(dht.peer_id), f"{prefix}.waiting"
+    deadline = time.monotonic() + timeout
+    members = Membership(dht, prefix)
+    while True:
+        endpoints = sorted(m.endpoint for m in members.members().values()
+                           if m.rank == 0 and not m.left and m.island != me and m.endpoint
+                           and not m.endpoint.startswith("lane:"))
+        if endpoints or time.monotonic() >= deadline:
+            return endpoints[:most]
+        try:
+            dht_store(dht, key, me, True, get_dht_time() + 10.0, timeout=5.0)
+            found = dht_get(dht, key, timeout=5.0)
+        except DHTUnavailableError:
+            found = None
+        waiting = sorted(str(k) for k in found.value) if found is not None and isinstance(found.value, dict) else []
+        if len(waiting) > 1 and waiting[0] == me:
+            return []
+        time.sleep(0.2)
+
+
 def is_registered(dht: hivemind.DHT, prefix: str, peer_id: str) -> bool:
     """True if ``peer_id`` holds a live (validated) registration in the run's member registry."""
     try:

@@ -5,7 +5,8 @@ plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's da
 (:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
 (:mod:`.p2p_loop`), the kernel's byte counts (:mod:`.counters`), the link between two servers, measured
 before a run (:mod:`.probe`, ``diloco probe``), and during it, from the rounds' exchanges (:mod:`.link_fit`,
-what ``--averaging.compression auto`` picks its codec by).
+what ``--averaging.compression auto`` picks its codec by), and whether other servers can connect to this one
+(:mod:`.dial_back`, asked of a reachable island when joining).
 
 Everything about reaching another island's ranks (ports, NAT, encryption) belongs here.
 

@@ -1,0 +1,169 @@
+"""Whether other servers can open connections to this island: asked of a reachable island of the run, which
+dials back.
+
+An island behind a NAT or a firewall that drops incoming connections must take part through lanes (see
+:mod:`peers.wire.transport`); one that does not know it would announce an address nobody can reach, and its
+rounds would fail.  Before it announces anything, a joining island listens where its transport will listen,
+asks one or more reachable islands (over their transports: only holders of the run key may ask) to connect
+to the address it would announce and to its DHT's port, and reads their answers.  A reached listener writes
+a fresh nonce that the dialer reports back, so that a port answered by some other machine (a NAT's own
+service, a stale forward) does not count.  The asker's own transport for the question cannot be reached
+either, so the answer comes back over its lane.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from peers.wire.transport import Transport, TransportError, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+REQUEST = "dial-back?"
+"""Key prefix of a request to connect to the asker's addresses."""
+REPLY = "dial-back!"
+"""Key prefix of the answer."""
+CONNECT_TIMEOUT = 3.0
+"""Seconds the dialer waits for each connection (a NAT drops the SYN: nothing ever answers)."""
+MAX_ADDRESSES = 4
+"""Addresses one request may name: a dial-back is a connection the asker asked for, and no more."""
+NONCE_BYTES = 16
+
+
+@dataclass
+class Reachability:
+    """What the islands asked found (``reached`` None: nobody answered, so nothing is known)."""
+
+    reached: bool | None
+    addresses: list[str]
+    """The addresses the islands were asked to connect to."""
+    failed: list[str] = field(default_factory=list)
+    """Those no island could connect to."""
+    asked: list[str] = field(default_factory=list)
+    """The transport endpoints asked."""
+    answered: int = 0
+
+
+def serve_dial_back(transport: Transport) -> None:
+    """Let the run's islands ask this reachable rank whether it can connect to them (see the module's docstring)."""
+
+    def on_request(key: str, sender: str, payload: bytearray, extra: dict) -> bool:
+        try:
+            request = json.loads(bytes(payload))
+            addresses = [str(a) for a in request["addresses"]][:MAX_ADDRESSES]
+            reply, to = str(request["reply"]), str(request["reply_to"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("refused a malformed dial-back request from %s", sender)
+            return True
+        threading.Thread(target=_dial, args=(transport, addresses, reply, to), name="dial-back",
+                         daemon=True).start()
+        return True
+
+    transport.handlers[REQUEST] = on_request
+
+
+def _dial(transport: Transport, addresses: list[str], reply: str, to: str) -> None:
+    greetings = {}
+    for address in addresses:
+        try:
+            with socket.create_connection(parse_endpoint(address), timeout=CONNECT_TIMEOUT) as s:
+                s.settimeout(CONNECT_TIMEOUT)
+                got = b""
+                try:
+                    while len(got) < NONCE_BYTES:
+                        chunk = s.recv(NONCE_BYTES - len(got))
+                        if not chunk:
+                            break
+                        got += chunk
+                except OSError:
+                    pass  # connected, yet nothing came: a port that is open, but not the asker's listener
+                greetings[address] = got.hex()
+        except OSError:
+            greetings[address] = None
+    try:
+        transport.send(to, reply, json.dumps(greetings).encode(), time.monotonic() + 2 * CONNECT_TIMEOUT)
+    except TransportError as e:
+        log.info("could not answer a dial-back request: %s", e)
+
+
+class _Listener:
+    """Listens at ``host:port`` and writes ``nonce`` to whoever connects, until closed."""
+
+    def __init__(self, host: str, port: int, nonce: bytes):
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.port, self.nonce = self.sock.getsockname()[1], nonce
+        threading.Thread(target=self._accept, name="dial-back-listener", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(CONNECT_TIMEOUT)
+                    conn.sendall(self.nonce)
+                    conn.recv(1)  # the dialer closes first: the port is free to listen on again at once
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[str], listen_host: str,
+                  listen_port: int, advertise: str, also: list[str], timeout: float = 0.0) -> Reachability:
+    """Ask the reachable islands at ``responders`` (transport endpoints) to connect to this island: to
+    ``advertise:PORT``, where a listener on ``listen_host:listen_port`` (0: a free port, standing for one) stands
+    in for the transport, and to each address of ``also`` (the DHT's: any connection counts).  Reachable when
+    an island reached them all; not reachable when islands answered and none did.  ``timeout``: seconds to
+    wait for the answers (0: long enough for every connection to time out)."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    listener = _Listener(listen_host, listen_port, nonce)
+    mine = f"{advertise}:{listener.port}"
+    addresses = [mine] + [a for a in also if a != mine][:MAX_ADDRESSES - 1]
+    asker = Transport(f"{peer_id}.dial-back", run_key, host=listen_host, advertise=advertise, encrypt=encrypt,
+                      reachable=False)
+    reply = f"{REPLY}{os.getpid()}.{secrets.token_hex(4)}"
+    out = Reachability(None, addresses, asked=list(responders))
+    try:
+        request = json.dumps({"addresses": addresses, "reply": reply, "reply_to": asker.endpoint}).encode()
+        deadline = time.monotonic() + (timeout or (len(addresses) + 1) * CONNECT_TIMEOUT + 2.0)
+        asked = 0
+        for endpoint in responders:
+            try:
+                asker.send(endpoint, f"{REQUEST}{secrets.token_hex(4)}", request, deadline)
+                asked += 1
+            except TransportError as e:
+                log.info("could not ask %s to dial back: %s", endpoint, e)
+        answers = asker.box.wait_for(reply, lambda got: len(got) >= asked, deadline) if asked else {}
+    finally:
+        asker.close()
+        listener.close()
+    out.answered = len(answers)
+    if not answers:
+        return out
+    reports = []
+    for payload in answers.values():
+        try:
+            report = json.loads(bytes(payload))
+        except ValueError:
+            continue
+        reports.append(report if isinstance(report, dict) else {})
+
+    def reached(address: str, report: dict) -> bool:
+        greeting = report.get(address)
+        return greeting is not None and (address != mine or greeting == nonce.hex())
+
+    out.failed = [a for a in addresses if not any(reached(a, r) for r in reports)]
+    out.reached = any(all(reached(a, r) for a in addresses) for r in reports)
+    return out
+
