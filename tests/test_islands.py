@@ -89,6 +89,12 @@ def test_islands_meet_through_a_standalone_bootstrap_node(tmp_path, no_leaked_da
         boot.wait(30)
     assert [s["rounds_ok"] for s in summaries] == [2, 2], [s["failures"] for s in summaries]
     assert cluster.theta_spread() < 1e-6
+    # neither waited for the other to register before asking to be dialed back: one of them registered
+    # first, unasked, and the other asked it and was reached
+    logs = [log.read_text() for log in cluster.logs]
+    assert sorted("reachable: an island of the run connected back" in log for log in logs) == [False, True], logs
+    assert sum("no reachable island registered to ask" in log for log in logs) == 1
+    assert not any(s["behind_nat"] for s in summaries)
     assert late.returncode == 1, late.stdout + late.stderr
     assert f"run {cfg.averaging.run_id} ended at outer step 2" in late.stderr, late.stdout + late.stderr
 

@@ -214,14 +214,15 @@ def test_auto_codec_refuses_bad_settings_in_one_line(tmp_path, capsys, args, wor
 
 
 def _compare_cell(out, optimizer: str, seed: int, losses: dict[str, float], k: int = 2, H: int = 20,
-                  rounds: int = 18, codecs: tuple[str, ...] = ()) -> None:
-    """A compare run's results.json as run_compare writes it, in the frontier's cell of (optimizer, k, H, seed)."""
+                  rounds: int = 18, codecs: tuple[str, ...] = (), start: float = 1.58) -> None:
+    """A compare run's results.json as run_compare writes it, in the frontier's cell of (optimizer, k, H, seed),
+    every run from a warm start whose held-out loss was ``start``."""
     from experiments.frontier import cell_dir
 
     names = {"single": "single", "DDP": f"baseline-ddp-{k}", "fp32": f"diloco-{k}x-H{H}"}
     sizes = {"single": 0.0, "DDP": 1e9, "fp32": 1e9 / H, "int4": 1e9 / H / 8, "sign": 1e9 / H / 30}
-    runs = [{"name": names.get(arm, f"diloco-codec-{arm}"), "final_eval_loss": loss, "bytes_per_worker": sizes[arm]}
-            for arm, loss in losses.items()]
+    runs = [{"name": names.get(arm, f"diloco-codec-{arm}"), "final_eval_loss": loss, "bytes_per_worker": sizes[arm],
+             "curve": [{"tokens": 0.0, "eval_loss": start}]} for arm, loss in losses.items()]
     cell = cell_dir(out, optimizer, k, H, seed, codecs)
     cell.mkdir(parents=True)
     (cell / "results.json").write_text(json.dumps({
@@ -263,6 +264,18 @@ def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
     _compare_cell(tmp_path / "close", "muon", 1, {"DDP": 1.48, "fp32": 1.48})
     report(tmp_path / "close")
     assert "level with AdamW within the spread" in (tmp_path / "close" / "results.md").read_text()
+    # a later AdamW cell of seed 1 from a warm start trained again: its rows count, yet Muon is compared with
+    # AdamW on the warm start both ran from; seed 0's AdamW only from another warm start is left out
+    _compare_cell(tmp_path / "close", "adamw", 1, {"DDP": 1.40, "fp32": 1.40, "sign": 1.41}, codecs=("sign",),
+                  start=1.59)
+    arms = {(a.optimizer, a.name): a for a in collect(tmp_path / "close")}
+    assert arms[("adamw", "fp32")].losses[1] == 1.40
+    (tmp_path / "close" / "adamw-k2-H20" / "seed0" / "results.json").unlink()
+    _compare_cell(tmp_path / "close", "adamw", 0, {"DDP": 1.50, "fp32": 1.50}, codecs=("x",), start=1.60)
+    report(tmp_path / "close")
+    md = (tmp_path / "close" / "results.md").read_text()
+    assert "1 seed(s): Muon 1.4800 [1.4800, 1.4800], AdamW 1.4700" in md, md
+    assert "seed(s) 0 left out: no warm start run under both" in md
 
 
 @pytest.mark.parametrize("args, words", [

@@ -127,7 +127,11 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
     an island reached them all; not reachable when islands answered and none did.  ``timeout``: seconds to
     wait for the answers (0: long enough for every connection to time out)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    listener = _Listener(listen_host, listen_port, nonce)
+    try:
+        listener = _Listener(listen_host, listen_port, nonce)
+    except OSError as e:  # the transport, listening there next, says what to do about it
+        log.info("could not listen on %s:%d to be dialed back: %s", listen_host, listen_port, e)
+        return Reachability(None, [])
     mine = f"{advertise}:{listener.port}"
     addresses = [mine] + [a for a in also if a != mine][:MAX_ADDRESSES - 1]
     asker = Transport(f"{peer_id}.dial-back", run_key, host=listen_host, advertise=advertise, encrypt=encrypt,
