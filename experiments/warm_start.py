@@ -30,10 +30,13 @@ def warm_start(cfg: Config, steps: int, run_dir: Path, progress: bool = True,
                lr: float | None = None) -> tuple[Path, RunResult]:
     """Train one worker ``steps`` AdamW steps (peak lr ``lr``, default ``cfg.inner.lr``) from the seeded
     initialisation; return its checkpoint directory (for ``--checkpoint.init_from``) and its result.  AdamW
-    whatever ``--inner.optimizer`` says, so that runs of either inner optimizer start from the same point."""
+    whatever ``--inner.optimizer`` says, so that runs of either inner optimizer start from the same point; one
+    process whatever the islands' shape, whose checkpoint holds the whole θ_global that every shape starts from
+    (a rank of a sharded island checkpoints its shards only)."""
     c = single_worker(cfg, run_dir, "warm-start", **{"diloco.inner_steps": steps, "diloco.outer_steps": 1,
                                                       "checkpoint.every": 1, "checkpoint.keep": 1,
-                                                      "inner.lr": lr or cfg.inner.lr, "inner.optimizer": "adamw"})
+                                                      "inner.lr": lr or cfg.inner.lr, "inner.optimizer": "adamw",
+                                                      "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
     out = launch_islands(c, 1, progress=progress)
     ckpt_dir = Path(out["run_dirs"][0]) / "checkpoints"
     if not list(ckpt_dir.glob("ckpt-*.pt")):

@@ -174,3 +174,15 @@ def test_unsent_says_what_is_missing_when_no_round_was_checkpointed_by_every_isl
     (tmp_path / "island0" / "checkpoints" / "ckpt-000003.pt").write_bytes(b"")
     with pytest.raises(SystemExit, match="no outer step checkpointed by every island; run with --checkpoint.every 1"):
         last_common_states(tmp_path)
+
+
+def test_the_warm_start_of_sharded_islands_is_one_process_whose_checkpoint_every_shape_starts_from(tmp_path):
+    """A compare of dp = 2 islands (HSDP against DiLoCo) warms up one process, not a dp = 2 island whose ranks
+    checkpoint only their shards, which ``--checkpoint.init_from`` cannot start from."""
+    from diloco.model.weights import load_parameters
+    from experiments.warm_start import warm_start
+
+    cfg = tiny_config(tmp_path / "unused", **{"parallel.dp": 2})
+    ckpt_dir, result = warm_start(cfg, 3, tmp_path / "warm", progress=False)
+    params, path = load_parameters(ckpt_dir)
+    assert path.parent == ckpt_dir and params and result.final_eval_loss < result.curve[0]["eval_loss"]
