@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from peers.proctable import process_sockets, socket_files
 from peers.wire.counters import WireCounter, daemons
@@ -54,6 +55,34 @@ def test_finds_daemons_by_name_among_descendants_and_their_sockets():
         child.stdin.close()
         child.wait(timeout=10)
         subprocess.run(["kill", str(grandchild)], check=False)
+
+
+def test_a_daemon_counts_its_own_connections_not_those_it_inherited_from_this_process(tmp_path):
+    """A DHT's daemon forked after this process opened its process group's connections holds them too: their
+    bytes are this process's (in-server traffic), not the daemon's, and must not count as slow-link bytes."""
+    daemon_exe = tmp_path / "p2pd"
+    daemon_exe.symlink_to("/bin/sleep")
+    inherited, inherited_peer = _pair()  # stands for a gloo connection: both the daemon and we hold one end
+    theirs, theirs_peer = _pair()  # one only the daemon holds (we keep the far end, as a peer would)
+    daemon = subprocess.Popen([str(daemon_exe), "30"], pass_fds=[inherited.fileno(), theirs.fileno()])
+    try:
+        theirs.close()
+        assert daemons(os.getpid()) == [daemon.pid]
+        wire = WireCounter(sample_every=0)
+        wire.take()
+        payload = 2_000_000
+        inherited.sendall(b"x" * payload)
+        _recv_all(inherited_peer, payload)
+        theirs_peer.sendall(b"y" * 50_000)  # less than a receive window: the daemon (sleep) reads nothing
+        time.sleep(0.2)
+        got = wire.take()
+        assert got.sent < payload / 10, got  # what we sent on the inherited connection is not the daemon's
+        assert 50_000 <= got.received < payload / 10, got  # what reached the daemon's own one is
+    finally:
+        daemon.kill()
+        daemon.wait(timeout=10)
+        for s in (inherited, inherited_peer, theirs_peer):
+            s.close()
 
 
 def test_the_socket_files_of_processes_are_found_to_be_removed_after_a_sigkill(tmp_path):

@@ -107,6 +107,7 @@ class WireCounter:
 
     def __init__(self, root: int | None = None, own: bool = False, sample_every: float = 1.0,
                  extra: Callable[[], set[int]] | None = None):
+        self.own = own
         self.pids = (lambda: [os.getpid()]) if own else (lambda: daemons(root if root is not None else os.getpid()))
         self.extra = extra
         self._last: dict[int, WireBytes] = {}
@@ -129,7 +130,13 @@ class WireCounter:
         self._stop.set()
 
     def _total(self) -> WireBytes:
-        mine = process_sockets(self.pids()) | (self.extra() if self.extra is not None else set())
+        mine = process_sockets(self.pids())
+        if not self.own:
+            # a daemon started after this process opened its process group's connections holds them too (they
+            # are inherited down the DHT's fork): an island of several ranks counted its in-server gloo
+            # traffic as slow-link bytes, 200x the round's
+            mine -= process_sockets([os.getpid()])
+        mine |= self.extra() if self.extra is not None else set()
         now: dict[int, WireBytes] = {}
         for family in (socket.AF_INET, socket.AF_INET6):
             now.update({i: b for i, b in tcp_connections(family).items() if i in mine})
