@@ -178,6 +178,10 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         s_base = run_baseline(c_base, workers, network=network, progress=progress)
         tx1 = link_tx_bytes(network) if network else None
         base = baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
+        if cfg.parallel.dp > 1:  # like an island's, what crosses a server's link: its dp workers' shards together
+            base.bytes_per_worker *= cfg.parallel.dp
+            notes.append(f"bytes: per server for both, {cfg.parallel.dp} workers (the island's ranks, the baseline's "
+                         f"HSDP shards) sharing each server's link")
 
         # (c) DiLoCo with k islands
         say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
