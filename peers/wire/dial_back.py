@@ -58,18 +58,21 @@ def serve_dial_back(transport: Transport) -> None:
         try:
             request = json.loads(bytes(payload))
             addresses = [str(a) for a in request["addresses"]][:MAX_ADDRESSES]
+            greeted = {str(a) for a in request.get("greeted", addresses)}
             reply, to = str(request["reply"]), str(request["reply_to"])
         except (ValueError, KeyError, TypeError):
             log.warning("refused a malformed dial-back request from %s", sender)
             return True
-        threading.Thread(target=_dial, args=(transport, addresses, reply, to), name="dial-back",
+        threading.Thread(target=_dial, args=(transport, addresses, greeted, reply, to), name="dial-back",
                          daemon=True).start()
         return True
 
     transport.handlers[REQUEST] = on_request
 
 
-def _dial(transport: Transport, addresses: list[str], reply: str, to: str) -> None:
+def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: str, to: str) -> None:
+    """Connect to each address, read the nonce from those ``greeted`` (the others, such as a DHT's port, speak
+    only when spoken to: connecting is all), and send what came back to the asker."""
     greetings = {}
     for address in addresses:
         try:
@@ -77,7 +80,7 @@ def _dial(transport: Transport, addresses: list[str], reply: str, to: str) -> No
                 s.settimeout(CONNECT_TIMEOUT)
                 got = b""
                 try:
-                    while len(got) < NONCE_BYTES:
+                    while address in greeted and len(got) < NONCE_BYTES:
                         chunk = s.recv(NONCE_BYTES - len(got))
                         if not chunk:
                             break
@@ -139,7 +142,8 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
     reply = f"{REPLY}{os.getpid()}.{secrets.token_hex(4)}"
     out = Reachability(None, addresses, asked=list(responders))
     try:
-        request = json.dumps({"addresses": addresses, "reply": reply, "reply_to": asker.endpoint}).encode()
+        request = json.dumps({"addresses": addresses, "greeted": [mine], "reply": reply,
+                              "reply_to": asker.endpoint}).encode()
         deadline = time.monotonic() + (timeout or (len(addresses) + 1) * CONNECT_TIMEOUT + 2.0)
         asked = 0
         for endpoint in responders:
