@@ -37,6 +37,7 @@ from peers.discovery.dht import (
     PortTakenError,
     listens,
     start_dht,
+    tcp_endpoint,
     tcp_port,
     visible_maddrs,
 )
@@ -446,8 +447,8 @@ class PeerNode:
         if not responders:
             return Reachability(None, [])
         advertise = _advertised_ip(a, dht)
-        announced = next((m for m in map(_TCP_MADDR.match, a.announce_maddrs) if m), None)
-        dht_address = f"{announced[1]}:{announced[2]}" if announced else f"{advertise}:{tcp_port(dht)}"
+        announced = next((e for e in map(tcp_endpoint, a.announce_maddrs) if e), None)
+        dht_address = f"{announced[0]}:{announced[1]}" if announced else f"{advertise}:{tcp_port(dht)}"
         return ask_dial_back(str(dht.peer_id), run_key, a.encrypt, responders, _ip_of(a.host_maddrs) or "127.0.0.1",
                              a.transport_port, advertise, [dht_address])
 
@@ -535,10 +536,6 @@ def _ip_of(maddrs: list[str]) -> str:
         if found:
             return found[1]
     return ""
-
-
-_TCP_MADDR = re.compile(r"/ip[46]/([^/]+)/tcp/(\d+)")
-"""An IP multiaddr with a TCP port: (ip, port)."""
 
 
 def _advertised_ip(a: NetworkSettings, dht: Any) -> str:

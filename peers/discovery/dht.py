@@ -153,14 +153,20 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 _TCP = re.compile(r"/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)")
 
 
+def tcp_endpoint(maddr: str) -> tuple[str, int] | None:
+    """(host, port) of a /ip4|ip6|dns*/HOST/tcp/PORT/... multiaddr; None for any other."""
+    m = _TCP.match(maddr)
+    return (m[1], int(m[2])) if m else None
+
+
 def listens(maddr: str, timeout: float = 2.0) -> bool:
     """Whether something accepts TCP connections at ``maddr`` (/ip4|ip6|dns*/HOST/tcp/PORT/...): a cheap
     check before restarting a node to join it (a stopped process's port still accepts)."""
-    m = _TCP.match(maddr)
-    if not m:
+    endpoint = tcp_endpoint(maddr)
+    if endpoint is None:
         return False
     try:
-        socket.create_connection((m[1], int(m[2])), timeout=timeout).close()
+        socket.create_connection(endpoint, timeout=timeout).close()
         return True
     except OSError:
         return False

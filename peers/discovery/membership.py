@@ -59,6 +59,11 @@ class Member:
     serving: bool = True
     """Whether the island serves its θ_global now (not while it replaces it with another island's)."""
 
+    def reachable(self) -> bool:
+        """Whether this live peer takes incoming connections: its transport endpoint is not a lane (see
+        :mod:`peers.wire.transport`)."""
+        return not self.left and bool(self.endpoint) and not self.endpoint.startswith("lane:")
+
 
 class Membership:
     """Registers this island (or one rank of it), keeps the registration alive, and lists the run's
@@ -211,8 +216,7 @@ class Membership:
         are not lanes: see :mod:`peers.wire.transport`), i.e. those that can carry the bytes of islands behind
         NAT."""
         return len({m.island or m.peer_id for m in self.members().values()
-                    if not m.left and (m.island or m.peer_id) != self.island and m.endpoint
-                    and not m.endpoint.startswith("lane:")})
+                    if m.reachable() and (m.island or m.peer_id) != self.island})
 
     def others(self) -> list[Member]:
         """Live islands other than this one (one entry per island, however many ranks it has)."""
@@ -336,8 +340,7 @@ def reachable_islands(dht: hivemind.DHT, prefix: str, timeout: float, most: int 
     members = Membership(dht, prefix)
     while True:
         endpoints = sorted(m.endpoint for m in members.members().values()
-                           if m.rank == 0 and not m.left and m.island != me and m.endpoint
-                           and not m.endpoint.startswith("lane:"))
+                           if m.rank == 0 and m.reachable() and m.island != me)
         if endpoints or time.monotonic() >= deadline:
             return endpoints[:most]
         try:
