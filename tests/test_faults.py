@@ -50,9 +50,9 @@ def _assert_in_sync(cluster: Cluster, islands: list[int]) -> list[dict]:
     return summaries
 
 
-def _killed_and_resumed(cluster: Cluster, victim: int) -> list[dict]:
-    """Start the cluster, wait for ``victim``'s scripted SIGKILL, restart it with --resume, wait for the end
-    and return the summaries (after checking every island ended with the same finite θ_global, and that the kill
+def _killed_and_resumed(cluster: Cluster, victim: int, rejoin_after: int = 0) -> list[dict]:
+    """Start the cluster, wait for ``victim``'s scripted SIGKILL (and, with ``rejoin_after``, until every other
+    island committed that round), restart it with --resume, wait for the end and return the summaries (after checking every island ended with the same finite θ_global, and that the kill
     left none of the socket files of hivemind's that the victim's session held behind: the launcher removes
     them; the files are the ones seen held while it ran, so that other tests' files do not count)."""
     held: set[str] = set()
@@ -69,6 +69,10 @@ def _killed_and_resumed(cluster: Cluster, victim: int) -> list[dict]:
         cluster.start_all()
         _wait_for(gone, 90)
         assert cluster.procs[victim].returncode == -signal.SIGKILL
+        if rejoin_after:
+            others = [d for i, d in enumerate(cluster.run_dirs) if i != victim]
+            _wait_for(lambda: all(any(r.get("round_ok") and r["outer_step"] >= rejoin_after for r in read_metrics(d))
+                                  for d in others), 60)
         cluster.restart(victim, env={"DILOCO_FAULTS": ""})
         cluster.wait(timeout=240)
         summaries = _assert_in_sync(cluster, list(range(len(cluster.procs))))
@@ -119,12 +123,13 @@ def test_killed_island_with_a_low_bit_codec_rejoins_with_its_error_feedback_rese
     for round 3's group, resumes from its checkpoint (both kinds of buffers included) and catches up with
     the others by adopting their θ_global, which resets its buffers as documented; all end bit-identical
     (every member decodes the same bytes)."""
-    # rounds enough for the others to still be running when island 2 is back (its restart takes 7 s and more
-    # on a loaded machine, the others' rounds 1-2 s each)
+    # island 2 comes back only once the others committed round 3 without it (back sooner, it would simply join
+    # their retry of round 3 and adopt nothing), with rounds enough left for the others to still be running when
+    # it is back (its restart takes 7 s and more on a loaded machine, the others' rounds 1-2 s each)
     cluster = Cluster(_cfg(tmp_path, **{"averaging.compression": "sign", "averaging.owner_feedback": True,
                                         "diloco.outer_steps": 12}), 3,
                       env={2: {"DILOCO_FAULTS": "kill@matchmaking:3"}})
-    summaries = _killed_and_resumed(cluster, 2)
+    summaries = _killed_and_resumed(cluster, 2, rejoin_after=3)
     assert [s["outer_step"] for s in summaries] == [12] * 3
     assert "error feedback reset: adopted another island's θ_global" in cluster.logs[2].read_text()
     import torch
