@@ -246,3 +246,56 @@ def test_a_dial_back_that_nobody_answers_knows_nothing(transports):
     found = ask_dial_back("island", "other", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.1", [],
                           timeout=3.0)
     assert found.reached is None and found.answered == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_two_members_behind_nat_average_through_the_reachable_one_without_relaying(transports, codec):
+    """A reduce-scatter of 3 members, 2 behind NAT: the reachable member owns every part (a star), so nothing
+    is relayed, each hidden member sends exactly its payload, and all take the same weighted mean; with a part
+    each (the layout before), the reachable member relays the hidden members' parts to each other."""
+    import torch
+
+    from outer_optim.codecs import make_codec
+    from peers.wire.encoded import DirectChannel, average_encoded, part_owners, weighted_mean
+
+    c, numel = make_codec(codec), 3000
+    ts = {"public": transports("public", "key", host="127.0.0.2"),
+          "first": _unreachable(transports, "first", "127.0.0.3"),
+          "second": _unreachable(transports, "second", "127.0.0.4")}
+    for name in ("first", "second"):
+        ts[name].reach([ts["public"].endpoint])
+    endpoints = {name: t.endpoint for name, t in ts.items()}
+    channels = {name: DirectChannel(t, c.nbytes(numel)) for name, t in ts.items()}
+    for ch in channels.values():
+        ch.endpoints.update(endpoints)
+    peers = sorted(ts)
+    weights = {"first": 1.0, "public": 2.0, "second": 3.0}
+    gen = torch.Generator().manual_seed(0)
+    deltas = {p: torch.randn(numel, generator=gen) for p in peers}
+    assert set(part_owners(peers, endpoints)) == {"public"}
+    assert part_owners(peers, {**endpoints, "second": "127.0.0.4:1"}) == peers  # one hidden: no relay to spare
+
+    def round_(key: str, owners) -> dict:
+        out: dict = {}
+
+        def one(p: str) -> None:
+            out[p] = average_encoded(channels[p], c, key, p, peers, weights, c.encode(deltas[p]), numel, 10.0,
+                                     owners=owners)
+        threads = [threading.Thread(target=one, args=(p,)) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+    star = round_("star.1", part_owners(peers, endpoints))
+    assert ts["public"].stats.relayed == 0
+    assert all(star[p].mean is not None for p in peers)
+    assert all(torch.equal(star[p].mean, star["public"].mean) for p in peers)
+    expected = weighted_mean({p: c.decode(c.encode(deltas[p]), numel) for p in peers}, weights)
+    assert torch.allclose(star["public"].mean, expected, atol=0.05 if c.lossy else 1e-6)
+    for p in ("first", "second"):  # its whole payload to the owner, nothing else
+        assert star[p].bytes_sent == c.nbytes(numel)
+    spread = round_("spread.1", None)
+    assert all(torch.equal(spread[p].mean, spread["public"].mean) for p in peers)
+    assert ts["public"].stats.relayed > 0

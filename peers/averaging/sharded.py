@@ -80,7 +80,12 @@ from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
 from peers.group.averager import Exchange, VerifiedAverager
 from peers.result import RoundResult, as_float
 from peers.settings import AveragerSettings, Scope, codec_backend_problem
-from peers.wire.encoded import DirectChannel, EncodedChannel, average_encoded
+from peers.wire.encoded import (
+    DirectChannel,
+    EncodedChannel,
+    average_encoded,
+    part_owners,
+)
 from peers.wire.exchange import BucketExchange, shape_of
 from peers.wire.layout import CanonicalLayout, spec_tuple
 from peers.wire.link_fit import LinkFit, explore, group_seconds
@@ -417,6 +422,7 @@ class ShardedAverager:
                     self.channel.endpoints[peer] = endpoint
             self.transport.reach([endpoint for p in peers for _, endpoint in group[p]["ranks"]])
         weights = {p: as_float(group[p]["weight"]) for p in peers}
+        endpoints = {str(peer): str(endpoint) for p in peers for peer, endpoint in group[p]["ranks"]}
         resent_before = self.transport.stats.resent if self.transport is not None else 0
         # one process holding the whole model: the averages land in one buffer in the layout's order, which
         # the island's scatter hands out as views of its parameters (no copy)
@@ -436,7 +442,7 @@ class ShardedAverager:
                                   self.peer_id, members, owners, payload, bucket.numel,
                                   self.settings.allreduce_timeout, carry,
                                   flat[bucket.start:bucket.end] if flat is not None else None,
-                                  pending.owned[b] if codec.lossy else None)
+                                  pending.owned[b] if codec.lossy else None, part_owners(members, endpoints))
             return b, out
 
         prints: dict[int, list[float]] = {}

@@ -23,6 +23,7 @@ from hivemind.utils import get_dht_time
 
 from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
 from peers.fingerprints import fingerprints_agree, majority_by_state
+from peers.wire.transport import takes_connections
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Member:
     def reachable(self) -> bool:
         """Whether this live peer takes incoming connections: its transport endpoint is not a lane (see
         :mod:`peers.wire.transport`)."""
-        return not self.left and bool(self.endpoint) and not self.endpoint.startswith("lane:")
+        return not self.left and takes_connections(self.endpoint)
 
 
 class Membership:

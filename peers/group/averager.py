@@ -43,7 +43,12 @@ from peers.group.missed_group import PARTS_GRACE, MissedGroups
 from peers.group.vote import VoteChannel
 from peers.result import RoundResult, as_float, short_error
 from peers.settings import AveragerSettings, Scope
-from peers.wire.encoded import DirectChannel, EncodedChannel, average_encoded
+from peers.wire.encoded import (
+    DirectChannel,
+    EncodedChannel,
+    average_encoded,
+    part_owners,
+)
 from peers.wire.round_keys import is_on_round, parts_key, round_bits, vote_key
 from peers.wire.transport import Transport
 
@@ -212,11 +217,12 @@ class VerifiedAverager(MissedGroups):
         shapes = [d.shape for d in deltas]
 
         def exchange(meta: dict[str, dict], peers: list[str], rid: str) -> Exchange:
+            endpoints = {p: str(meta[p].get("endpoint", "")) for p in peers}
             if isinstance(self._parts, DirectChannel):
-                self._parts.endpoints.update({p: str(meta[p].get("endpoint", "")) for p in peers})
+                self._parts.endpoints.update(endpoints)
             out = average_encoded(self._parts, self.codec, parts_key(peers, rid), self.peer_id, peers,
                                   {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
-                                  self.settings.allreduce_timeout, carry)
+                                  self.settings.allreduce_timeout, carry, owners=part_owners(peers, endpoints))
             if out.mean is None:
                 reason, left = out.failure(len(peers))
                 return Exchange(None, None, out.bytes_sent, out.bytes_received, reason, left, out.carry)

@@ -24,6 +24,15 @@ quantization at each part's owner, whose error the owner may carry into its next
 ``j`` of the sorted ids owns the ``j``-th of ``n`` block-aligned parts: it decodes the members' parts,
 averages them, encodes the average once and sends it to all, and every member (the owner included)
 decodes the same bytes, so the averages stay bit-identical.
+
+Members behind NAT.  When two or more members of a group cannot be reached (``lane:`` endpoints, see
+:mod:`peers.wire.transport`), every part one of them sends another crosses a reachable member twice (it is
+relayed), so those members own no part (:func:`part_owners`): they send their whole payload to the
+reachable owners and take the averaged parts back, a star through the reachable members, as hivemind's
+client-mode peers do.  With ``h`` hidden members and one reachable, the reachable member then carries
+``h·c`` each way instead of ``2·h²/n·c`` (its own parts and the relayed ones): at ``n = 3``, ``2·c`` instead of
+``8/3·c``.  All reachable, it would carry ``4/3·c``, which no routing reaches with one reachable member: it
+alone must take in both hidden members' payloads.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +55,7 @@ from peers.discovery.membership import MemberCheck
 from peers.wire.deflate import pack, unpack, unpack_at_most
 from peers.wire.inbox import GONE, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
-from peers.wire.transport import GoneError, Transport, TransportError
+from peers.wire.transport import GoneError, Transport, TransportError, takes_connections
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +75,15 @@ def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     blocks = -(-numel // align)
     cuts = [min(numel, (blocks * j // parts) * align) for j in range(parts + 1)]
     return list(zip(cuts, cuts[1:]))
+
+
+def part_owners(peers: Sequence[str], endpoints: Mapping[str, str]) -> Collection[str]:
+    """The members of a reduce-scatter that own a part: all of them, unless two or more cannot be reached (their
+    endpoint is a lane) and one can, then only those that can (see the module's docstring).  ``endpoints``: the
+    members' transport endpoints (none known, over hivemind's daemon: all own a part)."""
+    reachable = [p for p in peers if takes_connections(endpoints.get(p, ""))]
+    hidden = [p for p in peers if endpoints.get(p, "") and p not in reachable]
+    return reachable if len(hidden) >= 2 and reachable else peers
 
 
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None
@@ -314,7 +332,7 @@ class EncodedAverage:
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
                     weights: dict[str, float], payload: bytes, numel: int, timeout: float,
                     carry: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    sent: torch.Tensor | None = None) -> EncodedAverage:
+                    sent: torch.Tensor | None = None, owners: Collection[str] | None = None) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says.
 
@@ -324,7 +342,8 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     left out, on the owned part (zero elsewhere: a part owned before and not now is dropped); an
     all-gather re-encodes nothing and hands ``carry`` back as it was.  ``out``: where to write the average
     (``numel`` values; a new tensor when None); ``sent``: what our ``payload`` decodes to, when the caller has
-    it already (not decoded again)."""
+    it already (not decoded again); ``owners``: the members that own a part of a reduce-scatter (None: all; see
+    :func:`part_owners`): two members that own none exchange nothing."""
     if not reduce_scatters(codec, len(peers)):
         gathered = channel.all_gather(key, me, peers, payload, timeout)
         result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.gone, gathered.bytes_sent,
@@ -346,8 +365,10 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     def dec(b: bytes, n: int) -> torch.Tensor:
         return codec.decode(b, n) if n else torch.zeros(0)
 
-    bounds = dict(zip(peers, part_bounds(numel, len(peers), codec.block)))
-    others = [p for p in peers if p != me]
+    holders = [p for p in peers if owners is None or p in owners]
+    cuts = dict(zip(holders, part_bounds(numel, len(holders), codec.block)))
+    bounds = {p: cuts.get(p, (0, 0)) for p in peers}
+    others = [p for p in peers if p != me and (p in cuts or me in cuts)]
     if codec.lossy:  # parts are cut at blocks: each re-encodes to the same codes
         sent = sent if sent is not None else codec.decode(payload, numel)
         parts = {p: enc(sent[a:b]) for p, (a, b) in bounds.items()}
@@ -379,7 +400,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
             if result.carry is not None:
                 result.carry[a:b] = part - decoded
             part.copy_(decoded)
-    sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p != me}
+    sizes = {p: codec.nbytes(hi - lo) if hi > lo else 0 for p, (lo, hi) in bounds.items() if p in others}
     gathered = channel.exchange(f"ag.{key}", peers, {p: mine for p in others}, sizes, timeout)
     result.missing, result.declined, result.gone = gathered.missing, gathered.declined, gathered.gone
     result.bytes_sent += gathered.bytes_sent

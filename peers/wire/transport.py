@@ -91,6 +91,11 @@ GONE_AFTER = 3
 """Connections refused in a row (the retries 0.2 s, then 0.4 s apart) after which a receiver counts as gone."""
 
 
+def takes_connections(endpoint: str) -> bool:
+    """Whether the rank that announced ``endpoint`` accepts incoming connections (it is not a lane)."""
+    return bool(endpoint) and not endpoint.startswith(LANE_PREFIX)
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``"host:port"`` (or ``"lane:host:port"``, ``"host:port/slot"``) as (host, port)."""
     host, _, port = endpoint.removeprefix(LANE_PREFIX).partition("/")[0].rpartition(":")
