@@ -250,15 +250,22 @@ def test_a_dial_back_that_nobody_answers_knows_nothing(transports):
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_two_members_behind_nat_average_through_the_reachable_one_without_relaying(transports, codec):
-    """A reduce-scatter of 3 members, 2 behind NAT: the reachable member owns every part (a star), so nothing
-    is relayed, each hidden member sends exactly its payload, and all take the same weighted mean; with a part
-    each (the layout before), the reachable member relays the hidden members' parts to each other."""
+    """A reduce-scatter of 3 members, 2 behind NAT: the reachable member owns every part (a star, streamed in
+    pieces), so nothing is relayed, each hidden member sends exactly its payload, and all take the same weighted
+    mean; with a part each (the layout before), the reachable member relays the hidden members' parts to each
+    other."""
     import torch
 
     from outer_optim.codecs import make_codec
-    from peers.wire.encoded import DirectChannel, average_encoded, part_owners, weighted_mean
+    from peers.wire.encoded import (
+        MIN_PIECE,
+        DirectChannel,
+        average_encoded,
+        part_owners,
+        weighted_mean,
+    )
 
-    c, numel = make_codec(codec), 3000
+    c, numel = make_codec(codec), 3 * MIN_PIECE + 1000
     ts = {"public": transports("public", "key", host="127.0.0.2"),
           "first": _unreachable(transports, "first", "127.0.0.3"),
           "second": _unreachable(transports, "second", "127.0.0.4")}
@@ -268,6 +275,9 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
     channels = {name: DirectChannel(t, c.nbytes(numel)) for name, t in ts.items()}
     for ch in channels.values():
         ch.endpoints.update(endpoints)
+    keys: list[str] = []  # the exchanges the reachable member ran
+    exchange = channels["public"].exchange
+    channels["public"].exchange = lambda key, *a: keys.append(key) or exchange(key, *a)
     peers = sorted(ts)
     weights = {"first": 1.0, "public": 2.0, "second": 3.0}
     gen = torch.Generator().manual_seed(0)
@@ -290,6 +300,7 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
 
     star = round_("star.1", part_owners(peers, endpoints))
     assert ts["public"].stats.relayed == 0
+    assert sorted(k for k in keys if k.startswith("rs.")) == [f"rs.{i}.star.1" for i in range(3)]
     assert all(star[p].mean is not None for p in peers)
     assert all(torch.equal(star[p].mean, star["public"].mean) for p in peers)
     expected = weighted_mean({p: c.decode(c.encode(deltas[p]), numel) for p in peers}, weights)

@@ -42,6 +42,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,12 @@ PIECE = 1 << 20
 """Bytes per streamed message (hivemind's daemon refuses messages above 4 MiB)."""
 MAX_KEYS = 16
 """Exchanges buffered for rounds not yet held here (a member may send before our matchmaking ends)."""
+
+
+STAR_PIECES = 8
+"""Pieces a star's reduce-scatter streams one after the other (see :func:`average_encoded`)."""
+MIN_PIECE = 1 << 16
+"""Values in the smallest such piece."""
 
 
 def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -353,6 +360,52 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
             result.mean = weighted_mean(values, weights, out)
         return result
 
+    mean = out if out is not None else torch.empty(numel)
+    if codec.lossy:  # parts are cut at blocks: each re-encodes to the same codes
+        values: torch.Tensor | memoryview = sent if sent is not None else codec.decode(payload, numel)
+    else:  # the payload is the values: parts are views of it
+        values = memoryview(payload).cast("B")
+    holders = [p for p in peers if owners is None or p in owners]
+    # a star (hidden members own nothing) streams in pieces, one after the other, so that the owners send the
+    # average of a piece back while they still take in the next: their one link then carries both ways at once
+    count = STAR_PIECES if len(holders) < len(peers) else 1
+    ranges = [(lo, hi) for lo, hi in part_bounds(numel, max(1, min(count, numel // MIN_PIECE)), codec.block)
+              if hi > lo]
+    if len(ranges) == 1:
+        return _reduce_scatter(channel, codec, key, me, peers, holders, weights, values, numel, timeout, carry,
+                               mean)
+    batons = [threading.Event() for _ in ranges]
+    width = 1 if codec.lossy else len(values) // numel
+
+    def piece(i: int) -> EncodedAverage:
+        lo, hi = ranges[i]
+        return _reduce_scatter(channel, codec, f"{i}.{key}", me, peers, holders, weights,
+                               values[lo * width:hi * width], hi - lo, timeout,
+                               carry[lo:hi] if carry is not None else None, mean[lo:hi],
+                               batons[i - 1] if i else None, batons[i])
+
+    with ThreadPoolExecutor(max_workers=len(ranges)) as pool:
+        done = list(pool.map(piece, range(len(ranges))))
+    result = EncodedAverage(mean, sorted({p for d in done for p in d.missing}),
+                            sorted({p for d in done for p in d.declined}), sorted({p for d in done for p in d.gone}),
+                            sum(d.bytes_sent for d in done), sum(d.bytes_received for d in done))
+    if result.missing or any(d.mean is None for d in done):
+        result.mean = None
+    if carry is not None and all(d.carry is not None for d in done):
+        result.carry = torch.cat([d.carry for d in done])
+    return result
+
+
+def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str], holders: list[str],
+                    weights: dict[str, float], values: torch.Tensor | memoryview, numel: int, timeout: float,
+                    carry: torch.Tensor | None, mean: torch.Tensor, after: threading.Event | None = None,
+                    then: threading.Event | None = None) -> EncodedAverage:
+    """The reduce-scatter of :func:`average_encoded` over ``numel`` values (``values``: ours, decoded for a
+    lossy codec, else the payload's bytes), the parts owned by ``holders``; the average lands in ``mean``.
+    ``timeout``: seconds for the gather, and for the scatter counted from the call; ``after``: sent once the
+    scatter of the piece before ended; ``then``: set once ours ended, whatever its outcome."""
+    scatter_by = time.monotonic() + timeout
+
     def enc(x: torch.Tensor) -> Payload:
         if not x.numel():
             return b""
@@ -365,28 +418,30 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     def dec(b: bytes, n: int) -> torch.Tensor:
         return codec.decode(b, n) if n else torch.zeros(0)
 
-    holders = [p for p in peers if owners is None or p in owners]
     cuts = dict(zip(holders, part_bounds(numel, len(holders), codec.block)))
     bounds = {p: cuts.get(p, (0, 0)) for p in peers}
     others = [p for p in peers if p != me and (p in cuts or me in cuts)]
-    if codec.lossy:  # parts are cut at blocks: each re-encodes to the same codes
-        sent = sent if sent is not None else codec.decode(payload, numel)
-        parts = {p: enc(sent[a:b]) for p, (a, b) in bounds.items()}
-    else:  # the payload is the values: parts are views of it
-        width = len(payload) // numel
-        view = memoryview(payload).cast("B")
-        parts = {p: view[a * width:b * width] for p, (a, b) in bounds.items()}
+    if codec.lossy:
+        parts = {p: enc(values[a:b]) for p, (a, b) in bounds.items()}
+    else:
+        width = len(values) // numel
+        parts = {p: values[a * width:b * width] for p, (a, b) in bounds.items()}
     a, b = bounds[me]
     size = codec.nbytes(b - a) if b > a else 0
     # the stage goes first: the key must end with its round (:func:`peers.wire.round_keys.is_on_round`)
-    scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
-                                 timeout)
+    if after is not None:
+        after.wait(max(0.0, scatter_by - time.monotonic()))
+    try:
+        scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
+                                     max(0.0, scatter_by - time.monotonic()))
+    finally:
+        if then is not None:
+            then.set()
     result = EncodedAverage(None, scattered.missing, scattered.declined, scattered.gone, scattered.bytes_sent,
                             scattered.bytes_received)
     if result.missing:
         return result
     got = {**scattered.got, me: parts[me]}
-    mean = out if out is not None else torch.empty(numel)
     mine = b""
     if carry is not None:
         result.carry = torch.zeros(numel)
