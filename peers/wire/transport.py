@@ -25,9 +25,11 @@ its own connections, so a server fills its link with several TCP streams.
 
 **Ranks that cannot be reached** (an island behind a NAT or a firewall: ``reachable=False``) announce
 ``lane:HOST:PORT`` instead of ``HOST:PORT``.  They open every connection themselves: to send, as anyone; to
-receive, a *lane* to each reachable rank they deal with (:meth:`Transport.reach`, and every rank they send
-to), on which that rank sends its frames back.  A reachable rank sending to a ``lane:`` endpoint waits for
-its lane.  Between two ranks that both cannot be reached, the sender hands its message to a reachable rank
+receive, ``streams`` *lanes* to each reachable rank they deal with (:meth:`Transport.reach`, and every rank
+they send to), on which that rank sends its frames back, on as many connections as to a reachable rank (one
+lane carried one message at a time, each waiting for its acknowledgement: over 100 ms of round trip, a
+reachable island sending averaged parts back to two islands behind NAT took twice as long as it took to
+receive them).  A reachable rank sending to a ``lane:`` endpoint waits for a lane.  Between two ranks that both cannot be reached, the sender hands its message to a reachable rank
 it holds a lane to, which passes it on over the receiver's lane before acknowledging it
 (:attr:`Stats.relayed`).  Ranks of one server reach each other directly whatever they announce.
 """
@@ -167,13 +169,14 @@ class Transport:
         self._peers: dict[str, list[_Peer]] = {}
         self._turn = 0
         self._peers_lock = threading.Lock()
-        self._lanes_in: dict[str, Link] = {}
-        """Lanes opened to this rank by ranks that cannot be reached, by their endpoint, until a send takes one."""
+        self._lanes_in: dict[str, list[Link]] = {}
+        """Lanes opened to this rank by ranks that cannot be reached, by their endpoint, until a send takes one
+        (each such rank opens ``streams`` lanes, as many as this rank's connections to a reachable one)."""
         self._lane_arrived = threading.Condition(self._peers_lock)
         self._lanes_out: dict[str, float] = {}
         """Reachable endpoints this rank keeps a lane to (when it cannot be reached), and when it last dealt
         with each."""
-        self._lane_links: dict[str, Link] = {}
+        self._lane_links: dict[tuple[str, int], Link] = {}
         self._closed = threading.Event()
         self.host, self.slot = host, slot
         self._handoff: dict[int, socket.socket] = {}
@@ -338,21 +341,24 @@ class Transport:
             return False
         link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         with self._lane_arrived:
-            old = self._lanes_in.pop(link.endpoint, None)
-            self._lanes_in[link.endpoint] = link
+            waiting = self._lanes_in.setdefault(link.endpoint, [])
+            waiting.append(link)
+            # a lane opened again after it broke: the oldest waiting one is the broken one
+            stale = waiting[:-self.streams]
+            del waiting[:-self.streams]
             self._lane_arrived.notify_all()
-        if old is not None:
+        for old in stale:
             old.sock.close()
         return True
 
     def _wait_lane(self, endpoint: str, deadline: float) -> Link:
         with self._lane_arrived:
-            while endpoint not in self._lanes_in:
+            while not self._lanes_in.get(endpoint):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed.is_set():
                     raise ConnectionError(f"{endpoint} opened no lane to this rank in time (it cannot be reached)")
                 self._lane_arrived.wait(min(left, 0.5))
-            return self._lanes_in.pop(endpoint)
+            return self._lanes_in[endpoint].pop(0)
 
     def reach(self, endpoints: list[str]) -> None:
         """This rank is about to deal with the ranks at ``endpoints``: when it cannot be reached, open (or keep)
@@ -366,12 +372,13 @@ class Transport:
             with self._peers_lock:
                 fresh = endpoint not in self._lanes_out
                 self._lanes_out[endpoint] = now
-            if fresh:
-                threading.Thread(target=self._hold_lane, args=(endpoint,), name="transport-lane",
-                                 daemon=True).start()
+            if fresh:  # as many lanes as the reachable rank's connections to a rank: it sends on all at once
+                for lane in range(self.streams):
+                    threading.Thread(target=self._hold_lane, args=(endpoint, lane), name="transport-lane",
+                                     daemon=True).start()
 
-    def _hold_lane(self, endpoint: str) -> None:
-        """Keep a lane open to ``endpoint`` (again after it breaks) while this rank deals with it."""
+    def _hold_lane(self, endpoint: str, lane: int) -> None:
+        """Keep lane number ``lane`` open to ``endpoint`` (again after it breaks) while this rank deals with it."""
         wait = 0.1
         while not self._closed.is_set():
             with self._peers_lock:
@@ -395,21 +402,21 @@ class Transport:
             if hasattr(socket, "TCP_KEEPIDLE"):
                 link.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
             with self._peers_lock:
-                self._lane_links[endpoint] = link
+                self._lane_links[endpoint, lane] = link
             try:
                 self._read_frames(link)
             except OSError as e:
                 log.debug("the lane to %s ended: %s", endpoint, e)
             finally:
                 with self._peers_lock:
-                    self._lane_links.pop(endpoint, None)
+                    self._lane_links.pop((endpoint, lane), None)
                 link.sock.close()
 
     def _relay_for(self, deadline: float) -> str:
         """A reachable rank this rank holds a lane to, to pass a message to a rank that cannot be reached."""
         while True:
             with self._peers_lock:
-                live = sorted(self._lane_links)
+                live = sorted({endpoint for endpoint, _ in self._lane_links})
             if live:
                 return live[0]
             if time.monotonic() >= deadline or self._closed.is_set():
@@ -478,11 +485,11 @@ class Transport:
                 time.sleep(min(0.2 * attempt, max(0.0, deadline - time.monotonic())))
 
     def _take(self, endpoint: str) -> _Peer:
-        """One of this rank's connections to ``endpoint``, its lock held: a free one (``streams`` at most; one
-        to a lane), else the next in turn once it is free.  A message waits for its acknowledgement on its
+        """One of this rank's connections to ``endpoint``, its lock held: a free one (``streams`` at most, lanes
+        included), else the next in turn once it is free.  A message waits for its acknowledgement on its
         connection, so several in flight to one rank need several connections; over a long round trip they
         also fill more of the link than one TCP window does."""
-        n = 1 if endpoint.startswith(LANE_PREFIX) else self.streams
+        n = self.streams
         with self._peers_lock:
             pool = self._peers.setdefault(endpoint, [_Peer(endpoint) for _ in range(n)])
             self._turn += 1
@@ -511,7 +518,7 @@ class Transport:
     def _links(self) -> list[Link]:
         """Every connection this rank made or holds a lane on (the caller holds ``_peers_lock``)."""
         made = [p.link for pool in self._peers.values() for p in pool if p.link is not None]
-        return made + list(self._lane_links.values()) + list(self._lanes_in.values())
+        return made + list(self._lane_links.values()) + [link for links in self._lanes_in.values() for link in links]
 
     def socket_inodes(self) -> set[int]:
         """Inodes of this transport's live connections (what :class:`peers.wire.counters.WireCounter` counts)."""
