@@ -72,7 +72,7 @@ MAX_KEYS = 16
 
 
 STAR_PIECES = 8
-"""Pieces a star's reduce-scatter streams one after the other (see :func:`average_encoded`)."""
+"""Pieces a star's reduce-scatter is cut into (see :func:`average_encoded`)."""
 MIN_PIECE = 1 << 16
 """Values in the smallest such piece."""
 
@@ -366,23 +366,23 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     else:  # the payload is the values: parts are views of it
         values = memoryview(payload).cast("B")
     holders = [p for p in peers if owners is None or p in owners]
-    # a star (hidden members own nothing) streams in pieces, one after the other, so that the owners send the
-    # average of a piece back while they still take in the next: their one link then carries both ways at once
+    # a star (hidden members own nothing) goes in pieces, so that the owners send the average of the first
+    # pieces back while the last still come in: their one link then carries both ways at once (a connection
+    # carries one message at a time, so the pieces travel in waves of the transport's streams; waiting for
+    # each piece before sending the next measured slower over 100 ms of round trip)
     count = STAR_PIECES if len(holders) < len(peers) else 1
     ranges = [(lo, hi) for lo, hi in part_bounds(numel, max(1, min(count, numel // MIN_PIECE)), codec.block)
               if hi > lo]
     if len(ranges) == 1:
         return _reduce_scatter(channel, codec, key, me, peers, holders, weights, values, numel, timeout, carry,
                                mean)
-    batons = [threading.Event() for _ in ranges]
     width = 1 if codec.lossy else len(values) // numel
 
     def piece(i: int) -> EncodedAverage:
         lo, hi = ranges[i]
         return _reduce_scatter(channel, codec, f"{i}.{key}", me, peers, holders, weights,
                                values[lo * width:hi * width], hi - lo, timeout,
-                               carry[lo:hi] if carry is not None else None, mean[lo:hi],
-                               batons[i - 1] if i else None, batons[i])
+                               carry[lo:hi] if carry is not None else None, mean[lo:hi])
 
     with ThreadPoolExecutor(max_workers=len(ranges)) as pool:
         done = list(pool.map(piece, range(len(ranges))))
@@ -398,13 +398,9 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
 
 def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str], holders: list[str],
                     weights: dict[str, float], values: torch.Tensor | memoryview, numel: int, timeout: float,
-                    carry: torch.Tensor | None, mean: torch.Tensor, after: threading.Event | None = None,
-                    then: threading.Event | None = None) -> EncodedAverage:
+                    carry: torch.Tensor | None, mean: torch.Tensor) -> EncodedAverage:
     """The reduce-scatter of :func:`average_encoded` over ``numel`` values (``values``: ours, decoded for a
-    lossy codec, else the payload's bytes), the parts owned by ``holders``; the average lands in ``mean``.
-    ``timeout``: seconds for the gather, and for the scatter counted from the call; ``after``: sent once the
-    scatter of the piece before ended; ``then``: set once ours ended, whatever its outcome."""
-    scatter_by = time.monotonic() + timeout
+    lossy codec, else the payload's bytes), the parts owned by ``holders``; the average lands in ``mean``."""
 
     def enc(x: torch.Tensor) -> Payload:
         if not x.numel():
@@ -429,14 +425,8 @@ def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     a, b = bounds[me]
     size = codec.nbytes(b - a) if b > a else 0
     # the stage goes first: the key must end with its round (:func:`peers.wire.round_keys.is_on_round`)
-    if after is not None:
-        after.wait(max(0.0, scatter_by - time.monotonic()))
-    try:
-        scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
-                                     max(0.0, scatter_by - time.monotonic()))
-    finally:
-        if then is not None:
-            then.set()
+    scattered = channel.exchange(f"rs.{key}", peers, {p: parts[p] for p in others}, {p: size for p in others},
+                                 timeout)
     result = EncodedAverage(None, scattered.missing, scattered.declined, scattered.gone, scattered.bytes_sent,
                             scattered.bytes_received)
     if result.missing:
