@@ -23,7 +23,15 @@ from hivemind.utils import get_dht_time
 
 from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
 from peers.fingerprints import fingerprints_agree, majority_by_state
-from peers.wire.transport import takes_connections
+
+LANE_PREFIX = "lane:"
+"""What a rank that cannot be reached puts before its ``HOST:PORT`` (see :mod:`peers.wire.transport`)."""
+
+
+def takes_connections(endpoint: str) -> bool:
+    """Whether the rank that announced ``endpoint`` accepts incoming connections (it is not a lane)."""
+    return bool(endpoint) and not endpoint.startswith(LANE_PREFIX)
+
 
 log = logging.getLogger(__name__)
 

@@ -52,11 +52,11 @@ from hivemind.p2p import P2PContext, PeerID
 
 from outer_optim.codecs import Payload, reduce_scatters
 from outer_optim.tensors import all_finite
-from peers.discovery.membership import MemberCheck
+from peers.discovery.membership import MemberCheck, takes_connections
 from peers.wire.deflate import pack, unpack, unpack_at_most
 from peers.wire.inbox import GONE, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
-from peers.wire.transport import GoneError, Transport, TransportError, takes_connections
+from peers.wire.transport import GoneError, Transport, TransportError
 
 log = logging.getLogger(__name__)
 

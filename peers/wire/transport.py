@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from peers.discovery.membership import LANE_PREFIX
 from peers.wire.inbox import Inbox
 from peers.wire.secure import (
     FRAMES,
@@ -62,8 +63,6 @@ from peers.wire.secure import (
 
 log = logging.getLogger(__name__)
 
-LANE_PREFIX = "lane:"
-"""What a rank that cannot be reached puts before its ``HOST:PORT``."""
 LANE_IDLE = 600.0
 """Seconds a lane to a rank stays open after this rank last dealt with it."""
 SLOT = struct.Struct(">H")
@@ -90,11 +89,6 @@ class GoneError(TransportError):
 
 GONE_AFTER = 3
 """Connections refused in a row (the retries 0.2 s, then 0.4 s apart) after which a receiver counts as gone."""
-
-
-def takes_connections(endpoint: str) -> bool:
-    """Whether the rank that announced ``endpoint`` accepts incoming connections (it is not a lane)."""
-    return bool(endpoint) and not endpoint.startswith(LANE_PREFIX)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
