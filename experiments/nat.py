@@ -3,8 +3,9 @@ with some islands behind NAT (no inbound TCP connection reaches their host), onc
 ``--averaging.client_mode true`` and once without it (they find it out themselves, when a reachable island
 cannot connect back: :mod:`peers.wire.dial_back`), side by side.
 
-The NAT'ed islands open every connection themselves; the others send them their bytes back over those lanes,
-and two NAT'ed islands reach each other through a reachable one (:mod:`peers.wire.transport`).  Reports, per
+The NAT'ed islands open every connection themselves; the others send them their bytes back over those lanes
+(:mod:`peers.wire.transport`), and two or more NAT'ed islands average through the reachable ones, which own
+every part of the reduce-scatter (:func:`peers.wire.encoded.part_owners`).  Reports, per
 arm, the rounds committed, whether θ_global ended identical on every island, and the median round time (the
 exchange, and the round as the last island to arrive sees it: the smallest ``allreduce_seconds`` of the
 round's islands, since the others' also count their wait for it), as a table, JSON and a PNG::

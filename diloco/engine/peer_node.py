@@ -243,7 +243,7 @@ class PeerNode:
         a round's group it has dealt with."""
         while self.membership is membership and not self._stopping():
             transport.reach([m.endpoint for m in membership.members().values()
-                             if not m.left and m.endpoint and m.island != membership.island])
+                             if m.reachable() and m.island != membership.island])
             time.sleep(membership.period)
 
     def disconnect(self) -> None:
@@ -312,7 +312,7 @@ class PeerNode:
         listens on, at ``transport_port`` (0: a free port), announced at the announced address when there is
         one; the other ranks take the connections for them from rank 0 (see :mod:`peers.wire.transport`)."""
         a, rt = self.a, self.rt
-        host = _ip_of(a.host_maddrs) or "127.0.0.1"
+        host = _listen_ip(a)
         transport, advertise, error = None, "", ""
         if rt.is_main:
             advertise = _advertised_ip(a, self.dht)
@@ -449,7 +449,7 @@ class PeerNode:
         advertise = _advertised_ip(a, dht)
         announced = next((e for e in map(tcp_endpoint, a.announce_maddrs) if e), None)
         dht_address = f"{announced[0]}:{announced[1]}" if announced else f"{advertise}:{tcp_port(dht)}"
-        return ask_dial_back(str(dht.peer_id), run_key, a.encrypt, responders, _ip_of(a.host_maddrs) or "127.0.0.1",
+        return ask_dial_back(str(dht.peer_id), run_key, a.encrypt, responders, _listen_ip(a),
                              a.transport_port, advertise, [dht_address])
 
 
@@ -538,10 +538,15 @@ def _ip_of(maddrs: list[str]) -> str:
     return ""
 
 
+def _listen_ip(a: NetworkSettings) -> str:
+    """The IP address this island's transport listens on: the DHT's (``--averaging.host_maddrs``), else loopback."""
+    return _ip_of(a.host_maddrs) or "127.0.0.1"
+
+
 def _advertised_ip(a: NetworkSettings, dht: Any) -> str:
     """The IP address this island's transport announces: the announced one, else the one it listens on, else
     (listening on every interface) the DHT's first visible address that is not loopback."""
-    host = _ip_of(a.host_maddrs) or "127.0.0.1"
+    host = _listen_ip(a)
     return _ip_of(a.announce_maddrs) or (host if host not in ("0.0.0.0", "::") else _visible_ip(dht))
 
 

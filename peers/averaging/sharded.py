@@ -416,13 +416,11 @@ class ShardedAverager:
         t0 = time.perf_counter()
         codec = self.codecs[pending.codec]
         self.channel.entropy_coding = self.settings.entropy_coding and codec.skewed
-        if isinstance(self.channel, DirectChannel):
-            for p in peers:
-                for peer, endpoint in group[p]["ranks"]:
-                    self.channel.endpoints[peer] = endpoint
-            self.transport.reach([endpoint for p in peers for _, endpoint in group[p]["ranks"]])
-        weights = {p: as_float(group[p]["weight"]) for p in peers}
         endpoints = {str(peer): str(endpoint) for p in peers for peer, endpoint in group[p]["ranks"]}
+        if isinstance(self.channel, DirectChannel):
+            self.channel.endpoints.update(endpoints)
+            self.transport.reach(list(endpoints.values()))
+        weights = {p: as_float(group[p]["weight"]) for p in peers}
         resent_before = self.transport.stats.resent if self.transport is not None else 0
         # one process holding the whole model: the averages land in one buffer in the layout's order, which
         # the island's scatter hands out as views of its parameters (no copy)

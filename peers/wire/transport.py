@@ -26,9 +26,10 @@ its own connections, so a server fills its link with several TCP streams.
 **Ranks that cannot be reached** (an island behind a NAT or a firewall: ``reachable=False``) announce
 ``lane:HOST:PORT`` instead of ``HOST:PORT``.  They open every connection themselves: to send, as anyone; to
 receive, ``streams`` *lanes* to each reachable rank they deal with (:meth:`Transport.reach`, and every rank
-they send to), on which that rank sends its frames back, on as many connections as to a reachable rank (a
-connection carries one message at a time, each waiting for its acknowledgement, so one lane left the averaged
-parts for islands behind NAT to queue).  A reachable rank sending to a ``lane:`` endpoint waits for a lane.  Between two ranks that both cannot be reached, the sender hands its message to a reachable rank
+they send to), on which that rank sends its frames back: as many connections as it has to a reachable rank,
+since a connection carries one message at a time (each waits for its acknowledgement), and with one lane the
+averaged parts for islands behind NAT queued.  A reachable rank sending to a ``lane:`` endpoint waits for a
+lane.  Between two ranks that both cannot be reached, the sender hands its message to a reachable rank
 it holds a lane to, which passes it on over the receiver's lane before acknowledging it
 (:attr:`Stats.relayed`).  Ranks of one server reach each other directly whatever they announce.
 """
