@@ -13,7 +13,8 @@ Per case it reads each island's ``metrics.jsonl`` and ``summary.json`` and repor
   it), median over the rounds from the second on (the first carries compilation and the islands' meeting;
   with overlap the last is excluded too: the run waits for its result before it ends), as a share of the
   round's wall time;
-- MFU inside the running loop: the median over the logged windows of inner steps (``mfu``), and over the
+- MFU inside the running loop: the median over the logged windows of inner steps (``mfu``, and the tokens/s
+  of the same windows), and over the
   whole steady run, from the end of round 1 to the end of the last (stalls, evaluation and everything
   else counted), and over the whole run with its start-up (compilation included);
 - utilization (compute seconds over wall seconds, the island's own figure), peak GPU and host memory per
@@ -146,7 +147,9 @@ def read_island(run_dir: Path, overlap: str) -> dict[str, Any]:
     steps = [r for r in records if "mfu" in r]
     if steps:
         flops_share = steps[-1]["mfu"] / steps[-1]["tokens_per_second_per_device"]  # FLOPs per token / peak
-        out["mfu_steps_median"] = statistics.median(r["mfu"] for r in steps[len(steps) // max(len(rounds), 1):])
+        after_round_1 = steps[len(steps) // max(len(rounds), 1):]
+        out["mfu_steps_median"] = statistics.median(r["mfu"] for r in after_round_1)
+        out["tokens_per_s_steps_median"] = statistics.median(r["tokens_per_second_per_device"] for r in after_round_1)
         if len(window) >= 2:
             tokens = window[-1]["tokens"] - window[0]["tokens"]
             out["mfu_steady"] = tokens / (window[-1]["time"] - window[0]["time"]) * flops_share
@@ -162,12 +165,12 @@ def fmt(x: Any, pattern: str = "{:.3f}") -> str:
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
     """The cases as a table, one line per island."""
     lines = [header, "", "| case | island | rounds ok | median stall / round | of the round | send (training thread) "
-             "| round wall | MFU: steps / steady run / whole run | utilization | peak GPU GB | peak host GB | "
-             "recompiles, graph breaks | θ identical (2 islands) |", "|" + "---|" * 13]
+             "| round wall | MFU: steps / steady run / whole run | tokens/s (steps) | utilization | peak GPU GB | peak host GB | "
+             "recompiles, graph breaks | θ identical (2 islands) |", "|" + "---|" * 14]
     for r in rows:
         for i, isl in enumerate(r["islands"] or [{}]):
             if not isl:
-                lines.append(f"| {r['case']} | {i} | failed (rc {r['rc']}) | | | | | | | | | | |")
+                lines.append(f"| {r['case']} | {i} | failed (rc {r['rc']}) | | | | | | | | | | | |")
                 continue
             mfu = " / ".join(fmt(isl.get(k), "{:.1%}") for k in ("mfu_steps_median", "mfu_steady", "mfu_whole_run"))
             done = f"{isl['rounds_ok']}/{isl['outer_step']}" if isl["outer_step"] is not None else \
@@ -175,6 +178,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             lines.append(f"| {r['case']} | {i} | {done} | "
                          f"{fmt(isl.get('stall_median_s'))} s | {fmt(isl.get('stall_share'), '{:.2%}')} | "
                          f"{fmt(isl.get('send_median_s'))} s | {fmt(isl.get('round_wall_s'), '{:.2f}')} s | {mfu} | "
+                         f"{fmt(isl.get('tokens_per_s_steps_median'), '{:,.0f}')} | "
                          f"{fmt(isl['utilization'], '{:.1%}')} | {fmt(isl.get('peak_memory_gb'), '{:.1f}')} | "
                          f"{fmt(isl.get('peak_host_memory_gb'), '{:.1f}')} | {r['recompiles']}, {r['graph_breaks']} | "
                          f"{ {None: '–', True: 'yes', False: 'NO'}[r['theta_identical']]} |")

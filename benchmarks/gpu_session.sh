@@ -9,8 +9,8 @@
 # CASES defaults to the cases no GPU has measured since the round's host path changed; SECONDS (default 520)
 # bounds the whole benchmark.  Carry the wheels folder (.whl) with the call.
 set -o pipefail
-cases=${1:-1b-delayed-outer-on-gpu,1b-blocking,1b-blocking-outer-on-gpu,1b-delayed,150m-delayed}
-seconds=${2:-520}
+cases=${1:-1b-delayed-outer-on-gpu,1b-blocking-outer-on-gpu,1b-blocking,150m-delayed,1b-delayed}
+seconds=${2:-470}
 out=${OUT:-/tmp/gpu-session}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 chmod +x /tmp/site/hivemind/hivemind_cli/p2pd
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout "$seconds" python3 benchmarks/gpu_run.py --cases "$cases" --rounds 3 --case-timeout 120 --out /tmp/gr 2>&1 \
+timeout "$seconds" python3 benchmarks/gpu_run.py --cases "$cases" --rounds 3 --case-timeout 150 --out /tmp/gr 2>&1 \
   | tee "$out/stdout.txt"
 cp /tmp/gr/results.* "$out/" 2>/dev/null
 tar czf "$out/runs.tgz" -C /tmp/gr runs --exclude='*.key'

@@ -26,27 +26,59 @@ STATS = 3
 def fingerprint(tensors: Sequence[torch.Tensor], chunks: int = FINGERPRINT_CHUNKS) -> list[float]:
     """Per-chunk (sum, sum of squares, count) of the flattened ``tensors``; chunks are cut as
     ``torch.tensor_split`` cuts the concatenation into ``chunks`` pieces."""
-    flats = [t.detach().reshape(-1) for t in tensors]
-    total = sum(f.numel() for f in flats)
-    if total == 0:
-        return [0.0, 0.0, 0.0] * chunks
-    cuts = [i * (total // chunks) + min(i, total % chunks) for i in range(chunks + 1)]
-    out: list[float] = []
-    starts = []
-    pos = 0
-    for f in flats:
-        starts.append(pos)
-        pos += f.numel()
-    for lo, hi in zip(cuts, cuts[1:]):
-        s = sq = 0.0
-        for f, start in zip(flats, starts):
-            a, b = max(lo, start), min(hi, start + f.numel())
-            if a < b:
-                piece = f[a - start:b - start]
-                s += float(piece.sum())
-                sq += float(torch.linalg.vector_norm(piece)) ** 2
-        out += [s, sq, float(hi - lo)]
+    return fingerprints([tensors], chunks)[0]
+
+
+def fingerprints(groups: Sequence[Sequence[torch.Tensor]], chunks: int) -> list[list[float]]:
+    """:func:`fingerprint` of each group of tensors, read back from their device at once: on a GPU, one
+    synchronisation for all of them instead of two per chunk (a 1b θ_global: 300 buckets, 2,400 waits)."""
+    plans, sums = [], []
+    for tensors in groups:
+        flats = [t.detach().reshape(-1) for t in tensors]
+        total = sum(f.numel() for f in flats)
+        cuts = [i * (total // chunks) + min(i, total % chunks) for i in range(chunks + 1)] if total else []
+        plan: list[tuple[int, int, int]] = []  # per chunk: its first piece, its number of pieces, its count
+        starts, pos = [], 0
+        for f in flats:
+            starts.append(pos)
+            pos += f.numel()
+        for lo, hi in zip(cuts, cuts[1:]):
+            first = len(sums)
+            for f, start in zip(flats, starts):
+                a, b = max(lo, start), min(hi, start + f.numel())
+                if a < b:
+                    piece = f[a - start:b - start]
+                    sums += [piece.sum(), torch.linalg.vector_norm(piece)]
+            plan.append((first, (len(sums) - first) // 2, hi - lo))
+        plans.append(plan)
+    values = _read_back(sums)
+    out = []
+    for plan in plans:
+        if not plan:
+            out.append([0.0, 0.0, 0.0] * chunks)
+            continue
+        fp: list[float] = []
+        for first, pieces, count in plan:
+            s = sq = 0.0
+            for i in range(first, first + 2 * pieces, 2):
+                s += values[i]
+                sq += values[i + 1] ** 2
+            fp += [s, sq, float(count)]
+        out.append(fp)
     return out
+
+
+def _read_back(scalars: list[torch.Tensor]) -> list[float]:
+    """Python floats of 0-d float32 tensors: one copy per device holding some (the same values as
+    ``float(t)`` of each)."""
+    values: list[float] = [0.0] * len(scalars)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(scalars):
+        by_device.setdefault(t.device, []).append(i)
+    for index in by_device.values():
+        for i, v in zip(index, torch.stack([scalars[i].float() for i in index]).tolist()):
+            values[i] = v
+    return values
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
 from peers.proctable import descendants
 from pipeline.mesh import exit_worker
 from tests.conftest import kill_seen, launch_ranks
@@ -254,6 +255,13 @@ def test_single_process_island_exchange_and_its_checks():
         assert torch.equal(owned[b.index], canonical[b.start:b.end])
     back = ex.scatter(owned)
     assert all(torch.equal(back[n], full[n]) for n in full)
+    # θ_global laid out as the canonical flat buffer (the outer state's own layout, wherever it lives) is
+    # fingerprinted in place: the same fingerprint as the same values gathered from separate tensors
+    views = ex.flat_views(canonical.clone())
+    assert ex._flat_of(views, list(views), any_device=True) is not None and ex._flat_of(full, list(full)) is None
+    assert ex.canonical_fingerprint(views) == ex.canonical_fingerprint(full)
+    assert ex.canonical_fingerprint(views) == [x for b in layout.buckets
+                                               for x in fingerprint([canonical[b.start:b.end]], CHUNKS_PER_BUCKET)]
     assert ex.precheck(full, 1.0) == ""
     bad = dict(full, wo=full["wo"].clone())
     bad["wo"][1, 1] = float("inf")

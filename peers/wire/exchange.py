@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from outer_optim.tensors import all_finite
-from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
+from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprints
 from peers.wire.layout import CanonicalLayout, Segment, spec_tuple
 
 
@@ -177,8 +177,12 @@ class BucketExchange:
         Every owner fingerprints its assembled buckets, so two islands holding the same values get
         the same list whatever their shapes (use it as the ``state_fingerprint`` of θ_global).
         """
-        owned = self.gather(local_tensors)
-        mine = {b: fingerprint([owned[b]], chunks_per_bucket) for b in owned}
+        # tensors laid out as the canonical flat buffer (θ_global of a whole island) are fingerprinted where they
+        # are: on a GPU, gathering them meant a blocking copy of the whole model to the host each round
+        whole = self._flat_of(local_tensors, list(self.local_shapes), any_device=True)
+        owned = {b: whole[self.layout.buckets[b].start:self.layout.buckets[b].end] for b in self.owned} \
+            if whole is not None else self.gather(local_tensors)
+        mine = dict(zip(owned, fingerprints([[t] for t in owned.values()], chunks_per_bucket)))
         merged: dict[int, list[float]] = {}
         for part in self.all_gather_object(mine):
             merged.update(part)
@@ -197,12 +201,14 @@ class BucketExchange:
             out[n] = flat[e.start:e.start + numel_of(shape)].view(shape)
         return out
 
-    def _flat_of(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
-        """The canonical flat buffer ``tensors`` are views of (see :meth:`flat_views`), or None."""
+    def _flat_of(self, tensors: Mapping[str, torch.Tensor], names: list[str], any_device: bool = False
+                 ) -> torch.Tensor | None:
+        """The canonical flat buffer ``tensors`` are views of (see :meth:`flat_views`), or None; on the host
+        only, unless ``any_device``."""
         if not self.whole or not names:
             return None
         first = tensors[names[0]]
-        if first.dtype != torch.float32 or first.device.type != "cpu":
+        if first.dtype != torch.float32 or (first.device.type != "cpu" and not any_device):
             return None
         base = first.data_ptr() - 4 * self.layout.entry(names[0]).start
         if any(tensors[n].data_ptr() != base + 4 * self.layout.entry(n).start or not tensors[n].is_contiguous()
@@ -211,7 +217,8 @@ class BucketExchange:
         storage = first.untyped_storage()
         if storage.data_ptr() > base or storage.data_ptr() + storage.nbytes() < base + 4 * self.layout.total_numel:
             return None
-        return torch.empty(0).set_(storage, (base - storage.data_ptr()) // 4, (self.layout.total_numel,), (1,))
+        return torch.empty(0, device=first.device).set_(storage, (base - storage.data_ptr()) // 4,
+                                                        (self.layout.total_numel,), (1,))
 
     def gather(self, local_deltas: Mapping[str, torch.Tensor], buckets: Collection[int] | None = None
                ) -> dict[int, torch.Tensor]:
