@@ -21,4 +21,4 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout "$seconds" python3 benchmarks/gpu_run.py --cases "$cases" --rounds 3 --case-timeout 150 --out /tmp/gr 2>&1 \
   | tee "$out/stdout.txt"
 cp /tmp/gr/results.* "$out/" 2>/dev/null
-tar czf "$out/runs.tgz" -C /tmp/gr runs --exclude='*.key'
+tar czf "$out/runs.tgz" --exclude='*.key' -C /tmp/gr runs

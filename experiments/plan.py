@@ -13,7 +13,8 @@ alternative (HSDP: FSDP inside each server, gradients all-reduced across servers
   fitted to the measured peak memory);
 - a round: the bytes each island sends for the codec and group size (:mod:`outer_optim.codecs`), over the link
   rate of as many TCP streams as the island has ranks, plus the fixed cost and round trips measured by
-  ``experiments/results/latency``, plus the outer state's host work (``gpu-island``);
+  ``experiments/results/latency``, plus the outer state's work measured in a running island (``gpu-run-h100*``;
+  blocking rounds keep the outer state on the GPU when it fits there, where that work is 26 times shorter);
 - compute utilization: what the round adds to the H inner steps (all of it when blocking; what H steps cannot
   hide when the round is in flight, plus the hand-over measured by ``round-stall``);
 - the loss penalty against synchronous training: the published gap of DiLoCo by model size, H and islands
@@ -43,8 +44,10 @@ from outer_optim.codecs import AUTO_CODECS, exchange_factor, make_codec
 from peers.wire.probe import LinkProbe, read_probe
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GPU_RUN = "gpu-run-h100/results.json"
-"""A running island's rounds on a GPU (``benchmarks/gpu_run.py``)."""
+GPU_RUN = "gpu-run-h100-placements/results.json"
+"""A running island's rounds on a GPU (``benchmarks/gpu_run.py``), the outer state on the host."""
+GPU_RUN_OUTER_ON_GPU = "gpu-run-h100-fingerprint-fix/results.json"
+"""The same island's blocking rounds with the outer state on the GPU (``--diloco.master_device cuda``)."""
 
 # Vendors' data sheets (no measurement of ours): memory (GB) and NVLink bandwidth one way (GB/s) per GPU.
 DATA_SHEET: dict[str, tuple[float, float]] = {
@@ -253,6 +256,25 @@ class Sources:
                   f"in its running loop on one H100: {delayed:.3f} s and {blocking:.2f} s a round; the host's "
                   f"work, taken as is for every GPU kind)")
         return delayed / params, blocking / params
+
+    def gpu_outer_state(self) -> tuple[float, float] | None:
+        """(a blocking round's stall per parameter with the outer state on the GPU, the GPU bytes per parameter
+        that placement adds): a running 1b island's blocking rounds with ``--diloco.master_device cuda`` against
+        the same rounds with the outer state on the host; None when either run is missing."""
+        here, there = self.results / GPU_RUN, self.results / GPU_RUN_OUTER_ON_GPU
+        if not (here.exists() and there.exists()):
+            return None
+        host = {r["case"]: r for r in self._jsonl(here, "benchmarks/gpu_run.py")}.get("1b-blocking")
+        gpu = {r["case"]: r for r in self._jsonl(there, "benchmarks/gpu_run.py")}.get("1b-blocking-outer-on-gpu")
+        if not (host and gpu and host["islands"] and gpu["islands"]):
+            return None
+        params = Model.of_preset("1b", 256).params
+        stall = gpu["islands"][0]["stall_median_s"]
+        extra = (gpu["islands"][0]["peak_memory_gb"] - host["islands"][0]["peak_memory_gb"]) * 1e9 / params
+        self.note("the outer state on the GPU (blocking rounds)", f"experiments/results/{GPU_RUN_OUTER_ON_GPU} "
+                  f"against {GPU_RUN} (1b on one H100: {stall:.3f} s a round, +{extra:.1f} bytes of GPU memory "
+                  f"per parameter)")
+        return stall / params, extra
 
     def host_seconds_per_param(self, device_file: str) -> dict[str, float]:
         """Outer-state work per parameter: Δ to the host, the Nesterov step, θ back (the gpu-island table)."""
@@ -479,6 +501,8 @@ class Candidate:
     overlap: str = "blocking"
     sync: bool = False
     """The synchronous alternative (HSDP across the servers) rather than DiLoCo."""
+    outer_on_gpu: bool = False
+    """θ_global and the outer momentum on the GPUs (``--diloco.master_device cuda``) rather than the host."""
     bytes_per_round: float = 0.0
     round_s: float = 0.0
     utilization: float = 0.0
@@ -503,6 +527,12 @@ class RoundModel:
     host_s_per_param: float
     handover_s_per_param: float
     wire_ratio: dict[str, float] = field(default_factory=dict)
+    gpu_s_per_param: float | None = None
+    """A blocking round's work with the outer state on the GPU (None: not measured, or a plan for CPUs)."""
+    gpu_bytes_per_param: float = 0.0
+    """The GPU memory that placement adds per parameter (over the island's GPUs)."""
+    gpu_memory_gb: float = 0.0
+    """One GPU's memory (0: not checked)."""
     """Bytes on the wire ÷ the codec's bytes, for the codecs entropy coding shrinks (``--averaging.entropy_coding``,
     on by default)."""
 
@@ -581,7 +611,9 @@ def round_model(sources: Sources, device: Device) -> RoundModel:
     else:
         host = sum(sources.host_seconds_per_param(device.source).values())
         handover = sources.handover_seconds_per_param()
-    return RoundModel(fixed, trips, host, handover, sources.wire_ratios())
+    on_gpu = sources.gpu_outer_state() if device.name != "cpu" else None
+    return RoundModel(fixed, trips, host, handover, sources.wire_ratios(), *(on_gpu or (None, 0.0)),
+                      gpu_memory_gb=device.memory_gb)
 
 
 def codec_bytes_per_value(codec: str) -> float:
@@ -589,16 +621,31 @@ def codec_bytes_per_value(codec: str) -> float:
     return make_codec(codec).nbytes(numel) / numel
 
 
+def outer_state_on_gpu(inputs: Inputs, shape: Shape, rounds: RoundModel, overlap: str) -> bool:
+    """Whether the outer state goes on the GPUs (``--diloco.master_device cuda``): for blocking rounds, whose
+    every second of outer work the GPUs wait for, when it was measured and fits next to the shape's memory.
+    Rounds in flight keep it on the host, where their work hides behind the inner steps and leaves the GPU's
+    memory to activations."""
+    if overlap != "blocking" or rounds.gpu_s_per_param is None:
+        return False
+    extra = rounds.gpu_bytes_per_param * inputs.model.params / inputs.servers.gpus / 1e9
+    return not rounds.gpu_memory_gb or shape.memory_gb + extra <= MEMORY_HEADROOM * rounds.gpu_memory_gb
+
+
 def diloco_candidate(inputs: Inputs, shape: Shape, rounds: RoundModel, losses: LossModel, H: int, codec: str,
-                     overlap: str, name: str = "") -> Candidate:
-    """What a DiLoCo run of this shape, H, codec and overlap predicts."""
+                     overlap: str, name: str = "", outer_on_gpu: bool | None = None) -> Candidate:
+    """What a DiLoCo run of this shape, H, codec and overlap predicts; the outer state's place is
+    :func:`outer_state_on_gpu`'s unless ``outer_on_gpu`` says."""
     m, k = inputs.model, inputs.servers.count
-    c = Candidate(name or f"H={H} {codec} {overlap}", shape, H=H, codec=codec, overlap=overlap)
+    on_gpu = outer_state_on_gpu(inputs, shape, rounds, overlap) if outer_on_gpu is None else outer_on_gpu
+    c = Candidate(name or f"H={H} {codec} {overlap}" + (", outer state on GPU" if on_gpu else ""), shape, H=H,
+                  codec=codec, overlap=overlap, outer_on_gpu=on_gpu)
+    host = rounds.gpu_s_per_param if on_gpu and rounds.gpu_s_per_param is not None else rounds.host_s_per_param
     per_round = codec_bytes_per_value(codec) * m.params / c.fragments * rounds.wire_ratio.get(codec, 1.0)
     c.bytes_per_round = per_round * exchange_factor(make_codec(codec), k)
     streams = inputs.servers.gpus  # each rank sends its own part of Δ
     c.round_s = rounds.fixed_s + rounds.round_trips * inputs.link.rtt_s + 8 * c.bytes_per_round \
-        / inputs.link.rate(streams) + rounds.host_s_per_param * m.params / c.fragments
+        / inputs.link.rate(streams) + host * m.params / c.fragments
     steps = H / c.fragments  # between two syncs
     compute = steps * shape.step_s
     if overlap == "blocking":
@@ -671,7 +718,7 @@ def make_plan(inputs: Inputs, results: Path = RESULTS, top: int = 5,
     pool.sort(key=lambda c: (math.floor(math.log(c.wall_s) / math.log(1.01)), c.loss_penalty))
     default_shape = next((s for s in fitting if s.tp == 1 and s.pp == 1), best_shape)
     default = diloco_candidate(inputs, default_shape, rounds, losses, 50, "none", "blocking",
-                               name="default (H=50 none blocking)")
+                               name="default (H=50 none blocking)", outer_on_gpu=False)
     sync = sync_candidate(inputs, default_shape, rounds)
     return Plan(inputs, device, shapes, pool[:top], default, sync, bool(within), sources.used,
                 time.perf_counter() - t0)
@@ -727,6 +774,7 @@ def command_lines(inputs: Inputs, c: Candidate) -> list[str]:
              f"--diloco.outer_steps {rounds} --averaging.compression {c.codec} "
              f"--diloco.overlap {'none' if c.overlap == 'blocking' else 'delayed'}"
              + (f" --diloco.fragments {c.fragments}" if c.fragments > 1 else "")
+             + (" --diloco.master_device cuda" if c.outer_on_gpu else "")
              + f" --data.num_shards {s.count}")
     lines = [f"# server 0\n{launcher} {flags} --data.shard_index 0 --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337"]
     nat = "" if inputs.link.joiners_accept else " --averaging.client_mode true"

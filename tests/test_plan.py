@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,9 +143,24 @@ def test_a_gpu_plan_takes_the_rounds_host_costs_from_an_island_measured_in_its_l
     assert measured.handover_s_per_param * params == pytest.approx(rows["1b-delayed"]["islands"][0]["stall_median_s"])
     assert measured.host_s_per_param * params == pytest.approx(rows["1b-blocking"]["islands"][0]["stall_median_s"])
     assert any("gpu-run" in where for where in sources.used.values())
+    # blocking rounds take the outer state onto the GPU when it fits there (its stall measured the same way)
+    on_gpu = {r["case"]: r for r in map(json.loads,
+                                        (planner.RESULTS / planner.GPU_RUN_OUTER_ON_GPU).read_text().splitlines())}
+    assert measured.gpu_s_per_param * params == pytest.approx(
+        on_gpu["1b-blocking-outer-on-gpu"]["islands"][0]["stall_median_s"])
+    assert measured.gpu_s_per_param < measured.host_s_per_param and measured.gpu_bytes_per_param > 0
+    inputs, shape, losses = _inputs(), planner.island_shapes(_inputs(), device)[0], planner.loss_model(sources)
+    blocking = planner.diloco_candidate(inputs, shape, measured, losses, 100, "none", "blocking")
+    on_host = planner.diloco_candidate(inputs, shape, measured, losses, 100, "none", "blocking", outer_on_gpu=False)
+    assert blocking.outer_on_gpu and blocking.round_s < on_host.round_s
+    assert "--diloco.master_device cuda" in planner.command_lines(inputs, blocking)[0]
+    assert "master_device" not in planner.command_lines(inputs, on_host)[0]
+    assert not planner.diloco_candidate(inputs, shape, measured, losses, 100, "none", "delayed").outer_on_gpu
+    full = replace(measured, gpu_memory_gb=shape.memory_gb / planner.MEMORY_HEADROOM)  # no room left beside it
+    assert not planner.diloco_candidate(inputs, shape, full, losses, 100, "none", "blocking").outer_on_gpu
     monkeypatch.setattr(planner, "GPU_RUN", "no-such-run/results.json")
     pieced = planner.round_model(planner.Sources(), device)
-    assert pieced.handover_s_per_param != measured.handover_s_per_param
+    assert pieced.handover_s_per_param != measured.handover_s_per_param and pieced.gpu_s_per_param is None
 
 
 @pytest.mark.parametrize("behind_nat", [False, True])
