@@ -115,7 +115,7 @@ class DilocoConfig:
     outer_momentum: float = 0.9
     """Outer momentum (ignored by `avg`, which uses 0)."""
     master_device: str = "cpu"
-    """Where the fp32 master copy of the global parameters and the outer state live."""
+    """Where the fp32 master copy of the global parameters and the outer state live: `cpu` (host memory, pinned on a GPU host) or `cuda` (this rank's GPU: 12 more bytes of GPU memory per parameter of the rank's shard; blocking rounds of 1b on an H100 then hold the GPUs 0.12 s instead of 3.1 s, docs/gpu-servers.md; rounds in flight hide the host's work either way)."""
     overlap: str = "none"
     """How the island trains while a round is in flight: `none` (the result is applied exactly `overlap_steps` inner steps after sending, waiting for it if needed; 0 blocks as plain DiLoCo), `delayed` (keep training; apply the average when it arrives, moving the progress made since onto the new θ_global) or `eager` (as `delayed`, but train meanwhile from θ_global stepped with this island's fresh Δ as a proxy for the average, after Kale et al. 2025)."""
     fragments: int = 1
