@@ -9,13 +9,16 @@ import threading
 import pytest
 import torch
 
-from diloco.engine.metrics import read_metrics
+from diloco.config import DilocoConfig
+from diloco.engine.metrics import RunStats, read_metrics
+from diloco.engine.rounds import RoundSchedule
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.codecs import ErrorFeedback, make_codec
 from peers.averaging.sharded import ShardedAverager
 from peers.discovery.dht import start_dht, visible_maddrs
 from peers.group.averager import VerifiedAverager
+from peers.result import RoundResult
 from peers.settings import AveragerSettings, NetworkSettings, Scope
 from peers.wire.encoded import part_bounds, weighted_mean
 from peers.wire.layout import CanonicalLayout
@@ -230,6 +233,22 @@ def test_auto_codec_is_the_groups_choice_and_its_error_feedback_carries_across_c
     torch.testing.assert_close(averaged, (deltas[0]["w"] + carried[0] + deltas[1]["w"] + carried[1]) / 2)
     assert all(max(t.abs().max() for t in f.values()) == 0 for f in feedback)  # fp32 sent all that waited
     assert round_(2, (1e6, 1e-9))[0] == "sign"
+
+
+def test_auto_budget_leaves_out_what_a_round_spends_beside_its_exchange():
+    """``auto``'s budget is the exchange's: what the island's last committed round spent forming the group,
+    voting, waiting for the others and stepping is taken off the share of the round it may communicate."""
+    stats = RunStats()
+    schedule = RoundSchedule(DilocoConfig(inner_steps=10, max_comm_fraction=0.05), None, stats,
+                             CanonicalLayout.build([("w", (NUMEL,))], bucket_numel=4096), ["w"])
+    stats.inner_step, stats.compute_seconds = 10, 19.0  # 1.9 s a step: 5% of the round's wall is 1.0 s
+    assert schedule.report()["hide_seconds"] == pytest.approx(1.0)
+    schedule.finished(RoundResult(True, seconds=0.6, exchange_seconds=0.3), stall=0.7)  # 0.4 s beside the bytes
+    assert schedule.report()["hide_seconds"] == pytest.approx(0.6)
+    schedule.finished(RoundResult(False, "no group"), stall=5.0)  # a failed round says nothing of it
+    assert schedule.report()["hide_seconds"] == pytest.approx(0.6)
+    schedule.finished(RoundResult(True, exchange_seconds=0.1), stall=3.0)  # more than the whole share
+    assert schedule.report()["hide_seconds"] == 0.0
 
 
 @pytest.mark.parametrize("compression,kept_in,budget", [("topk", "buffer", ""), ("topk", "params", ""),

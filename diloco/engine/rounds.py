@@ -375,6 +375,10 @@ class RoundSchedule:
         self.last_comm_seconds = float("nan")
         """Seconds the last round this island applied kept it from training (its stall: sending, waiting,
         applying), sent to the group for ``auto``."""
+        self.last_overhead_seconds = 0.0
+        """Seconds of the last committed round that no codec shortens: all but its exchange of bytes (forming
+        the group, the vote, the others' later arrival, and when blocking the outer step), taken off the
+        exchange's budget under ``--averaging.compression auto``."""
         self.mark = (0.0, 0, 0)
         """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
         self.skew = 0.0
@@ -474,13 +478,15 @@ class RoundSchedule:
         """What the island tells the group with its next pseudo-gradient: the inner steps of the round it is
         sending and, for a budget of ``auto``, the compute seconds per step and its last round's stall; for
         ``--averaging.compression auto``, the seconds of exchange it can take: the overlap's steps, plus
-        ``max_comm_fraction`` of the round's wall-clock time."""
+        ``max_comm_fraction`` of the round's wall-clock time, less what its last round spent outside the
+        exchange."""
         s = self.stats
         steps = s.inner_step - self.mark[2]
         step_seconds = (s.compute_seconds - self.mark[0]) / steps if steps else float("nan")
         f = self.max_comm_fraction
+        hide = step_seconds * (self.hidden_steps + steps * f / (1 - f))
         return {"steps": steps, "comm_seconds": self.last_comm_seconds, "step_seconds": step_seconds,
-                "hide_seconds": step_seconds * (self.hidden_steps + steps * f / (1 - f))}
+                "hide_seconds": max(0.0, hide - self.last_overhead_seconds) if hide == hide else hide}
 
     def finished(self, result: RoundResult, stall: float) -> None:
         """A round this island took part in ended after keeping it from training ``stall`` seconds: remember
@@ -488,6 +494,9 @@ class RoundSchedule:
         all hold the same reports): after the first round, H steps of the fastest member; from then on
         :func:`~diloco.config.budget.auto_seconds` of the stalls."""
         self.last_comm_seconds = float(stall)
+        if result.ok:  # a blocking round holds the island all along; one in flight, as long as it averages
+            held = stall if not self.hidden_steps else result.seconds
+            self.last_overhead_seconds = max(0.0, held - result.exchange_seconds)
         if self.budget.kind != "auto" or not result.ok:
             return
         reports = list(result.gathered.values())
