@@ -69,14 +69,13 @@ def fingerprints(groups: Sequence[Sequence[torch.Tensor]], chunks: int) -> list[
 
 
 def _read_back(scalars: list[torch.Tensor]) -> list[float]:
-    """Python floats of 0-d float32 tensors: one copy per device holding some (the same values as
-    ``float(t)`` of each)."""
+    """Python floats of 0-d tensors, the same values as ``float(t)`` of each: one copy per device and dtype."""
     values: list[float] = [0.0] * len(scalars)
-    by_device: dict[torch.device, list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(scalars):
-        by_device.setdefault(t.device, []).append(i)
-    for index in by_device.values():
-        for i, v in zip(index, torch.stack([scalars[i].float() for i in index]).tolist()):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for index in groups.values():
+        for i, v in zip(index, torch.stack([scalars[i] for i in index]).tolist()):
             values[i] = v
     return values
 
