@@ -236,18 +236,19 @@ def test_auto_codec_is_the_groups_choice_and_its_error_feedback_carries_across_c
 
 
 def test_auto_budget_leaves_out_what_a_round_spends_beside_its_exchange():
-    """``auto``'s budget is the exchange's: what the island's last committed round spent forming the group,
-    voting, waiting for the others and stepping is taken off the share of the round it may communicate."""
+    """``auto``'s budget is the exchange's: what the island's last committed round spent forming the group and
+    voting is taken off the share of the round it may communicate (not the stall around it: waiting for the
+    others' compute is no link's)."""
     stats = RunStats()
     schedule = RoundSchedule(DilocoConfig(inner_steps=10, max_comm_fraction=0.05), None, stats,
                              CanonicalLayout.build([("w", (NUMEL,))], bucket_numel=4096), ["w"])
     stats.inner_step, stats.compute_seconds = 10, 19.0  # 1.9 s a step: 5% of the round's wall is 1.0 s
     assert schedule.report()["hide_seconds"] == pytest.approx(1.0)
-    schedule.finished(RoundResult(True, seconds=0.6, exchange_seconds=0.3), stall=0.7)  # 0.4 s beside the bytes
+    schedule.finished(RoundResult(True, seconds=0.7, exchange_seconds=0.3), stall=2.5)  # 0.4 s beside the bytes
     assert schedule.report()["hide_seconds"] == pytest.approx(0.6)
-    schedule.finished(RoundResult(False, "no group"), stall=5.0)  # a failed round says nothing of it
+    schedule.finished(RoundResult(False, "no group", seconds=5.0), stall=5.0)  # a failed round says nothing
     assert schedule.report()["hide_seconds"] == pytest.approx(0.6)
-    schedule.finished(RoundResult(True, exchange_seconds=0.1), stall=3.0)  # more than the whole share
+    schedule.finished(RoundResult(True, seconds=3.0, exchange_seconds=0.1), stall=3.0)  # more than the share
     assert schedule.report()["hide_seconds"] == 0.0
 
 

@@ -376,9 +376,9 @@ class RoundSchedule:
         """Seconds the last round this island applied kept it from training (its stall: sending, waiting,
         applying), sent to the group for ``auto``."""
         self.last_overhead_seconds = 0.0
-        """Seconds of the last committed round that no codec shortens: all but its exchange of bytes (forming
-        the group, the vote, the others' later arrival, and when blocking the outer step), taken off the
-        exchange's budget under ``--averaging.compression auto``."""
+        """Seconds the last committed round's averaging spent beside its exchange of bytes (forming the group,
+        the vote), which no codec shortens: taken off the exchange's budget under ``--averaging.compression
+        auto``.  Waiting for the others to arrive is left out: it is their compute, not the link."""
         self.mark = (0.0, 0, 0)
         """(compute seconds, tokens, inner step) when the island last sent a round or adopted a state."""
         self.skew = 0.0
@@ -494,9 +494,8 @@ class RoundSchedule:
         all hold the same reports): after the first round, H steps of the fastest member; from then on
         :func:`~diloco.config.budget.auto_seconds` of the stalls."""
         self.last_comm_seconds = float(stall)
-        if result.ok:  # a blocking round holds the island all along; one in flight, as long as it averages
-            held = stall if not self.hidden_steps else result.seconds
-            self.last_overhead_seconds = max(0.0, held - result.exchange_seconds)
+        if result.ok:
+            self.last_overhead_seconds = max(0.0, result.seconds - result.exchange_seconds)
         if self.budget.kind != "auto" or not result.ok:
             return
         reports = list(result.gathered.values())
