@@ -478,8 +478,8 @@ class RoundSchedule:
         """What the island tells the group with its next pseudo-gradient: the inner steps of the round it is
         sending and, for a budget of ``auto``, the compute seconds per step and its last round's stall; for
         ``--averaging.compression auto``, the seconds of exchange it can take: the overlap's steps, plus
-        ``max_comm_fraction`` of the round's wall-clock time, less what its last round spent outside the
-        exchange."""
+        ``max_comm_fraction`` of the round's wall-clock time, less what its last round's averaging spent beside
+        the exchange (:attr:`last_overhead_seconds`)."""
         s = self.stats
         steps = s.inner_step - self.mark[2]
         step_seconds = (s.compute_seconds - self.mark[0]) / steps if steps else float("nan")
