@@ -371,7 +371,7 @@ class VerifiedAverager(MissedGroups):
                                            "(it was late for their group)", left_behind=True)
             time.sleep(0.005)
         gathered = control.result()
-        if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
+        if t_allreduce is None:  # the step ended within a poll of its group forming: the exchange starts now
             t_allreduce = time.perf_counter()
             stage("allreduce")
         return gathered, t_allreduce
