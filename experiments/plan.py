@@ -239,18 +239,23 @@ class Sources:
         self.note("hand-over of a round in flight", "experiments/results/round-stall/results.json (40m, CPU)")
         return stall / 40e6
 
+    def _gpu_island(self, rel: str, case: str) -> dict[str, Any] | None:
+        """The first island's figures of ``case`` in the ``benchmarks/gpu_run.py`` results at ``rel`` (None when
+        the file, the case or its island is missing)."""
+        path = self.results / rel
+        if not path.exists():
+            return None
+        row = {r["case"]: r for r in self._jsonl(path, "benchmarks/gpu_run.py")}.get(case)
+        return row["islands"][0] if row and row["islands"] else None
+
     def gpu_round_seconds_per_param(self) -> tuple[float, float] | None:
         """(the training thread's hold with the round on its own thread, the round's whole host work) per round
         and parameter, measured in a running 1b island on a GPU (``benchmarks/gpu_run.py``: the median stall of
         its delayed and of its blocking rounds); None when that run is missing."""
-        path = self.results / GPU_RUN
-        if not path.exists():
+        islands = [self._gpu_island(GPU_RUN, c) for c in ("1b-delayed", "1b-blocking")]
+        if not all(i and "stall_median_s" in i for i in islands):
             return None
-        rows = {r["case"]: r for r in self._jsonl(path, "benchmarks/gpu_run.py")}
-        try:
-            delayed, blocking = (rows[c]["islands"][0]["stall_median_s"] for c in ("1b-delayed", "1b-blocking"))
-        except (KeyError, IndexError):
-            return None
+        delayed, blocking = (i["stall_median_s"] for i in islands)
         params = Model.of_preset("1b", 256).params
         self.note("hand-over of a round in flight, and the round's host work", f"experiments/results/{GPU_RUN} (1b "
                   f"in its running loop on one H100: {delayed:.3f} s and {blocking:.2f} s a round; the host's "
@@ -261,16 +266,13 @@ class Sources:
         """(a blocking round's stall per parameter with the outer state on the GPU, the GPU bytes per parameter
         that placement adds): a running 1b island's blocking rounds with ``--diloco.master_device cuda`` against
         the same rounds with the outer state on the host; None when either run is missing."""
-        here, there = self.results / GPU_RUN, self.results / GPU_RUN_OUTER_ON_GPU
-        if not (here.exists() and there.exists()):
-            return None
-        host = {r["case"]: r for r in self._jsonl(here, "benchmarks/gpu_run.py")}.get("1b-blocking")
-        gpu = {r["case"]: r for r in self._jsonl(there, "benchmarks/gpu_run.py")}.get("1b-blocking-outer-on-gpu")
-        if not (host and gpu and host["islands"] and gpu["islands"]):
+        host = self._gpu_island(GPU_RUN, "1b-blocking")
+        gpu = self._gpu_island(GPU_RUN_OUTER_ON_GPU, "1b-blocking-outer-on-gpu")
+        if not (host and gpu):
             return None
         params = Model.of_preset("1b", 256).params
-        stall = gpu["islands"][0]["stall_median_s"]
-        extra = (gpu["islands"][0]["peak_memory_gb"] - host["islands"][0]["peak_memory_gb"]) * 1e9 / params
+        stall = gpu["stall_median_s"]
+        extra = (gpu["peak_memory_gb"] - host["peak_memory_gb"]) * 1e9 / params
         self.note("the outer state on the GPU (blocking rounds)", f"experiments/results/{GPU_RUN_OUTER_ON_GPU} "
                   f"against {GPU_RUN} (1b on one H100: {stall:.3f} s a round, +{extra:.1f} bytes of GPU memory "
                   f"per parameter)")
