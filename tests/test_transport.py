@@ -214,6 +214,40 @@ def test_a_member_whose_process_is_gone_ends_the_exchange_at_once_and_is_named_g
     assert not isinstance(relayed.value, GoneError)
 
 
+def test_the_first_member_to_find_one_gone_tells_the_others_whose_parts_reached_it(transports):
+    """x died after b's part reached it: b alone would wait for x's part until its deadline, while a, whose part
+    x refused, knew at once; the members left would then go round again at different times and miss each other.
+    a tells b, so b's exchange ends with x named gone (b never sent to x itself).  A notice from outside the
+    group, or about the key of another group, changes nothing."""
+    from peers.wire.encoded import DirectChannel
+    from peers.wire.inbox import GONE
+    from peers.wire.round_keys import parts_key
+
+    a, b, x = transports("a", "run-key"), transports("b", "run-key"), transports("x", "run-key")
+    ca, cb = DirectChannel(a, 1 << 20), DirectChannel(b, 1 << 20)
+    group = ["a", "b", "x"]
+    ca.endpoints = cb.endpoints = {"a": a.endpoint, "b": b.endpoint, "x": x.endpoint}
+    x.close()
+    key = "rs." + parts_key(group, "7")
+    out: list = []
+    waiting = threading.Thread(target=lambda: out.append(
+        cb.exchange(key, group, {"a": b"part"}, {"a": 4, "x": 4}, 60.0)))
+    waiting.start()
+    got = ca.exchange(key, group, {"b": b"part", "x": b"part"}, {"b": 4, "x": 4}, 60.0)
+    waiting.join(60)
+    assert got.gone == ["x"] and got.missing == ["x"], got
+    assert out and out[0].gone == ["x"] and out[0].missing == ["x"] and bytes(out[0].got["a"]) == b"part", out
+
+    other = "rs." + parts_key(["a", "b", "y"], "7")
+    cb._heard_gone(other, "a", {"gone": "x", "group": group})  # the key names another group
+    later = "ag." + parts_key(group, "7")
+    cb._heard_gone(later, "z", {"gone": "x", "group": group})  # z is not a member
+    cb._heard_gone(later, "a", {"gone": "a", "group": group})  # nobody is gone by its own word
+    assert b.box.wait_for(other, lambda m: True, 0) == {} and b.box.wait_for(later, lambda m: True, 0) == {}
+    cb._heard_gone(later, "a", {"gone": "x", "group": group})
+    assert b.box.wait_for(later, lambda m: True, 0) == {"x": GONE}
+
+
 def test_a_dial_back_finds_a_listener_that_can_be_reached_and_one_that_cannot(transports):
     """A joining island asks a reachable one to connect back: its own listener counts only when the nonce it
     wrote comes back; an address nothing answers at, or one on another 'server' (127.0.0.2: the listener is

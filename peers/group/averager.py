@@ -1,7 +1,8 @@
 """One island's verified rounds with the other islands: hivemind forms the group, an exchange moves the bytes,
 every member votes on what it got.
 
-hivemind's matchmaking forms each round's group (its all-reduce carries a single number); the pseudo-gradient
+hivemind's matchmaking forms each round's group (a step ends as the group forms, with every member's metadata:
+:class:`peers.group.matchmaking._PseudoGradientAverager`); the pseudo-gradient
 goes by an *exchange*: the island's own (:class:`peers.averaging.sharded.ShardedAverager`: every rank averages the
 buckets it owns with their owners on the other islands, over :mod:`peers.wire.transport`), or, for one tensor,
 :meth:`VerifiedAverager.average`'s.  hivemind's own all-reduce could report success while part of the vector
@@ -49,7 +50,7 @@ from peers.wire.encoded import (
     average_encoded,
     part_owners,
 )
-from peers.wire.round_keys import is_on_round, parts_key, round_bits, vote_key
+from peers.wire.round_keys import parts_key, round_bits, vote_key
 from peers.wire.transport import Transport
 
 __all__ = ["AveragerGoneError", "AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
@@ -336,10 +337,10 @@ class VerifiedAverager(MissedGroups):
 
     def _await_step(self, control: Any, round_id: str, started: float, stage: Callable[[str], None]
                     ) -> tuple[dict, float] | RoundResult:
-        """Wait for hivemind's step: (gathered metadata, when the all-reduce began), or the failed result of
-        a step given up early: the island is stopping or the others moved past the round while we were
-        still looking for a group, or they voted on it without us while our all-reduce still ran."""
-        t_allreduce = given_up = None
+        """Wait for hivemind's step: (gathered metadata, when the group formed), or the failed result of a step
+        given up early: the island is stopping or the others moved past the round while we were still looking
+        for a group."""
+        t_allreduce = None
         # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
         # process group, OOM killer): then nothing would ever end it
         deadline = started + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
@@ -354,8 +355,6 @@ class VerifiedAverager(MissedGroups):
             if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
                 t_allreduce = time.perf_counter()
                 stage("allreduce")
-            if t_allreduce is not None and given_up is None:
-                given_up = self._give_up_if_voted_without_us(round_id, started)
             elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
                 missed = self._missed(round_id, started, PARTS_GRACE)
                 if missed is not None:
@@ -371,30 +370,11 @@ class VerifiedAverager(MissedGroups):
                         return RoundResult(False, "the other islands moved past this round without this island "
                                            "(it was late for their group)", left_behind=True)
             time.sleep(0.005)
-        try:
-            gathered = control.result()
-        except Exception:
-            if given_up:
-                log.info("ended this island's all-reduce: the other members already voted on the round")
-                return self._abstain(given_up, round_id, "averaging failed: the other members finished and voted "
-                                     "while this island's all-reduce still waited (on a member that failed "
-                                     "mid-round, most likely); gave it up")
-            raise
-        if t_allreduce is None:  # an all-reduce shorter than one poll: its stage still happened
+        gathered = control.result()
+        if t_allreduce is None:  # the step ended within a poll of its group forming: the exchange starts now
             t_allreduce = time.perf_counter()
             stage("allreduce")
         return gathered, t_allreduce
-
-    def _give_up_if_voted_without_us(self, round_id: str, since: float) -> list[str] | None:
-        """While our all-reduce runs: once a member's verdict on this round has waited half ``vote_timeout``
-        for ours, end our all-reduce (it most likely waits on a member that failed mid-round) rather than
-        let that member's vote time out: we then abstain (:meth:`_abstain`), and the members left can go
-        round again at once.  Returns the group's peer ids once ended ([] if it had ended by itself), None
-        to go on waiting."""
-        first = self._votes.box.first_since(lambda key: is_on_round(key, round_id), since)
-        if first is None or time.monotonic() - first[0] <= self.settings.vote_timeout / 2:
-            return None
-        return self._averager.abort_allreduce() or []
 
     def _set_target(self, expected: int | None) -> None:
         """The group size this step assembles at: the configured target, else the expected one."""

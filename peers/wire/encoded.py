@@ -54,8 +54,9 @@ from outer_optim.codecs import Payload, reduce_scatters
 from outer_optim.tensors import all_finite
 from peers.discovery.membership import MemberCheck, takes_connections
 from peers.wire.deflate import pack, unpack, unpack_at_most
-from peers.wire.inbox import GONE, Inbox, LateAnswers
+from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
+from peers.wire.round_keys import names_group
 from peers.wire.transport import GoneError, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class Exchanged:
     declined: list[str]
     """Those of them that declined (see :meth:`EncodedChannel.decline`)."""
     gone: list[str]
-    """Those of them whose address refused our part: their process is gone (direct transport only)."""
+    """Those of them whose address refused our part or another member's (who told us): their process is gone
+    (direct transport only)."""
     bytes_sent: int
     """Bytes sent on the wire (after entropy coding)."""
     bytes_received: int
@@ -234,6 +236,9 @@ class DirectChannel:
         transport.handlers[""] = self._on_message
 
     def _on_message(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
+        if isinstance(extra, dict) and "gone" in extra:
+            self._heard_gone(key, sender, extra)
+            return True
         timeout = self._declined.newcomer(key, sender)
         if timeout is not None and self._endpoint(sender):  # a round we declined: say so again
             threading.Thread(target=self._send, args=(sender, key, b"", timeout, ()), daemon=True).start()
@@ -299,8 +304,37 @@ class DirectChannel:
         except GoneError as e:  # it will not send its part either: the wait for it ends now, the round fails
             log.info("%s", e)
             self.box.put(key, peer, GONE)
+            self._tell_gone(key, peer, group, timeout)
         except TransportError as e:  # the member's wait ends by its timeout, the round fails
             log.debug("could not send our part of %s to %s: %s", key, peer, e)
+
+    def _tell_gone(self, key: str, gone: str, group: Sequence[str], timeout: float) -> None:
+        """Tell the group's other members that ``gone`` is gone, so that their waits for its part on ``key`` end
+        now too.  A member whose part reached ``gone`` before it died would otherwise learn of it only when its
+        wait times out, and the members left would go round again at different times and miss each other."""
+        extra = {"gone": gone, "group": list(group)}
+        for p in group:
+            endpoint = self._endpoint(p) if p not in (gone, self.transport.peer_id) else None
+            if endpoint is not None:
+                threading.Thread(target=self._notify, args=(endpoint, key, extra, timeout), daemon=True).start()
+
+    def _notify(self, endpoint: str, key: str, extra: dict, timeout: float) -> None:
+        try:
+            self.transport.send(endpoint, key, b"", time.monotonic() + timeout, extra)
+        except TransportError as e:  # that member's wait ends by its timeout
+            log.debug("could not tell %s that %s is gone: %s", endpoint, extra["gone"], e)
+
+    def _heard_gone(self, key: str, sender: str, extra: dict) -> None:
+        """A member of ``key``'s group says another one is gone (see :meth:`_tell_gone`): stop waiting for it.
+        Only a member of the group the key names is heard, about another member of it."""
+        group, gone = extra.get("group"), str(extra.get("gone"))
+        if (isinstance(group, list) and len(group) <= MAX_GROUP and sender in group and gone in group
+                and gone != sender and names_group(key, sorted(map(str, group)))):
+            log.info("%s says %s is gone (on %s)", sender, gone, key)
+            self.box.put(key, gone, GONE)
+        else:
+            log.warning("ignored a notice from %s that %s is gone: not two members of the group of %s",
+                        sender, gone, key)
 
     def close(self) -> None:
         """Stop answering on the transport (the transport is the caller's)."""
