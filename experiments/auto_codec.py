@@ -2,11 +2,12 @@
 
 Two islands of the ``small`` model train H steps a round, blocking, over an emulated link capped at ``--fast``;
 once island 0 has committed ``--switch`` rounds, the link drops to ``--slow`` in both directions (``tc tbf``,
-:meth:`experiments.netns.EmulatedNetwork.set_rate`).  The same run with each of ``--codecs`` (default: fp32,
-int4 and auto).  Per arm: the codec of each round, the compute utilization before and after the drop (the
-inner steps' share of each round's wall-clock), the held-out loss at the end and the bytes sent::
+:meth:`experiments.netns.EmulatedNetwork.set_rate`), and with ``--back N`` it returns to ``--fast`` once island 0
+has committed N rounds.  The same run with each of ``--codecs`` (default: fp32, int4 and auto).  Per arm: the
+codec of each round, the compute utilization of each stretch of the link (the inner steps' share of each round's
+wall-clock), the held-out loss at the end and the bytes sent::
 
-    sudo python -m experiments auto-codec [--fast 20mbit] [--slow 3mbit] [--switch 3] [--out DIR]
+    sudo python -m experiments auto-codec [--fast 20mbit] [--slow 3mbit] [--switch 3] [--back 0] [--out DIR]
 
 Writes ``results.md``, ``results.json`` and ``utilization.png``.  Needs root (links capped by ``tc tbf``).
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +38,19 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def slow_down_after(network: netns.EmulatedNetwork, run_dir: Path, rounds: int, rate: str,
-                    done: threading.Event) -> threading.Thread:
-    """A thread that sets the link to ``rate`` once island 0 under ``run_dir`` has committed ``rounds`` rounds."""
+def change_rate_after(network: netns.EmulatedNetwork, run_dir: Path, changes: list[tuple[int, str]],
+                      done: threading.Event) -> threading.Thread:
+    """A thread that sets the link to ``rate`` once island 0 under ``run_dir`` has committed ``rounds`` rounds,
+    for each ``(rounds, rate)`` of ``changes`` in turn."""
     def watch() -> None:
-        while not done.is_set():
-            if sum(bool(r.get("round_ok")) for r in _records(run_dir / "island0")) >= rounds:
-                network.set_rate(rate)
-                print(f"   link slowed to {rate} after round {rounds}", flush=True)
-                return
-            time.sleep(0.2)
+        for rounds, rate in changes:
+            while sum(bool(r.get("round_ok")) for r in _records(run_dir / "island0")) < rounds:
+                if done.wait(0.2):
+                    return
+            network.set_rate(rate)
+            print(f"   link set to {rate} after round {rounds}", flush=True)
 
-    thread = threading.Thread(target=watch, name="slow-down", daemon=True)
+    thread = threading.Thread(target=watch, name="link-rate", daemon=True)
     thread.start()
     return thread
 
@@ -69,26 +70,34 @@ def utilization(records: list[dict[str, Any]]) -> float:
     return 1 - sum(stalls) / sum(walls) if walls and sum(walls) > 0 else float("nan")
 
 
-def run_arm(cfg: Config, codec: str, fast: str, slow: str, switch: int, out: Path) -> dict[str, Any]:
-    """One run of two islands with ``codec``; the link drops from ``fast`` to ``slow`` after ``switch`` rounds."""
+def stretches(switch: int, back: int, rounds: int) -> list[tuple[str, slice]]:
+    """The stretches of a run whose link changes after ``switch`` (and ``back``, 0: never) rounds: (which link,
+    the round records it covers).  Record i closes round i + 1, whose wall-clock runs from record i − 1, so a
+    stretch of rounds a+1 … b takes records a−1 … b−1."""
+    ends = [switch, back, rounds] if back else [switch, rounds]
+    names = ["fast", "slow", "fast again"]
+    return [(names[i], slice(max(0, lo - 1), hi)) for i, (lo, hi) in enumerate(zip([0, *ends], ends)) if hi > lo]
+
+
+def run_arm(cfg: Config, codec: str, fast: str, slow: str, switch: int, back: int, out: Path) -> dict[str, Any]:
+    """One run of two islands with ``codec``; the link drops from ``fast`` to ``slow`` after ``switch`` rounds
+    (and returns to ``fast`` after ``back``, unless 0)."""
     run_dir = out / "runs" / codec
     c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"auto-codec-{codec}",
                         "averaging.compression": codec})
     done = threading.Event()
     with netns.EmulatedNetwork(2, rate=fast) as network:
-        watcher = slow_down_after(network, run_dir, switch, slow, done)
+        watcher = change_rate_after(network, run_dir, [(switch, slow)] + ([(back, fast)] if back else []), done)
         try:
             summaries = launch_islands(c, 2, network=network)["islands"]
         finally:
             done.set()
             watcher.join(5)
     records = [round_records(run_dir / f"island{i}") for i in range(2)]
-    worst = []
-    # record i closes round i + 1, whose wall-clock runs from record i − 1: rounds 2 … switch ran on the fast link
-    for phase in (slice(0, switch), slice(switch - 1, None)):
-        worst.append(min(utilization(rs[phase]) for rs in records))
-    return {"codec": codec, "codecs": [r["codec"] for r in records[0]], "utilization_fast": worst[0],
-            "utilization_slow": worst[1],
+    worst = {name: min(utilization(rs[phase]) for rs in records)
+             for name, phase in stretches(switch, back, cfg.diloco.outer_steps)}
+    return {"codec": codec, "codecs": [r["codec"] for r in records[0]], "utilization_fast": worst["fast"],
+            "utilization_slow": worst["slow"], "utilization_fast_again": worst.get("fast again"),
             "utilization": min(s["compute_seconds"] / s["wall_seconds"] for s in summaries),
             "eval_loss": summaries[0]["eval_loss_end"], "wall_s": max(s["wall_seconds"] for s in summaries),
             "bytes_sent": summaries[0]["bytes_sent"], "rounds_ok": [s["rounds_ok"] for s in summaries],
@@ -96,18 +105,23 @@ def run_arm(cfg: Config, codec: str, fast: str, slow: str, switch: int, out: Pat
                            for a, b, r in zip(rs, rs[1:], rs[1:])] for rs in records]}
 
 
-def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: str, switch: int) -> Path:
+def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: str, switch: int, back: int
+          ) -> Path:
+    again = [f"back to {fast}"] if back else []
     table = markdown_table(
-        ["codec", "codec of each round", f"utilization at {fast}", f"after the drop to {slow}", "whole run",
+        ["codec", "codec of each round", f"utilization at {fast}", f"after the drop to {slow}", *again, "whole run",
          "held-out loss", "bytes sent (island 0)", "wall s"],
         [[r["codec"], " ".join(r["codecs"]), f"{r['utilization_fast']:.1%}", f"{r['utilization_slow']:.1%}",
+          *([f"{r['utilization_fast_again']:.1%}"] if back else []),
           f"{r['utilization']:.1%}", f"{r['eval_loss']:.4f}", f"{r['bytes_sent'] / 1e6:.1f} MB",
           f"{r['wall_s']:.0f}"] for r in rows])
+    returns = f", and returns to {fast} once it committed round {back}" if back else ""
     lines = [f"# `--averaging.compression auto` over a link that slows down: 2 islands of `{cfg.model.preset}`, "
              f"H={cfg.diloco.inner_steps}, {cfg.diloco.outer_steps} blocking rounds", "",
-             f"`sudo python -m experiments auto-codec --fast {fast} --slow {slow} --switch {switch}`: the link "
-             f"drops from {fast} to {slow} once island 0 committed round {switch}. Utilization: the worse island's "
-             f"share of compute in the rounds' wall-clock, before and after the drop; `auto` may let communication "
+             f"`sudo python -m experiments auto-codec --fast {fast} --slow {slow} --switch {switch}"
+             f"{f' --back {back}' if back else ''}`: the link drops from {fast} to {slow} once island 0 committed "
+             f"round {switch}{returns}. Utilization: the worse island's "
+             f"share of compute in the rounds' wall-clock, on each stretch of the link; `auto` may let communication "
              f"take `--diloco.max_comm_fraction` ({cfg.diloco.max_comm_fraction:g}) of a round.", "", table, "",
              "![utilization per round](utilization.png)", ""]
     save_results(out, "\n".join(lines), rows)
@@ -123,6 +137,9 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: s
     ax.set_xticks(range(2, cfg.diloco.outer_steps + 1))
     ax.axvline(switch + 0.5, color="grey", linestyle="--", linewidth=0.8)
     ax.text(switch + 0.6, 0.05, f"{fast} → {slow}", fontsize=8, color="grey")
+    if back:
+        ax.axvline(back + 0.5, color="grey", linestyle="--", linewidth=0.8)
+        ax.text(back + 0.6, 0.05, f"{slow} → {fast}", fontsize=8, color="grey")
     ax.set_xlabel("round")
     ax.set_ylabel("compute utilization (worse island)")
     ax.set_ylim(0, 1.02)
@@ -135,11 +152,13 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments auto-codec [--fast R] [--slow R] [--switch N] [--codecs A,B] [--out DIR]``."""
+    """``python -m experiments auto-codec [--fast R] [--slow R] [--switch N] [--back N] [--codecs A,B] [--out DIR]``."""
     parser = argparse.ArgumentParser(prog="python -m experiments auto-codec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", default="20mbit", help="the link's rate at the start")
     parser.add_argument("--slow", default="3mbit", help="its rate once --switch rounds committed")
     parser.add_argument("--switch", type=int, default=3, help="rounds committed before the link slows down")
+    parser.add_argument("--back", type=int, default=0,
+                        help="rounds committed before the link returns to --fast (0: it stays slow)")
     parser.add_argument("--codecs", default="none,int4,auto", help="the arms: codecs, or auto")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/auto-codec"), help="output directory")
     args, rest = parser.parse_known_args(argv)
@@ -155,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.switch < cfg.diloco.outer_steps:
             problems.append(f"--switch must be between 1 and --diloco.outer_steps − 1 ({cfg.diloco.outer_steps - 1}), "
                             f"got {args.switch}")
+        if args.back and not args.switch < args.back < cfg.diloco.outer_steps:
+            problems.append(f"--back must be between --switch + 1 ({args.switch + 1}) and --diloco.outer_steps − 1 "
+                            f"({cfg.diloco.outer_steps - 1}), or 0 for a link that stays slow; got {args.back}")
         codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
         for c in codecs:
             try:
@@ -169,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         rows = []
         for codec in codecs:
-            print(f"\n== {codec}: {args.fast}, then {args.slow} after round {args.switch} ==", flush=True)
-            rows.append(run_arm(cfg, codec, args.fast, args.slow, args.switch, args.out))
-        write(rows, args.out, cfg, args.fast, args.slow, args.switch)
+            print(f"\n== {codec}: {args.fast}, then {args.slow} after round {args.switch}"
+                  f"{f', {args.fast} after round {args.back}' if args.back else ''} ==", flush=True)
+            rows.append(run_arm(cfg, codec, args.fast, args.slow, args.switch, args.back, args.out))
+        write(rows, args.out, cfg, args.fast, args.slow, args.switch, args.back)
         return 0
 
     from diloco.launch.simulate import SimulationError

@@ -199,8 +199,18 @@ def test_auto_codec_utilization_is_the_share_of_compute_between_round_records():
     assert math.isnan(utilization(records[:1]))
 
 
+def test_auto_codec_stretches_of_a_link_that_slows_down_and_comes_back():
+    """Rounds 1-4 on the fast link, 5-8 slow, 9-12 fast again: each stretch's records start one before its first
+    round (whose wall-clock runs from the record before it), and a link that stays slow has two stretches."""
+    from experiments.auto_codec import stretches
+
+    assert stretches(4, 8, 12) == [("fast", slice(0, 4)), ("slow", slice(3, 8)), ("fast again", slice(7, 12))]
+    assert stretches(2, 0, 6) == [("fast", slice(0, 2)), ("slow", slice(1, 6))]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--switch", "9"], "--switch must be between 1 and --diloco.outer_steps"),
+    (["--switch", "3", "--back", "3"], "--back must be between --switch + 1"),
     (["--slow", "fast"], "--fast/--slow"),
     (["--codecs", "none,zip"], "--averaging.compression is 'zip' but must be one of"),
 ])
