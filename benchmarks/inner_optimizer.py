@@ -4,6 +4,11 @@
     python benchmarks/inner_optimizer.py                          # a 40M model on this machine's CPU
     python benchmarks/inner_optimizer.py --device cuda --preset 150m --batch 16
     python benchmarks/inner_optimizer.py --smoke                  # the code paths, tiny model, seconds
+    torchrun --nproc-per-node 2 benchmarks/inner_optimizer.py     # an FSDP island of 2 ranks (dp = 2)
+
+Under torchrun the island is FSDP over the ranks (``--batch`` sequences per rank), and Muon runs twice: with each
+rank orthogonalising its share of the matrices (``--inner.muon_split``, the default) and with every rank
+orthogonalising all of them.
 
 The two optimizers take turns, ``--rounds`` blocks of ``--steps`` timed steps each (after ``--warmup``), so a
 machine that slows down mid-run slows both alike; the figure is each one's fastest block.  Also timed: the
@@ -42,15 +47,20 @@ MODEL_40M = dict(dim=640, n_layers=8, n_heads=10, ffn_dim=1728, seq_len=256)
 
 
 class Arm:
-    """One optimizer's island: its own model (same seed), optimizer and batches."""
+    """One optimizer's island: its own model (same seed), optimizer and batches; ``name`` ``adamw``, ``muon``, or
+    ``muon-unsplit`` (every rank orthogonalises every matrix); ``mesh``: an FSDP island's, or None."""
 
-    def __init__(self, kind: str, cfg: ModelConfig, batch: int, device: torch.device, corpus: Any, dtype: str):
-        self.kind = kind
-        self.model = ModelParts(build_model(cfg), None, ParallelSettings(param_dtype=dtype), loss_fn=lm_loss,
+    def __init__(self, name: str, cfg: ModelConfig, batch: int, device: torch.device, corpus: Any, dtype: str,
+                 mesh: Any = None):
+        self.kind = name
+        dp = mesh.size() if mesh is not None else 1
+        self.model = ModelParts(build_model(cfg), mesh, ParallelSettings(dp=dp, param_dtype=dtype), loss_fn=lm_loss,
                                 device=device)
-        self.inner = InnerOptimConfig(optimizer=kind, batch_size=batch, warmup_steps=1)
+        self.inner = InnerOptimConfig(optimizer=name.split("-")[0], batch_size=batch, warmup_steps=1,
+                                      muon_split=not name.endswith("-unsplit"))
         self.opt, self.sched = build_inner_optimizer(list(self.model.named_parameters()), self.inner, 10 ** 6)
-        self.batches = ShardedBatches(corpus.train, cfg.seq_len, batch, 0, 1, 0)
+        self.batches = ShardedBatches(corpus.train, cfg.seq_len, batch, 0, 1, 0, replica=self.model.dp_rank,
+                                      replicas=dp)
         self.device = device
         self.blocks: list[float] = []
         self.opt_steps: list[float] = []
@@ -98,22 +108,36 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     use_device(device)
     corpus = load_corpus(DataConfig(max_bytes=4_000_000))
-    arms = [Arm(kind, cfg, args.batch, device, corpus, args.dtype) for kind in ("adamw", "muon")]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh = None
+    if world > 1:
+        from pipeline.mesh import init_island_mesh
+
+        mesh = init_island_mesh(1, 1, device.type, dp=world)
+    names = ("adamw", "muon", "muon-unsplit") if world > 1 else ("adamw", "muon")
+    arms = [Arm(name, cfg, args.batch, device, corpus, args.dtype, mesh) for name in names]
     for arm in arms:
         for _ in range(args.warmup):
             arm.step()
     for _ in range(args.rounds):
         for arm in arms:
             arm.block(args.steps)
-    adamw, muon = arms
+    adamw, muon = arms[:2]
     params = count_parameters(adamw.model.modules[0])
     rows = [{"optimizer": a.kind, "step_s": min(a.blocks), "optimizer_step_s": min(a.opt_steps),
-             "tokens_per_s": args.batch * cfg.seq_len / min(a.blocks)} for a in arms]
+             "tokens_per_s": args.batch * cfg.seq_len * world / min(a.blocks)} for a in arms]
     extra = min(muon.blocks) / min(adamw.blocks) - 1
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "threads": torch.get_num_threads(), "params": params, "batch": f"{args.batch}x{cfg.seq_len}",
+               "threads": torch.get_num_threads(), "ranks": world, "params": params,
+               "batch": f"{args.batch}x{cfg.seq_len}" + (f" per rank, {world} ranks (FSDP)" if world > 1 else ""),
                "model": {k: getattr(cfg, k) for k in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len")},
                "rows": rows, "muon_extra_step_fraction": extra}
+    if world > 1:
+        summary["muon_unsplit_extra_step_fraction"] = min(arms[2].blocks) / min(adamw.blocks) - 1
+        summary["orthogonalized_per_step"] = {a.kind: a.opt.orthogonalized / (args.warmup + args.rounds * (args.steps + 1))
+                                              for a in arms[1:]}
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=1))
@@ -122,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"{r['tokens_per_s']:.0f}"] for r in rows])
     text = (f"# Muon against AdamW per inner step\n\n{params / 1e6:.1f}M parameters, batch {summary['batch']}, "
             f"{summary['device']} ({summary['threads']} threads); fastest of {args.rounds} blocks of "
-            f"{args.steps} steps each, the two taking turns.\n\n{table}\n\nMuon's inner step: "
-            f"{extra * 100:+.1f}% against AdamW's.\n")
+            f"{args.steps} steps each, the arms taking turns.\n\n{table}\n\nMuon's inner step: "
+            f"{extra * 100:+.1f}% against AdamW's"
+            + (f" (every rank orthogonalising every matrix: {summary['muon_unsplit_extra_step_fraction'] * 100:+.1f}%; "
+               f"matrices orthogonalised per step on rank 0: {summary['orthogonalized_per_step']})" if world > 1 else "")
+            + ".\n")
     (out / "results.md").write_text(text)
     print(text)
     return 0

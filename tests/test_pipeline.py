@@ -59,10 +59,11 @@ def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
     return out
 
 
-def make_optimizer(named_params, kind: str = "adamw") -> torch.optim.Optimizer:
+def make_optimizer(named_params, kind: str = "adamw", split: bool = True) -> torch.optim.Optimizer:
     """AdamW, or the island's Muon (on the blocks' matrices, AdamW on the rest) at a constant learning rate."""
     if kind == "muon":
-        cfg = InnerOptimConfig(optimizer="muon", lr=LR, weight_decay=0.1, warmup_steps=0, min_lr_ratio=1.0)
+        cfg = InnerOptimConfig(optimizer="muon", lr=LR, weight_decay=0.1, warmup_steps=0, min_lr_ratio=1.0,
+                               muon_split=split)
         return build_inner_optimizer(list(named_params), cfg, STEPS)[0]
     return torch.optim.AdamW([p for _, p in named_params], lr=LR, weight_decay=0.1, betas=(0.9, 0.95),
                              foreach=True)
@@ -248,12 +249,14 @@ CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 
          virtual_stages=2),
     dict(name="dp2-tp2", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1),
     dict(name="dp2-pp2", dp=2, tp=1, pp=2, schedule="1f1b", microbatches=2),
-    # Muon orthogonalises whole matrices: gathered from FSDP's and TP's shards of one parameter at once
+    # Muon orthogonalises whole matrices: gathered from FSDP's and TP's shards of one parameter at once, each
+    # by one of the 4 ranks in turn
     dict(name="dp2-tp2-muon", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1, optimizer="muon"),
 ]
 CASES_2 = [
     dict(name="dp2", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="tp2-muon", tp=2, pp=1, schedule="1f1b", microbatches=1, optimizer="muon"),
+    dict(name="tp2-muon-unsplit", tp=2, pp=1, schedule="1f1b", microbatches=1, optimizer="muon", muon_split=False),
     dict(name="dp2-bf16", dp=2, tp=1, pp=1, schedule="1f1b", microbatches=1, param_dtype="bf16"),
     dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
@@ -265,10 +268,10 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     """Train one island for STEPS steps and save what this rank sees."""
     from pipeline.mesh import init_island_mesh
 
-    settings = ParallelSettings(**{k: v for k, v in case.items() if k not in ("name", "optimizer")})
+    settings = ParallelSettings(**{k: v for k, v in case.items() if k not in ("name", "optimizer", "muon_split")})
     mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60, dp=settings.dp)
     island = ModelParts(build_model(tiny_model_config()), mesh, settings)
-    opt = make_optimizer(island.named_parameters(), case.get("optimizer", "adamw"))
+    opt = make_optimizer(island.named_parameters(), case.get("optimizer", "adamw"), case.get("muon_split", True))
     losses, norms = [], []
 
     def mine(x: torch.Tensor) -> torch.Tensor:  # this data-parallel replica's rows
@@ -294,7 +297,7 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     island.zero_grad()
     full = island.full_parameters()  # collective: every rank gets the whole model
     result = dict(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval, dtypes=dtypes,
-                  round_trip=(moved, back),
+                  round_trip=(moved, back), orthogonalized=getattr(opt, "orthogonalized", None),
                   local={k: v.clone() for k, v in island.local_named_parameters().items()},
                   specs=island.shard_specs(), full=full if rank == 0 else None)
     # Writing through local_named_parameters updates the model; load_full_parameters restores it.
@@ -356,7 +359,8 @@ def reference_run(kind: str) -> dict:
         eval_loss = lm_loss(model(ev[:4, :-1]), ev[:4, 1:]).item()
         full_batch_loss = lm_loss(model(ev[:, :-1]), ev[:, 1:]).item()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return dict(losses=losses, norms=norms, eval_loss=eval_loss, full_batch_loss=full_batch_loss, params=params)
+    return dict(losses=losses, norms=norms, eval_loss=eval_loss, full_batch_loss=full_batch_loss, params=params,
+                orthogonalized=getattr(opt, "orthogonalized", None))
 
 
 @pytest.fixture(scope="module")
@@ -381,8 +385,10 @@ def results_2(tmp_path_factory) -> Path:
 def check_case(case: dict, world: int, out: Path, references: dict[str, dict]) -> None:
     ref = references[case.get("optimizer", "adamw")]
     seen: dict[str, list[ShardSpec]] = {}
+    counts = []
     for rank in range(world):
         r = torch.load(out / f"{case['name']}-rank{rank}.pt", weights_only=False)
+        counts.append(r["orthogonalized"])
         for step, (got, want) in enumerate(zip(r["losses"], ref["losses"], strict=True)):
             assert got == pytest.approx(want, rel=1e-4), f"{case['name']} rank {rank} step {step} loss"
         for step, (got, want) in enumerate(zip(r["norms"], ref["norms"], strict=True)):
@@ -410,6 +416,12 @@ def check_case(case: dict, world: int, out: Path, references: dict[str, dict]) -
     # The shards of every parameter tile it exactly once; a TP-replicated one (a norm weight) is held alike by
     # the tp ranks of one data-parallel replica, whole without FSDP, halved over dp with it.
     assert set(seen) == set(ref["params"])
+    if case.get("optimizer") == "muon":  # the same update, whoever made it: split, each matrix made by one rank
+        assert ref["orthogonalized"] > 0
+        if case.get("muon_split", True):
+            assert sum(counts) == ref["orthogonalized"] and max(counts) < ref["orthogonalized"], counts
+        else:
+            assert counts == [ref["orthogonalized"]] * world, counts
     dp, tp = case.get("dp", 1), case["tp"]
     for name, specs in seen.items():
         pieces = sorted({(s.dim, s.offset, s.length) for s in specs})

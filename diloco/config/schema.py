@@ -94,6 +94,10 @@ class InnerOptimConfig:
     """AdamW beta2."""
     muon_momentum: float = 0.95
     """Muon's Nesterov momentum (with `--inner.optimizer muon`)."""
+    muon_split: bool = True
+    """With `--inner.optimizer muon` on an island of several ranks (TP, FSDP): each rank orthogonalises its
+    share of the hidden matrices (one in turn) and sends the result to the others, instead of every rank
+    orthogonalising every matrix (Moonlight's distributed Muon); the same update either way."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     batch_size: int = 16

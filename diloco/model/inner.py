@@ -4,9 +4,10 @@ cosine decay) and the one inner step."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from diloco.config import InnerOptimConfig
 from diloco.data.batches import ShardedBatches
@@ -54,11 +55,17 @@ class MuonAdamW(torch.optim.AdamW):
 
     Muon: Nesterov momentum, orthogonalised by :func:`orthogonalize`, scaled to AdamW's update RMS
     (``0.2 * sqrt(max(rows, cols))``, Moonlight's rule, so both share ``lr``, its schedule and the weight decay).
-    Newton–Schulz needs the whole matrix: a TP or FSDP shard is gathered inside the island, every rank
-    orthogonalises the same whole matrix and keeps its own slice, so a split island steps exactly as one
-    process does (one all-gather of each hidden matrix per step, as FSDP's forward does, plus the
-    Newton–Schulz FLOPs on every rank).  The state of a Muon parameter is its ``momentum_buffer`` and ``step``.
+    Newton–Schulz needs the whole matrix: a TP or FSDP shard is gathered inside the island, and each matrix is
+    orthogonalised by one rank of the ranks that share it, in turn (``split``; :func:`orthogonalized`), which
+    sends the result to the others; each keeps its own slice, so a split island steps exactly as one process
+    does (one all-gather of each hidden matrix per step, as FSDP's forward does, one broadcast of its
+    orthogonalised update, and 1/N of the Newton–Schulz FLOPs on each of the N ranks).  Without ``split``,
+    every rank orthogonalises every whole matrix itself.  The state of a Muon parameter is its
+    ``momentum_buffer`` and ``step``; :attr:`orthogonalized` counts the matrices this rank orthogonalised.
     """
+
+    split: bool = True
+    orthogonalized: int = 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -70,24 +77,71 @@ class MuonAdamW(torch.optim.AdamW):
             self.param_groups = groups
         for group in groups:
             if group["muon"]:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_step(p, group)
+                params = [p for p in group["params"] if p.grad is not None]
+                updates = [self._nesterov(p, group) for p in params]
+                for p, ortho in zip(params, orthogonalized(updates, self.split, self)):
+                    rows, cols = p.shape
+                    local = local_tensor(p)
+                    local.mul_(1 - group["lr"] * group["weight_decay"])
+                    local.add_(shard_spec_of(p).slice_of(ortho), alpha=-group["lr"] * 0.2 * math.sqrt(max(rows, cols)))
 
-    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+    def _nesterov(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """``p``'s momentum-corrected gradient (sharded as ``p`` is), its momentum buffer moved on."""
         state = self.state[p]
         if "momentum_buffer" not in state:  # a step count too: AdamW's loader expects one in every state
             state["step"], state["momentum_buffer"] = torch.tensor(0.0), torch.zeros_like(p)
         state["step"] += 1
         buf, grad, momentum = state["momentum_buffer"], p.grad, group["momentum"]
         buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum)
-        whole = update.full_tensor() if is_dtensor(update) else update
-        ortho = shard_spec_of(p).slice_of(orthogonalize(whole))
-        rows, cols = p.shape
-        local = local_tensor(p)
-        local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(ortho, alpha=-group["lr"] * 0.2 * math.sqrt(max(rows, cols)))
+        return grad.lerp(buf, momentum)
+
+
+def orthogonalized(updates: list[torch.Tensor], split: bool = True, counter: MuonAdamW | None = None
+                   ) -> Iterator[torch.Tensor]:
+    """The whole orthogonalised matrix of each of ``updates`` (plain tensors, or DTensors sharded inside the
+    island), in order.  A DTensor is gathered whole on every rank of its mesh; with ``split``, a run of up to N
+    consecutive updates on one mesh of N ranks is orthogonalised one matrix per rank, at once, and each result
+    broadcast from the rank that made it (Moonlight's distributed Muon), instead of every rank making them all.
+    Collective over each mesh: every rank passes the same sequence of shapes and meshes."""
+    i = 0
+    while i < len(updates):
+        mesh = updates[i].device_mesh if is_dtensor(updates[i]) else None
+        ranks = sorted(mesh.mesh.flatten().tolist()) if mesh is not None else []
+        width = len(ranks) if split else 1
+        run = 1
+        while run < width and i + run < len(updates) and is_dtensor(updates[i + run]) \
+                and updates[i + run].device_mesh == mesh:
+            run += 1
+        wholes = [u.full_tensor() if is_dtensor(u) else u for u in updates[i:i + run]]
+        i += run
+        if width <= 1:
+            for whole in wholes:
+                if counter is not None:
+                    counter.orthogonalized += 1
+                yield orthogonalize(whole)
+            continue
+        me, group = ranks.index(dist.get_rank()), _group_of(ranks)
+        out = [torch.empty_like(w) for w in wholes]
+        if me < run:
+            out[me] = orthogonalize(wholes[me]).contiguous()  # a tall matrix's comes transposed: gloo would garble it
+            if counter is not None:
+                counter.orthogonalized += 1
+        works = [dist.broadcast(o, src=ranks[j], group=group, async_op=True) for j, o in enumerate(out)]
+        for work in works:
+            work.wait()
+        yield from out
+
+
+_GROUPS: dict[tuple[object, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def _group_of(ranks: list[int]) -> dist.ProcessGroup:
+    """One process group of all ``ranks`` (a mesh of any shape, flattened), made once per world by its members
+    alone."""
+    key = (dist.group.WORLD, tuple(ranks))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return _GROUPS[key]
 
 
 def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg: InnerOptimConfig,
@@ -111,6 +165,8 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
     fused = all(p.is_cuda for p in everything) and bool(everything)
     kind = MuonAdamW if muon else torch.optim.AdamW
     opt = kind(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused or None)
+    if muon:
+        opt.split = cfg.muon_split
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio,
                                  progress() if progress is not None else None))
