@@ -105,8 +105,9 @@ def run_arm(cfg: Config, codec: str, fast: str, slow: str, switch: int, back: in
                            for a, b, r in zip(rs, rs[1:], rs[1:])] for rs in records]}
 
 
-def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: str, switch: int, back: int
-          ) -> Path:
+def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: str, switch: int, back: int,
+          command: str) -> Path:
+    """``results.md``, ``results.json`` and ``utilization.png`` of the arms' ``rows``; ``command``: what ran them."""
     again = [f"back to {fast}"] if back else []
     table = markdown_table(
         ["codec", "codec of each round", f"utilization at {fast}", f"after the drop to {slow}", *again, "whole run",
@@ -118,8 +119,7 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: s
     returns = f", and returns to {fast} once it committed round {back}" if back else ""
     lines = [f"# `--averaging.compression auto` over a link that slows down: 2 islands of `{cfg.model.preset}`, "
              f"H={cfg.diloco.inner_steps}, {cfg.diloco.outer_steps} blocking rounds", "",
-             f"`sudo python -m experiments auto-codec --fast {fast} --slow {slow} --switch {switch}"
-             f"{f' --back {back}' if back else ''}`: the link drops from {fast} to {slow} once island 0 committed "
+             f"`{command}`: the link drops from {fast} to {slow} once island 0 committed "
              f"round {switch}{returns}. Utilization: the worse island's "
              f"share of compute in the rounds' wall-clock, on each stretch of the link; `auto` may let communication "
              f"take `--diloco.max_comm_fraction` ({cfg.diloco.max_comm_fraction:g}) of a round.", "", table, "",
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {codec}: {args.fast}, then {args.slow} after round {args.switch}"
                   f"{f', {args.fast} after round {args.back}' if args.back else ''} ==", flush=True)
             rows.append(run_arm(cfg, codec, args.fast, args.slow, args.switch, args.back, args.out))
-        write(rows, args.out, cfg, args.fast, args.slow, args.switch, args.back)
+        command = " ".join(["sudo python -m experiments auto-codec", *(sys.argv[1:] if argv is None else argv)])
+        write(rows, args.out, cfg, args.fast, args.slow, args.switch, args.back, command)
         return 0
 
     from diloco.launch.simulate import SimulationError
