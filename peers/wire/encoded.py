@@ -57,7 +57,7 @@ from peers.wire.deflate import pack, unpack, unpack_at_most
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
 from peers.wire.round_keys import names_group
-from peers.wire.transport import GoneError, Transport, TransportError
+from peers.wire.transport import GoneError, Transport, TransportError, send_all
 
 log = logging.getLogger(__name__)
 
@@ -311,18 +311,12 @@ class DirectChannel:
     def _tell_gone(self, key: str, gone: str, group: Sequence[str], timeout: float) -> None:
         """Tell the group's other members that ``gone`` is gone, so that their waits for its part on ``key`` end
         now too.  A member whose part reached ``gone`` before it died would otherwise learn of it only when its
-        wait times out, and the members left would go round again at different times and miss each other."""
+        wait times out, and the members left would go round again at different times and miss each other.
+        Runs on the sending thread of our part to ``gone`` (its wait here already ended)."""
         extra = {"gone": gone, "group": list(group)}
-        for p in group:
-            endpoint = self._endpoint(p) if p not in (gone, self.transport.peer_id) else None
-            if endpoint is not None:
-                threading.Thread(target=self._notify, args=(endpoint, key, extra, timeout), daemon=True).start()
-
-    def _notify(self, endpoint: str, key: str, extra: dict, timeout: float) -> None:
-        try:
-            self.transport.send(endpoint, key, b"", time.monotonic() + timeout, extra)
-        except TransportError as e:  # that member's wait ends by its timeout
-            log.debug("could not tell %s that %s is gone: %s", endpoint, extra["gone"], e)
+        endpoints = [self._endpoint(p) for p in group if p not in (gone, self.transport.peer_id)]
+        send_all(self.transport, [(e, key, b"", extra) for e in endpoints if e is not None],
+                 time.monotonic() + timeout)
 
     def _heard_gone(self, key: str, sender: str, extra: dict) -> None:
         """A member of ``key``'s group says another one is gone (see :meth:`_tell_gone`): stop waiting for it.
