@@ -211,3 +211,53 @@ def test_a_late_island_learns_that_the_run_ended(two_registries):
     assert wait_until(lambda: late.ended_at() == 6, 5.0)
     time.sleep(7.0)  # past the ttl of a live record: the final one stays
     assert late.ended_at() == 6
+
+
+def test_an_island_looking_for_a_group_stops_once_every_other_island_is_gone(two_registries):
+    """A SIGKILLed island's record lives on until its ttl runs out, but nothing listens at its address any
+    more: an island looking for a group stops within a look or two instead of waiting out
+    ``matchmaking_timeout`` (the soak's longest wait over 30 rounds, 17.9 s, was a round whose two other
+    islands had both been killed), its next round does not count the dead island, and the island counts
+    again once it restarted."""
+    from peers.wire.transport import Transport, refuses
+
+    survivor_dht, killed_dht = two_registries[0].dht, two_registries[1].dht
+    survivor, killed = Membership(survivor_dht, "run", ttl=60.0), Membership(killed_dht, "run", ttl=60.0)
+    survivor.refuses = refuses
+    transport = Transport(killed.peer_id)
+    killed.endpoint = transport.endpoint
+    killed.announce(3)
+    assert not refuses(transport.endpoint) and not refuses("lane:" + transport.endpoint)
+    assert wait_until(lambda: survivor.company() == 1, 5.0)
+    assert survivor.round_size(3) == 2
+    averager = VerifiedAverager(survivor_dht, TEMPLATE, AveragerSettings(**{**FAST, "matchmaking_timeout": 60.0}),
+                                Scope(prefix="run"))
+    try:
+        averager.company = survivor.company
+        outcome: list = []
+        looking = threading.Thread(target=lambda: outcome.append(averager.average(
+            [torch.ones(50)], 1.0, {"config_fingerprint": "same"}, "3")))
+        looking.start()
+        time.sleep(2.0)  # in hivemind's matchmaking, waiting for the other island
+        assert looking.is_alive()
+        transport.close()  # killed: nothing listens at its address, its record stays
+        looking.join(30.0)
+        assert not looking.is_alive(), "still looking for a group with every other island gone"
+        result, averaged = outcome[0]
+        assert not result.ok and averaged is None
+        assert result.reason.startswith("no other island is live in the run: the others are gone"), result.reason
+        assert result.seconds < 60.0
+    finally:
+        averager.shutdown()
+    assert refuses(transport.endpoint)
+    assert killed.peer_id in survivor.members(), "the dead island's record is still there"
+    assert survivor.company() == 0 and survivor.others() == [] and survivor.round_size(3) == 1
+    # it restarts on its port and registers again: counted again
+    host, port = transport.endpoint.rsplit(":", 1)
+    back = Transport(killed.peer_id, host=host, port=int(port))
+    try:
+        killed.announce(4)
+        assert wait_until(lambda: survivor.company() == 1, 5.0)
+        assert [m.outer_step for m in survivor.others()] == [4]
+    finally:
+        back.close()

@@ -50,7 +50,7 @@ from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
 from peers.wire.exchange import BucketExchange
 from peers.wire.layout import CanonicalLayout
 from peers.wire.state_share import Provider, StateServer
-from peers.wire.transport import Transport
+from peers.wire.transport import Transport, refuses
 
 log = logging.getLogger("diloco")
 
@@ -222,8 +222,9 @@ class PeerNode:
         if not self.transport.reachable:
             threading.Thread(target=self._hold_lanes, args=(self.membership, self.transport), name="lanes",
                              daemon=True).start()
+        self.membership.refuses = refuses
         self.averager.watch_rounds(lambda rid: self.membership.moved_past(round_of(rid)), self._stopping,
-                                   lambda: len(self.membership.others()))
+                                   self.membership.company)
         self._connected()
         if rt.is_main:
             announce_join(self.name, self.dht, a, run_key)

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -99,6 +99,10 @@ class Membership:
         self.state: Any = None
         self.final: dict | None = None
         """Set when the island has finished training (kept in its record, also after it leaves)."""
+        self.refuses: Callable[[str], bool] | None = None
+        """Whether nothing listens at a transport endpoint any more (:func:`peers.wire.transport.refuses`):
+        asked of the other islands' rank 0 endpoints while this island looks for a group (see :meth:`company`)."""
+        self._gone: dict[str, float] = {}  # island id -> its record's expiry when its address refused us
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._steps: list[int] | None = None  # the other live islands' outer steps, read in the background
@@ -162,12 +166,15 @@ class Membership:
         except Exception as e:
             log.debug("could not announce leaving: %s", e)
 
-    def members(self) -> dict[str, Member]:
-        """Registered peers (every rank of every island, including those that announced leaving), by peer id."""
+    def members(self, strict: bool = False) -> dict[str, Member]:
+        """Registered peers (every rank of every island, including those that announced leaving), by peer id;
+        none when the DHT cannot answer (``strict``: raise :class:`DHTUnavailableError` then)."""
         out: dict[str, Member] = {}
         try:
             found = dht_get(self.dht, self.key, timeout=self.ttl)
         except DHTUnavailableError as e:
+            if strict:
+                raise
             log.warning("could not look up the run's islands: %s", e)
             return out
         if found is None or not isinstance(found.value, dict):
@@ -189,20 +196,21 @@ class Membership:
                                   str(value.get("endpoint", "")), bool(value.get("serving", True)))
         return out
 
-    def islands(self) -> dict[str, Member]:
+    def islands(self, strict: bool = False) -> dict[str, Member]:
         """Live islands by island id, one :class:`Member` each (``peer_id`` is the island id): the
-        highest outer step any of its live ranks announced, averaging if any rank is, and the state
+        highest outer step any of its live ranks announced, averaging if any rank is, the state
         fingerprint of a rank at that step (a rank whose new record is not stored yet still shows the state it
-        entered the previous round with)."""
+        entered the previous round with), and its rank 0's endpoint.  An island whose address refused a
+        connection (:meth:`company`) is left out until its record is refreshed again (it restarted)."""
         out: dict[str, Member] = {}
-        for m in self.members().values():
+        for m in self.members(strict).values():
             if m.left:
                 continue
             island = m.island or m.peer_id
             seen = out.get(island)
             if seen is None:
-                out[island] = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
-                                     expires=m.expires, serving=m.serving)
+                out[island] = seen = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
+                                            expires=m.expires, serving=m.serving)
             else:
                 if m.outer_step > seen.outer_step or (m.outer_step == seen.outer_step and seen.state is None):
                     seen.state = m.state
@@ -210,7 +218,9 @@ class Membership:
                 seen.averaging = seen.averaging or m.averaging
                 seen.expires = max(seen.expires, m.expires)
                 seen.serving = seen.serving and m.serving
-        return out
+            if m.rank == 0:
+                seen.endpoint = m.endpoint
+        return {island: m for island, m in out.items() if m.expires > self._gone.get(island, 0.0)}
 
     def endpoints(self, island: str) -> list[str]:
         """The transport endpoints of ``island``'s live ranks, by rank ([] if a rank has none or is missing)."""
@@ -227,9 +237,9 @@ class Membership:
         return len({m.island or m.peer_id for m in self.members().values()
                     if m.reachable() and (m.island or m.peer_id) != self.island})
 
-    def others(self) -> list[Member]:
+    def others(self, strict: bool = False) -> list[Member]:
         """Live islands other than this one (one entry per island, however many ranks it has)."""
-        return [m for island, m in self.islands().items() if island != self.island]
+        return [m for island, m in self.islands(strict).items() if island != self.island]
 
     def beating(self, m: Member) -> bool:
         """Whether ``m`` refreshed its record within the last heartbeat :attr:`period` (plus a little for a
@@ -314,19 +324,48 @@ class Membership:
         """True when at least one other island is live and every one announced a later outer step than
         ``outer_step``: none of them will average that round any more.  Answers from the registry as a
         background look-up read it (about once a second while asked), so a slow DHT never blocks the caller."""
+        steps = self._looked()
+        return bool(steps) and min(steps) > outer_step
+
+    def company(self) -> int:
+        """How many other islands are live and not gone: registered, and their rank 0's address (when it takes
+        connections) did not refuse one.  A SIGKILLed island's record lives on until its ttl runs out, but
+        nothing listens at its address from the moment it died: an island looking for a group stops waiting
+        for it (or for every other island killed at once) within a look instead of ``matchmaking_timeout``.
+        Answers from the background look-up of :meth:`moved_past` (which probes the addresses, once a second
+        while asked); the first question reads the registry itself."""
+        steps = self._looked()
+        if steps is None:
+            return len(self.others())
+        return len(steps)
+
+    def _looked(self) -> list[int] | None:
+        """The outer steps of the other live islands that are not gone, as the background look-up last read
+        them (None before its first look), and keep it looking for 5 s more."""
         with self._steps_lock:
             self._steps_wanted = time.monotonic()
             steps = self._steps
             if self._steps_thread is None or not self._steps_thread.is_alive():
                 self._steps_thread = threading.Thread(target=self._read_steps, name="registry-steps", daemon=True)
                 self._steps_thread.start()
-        return bool(steps) and min(steps) > outer_step
+        return steps
 
     def _read_steps(self) -> None:
         while not self._stop.is_set() and time.monotonic() - self._steps_wanted < 5.0:
-            steps = [m.outer_step for m in self.others()]
-            with self._steps_lock:
-                self._steps = steps
+            try:
+                others = self.others(strict=True)
+            except DHTUnavailableError as e:  # cannot tell: keep the last look rather than count nobody
+                log.debug("registry look-up failed: %s", e)
+            else:
+                if self.refuses is not None:
+                    for m in others:
+                        if self.refuses(m.endpoint):
+                            log.info("island %s is gone: nothing listens at its address %s", m.peer_id[-8:],
+                                     m.endpoint)
+                            self._gone[m.peer_id] = m.expires
+                steps = [m.outer_step for m in others if m.expires > self._gone.get(m.peer_id, 0.0)]
+                with self._steps_lock:
+                    self._steps = steps
             self._stop.wait(1.0)
         with self._steps_lock:
             self._steps = None  # nobody asked for a while: a later question waits for a fresh look

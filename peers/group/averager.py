@@ -138,11 +138,13 @@ class VerifiedAverager(MissedGroups):
         """Whether this island is leaving (Ctrl-C, SIGTERM): a step still looking for a group is then
         given up at once; an exchange under way is finished."""
         self.company: Callable[[], int] | None = None
-        """How many other islands are live in the run (the registry's count).  While none is and a group needs
-        two, the island does not ask hivemind for one: its matchmaking asks the DHT for averagers again as soon
-        as an answer comes back, about 150 KB/s of DHT traffic for an island alone (what an island that came
-        to a finished run sent).  It looks at the registry once a second instead, and starts matchmaking, with
-        the time left, once another island is live."""
+        """How many other islands are live in the run (the registry's count, less those found gone).  While none
+        is and a group needs two, the island does not ask hivemind for one: its matchmaking asks the DHT for
+        averagers again as soon as an answer comes back, about 150 KB/s of DHT traffic for an island alone (what
+        an island that came to a finished run sent).  It looks at the registry once a second instead, and starts
+        matchmaking, with the time left, once another island is live.  Asked once a second while it looks for a
+        group too: once every other island is gone (all of them SIGKILLed), it stops looking instead of waiting
+        out ``matchmaking_timeout``."""
         # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
         # process only and give the caller its own handler back
         main = threading.current_thread() is threading.main_thread()
@@ -363,12 +365,16 @@ class VerifiedAverager(MissedGroups):
                 if self.stopping is not None and self.stopping():
                     cancel_step(control)
                     return RoundResult(False, "this island is stopping: it gave up looking for a group")
-                if self.moved_past is not None and time.monotonic() >= next_look:
+                if time.monotonic() >= next_look:
                     next_look = time.monotonic() + MOVED_PAST_POLL
-                    if self.moved_past(round_id):
+                    if self.moved_past is not None and self.moved_past(round_id):
                         cancel_step(control)
                         return RoundResult(False, "the other islands moved past this round without this island "
                                            "(it was late for their group)", left_behind=True)
+                    if self.company is not None and self.settings.min_group_size >= 2 and self._others_live() == 0:
+                        cancel_step(control)
+                        return RoundResult(False, "no other island is live in the run: the others are gone "
+                                           "(nothing listens at their addresses); stopped looking for a group")
             time.sleep(0.005)
         gathered = control.result()
         if t_allreduce is None:  # the step ended within a poll of its group forming: the exchange starts now

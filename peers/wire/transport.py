@@ -530,6 +530,10 @@ class Transport:
     def close(self) -> None:
         """Stop listening and drop every connection (messages in the inbox stay readable)."""
         self._closed.set()
+        try:  # a close alone leaves the socket listening while the accept thread still blocks in accept()
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._server.close()
         except OSError:
@@ -584,10 +588,27 @@ def send_all(transport: Transport, messages: list[tuple[str, str, Buffer, dict |
     return failed
 
 
+def refuses(endpoint: str, timeout: float = 1.0) -> bool:
+    """Whether the machine behind ``endpoint`` refuses a connection to it: nothing listens there, so the rank
+    that announced it is gone (a live rank always listens; the signal :class:`GoneError` counts).  False when
+    the connection opens, when no answer comes within ``timeout`` (a server that dropped off the network
+    cannot be told from a slow one), and for a lane (a rank behind NAT takes no connection).  The probe sends
+    nothing: the listener sees a connection end before its handshake."""
+    if not endpoint or endpoint.startswith(LANE_PREFIX):
+        return False
+    try:
+        with socket.create_connection(parse_endpoint(endpoint), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def tensor_bytes(t: Any) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy."""
     return memoryview(t.contiguous().numpy()).cast("B")
 
 
 __all__ = ["Transport", "TransportError", "RefusedError", "GoneError", "Stats", "send_all", "parse_endpoint", "slot_of",
-           "tensor_bytes"]
+           "refuses", "tensor_bytes"]
