@@ -7,7 +7,8 @@ The compare command runs 6 rounds of H=50: enough to rank the arms, too few to t
 slower to start (rounds in flight train one round on stale parameters; top-k with error feedback sends
 2% of Δ a round and catches up through its buffer) from one that ends worse.  This command runs blocking
 fp32 DiLoCo and each arm (a name of :data:`experiments.compare.ARMS` or :data:`~experiments.compare.CODEC_ARMS`,
-or both joined by ``+``) for ``--rounds`` rounds on loopback (quality only: no link cap), all from the
+or both joined by ``+``; settings of its own after ``@``: ``sparseloco@averaging.topk_density=0.01@diloco.outer_lr=0.5``,
+for a sweep) for ``--rounds`` rounds on loopback (quality only: no link cap), all from the
 compare's shared warm start, and reports the held-out loss of θ_global of every arm after every round and
 its gap to blocking DiLoCo at the rounds of ``--at``.  An arm whose run in ``--out`` already went all
 ``--rounds`` rounds (an earlier run of the command was interrupted after it) is read back, not run again.
@@ -45,15 +46,23 @@ REFERENCE = "blocking"
 
 
 def settings_of(arm: str) -> dict[str, Any]:
-    """The config items of ``arm``: blocking fp32 DiLoCo, an overlapped arm, a codec, or ``mode+codec``."""
-    if arm == REFERENCE:
-        return {}
-    return CODEC_ARMS[arm] if arm in CODEC_ARMS else arm_settings(arm)
+    """The config items of ``arm``: blocking fp32 DiLoCo, an overlapped arm, a codec, or ``mode+codec``, each
+    followed by any ``@section.key=value`` of its own."""
+    name, *own = arm.split("@")
+    items = {} if name == REFERENCE else CODEC_ARMS[name] if name in CODEC_ARMS else arm_settings(name)
+    return {**items, **dict(item.split("=", 1) for item in own)}
 
 
 def unknown(arms: list[str]) -> list[str]:
-    """The names of ``arms`` that :func:`settings_of` cannot read."""
-    return [a for a in unknown_arms(arms) if a != REFERENCE and a not in CODEC_ARMS]
+    """The names of ``arms`` that :func:`settings_of` cannot read (an ``@`` item without ``=`` included)."""
+    names = [a.split("@")[0] for a in arms]
+    bad = {n for n in unknown_arms(names) if n != REFERENCE and n not in CODEC_ARMS}
+    return [a for a, n in zip(arms, names) if n in bad or any("=" not in item for item in a.split("@")[1:])]
+
+
+def run_name(arm: str) -> str:
+    """The folder of ``arm``'s run under ``runs/`` (and its run id's suffix)."""
+    return arm.replace("+", "-").replace("@", "_").replace("=", "-")
 
 
 def losses_per_round(run_dir: Path, fragments: int = 1) -> list[float]:
@@ -87,7 +96,7 @@ def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: lis
     curves: dict[str, list[float]] = {}
     tokens: dict[str, int] = {}
     for arm in [REFERENCE] + [a for a in arms if a != REFERENCE]:
-        run_dir = out / "runs" / arm.replace("+", "-")
+        run_dir = out / "runs" / run_name(arm)
         fragments = settings_of(arm).get("diloco.fragments", cfg.diloco.fragments)
         kept = losses_per_round(run_dir, fragments)
         if len(kept) == rounds + 1 and all(x == x for x in kept):  # an earlier, interrupted run of this command finished this arm
@@ -96,7 +105,7 @@ def run_horizon(cfg: Config, arms: list[str], islands: int, rounds: int, at: lis
             continue
         print(f"\n== {arm}: {islands} islands, {rounds} rounds of H={cfg.diloco.inner_steps} ==", flush=True)
         items = matched_budget(settings_of(arm), out / "runs" / REFERENCE)
-        c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"horizon-{arm.replace('+', '-')}",
+        c = variant(cfg, **{"logging.run_dir": str(run_dir), "averaging.run_id": f"horizon-{run_name(arm)}",
                             **items})
         launch_islands(c, islands)
         curves[arm], tokens[arm] = losses_per_round(run_dir, fragments), tokens_of(run_dir)
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         problems = [f"--arms {','.join(unknown(arms))} is not one of blocking, {', '.join(ARMS)}, "
-                    f"{', '.join(CODEC_ARMS)} (or mode+codec)"] if unknown(arms) else []
+                    f"{', '.join(CODEC_ARMS)} (or mode+codec, then any @section.key=value)"] if unknown(arms) else []
         if args.rounds < 1 or args.islands < 2:
             problems.append(f"--rounds must be at least 1 and --islands at least 2, got {args.rounds} and {args.islands}")
         try:
@@ -198,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise ConfigError(problems)
         cfg = config_load.load(None, rest, defaults=COMPARE_DEFAULTS)
+        for arm in arms:  # an arm's own setting that cannot work is told now, not after the arms before it ran
+            variant(cfg, **settings_of(arm))
         run_horizon(cfg, arms, args.islands, args.rounds, sorted(set(at)), Path(args.out),
                     warm_start_steps=args.warm_start_steps)
         return 0

@@ -150,9 +150,25 @@ def test_horizon_reads_a_round_of_fragments_as_its_last_sync(tmp_path):
 def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     from diloco.config import loader as config_load
     from experiments.compare import COMPARE_DEFAULTS
-    from experiments.horizon import REFERENCE, _plot, _write_report, gap, main, unknown
+    from experiments.horizon import (
+        REFERENCE,
+        _plot,
+        _write_report,
+        gap,
+        main,
+        run_name,
+        settings_of,
+        unknown,
+    )
 
     assert unknown(["blocking", "topk", "delayed+int8", "eager+", "slow"]) == ["eager+", "slow"]
+    # an arm of a sweep: settings of its own after @
+    assert unknown(["sparseloco@diloco.outer_lr=0.5", "topk@averaging.topk_density", "slow@a=1"]) == [
+        "topk@averaging.topk_density", "slow@a=1"]
+    assert settings_of("sparseloco@averaging.error_feedback_decay=0.9@diloco.outer_lr=2")[
+        "averaging.error_feedback_decay"] == "0.9"
+    assert settings_of("blocking@diloco.outer_lr=2") == {"diloco.outer_lr": "2"}
+    assert run_name("delayed+int8@diloco.outer_lr=2") == "delayed-int8_diloco.outer_lr-2"
     curves = {REFERENCE: [1.6, 1.5, 1.4, 1.3], "delayed": [1.6, 1.55, 1.43, 1.31]}
     assert abs(gap(curves, "delayed", 3) - (1.31 / 1.3 - 1)) < 1e-12 and gap(curves, "delayed", 9) != gap(curves, "delayed", 9)
     _plot(curves, tmp_path / "horizon.png")
@@ -165,6 +181,9 @@ def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     assert main(["--arms", "delayed,fast", "--at", "40", "--rounds", "12"]) == 2
     err = capsys.readouterr().err
     assert "--arms fast is not one of" in err and "--at must list rounds between 1 and --rounds 12" in err
+    # an arm's own setting that cannot work is told before any arm runs
+    assert main(["--arms", "sparseloco@averaging.topk_density=2", "--rounds", "2", "--out", str(tmp_path / "h")]) == 2
+    assert "topk_density" in capsys.readouterr().err and not (tmp_path / "h" / "runs").exists()
 
 
 def test_unsent_says_what_is_missing_when_no_round_was_checkpointed_by_every_island(tmp_path):
