@@ -205,3 +205,29 @@ def test_the_warm_start_of_sharded_islands_is_one_process_whose_checkpoint_every
     ckpt_dir, result = warm_start(cfg, 3, tmp_path / "warm", progress=False)
     params, path = load_parameters(ckpt_dir)
     assert path.parent == ckpt_dir and params and result.final_eval_loss < result.curve[0]["eval_loss"]
+
+
+def test_lr_sweep_reports_each_optimizers_best_ddp_and_diloco(tmp_path, capsys):
+    import json
+
+    from experiments.lr_sweep import main
+
+    def cell(name: str, opt: str, inner: float, outer: float, ddp: float, diloco: float) -> None:
+        d = tmp_path / name / f"{opt}-k2-H20" / "seed0"
+        d.mkdir(parents=True)
+        d.joinpath("results.json").write_text(json.dumps({
+            "islands": 2, "config": {"seed": 0, "inner": {"optimizer": opt, "lr": inner},
+                                     "diloco": {"outer_lr": outer, "inner_steps": 20}},
+            "runs": [{"kind": "ddp", "final_eval_loss": ddp}, {"kind": "diloco", "final_eval_loss": diloco}]}))
+
+    cell("a", "muon", 1e-3, 1.0, 1.45, 1.46)
+    cell("b", "muon", 4e-3, 1.0, 1.33, 1.50)
+    cell("c", "muon", 4e-3, 0.5, 1.33, 1.43)
+    assert main([str(tmp_path)]) == 0
+    text = (tmp_path / "results.md").read_text()
+    assert ("best DDP: 1.3300 at inner lr 0.004; best DiLoCo: 1.4300 at inner lr 0.004, outer lr 0.5; best DiLoCo "
+            "against best DDP: +7.52%") in text
+    assert "| 0.001    | 1        | 1.4500 | 1.4600 | +0.69%" in text
+    assert (tmp_path / "lr_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="no frontier cell"):
+        main([str(tmp_path / "a" / "muon-k2-H20" / "seed0")])  # a cell's own folder: no cell under it
