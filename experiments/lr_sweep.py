@@ -8,14 +8,16 @@
 
 Every ``results.json`` under ``DIR`` (one frontier cell: DDP and fp32 DiLoCo of one inner optimizer, seed, k and
 H) gives its DDP's and DiLoCo's held-out loss at the learning rates its config names.  Writes ``DIR/results.md``
-(a table per inner optimizer: DDP by inner lr, DiLoCo by inner and outer lr, and each one's best) and
-``DIR/lr_sweep.png`` (held-out loss against the inner lr).
+(a table per inner optimizer: DDP and DiLoCo by inner and outer lr over the seeds run there, each one's best;
+with two optimizers, the two at their best DiLoCo lrs seed by seed) and ``DIR/lr_sweep.png`` (held-out loss
+against the inner lr).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,25 +45,53 @@ def cells(root: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _spread(values: list[float], fmt: str = ".4f") -> str:
+    """The mean of ``values``, and [lowest, highest] when there are several."""
+    return f"{statistics.mean(values):{fmt}}" + (f" [{min(values):{fmt}}, {max(values):{fmt}}]" if len(values) > 1 else "")
+
+
 def report(root: Path) -> Path:
     """Write ``results.md`` and ``lr_sweep.png`` under ``root``; return ``results.md``."""
     found = cells(root)
     if not found:
         raise SystemExit(f"no frontier cell (a results.json with DDP and DiLoCo runs) under {root}")
-    lines = ["# Learning rates: DDP and fp32 DiLoCo", ""]
+    lines = ["# Learning rates: DDP and fp32 DiLoCo", "",
+             "Held-out loss; over several seeds the mean [lowest, highest].", ""]
+    best: dict[str, tuple[float, float]] = {}
     for opt in sorted({c["optimizer"] for c in found}):
         mine = [c for c in found if c["optimizer"] == opt]
-        ddp = {c["inner_lr"]: c["ddp"] for c in mine}
-        rows = [[f"{c['inner_lr']:g}", f"{c['outer_lr']:g}", f"{c['ddp']:.4f}", f"{c['diloco']:.4f}",
-                 f"{100 * (c['diloco'] / c['ddp'] - 1):+.2f}%", c["cell"]]
-                for c in sorted(mine, key=lambda c: (c["inner_lr"], -c["outer_lr"]))]
+        groups: dict[tuple[float, float], list[dict[str, Any]]] = {}
+        for c in mine:
+            groups.setdefault((c["inner_lr"], c["outer_lr"]), []).append(c)
+        rows = []
+        for (inner, outer), group in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+            rows.append([f"{inner:g}", f"{outer:g}", ",".join(str(c["seed"]) for c in sorted(group, key=lambda c: c["seed"])),
+                         _spread([c["ddp"] for c in group]), _spread([c["diloco"] for c in group]),
+                         _spread([100 * (c["diloco"] / c["ddp"] - 1) for c in group], "+.2f") + " %"])
+        ddp = {inner: statistics.mean(c["ddp"] for c in mine if c["inner_lr"] == inner) for inner, _ in groups}
         best_ddp = min(ddp.items(), key=lambda kv: kv[1])
-        best = min(mine, key=lambda c: c["diloco"])
-        lines += [f"## {opt} (k = {mine[0]['islands']}, H = {mine[0]['H']}, seeds {sorted({c['seed'] for c in mine})})",
-                  "", markdown_table(["inner lr", "outer lr", "DDP", "DiLoCo", "DiLoCo vs DDP at its lr", "cell"], rows),
-                  "", f"- best DDP: {best_ddp[1]:.4f} at inner lr {best_ddp[0]:g}; best DiLoCo: {best['diloco']:.4f} at "
-                  f"inner lr {best['inner_lr']:g}, outer lr {best['outer_lr']:g}; best DiLoCo against best DDP: "
-                  f"{100 * (best['diloco'] / best_ddp[1] - 1):+.2f}%", ""]
+        best[opt] = min(groups, key=lambda k: statistics.mean(c["diloco"] for c in groups[k]))
+        best_diloco = statistics.mean(c["diloco"] for c in groups[best[opt]])
+        lines += [f"## {opt} (k = {mine[0]['islands']}, H = {mine[0]['H']})", "",
+                  markdown_table(["inner lr", "outer lr", "seeds", "DDP", "DiLoCo", "DiLoCo vs DDP at its lr"], rows),
+                  "", f"- best DDP: {best_ddp[1]:.4f} at inner lr {best_ddp[0]:g}; best DiLoCo: {best_diloco:.4f} at "
+                  f"inner lr {best[opt][0]:g}, outer lr {best[opt][1]:g}; best DiLoCo against best DDP: "
+                  f"{100 * (best_diloco / best_ddp[1] - 1):+.2f}% (means over each one's seeds)", ""]
+    if len(best) == 2:
+        (a, a_lrs), (b, b_lrs) = sorted(best.items(), key=lambda kv: kv[0] != "muon")
+        at = {o: {c["seed"]: c["diloco"] for c in found if c["optimizer"] == o
+                  and (c["inner_lr"], c["outer_lr"]) == lrs} for o, lrs in ((a, a_lrs), (b, b_lrs))}
+        seeds = sorted(set(at[a]) & set(at[b]))
+        if seeds:
+            diffs = [100 * (at[a][s] / at[b][s] - 1) for s in seeds]
+            apart = max(at[a][s] for s in seeds) < min(at[b][s] for s in seeds)
+            lines += [f"## {a} against {b}, each at its best DiLoCo lrs", "",
+                      f"- seeds {','.join(map(str, seeds))}: {a} {_spread([at[a][s] for s in seeds])}, {b} "
+                      f"{_spread([at[b][s] for s in seeds])}; seed by seed "
+                      + ", ".join(f"{d:+.2f}%" for d in diffs) + "; "
+                      + ("beyond the spread of the seeds (the ranges do not overlap)" if apart and len(seeds) > 1
+                         else "within the spread of the seeds (the ranges overlap)" if len(seeds) > 1
+                         else "one seed: no spread to tell"), ""]
     _plot(found, root / "lr_sweep.png")
     lines += ["![held-out loss against the inner lr](lr_sweep.png)", ""]
     md = root / "results.md"
@@ -80,13 +110,17 @@ def _plot(found: list[dict[str, Any]], path: Path) -> None:
     for i, opt in enumerate(sorted({c["optimizer"] for c in found})):
         mine = [c for c in found if c["optimizer"] == opt]
         color = f"C{i}"
-        ddp = sorted({(c["inner_lr"], c["ddp"]) for c in mine})
+        ddp = [(lr, statistics.mean(c["ddp"] for c in mine if c["inner_lr"] == lr))
+               for lr in sorted({c["inner_lr"] for c in mine})]
         ax.plot(*zip(*ddp), color=color, ls="--", marker="s", label=f"{opt} DDP")
         for j, outer in enumerate(sorted({c["outer_lr"] for c in mine}, reverse=True)):
-            pts = sorted((c["inner_lr"], c["diloco"]) for c in mine if c["outer_lr"] == outer)
+            at = [c for c in mine if c["outer_lr"] == outer]
+            pts = [(lr, statistics.mean(c["diloco"] for c in at if c["inner_lr"] == lr))
+                   for lr in sorted({c["inner_lr"] for c in at})]
             ax.plot(*zip(*pts), color=color, ls=["-", ":", "-."][j % 3], marker="o",
                     label=f"{opt} DiLoCo, outer lr {outer:g}")
-    ax.set(xscale="log", xlabel="inner lr", ylabel="held-out loss", title="DDP and fp32 DiLoCo against the inner lr")
+    ax.set(xscale="log", xlabel="inner lr", ylabel="held-out loss (mean over seeds)",
+           title="DDP and fp32 DiLoCo against the inner lr")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

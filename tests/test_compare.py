@@ -212,22 +212,32 @@ def test_lr_sweep_reports_each_optimizers_best_ddp_and_diloco(tmp_path, capsys):
 
     from experiments.lr_sweep import main
 
-    def cell(name: str, opt: str, inner: float, outer: float, ddp: float, diloco: float) -> None:
-        d = tmp_path / name / f"{opt}-k2-H20" / "seed0"
+    def cell(name: str, opt: str, inner: float, outer: float, ddp: float, diloco: float, seed: int = 0) -> None:
+        d = tmp_path / name / f"{opt}-k2-H20" / f"seed{seed}"
         d.mkdir(parents=True)
         d.joinpath("results.json").write_text(json.dumps({
-            "islands": 2, "config": {"seed": 0, "inner": {"optimizer": opt, "lr": inner},
+            "islands": 2, "config": {"seed": seed, "inner": {"optimizer": opt, "lr": inner},
                                      "diloco": {"outer_lr": outer, "inner_steps": 20}},
             "runs": [{"kind": "ddp", "final_eval_loss": ddp}, {"kind": "diloco", "final_eval_loss": diloco}]}))
 
     cell("a", "muon", 1e-3, 1.0, 1.45, 1.46)
     cell("b", "muon", 4e-3, 1.0, 1.33, 1.50)
     cell("c", "muon", 4e-3, 0.5, 1.33, 1.43)
+    cell("c", "adamw", 4e-3, 0.5, 1.40, 1.46)
     assert main([str(tmp_path)]) == 0
     text = (tmp_path / "results.md").read_text()
     assert ("best DDP: 1.3300 at inner lr 0.004; best DiLoCo: 1.4300 at inner lr 0.004, outer lr 0.5; best DiLoCo "
             "against best DDP: +7.52%") in text
-    assert "| 0.001    | 1        | 1.4500 | 1.4600 | +0.69%" in text
+    assert "| 0.001    | 1        | 0     | 1.4500 | 1.4600 | +0.69 %" in text
+    assert "seeds 0: muon 1.4300, adamw 1.4600; seed by seed -2.05%; one seed: no spread to tell" in text
     assert (tmp_path / "lr_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    # two more seeds of the best lrs: the seeds' spread is told
+    for seed, (muon, adamw) in {1: (1.42, 1.47), 2: (1.44, 1.435)}.items():
+        cell("c", "muon", 4e-3, 0.5, 1.33, muon, seed)
+        cell("c", "adamw", 4e-3, 0.5, 1.40, adamw, seed)
+    assert main([str(tmp_path)]) == 0
+    text = (tmp_path / "results.md").read_text()
+    assert "| 0.004    | 0.5      | 0,1,2 | 1.3300 [1.3300, 1.3300] | 1.4300 [1.4200, 1.4400] |" in text
+    assert "seed by seed -2.05%, -3.40%, +0.35%; within the spread of the seeds (the ranges overlap)" in text
     with pytest.raises(SystemExit, match="no frontier cell"):
         main([str(tmp_path / "a" / "muon-k2-H20" / "seed0")])  # a cell's own folder: no cell under it
