@@ -61,8 +61,8 @@ def unknown(arms: list[str]) -> list[str]:
 
 
 def run_name(arm: str) -> str:
-    """The folder of ``arm``'s run under ``runs/`` (and its run id's suffix)."""
-    return arm.replace("+", "-").replace("@", "_").replace("=", "-")
+    """The folder of ``arm``'s run under ``runs/`` (and its run id's suffix, where '.' may not appear)."""
+    return arm.replace("+", "-").replace("@", "_").replace("=", "-").replace(".", "_")
 
 
 def losses_per_round(run_dir: Path, fragments: int = 1) -> list[float]:

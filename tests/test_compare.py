@@ -168,7 +168,7 @@ def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     assert settings_of("sparseloco@averaging.error_feedback_decay=0.9@diloco.outer_lr=2")[
         "averaging.error_feedback_decay"] == "0.9"
     assert settings_of("blocking@diloco.outer_lr=2") == {"diloco.outer_lr": "2"}
-    assert run_name("delayed+int8@diloco.outer_lr=2") == "delayed-int8_diloco.outer_lr-2"
+    assert run_name("delayed+int8@diloco.outer_lr=0.5") == "delayed-int8_diloco_outer_lr-0_5"
     curves = {REFERENCE: [1.6, 1.5, 1.4, 1.3], "delayed": [1.6, 1.55, 1.43, 1.31]}
     assert abs(gap(curves, "delayed", 3) - (1.31 / 1.3 - 1)) < 1e-12 and gap(curves, "delayed", 9) != gap(curves, "delayed", 9)
     _plot(curves, tmp_path / "horizon.png")

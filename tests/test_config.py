@@ -41,6 +41,7 @@ def test_toml_file_then_command_line_overrides(tmp_path):
     (["--averaging.initial_peers", "1.2.3.4:5"], "is not a multiaddr ending in /p2p/PEER_ID"),
     (["--data.shard_index", "3", "--data.num_shards", "2"], "--data.shard_index must be in [0, 1]"),
     (["--averaging.matchmaking_timeout", "1"], "must exceed --averaging.matchmaking_time"),
+    (["--averaging.run_id", "sweep.lr2"], "--averaging.run_id must be a non-empty name without '.'"),
     (["--diloco.outer_lr", "nan"], "--diloco.outer_lr must be a finite number, got nan"),
     (["--inner.lr", "nan"], "--inner.lr must be a finite number, got nan"),
     (["--inner.lr", "inf"], "--inner.lr must be a finite number, got inf"),

@@ -102,6 +102,9 @@ def validate(cfg: Config) -> list[str]:
     if not 0 < a.request_timeout < a.matchmaking_time:
         p.append(f"--averaging.request_timeout ({a.request_timeout}) must be positive and below "
                  f"--averaging.matchmaking_time ({a.matchmaking_time})")
+    if not a.run_id or "." in a.run_id:
+        p.append(f"--averaging.run_id must be a non-empty name without '.' (it prefixes the run's DHT keys, "
+                 f"whose parts '.' separates), got {a.run_id!r}")
     if a.wait_for_islands < 0:
         p.append(f"--averaging.wait_for_islands must be 0 or more, got {a.wait_for_islands}")
     if a.max_norm_ratio < 0:
