@@ -68,7 +68,9 @@ def report(root: Path) -> Path:
             rows.append([f"{inner:g}", f"{outer:g}", ",".join(str(c["seed"]) for c in sorted(group, key=lambda c: c["seed"])),
                          _spread([c["ddp"] for c in group]), _spread([c["diloco"] for c in group]),
                          _spread([100 * (c["diloco"] / c["ddp"] - 1) for c in group], "+.2f") + " %"])
-        ddp = {inner: statistics.mean(c["ddp"] for c in mine if c["inner_lr"] == inner) for inner, _ in groups}
+        # DDP has no outer lr: the cells of one inner lr and seed ran the same DDP
+        ddp = {inner: statistics.mean({c["seed"]: c["ddp"] for c in mine if c["inner_lr"] == inner}.values())
+               for inner, _ in groups}
         best_ddp = min(ddp.items(), key=lambda kv: kv[1])
         best[opt] = min(groups, key=lambda k: statistics.mean(c["diloco"] for c in groups[k]))
         best_diloco = statistics.mean(c["diloco"] for c in groups[best[opt]])
@@ -110,7 +112,7 @@ def _plot(found: list[dict[str, Any]], path: Path) -> None:
     for i, opt in enumerate(sorted({c["optimizer"] for c in found})):
         mine = [c for c in found if c["optimizer"] == opt]
         color = f"C{i}"
-        ddp = [(lr, statistics.mean(c["ddp"] for c in mine if c["inner_lr"] == lr))
+        ddp = [(lr, statistics.mean({c["seed"]: c["ddp"] for c in mine if c["inner_lr"] == lr}.values()))
                for lr in sorted({c["inner_lr"] for c in mine})]
         ax.plot(*zip(*ddp), color=color, ls="--", marker="s", label=f"{opt} DDP")
         for j, outer in enumerate(sorted({c["outer_lr"] for c in mine}, reverse=True)):
