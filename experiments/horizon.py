@@ -158,11 +158,11 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for arm, ys in curves.items():
-        ax.plot(range(len(ys)), ys, marker=".", label=arm)
+    for i, (arm, ys) in enumerate(curves.items()):  # an arm keeps its colour in both plots
+        ax.plot(range(len(ys)), ys, marker=".", label=arm, color=f"C{i}")
         if arm != REFERENCE:
             ax_gap.plot(range(1, len(ys)), [100 * gap(curves, arm, r) for r in range(1, len(ys))], marker=".",
-                        label=arm)
+                        label=arm, color=f"C{i}")
     ax.set(xlabel="outer round", ylabel="held-out loss of θ_global", title="loss per round")
     ax_gap.axhline(0, color="grey", lw=0.8)
     ax_gap.set(xlabel="outer round", ylabel="% against blocking fp32 DiLoCo", title="gap per round")

@@ -113,7 +113,7 @@ class DilocoConfig:
     outer_steps: int = 10
     """Number of outer rounds to run."""
     outer_optimizer: str = "nesterov"
-    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default), `avg` (FedAvg: lr 1, no momentum) or `sparseloco` (SparseLoCo, Sarfi et al. 2025: plain averaged descent with `outer_lr`, no momentum: the error-feedback buffer of a lossy `averaging.compression` stands in for it)."""
+    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default), `avg` (FedAvg: lr 1, no momentum) or `sparseloco` (SparseLoCo, Sarfi et al. 2025: plain averaged descent with `outer_lr`, no momentum: the error-feedback buffer of a lossy `averaging.compression` stands in for it; it wants a larger `outer_lr` than Nesterov's: over 30 rounds of 2 islands at H = 20, +7.8% against blocking DiLoCo at lr 1, +1.5% at lr 4, experiments/results/sparseloco-30/)."""
     outer_lr: float = 0.7
     """Outer learning rate (ignored by `avg`, which uses 1)."""
     outer_momentum: float = 0.9
