@@ -220,7 +220,11 @@ class Membership:
                 seen.serving = seen.serving and m.serving
             if m.rank == 0:
                 seen.endpoint = m.endpoint
-        return {island: m for island, m in out.items() if m.expires > self._gone.get(island, 0.0)}
+        return {island: m for island, m in out.items() if not self._is_gone(m)}
+
+    def _is_gone(self, m: Member) -> bool:
+        """Whether island ``m``'s address refused us and its record was not refreshed since."""
+        return m.peer_id in self._gone and m.expires <= self._gone[m.peer_id]
 
     def endpoints(self, island: str) -> list[str]:
         """The transport endpoints of ``island``'s live ranks, by rank ([] if a rank has none or is missing)."""
@@ -363,7 +367,7 @@ class Membership:
                             log.info("island %s is gone: nothing listens at its address %s", m.peer_id[-8:],
                                      m.endpoint)
                             self._gone[m.peer_id] = m.expires
-                steps = [m.outer_step for m in others if m.expires > self._gone.get(m.peer_id, 0.0)]
+                steps = [m.outer_step for m in others if not self._is_gone(m)]
                 with self._steps_lock:
                     self._steps = steps
             self._stop.wait(1.0)
