@@ -123,6 +123,16 @@ def spread(values: dict[int, float], fmt: str) -> str:
     return mean if len(v) == 1 else f"{mean} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
 
 
+def against_spread(mine: list[float], theirs: list[float], name: str, other: str) -> str:
+    """Whether the losses ``mine`` (of ``name``) lie below or above ``theirs`` (of ``other``) beyond the spread
+    of the seeds, or within it."""
+    if max(mine) < min(theirs):
+        return f"below {other} beyond the spread of the seeds (every {name} seed under every {other} seed)"
+    if max(theirs) < min(mine):
+        return f"above {other} beyond the spread of the seeds"
+    return f"level with {other} within the spread of the seeds (the ranges overlap)"
+
+
 def table(arms: list[Arm]) -> str:
     """The frontier as a markdown table, one row per arm."""
     rows = []
@@ -154,12 +164,7 @@ def verdicts(arms: list[Arm]) -> list[str]:
             continue
         m = [muon.by_start[s][pairs[s]] for s in common]
         a = [adamw.by_start[s][pairs[s]] for s in common]
-        if max(m) < min(a):
-            verdict = "below AdamW beyond the spread of the seeds (every Muon seed under every AdamW seed)"
-        elif max(a) < min(m):
-            verdict = "above AdamW beyond the spread of the seeds"
-        else:
-            verdict = "level with AdamW within the spread of the seeds (the ranges overlap)"
+        verdict = against_spread(m, a, "Muon", "AdamW")
         paired = ", ".join(f"{(x - y) / y * 100:+.2f}%" for x, y in zip(m, a))
         lines.append(f"Muon vs AdamW, fp32 DiLoCo, k={k}, H={H}, {len(common)} seed(s): Muon "
                      f"{statistics.mean(m):.4f} [{min(m):.4f}, {max(m):.4f}], AdamW {statistics.mean(a):.4f} "

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from experiments.frontier import against_spread, spread
 from experiments.report import markdown_table
 
 
@@ -45,11 +46,6 @@ def cells(root: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _spread(values: list[float], fmt: str = ".4f") -> str:
-    """The mean of ``values``, and [lowest, highest] when there are several."""
-    return f"{statistics.mean(values):{fmt}}" + (f" [{min(values):{fmt}}, {max(values):{fmt}}]" if len(values) > 1 else "")
-
-
 def report(root: Path) -> Path:
     """Write ``results.md`` and ``lr_sweep.png`` under ``root``; return ``results.md``."""
     found = cells(root)
@@ -66,8 +62,9 @@ def report(root: Path) -> Path:
         rows = []
         for (inner, outer), group in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
             rows.append([f"{inner:g}", f"{outer:g}", ",".join(str(c["seed"]) for c in sorted(group, key=lambda c: c["seed"])),
-                         _spread([c["ddp"] for c in group]), _spread([c["diloco"] for c in group]),
-                         _spread([100 * (c["diloco"] / c["ddp"] - 1) for c in group], "+.2f") + " %"])
+                         spread({c["seed"]: c["ddp"] for c in group}, "{:.4f}"),
+                         spread({c["seed"]: c["diloco"] for c in group}, "{:.4f}"),
+                         spread({c["seed"]: 100 * (c["diloco"] / c["ddp"] - 1) for c in group}, "{:+.2f}%")])
         # DDP has no outer lr: the cells of one inner lr and seed ran the same DDP
         ddp = {inner: statistics.mean({c["seed"]: c["ddp"] for c in mine if c["inner_lr"] == inner}.values())
                for inner, _ in groups}
@@ -86,14 +83,12 @@ def report(root: Path) -> Path:
         seeds = sorted(set(at[a]) & set(at[b]))
         if seeds:
             diffs = [100 * (at[a][s] / at[b][s] - 1) for s in seeds]
-            apart = max(at[a][s] for s in seeds) < min(at[b][s] for s in seeds)
             lines += [f"## {a} against {b}, each at its best DiLoCo lrs", "",
-                      f"- seeds {','.join(map(str, seeds))}: {a} {_spread([at[a][s] for s in seeds])}, {b} "
-                      f"{_spread([at[b][s] for s in seeds])}; seed by seed "
+                      f"- seeds {','.join(map(str, seeds))}: {a} {spread({s: at[a][s] for s in seeds}, '{:.4f}')}, "
+                      f"{b} {spread({s: at[b][s] for s in seeds}, '{:.4f}')}; seed by seed "
                       + ", ".join(f"{d:+.2f}%" for d in diffs) + "; "
-                      + ("beyond the spread of the seeds (the ranges do not overlap)" if apart and len(seeds) > 1
-                         else "within the spread of the seeds (the ranges overlap)" if len(seeds) > 1
-                         else "one seed: no spread to tell"), ""]
+                      + (against_spread([at[a][s] for s in seeds], [at[b][s] for s in seeds], a, b)
+                         if len(seeds) > 1 else "one seed: no spread to tell"), ""]
     _plot(found, root / "lr_sweep.png")
     lines += ["![held-out loss against the inner lr](lr_sweep.png)", ""]
     md = root / "results.md"
