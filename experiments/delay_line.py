@@ -18,7 +18,18 @@ that started it dies. A packet that host ``s`` writes to its ``tun0`` for host `
    (tail drop, as tbf's ``latency``), and is written to ``d``'s TUN when the bucket lets it go.
 
 A host marked ``nat`` cannot be reached by a new TCP connection (a SYN without ACK addressed to it is
-dropped), while its own outward connections and their replies pass; other traffic passes as is.
+dropped), while its own outward connections and their replies pass; other traffic passes as is. ``nat_kind``
+says which SYNs it lets in after all:
+
+- ``"cone"`` (the default): a NAT that keeps a connection's port on the way out, whatever its destination,
+  and lets in what comes from an address and port it sent a SYN to within the last ``NAT_MAPPING_S`` (RFC 4787's
+  endpoint-independent mapping with address- and port-dependent filtering, the commonest kind). Two hosts behind
+  such NATs connect to each other when each sends a SYN to the other's port at about the same time (TCP hole
+  punching, a simultaneous open);
+- ``"symmetric"``: a NAT that gives every destination its own port, so that no peer ever learns the port a SYN
+  would have to reach: no inbound SYN passes.
+
+Addresses are not rewritten: a host's address is its public one.
 
 Packet rates, not bytes, cost Python its time, so the TUN devices get a large MTU (``DEFAULT_MTU``):
 the kernel hands over segments of up to that size and TCP acknowledges fewer of them. Pacing is exact
@@ -60,6 +71,10 @@ _READY = "ready"
 _READ_BATCH = 64  # packets read from one TUN per wake-up, so that no host starves the others
 _PARENT_CHECK_S = 0.5
 _STARTUP_TIMEOUT_S = 15.0
+NAT_KINDS = ("cone", "symmetric")
+NAT_MAPPING_S = 120.0
+"""How long a cone NAT lets in SYNs from where its host last sent a SYN (Linux's conntrack keeps an unanswered
+SYN that long)."""
 
 
 def bucket_bytes(rate_bits: float, frame: int) -> int:
@@ -76,7 +91,7 @@ class Endpoint:
     address: str  # its IPv4 address on its TUN device
     up_bits: float  # uplink rate, bits/s
     down_bits: float  # downlink rate, bits/s
-    nat: bool = False  # behind NAT: accepts no inbound TCP connection
+    nat: bool = False  # behind NAT: accepts no inbound TCP connection (but see nat_kind)
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class DelayLineConfig:
     queue_ms: float = 50.0  # longest a packet waits in a downlink before it is dropped
     mtu: int = DEFAULT_MTU
     seed: int | None = None  # of jitter and loss; None: a fresh one
+    nat_kind: str = "cone"  # which SYNs a host behind NAT lets in: see the module's docstring
 
     def to_json(self) -> str:
         """The config as one JSON string."""
@@ -169,6 +185,9 @@ class Forwarder:
         n = len(fds)
         route = {socket.inet_aton(h.address): i for i, h in enumerate(cfg.hosts)}
         nat = [h.nat for h in cfg.hosts]
+        cone = cfg.nat_kind == "cone"
+        # (host behind a cone NAT, its port, remote address, remote port) -> when it last sent a SYN there
+        opened: dict[tuple[int, bytes, bytes, bytes], float] = {}
         up_bytes_s = [h.up_bits / 8 for h in cfg.hosts]
         down_bytes_s = [h.down_bits / 8 for h in cfg.hosts]
         up_burst_s = [bucket_bytes(h.up_bits, cfg.mtu) * 8 / h.up_bits for h in cfg.hosts]
@@ -238,11 +257,19 @@ class Forwarder:
                     if dst is None or dst == src:
                         counts["unroutable"] += 1
                         continue
-                    if nat[dst] and pkt[9] == 6 and not (pkt[6] & 0x1F or pkt[7]):  # TCP, first fragment
-                        ihl = (pkt[0] & 0x0F) * 4
-                        if len(pkt) > ihl + 13 and pkt[ihl + 13] & 0x12 == 0x02:  # SYN without ACK
-                            counts["nat_drops"] += 1
-                            continue
+                    if (nat[dst] or nat[src] and cone) and pkt[9] == 6 and not (pkt[6] & 0x1F or pkt[7]):
+                        ihl = (pkt[0] & 0x0F) * 4  # TCP, first fragment
+                        if len(pkt) > ihl + 13 and pkt[ihl + 13] & 0x02:  # a SYN
+                            ports = pkt[ihl:ihl + 2], pkt[ihl + 2:ihl + 4]
+                            if nat[src] and cone:
+                                opened[src, ports[0], pkt[16:20], ports[1]] = now
+                                if len(opened) > 4096:
+                                    opened = {k: t for k, t in opened.items() if now - t < NAT_MAPPING_S}
+                            if nat[dst] and not pkt[ihl + 13] & 0x10 and not (
+                                    cone and now - opened.get((dst, ports[1], pkt[12:16], ports[0]), -1e9)
+                                    < NAT_MAPPING_S):  # a SYN without ACK, and no mapping lets it in
+                                counts["nat_drops"] += 1
+                                continue
                     sent = max(up_free[src], now - up_burst_s[src]) + len(pkt) / up_bytes_s[src]
                     up_free[src] = sent
                     if loss and rng.random() < loss:

@@ -67,12 +67,15 @@ def round_seconds(rounds: list[list[dict[str, Any]]]) -> list[float]:
 
 
 def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: float, out: Path,
-            declared: bool = True) -> dict[str, Any]:
-    """One run of ``islands`` islands, those in ``nat`` behind NAT (``declared``: started with
-    ``--averaging.client_mode true``); what :func:`main` reports of it."""
-    with netns.EmulatedNetwork(islands, rate=rate, rtt_ms=rtt_ms, nat=nat, delay_line=True) as network:
+            declared: bool = True, nat_kind: str = "cone", punch: bool = True) -> dict[str, Any]:
+    """One run of ``islands`` islands, those in ``nat`` behind NATs of ``nat_kind`` (``declared``: started with
+    ``--averaging.client_mode true``; ``punch``: with ``--averaging.hole_punch``); what :func:`main` reports."""
+    with netns.EmulatedNetwork(islands, rate=rate, rtt_ms=rtt_ms, nat=nat, nat_kind=nat_kind,
+                               delay_line=True) as network:
         def wrap(cmd: list[str], i: int) -> list[str]:
-            return network.wrap(cmd + (["--averaging.client_mode", "true"] if i in nat and declared else []), i)
+            hidden = (["--averaging.client_mode", "true"] if declared else []) + (
+                [] if punch else ["--averaging.hole_punch", "false"])
+            return network.wrap(cmd + (hidden if i in nat else []), i)
 
         c = variant(cfg, **{"logging.run_dir": str(out)})
         launched = launch_islands(c, islands, network, wrap=wrap)
@@ -86,7 +89,8 @@ def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: 
         return statistics.median(values) if values else float("nan")
     checksums = {s.get("theta_checksum") for s in summaries}
     sent = [s["payload_bytes_sent"] / max(1, s["rounds_ok"]) for s in summaries]
-    return {"nat": list(nat), "rtt_ms": rtt_ms, "rounds_committed": ok, "rounds_planned": cfg.diloco.outer_steps,
+    relayed = [s.get("transport_relayed") for s in summaries]
+    return {"nat": list(nat), "nat_kind": nat_kind, "hole_punch": punch, "rtt_ms": rtt_ms, "relayed": relayed, "rounds_committed": ok, "rounds_planned": cfg.diloco.outer_steps,
             "payload_bytes_per_round": max(sent) if sent else 0,
             "theta_identical": len(checksums) == 1 and None not in checksums,
             "behind_nat": [bool(s.get("behind_nat")) for s in summaries],
@@ -143,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = link_parser(__doc__, "experiments/results/nat")
     parser.add_argument("--nat", default="1", help="indices of the islands behind NAT, comma-separated")
     parser.add_argument("--rtt", type=float, default=100.0, help="round-trip time in ms")
+    parser.add_argument("--nat-kind", default="cone", choices=netns.NAT_KINDS,
+                        help="cone: a NAT that keeps a connection's port (hole punching gets through); symmetric: "
+                             "one that gives each destination its own port (it does not)")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
@@ -159,25 +166,30 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_load.load(None, rest, defaults=DEFAULTS)
         results = {}
         hidden_name = f"island{'s' if len(nat) > 1 else ''} {args.nat} behind NAT"
-        arms = (("all reachable", (), "open", True), (f"{hidden_name}, declared", nat, "nat", True),
-                (f"{hidden_name}, found by dial-back", nat, "nat-found", False))
-        for arm, hidden, folder, declared in arms:
+        if args.nat_kind != "cone":
+            hidden_name = hidden_name.replace("NAT", f"{args.nat_kind} NAT")
+        arms = [("all reachable", (), "open", True, True), (f"{hidden_name}, declared", nat, "nat", True, True),
+                (f"{hidden_name}, found by dial-back", nat, "nat-found", False, True)]
+        if len(nat) > 1:  # whether the islands behind NAT punch through to each other or average through a star
+            arms.append((f"{hidden_name}, declared, no hole punching", nat, "nat-star", True, False))
+        for arm, hidden, folder, declared, punch in arms:
             print(f"== {arm} ==", flush=True)
             results[arm] = run_arm(cfg, args.islands, hidden, args.rate, args.rtt, args.out / "runs" / folder,
-                                   declared=declared)
+                                   declared=declared, nat_kind=args.nat_kind, punch=punch)
             print(json.dumps({k: v for k, v in results[arm].items() if k != "round_seconds"}), flush=True)
         base = results["all reachable"]
         title = f"{args.islands} islands, {args.rate}, RTT {args.rtt:g} ms, {cfg.model.preset} model"
         rows = [f"# Islands behind NAT: {title}", "",
-                "| arm | rounds committed | θ_global identical | behind NAT (found by dial-back) | round s (median) "
-                "| exchange s (median) | round / all reachable |",
-                "|---|---|---|---|---|---|---|"]
+                "| arm | rounds committed | θ_global identical | behind NAT (found by dial-back) | messages relayed "
+                "| round s (median) | exchange s (median) | round / all reachable |",
+                "|---|---|---|---|---|---|---|---|"]
         for arm, r in results.items():
             hidden = ", ".join(f"island{i}{' (found)' if found else ''}"
                                for i, (behind, found) in enumerate(zip(r["behind_nat"], r["found_by_dial_back"]))
                                if behind) or "none"
+            relayed = "+".join(str(x) for x in r["relayed"]) if None not in r["relayed"] else "?"
             rows.append(f"| {arm} | {r['rounds_committed']} of {r['rounds_planned']} | {r['theta_identical']} | "
-                        f"{hidden} | {r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} | "
+                        f"{hidden} | {relayed} | {r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} | "
                         f"{r['round_seconds_median'] / base['round_seconds_median']:.2f}x |")
         table = "\n".join(rows)
         save_results(args.out, table, results)

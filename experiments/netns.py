@@ -63,6 +63,7 @@ from pathlib import Path
 
 from experiments.delay_line import (
     DEFAULT_MTU,
+    NAT_KINDS,
     TUN_NAME,
     DelayLineConfig,
     Endpoint,
@@ -491,7 +492,8 @@ class EmulatedNetwork:
 
     ``rtt_ms`` is the round-trip time between any two hosts; each one-way delay varies uniformly
     by up to ``jitter_ms`` (at most ``rtt_ms / 2``); ``loss`` is the probability that a packet
-    is lost; the hosts whose indices are in ``nat`` accept no inbound TCP connection.
+    is lost; the hosts whose indices are in ``nat`` accept no inbound TCP connection, except, behind a ``"cone"``
+    NAT (``nat_kind``), one from where they just sent a SYN (hole punching; ``"symmetric"``: none at all).
     ``latency_ms`` is the deprecated one-way spelling of ``rtt_ms / 2``. ``delay_line``: None
     picks the path (the delay line unless only a rate, or a rate and latency on a kernel with
     netem, is asked), True or False forces it. ``tun_mtu`` is the delay line's MTU.
@@ -513,6 +515,7 @@ class EmulatedNetwork:
         jitter_ms: float = 0,
         loss: float = 0.0,
         nat: tuple[int, ...] | list[int] = (),
+        nat_kind: str = "cone",
         delay_line: bool | None = None,
         tun_mtu: int = DEFAULT_MTU,
         prefix: str = DEFAULT_PREFIX,
@@ -532,6 +535,8 @@ class EmulatedNetwork:
         _check_link(rtt_ms, jitter_ms, loss, names=("rtt_ms", "jitter_ms", "loss"))
         if isinstance(nat, (str, bytes)) or not all(isinstance(i, int) and 0 <= i < n_hosts for i in nat):
             raise ValueError(f"nat must list host indices in 0..{n_hosts - 1}, got {nat!r}")
+        if nat_kind not in NAT_KINDS:
+            raise ValueError(f"nat_kind must be one of {', '.join(NAT_KINDS)}, got {nat_kind!r}")
         if not isinstance(tun_mtu, int) or not 576 <= tun_mtu <= 65535:
             raise ValueError(f"tun_mtu must be an int in 576..65535, got {tun_mtu!r}")
         beyond_netem = bool(jitter_ms or loss or nat)  # what only the delay line emulates
@@ -552,6 +557,7 @@ class EmulatedNetwork:
         self.jitter_ms = float(jitter_ms)
         self.loss = float(loss)
         self.nat = tuple(sorted(set(nat)))
+        self.nat_kind = nat_kind
         self.tun_mtu = tun_mtu
         if delay_line is None:
             delay_line = beyond_netem or (self.rtt_ms > 0 and not _available(_NETEM)[0])
@@ -652,7 +658,8 @@ class EmulatedNetwork:
             hub=self.hub,
             hosts=tuple(Endpoint(h.namespace, h.address, self.rate_bits, self.rate_bits, h.index in self.nat)
                         for h in self.hosts),
-            rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss, queue_ms=self.queue_ms, mtu=self.tun_mtu)
+            rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss, queue_ms=self.queue_ms, mtu=self.tun_mtu,
+            nat_kind=self.nat_kind)
         try:
             self.forwarder = start_forwarder(cfg)
         except RuntimeError as e:
@@ -763,7 +770,8 @@ class EmulatedNetwork:
         if self.loss:
             parts.append(f"{100 * self.loss:g}% loss")
         if self.nat:
-            parts.append(f"host{'s' if len(self.nat) > 1 else ''} {', '.join(map(str, self.nat))} behind NAT")
+            parts.append(f"host{'s' if len(self.nat) > 1 else ''} {', '.join(map(str, self.nat))} behind "
+                         + ("NAT" if self.nat_kind == "cone" else f"{self.nat_kind} NAT"))
         return ", ".join(parts)
 
     def host(self, host: int) -> Host:

@@ -27,6 +27,12 @@ class NetworkSettings:
     client_mode: bool = False
     """Accept no incoming connections (an island behind a NAT or a firewall): it opens every connection
     itself, and other islands send it their bytes back over them; it takes full part in the rounds."""
+    hole_punch: bool = True
+    """Behind NAT: open connections to the other islands behind NAT through both NATs at once (TCP hole
+    punching, which takes a NAT that keeps a connection's port whatever its destination, as most do), so that
+    every island owns its share of a round's averaging. Where a punch fails, that island's bytes are relayed by
+    a reachable island. False: the reachable islands average for the islands behind NAT (a star), which is
+    faster than relaying: set it on the islands behind a NAT that gives each destination its own port."""
     dial_back: bool = True
     """On joining a run, ask a reachable island to connect back to the address this island would announce and
     to its DHT's port; if none can, take part as with ``client_mode`` true (and say so) instead of announcing

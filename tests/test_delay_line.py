@@ -216,6 +216,76 @@ def test_nat_host_accepts_nothing_but_connects_out(delay_line_ok):
         assert len(res["echo"]) == 5
 
 
+TRANSPORT_HOST = r"""
+import json, sys, time
+from peers.wire.transport import Transport, TransportError
+t = Transport(sys.argv[1], "key", host=sys.argv[2], reachable=sys.argv[3] == "1", punch=sys.argv[4] == "1")
+print(t.endpoint, flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if "reach" in cmd:
+        t.reach(cmd["reach"]); out = {}
+    elif "send" in cmd:
+        try:
+            t.send(cmd["send"], cmd["key"], bytes(range(256)) * (cmd["size"] // 256), time.monotonic() + 20)
+            out = {"ok": True}
+        except TransportError as e:
+            out = {"ok": False, "error": str(e)}
+    elif "recv" in cmd:
+        got = t.box.wait_for(cmd["recv"], lambda d: cmd["sender"] in d, time.monotonic() + 20)
+        value = got.get(cmd["sender"])
+        out = {"size": len(value) if value is not None else -1,
+               "intact": value is not None and bytes(value) == bytes(range(256)) * (len(value) // 256)}
+    else:
+        out = vars(t.stats)
+    print(json.dumps(out), flush=True)
+"""
+
+
+class _TransportHost:
+    """A real transport in host ``index`` of ``net``, driven over its stdin."""
+
+    def __init__(self, net: EmulatedNetwork, index: int, reachable: bool, punch: bool = True):
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, f"h{index}", net.hosts[index].address,
+                               str(int(reachable)), str(int(punch))], index, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.endpoint = self._line(30)
+
+    def _line(self, timeout: float) -> str:
+        ready = select.select([self.proc.stdout], [], [], timeout)[0]
+        line = self.proc.stdout.readline() if ready else ""
+        assert line, f"the transport host did not answer (exit code {self.proc.poll()})"
+        return line.strip()
+
+    def __call__(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line(40))
+
+
+@pytest.mark.parametrize("kind", ["cone", "symmetric"])
+def test_two_ranks_behind_nat_punch_through_to_each_other_or_have_their_bytes_relayed(delay_line_ok, kind):
+    """Hosts 1 and 2 behind NAT, host 0 reachable.  Behind NATs that keep a connection's port (``cone``), 1's
+    message to 2 goes straight through both NATs (a simultaneous open): host 0 passes on only the request to dial
+    back, not the payload.  Behind NATs that give each destination its own port, the punch fails and host 0
+    relays the payload, which still arrives whole."""
+    size = 1 << 20
+    with _net(3, rate="50mbit", rtt_ms=20, nat=(1, 2), nat_kind=kind) as net:
+        public, first, second = (_TransportHost(net, i, reachable=i == 0) for i in range(3))
+        assert first.endpoint.startswith("punch:") and second.endpoint.startswith("punch:")
+        for hidden in (first, second):
+            hidden(reach=[public.endpoint])
+        assert first(send=second.endpoint, key="part", size=size) == {"ok": True}
+        assert second(recv="part", sender="h1") == {"size": size, "intact": True}
+        relay = public(stats=1)
+        print(f"{kind} NAT: the reachable host passed on {relay['relayed']} message(s), {relay['sent']} bytes")
+        if kind == "cone":
+            assert relay["relayed"] >= 1 and relay["sent"] < size // 100  # the requests to dial back, only
+        else:
+            assert relay["sent"] >= size  # the payload itself, after the punch failed
+
+
 def _forwarder_gone(pid: int) -> bool:
     return wait_until(lambda: not is_running(pid), timeout=10, every=0.05)
 

@@ -120,8 +120,9 @@ def test_a_key_or_mode_that_does_not_match_is_refused_in_one_line(transports, th
 
 
 def _unreachable(transports, name: str, host: str) -> Transport:
-    """A rank no other server can open a connection to: its listening socket is closed at once."""
-    t = transports(name, "key", host=host, reachable=False)
+    """A rank no other server can open a connection to (its listening socket is closed at once), and that
+    takes no part in hole punching (tests/test_delay_line.py punches through emulated NATs)."""
+    t = transports(name, "key", host=host, reachable=False, punch=False)
     t._server.close()
     return t
 
@@ -318,6 +319,9 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
     deltas = {p: torch.randn(numel, generator=gen) for p in peers}
     assert set(part_owners(peers, endpoints)) == {"public"}
     assert part_owners(peers, {**endpoints, "second": "127.0.0.4:1"}) == peers  # one hidden: no relay to spare
+    punching = {**endpoints, "first": "punch:127.0.0.3:1", "second": "punch:127.0.0.4:1"}
+    assert part_owners(peers, punching) == peers  # they connect to each other through their NATs
+    assert set(part_owners(peers, {**punching, "second": endpoints["second"]})) == {"public"}  # one cannot
 
     def round_(key: str, owners) -> dict:
         out: dict = {}

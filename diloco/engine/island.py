@@ -441,6 +441,7 @@ class Island:
             "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
             "theta_checksum": theta_checksum,
             "behind_nat": self.peers.a.client_mode, "behind_nat_found_by_dial_back": self.peers.behind_nat,
+            "transport_relayed": self.peers.transport.stats.relayed if self.peers.transport is not None else 0,
             "peak_memory_gb": peak_memory_gb(self.device), "peak_host_memory_gb": peak_host_memory_gb(),
             "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
         }

@@ -319,7 +319,8 @@ class PeerNode:
             advertise = _advertised_ip(a, self.dht)
             try:
                 transport = Transport(str(self.dht.peer_id), run_key, host=host, port=a.transport_port,
-                                      advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode)
+                                      advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode,
+                                      punch=a.hole_punch)
             except OSError as e:
                 error = (f"could not listen for round bytes on {host}:{a.transport_port} ({e.strerror or e}); free "
                          f"the port or pick another with --averaging.transport_port")
@@ -331,7 +332,8 @@ class PeerNode:
         if not rt.is_main:
             try:
                 transport = Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise,
-                                      encrypt=a.encrypt, reachable=not a.client_mode, slot=rt.rank)
+                                      encrypt=a.encrypt, reachable=not a.client_mode, slot=rt.rank,
+                                      punch=a.hole_punch)
             except OSError as e:
                 error = f"rank {rt.rank} could not take its share of the transport's port {port}: {e.strerror or e}"
         rt.raise_if_any(error, PeerNetworkError)

@@ -28,9 +28,30 @@ LANE_PREFIX = "lane:"
 """What a rank that cannot be reached puts before its ``HOST:PORT`` (see :mod:`peers.wire.transport`)."""
 
 
+PUNCH_PREFIX = "punch:"
+"""What a rank that cannot be reached but takes part in hole punching puts before its ``HOST:PORT`` instead: a
+connection to it opens when both ends dial each other at once (see :mod:`peers.wire.transport`)."""
+
+
+def behind_nat(endpoint: str) -> bool:
+    """Whether the rank that announced ``endpoint`` takes no connection it did not ask for (a lane, punched or
+    not)."""
+    return endpoint.startswith((LANE_PREFIX, PUNCH_PREFIX))
+
+
+def punchable(endpoint: str) -> bool:
+    """Whether the rank that announced ``endpoint`` sits behind NAT and takes part in hole punching."""
+    return endpoint.startswith(PUNCH_PREFIX)
+
+
+def address_of(endpoint: str) -> str:
+    """``HOST:PORT[/SLOT]`` of an endpoint, without what says it sits behind NAT."""
+    return endpoint.removeprefix(LANE_PREFIX).removeprefix(PUNCH_PREFIX)
+
+
 def takes_connections(endpoint: str) -> bool:
-    """Whether the rank that announced ``endpoint`` accepts incoming connections (it is not a lane)."""
-    return bool(endpoint) and not endpoint.startswith(LANE_PREFIX)
+    """Whether the rank that announced ``endpoint`` accepts incoming connections (it is not behind NAT)."""
+    return bool(endpoint) and not behind_nat(endpoint)
 
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,10 @@ quantization at each part's owner, whose error the owner may carry into its next
 averages them, encodes the average once and sends it to all, and every member (the owner included)
 decodes the same bytes, so the averages stay bit-identical.
 
-Members behind NAT.  When two or more members of a group cannot be reached (``lane:`` endpoints, see
-:mod:`peers.wire.transport`), every part one of them sends another crosses a reachable member twice (it is
-relayed), so those members own no part (:func:`part_owners`): they send their whole payload to the
+Members behind NAT.  Members behind NAT that take part in hole punching (``punch:`` endpoints, see
+:mod:`peers.wire.transport`) connect to each other directly and own their parts as any member.  When two or
+more members of a group cannot be reached and some of them do not punch (``lane:`` endpoints), every part
+one of them sends another crosses a reachable member twice (it is relayed), so those members own no part (:func:`part_owners`): they send their whole payload to the
 reachable owners and take the averaged parts back, a star through the reachable members, as hivemind's
 client-mode peers do.  With ``h`` hidden members and one reachable, the reachable member then carries
 ``h·c`` each way instead of ``2·h²/n·c`` (its own parts and the relayed ones): at ``n = 3``, ``2·c`` instead of
@@ -52,7 +53,7 @@ from hivemind.p2p import P2PContext, PeerID
 
 from outer_optim.codecs import Payload, reduce_scatters
 from outer_optim.tensors import all_finite
-from peers.discovery.membership import MemberCheck, takes_connections
+from peers.discovery.membership import MemberCheck, punchable, takes_connections
 from peers.wire.deflate import pack, unpack, unpack_at_most
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -87,10 +88,13 @@ def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
 
 def part_owners(peers: Sequence[str], endpoints: Mapping[str, str]) -> Collection[str]:
     """The members of a reduce-scatter that own a part: all of them, unless two or more cannot be reached (their
-    endpoint is a lane) and one can, then only those that can (see the module's docstring).  ``endpoints``: the
-    members' transport endpoints (none known, over hivemind's daemon: all own a part)."""
+    endpoint is a lane), not all of those take part in hole punching, and one can be reached, then only those
+    that can (see the module's docstring).  ``endpoints``: the members' transport endpoints (none known, over
+    hivemind's daemon: all own a part)."""
     reachable = [p for p in peers if takes_connections(endpoints.get(p, ""))]
     hidden = [p for p in peers if endpoints.get(p, "") and p not in reachable]
+    if all(punchable(endpoints[p]) for p in hidden):
+        return peers  # they connect to each other through their NATs
     return reachable if len(hidden) >= 2 and reachable else peers
 
 

@@ -29,16 +29,29 @@ receive, ``streams`` *lanes* to each reachable rank they deal with (:meth:`Trans
 they send to), on which that rank sends its frames back: as many connections as it has to a reachable rank,
 since a connection carries one message at a time (each waits for its acknowledgement), and with one lane the
 averaged parts for islands behind NAT queued.  A reachable rank sending to a ``lane:`` endpoint waits for a
-lane.  Between two ranks that both cannot be reached, the sender hands its message to a reachable rank
-it holds a lane to, which passes it on over the receiver's lane before acknowledging it
-(:attr:`Stats.relayed`).  Ranks of one server reach each other directly whatever they announce.
+lane.  Ranks of one server reach each other directly whatever they announce.
+
+**Hole punching.**  Two ranks that both cannot be reached connect to each other through their NATs when both
+dial at once (a TCP simultaneous open): the sender binds a fresh port and sends a SYN from it to the receiver's
+announced port, which its own NAT then lets answers in from; it asks the receiver, through a reachable rank it
+holds a lane to, to dial back; the receiver sends its SYN from its announced port (its server's port, shared
+with ``SO_REUSEPORT``) to the sender's port at the address the reachable rank saw the request come from, which
+its NAT then lets answers in from; the two SYNs cross and the connection opens (a reachable rank and a round
+trip to it, then one between the two).  It then carries the sender's messages as any connection does.  This
+takes a NAT that keeps a connection's port whatever its destination (most do; RFC 4787's endpoint-independent
+mapping); such ranks announce ``punch:HOST:PORT``.  Where a punch fails (a NAT that gives each destination its
+own port) or a rank announces a plain ``lane:`` (``punch=False``), the sender hands its message to a reachable
+rank it holds a lane to, which passes it on over the receiver's lane before acknowledging it
+(:attr:`Stats.relayed`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -47,7 +60,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from peers.discovery.membership import LANE_PREFIX
+from peers.discovery.membership import (
+    LANE_PREFIX,
+    PUNCH_PREFIX,
+    address_of,
+    behind_nat,
+    punchable,
+)
 from peers.wire.inbox import Inbox
 from peers.wire.secure import (
     FRAMES,
@@ -70,6 +89,12 @@ SLOT = struct.Struct(">H")
 """What a connection names first: the rank of the server behind the port it is for."""
 KEEPALIVE = 20
 """Seconds of silence before the kernel probes a lane, so that a NAT keeps its mapping."""
+PUNCH_KEY = "_punch"
+"""The key of a request to dial back for hole punching (see the module's docstring)."""
+PUNCH_WAIT = 5.0
+"""Seconds a punched connection may take to open before its messages go through a reachable rank."""
+PUNCH_AGAIN = 120.0
+"""Seconds after a failed punch during which messages to that rank go through a reachable rank."""
 
 Buffer = bytes | bytearray | memoryview
 
@@ -80,6 +105,10 @@ class TransportError(RuntimeError):
 
 class RefusedError(TransportError):
     """The receiver refused the connection: the two sides hold different run keys, or encrypt differently."""
+
+
+class PunchFailed(ConnectionError):
+    """The receiver asked to dial back did, but the connection did not open through the two NATs."""
 
 
 class GoneError(TransportError):
@@ -93,8 +122,8 @@ GONE_AFTER = 3
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"lane:host:port"``, ``"host:port/slot"``) as (host, port)."""
-    host, _, port = endpoint.removeprefix(LANE_PREFIX).partition("/")[0].rpartition(":")
+    """``"host:port"`` (or ``"lane:host:port"``, ``"punch:host:port"``, ``"host:port/slot"``) as (host, port)."""
+    host, _, port = address_of(endpoint).partition("/")[0].rpartition(":")
     return host.strip("[]"), int(port)
 
 
@@ -139,14 +168,16 @@ class Transport:
     ``peer_id`` and accepts only callers holding ``run_key`` (empty: anyone).  ``advertise``: the host other
     ranks reach it at (default: ``host``, or 127.0.0.1 when listening on all interfaces); ``encrypt``: seal
     every byte after the handshake; ``reachable=False``: no other server can open a connection to it (see
-    the module's docstring); ``slot``: this rank's share of the port ``port`` its server's rank 0 owns (0:
-    this rank owns ``port``); ``streams``: connections at most to one rank, for messages in flight together."""
+    the module's docstring); ``punch``: when it cannot be reached, take part in hole punching; ``slot``: this
+    rank's share of the port ``port`` its server's rank 0 owns (0: this rank owns ``port``); ``streams``:
+    connections at most to one rank, for messages in flight together."""
 
     def __init__(self, peer_id: str, run_key: str = "", host: str = "127.0.0.1", port: int = 0,
                  advertise: str = "", max_message: int = 1 << 34, inbox_ttl: float = 300.0, encrypt: bool = True,
-                 reachable: bool = True, slot: int = 0, streams: int = 4):
+                 reachable: bool = True, slot: int = 0, streams: int = 4, punch: bool = True):
         self.peer_id, self.key, self.max_message = peer_id, run_key.encode(), max_message
         self.encrypt, self.reachable, self.streams = encrypt, reachable, max(1, streams)
+        self.punch = punch and not reachable
         self.box = Inbox(inbox_ttl, max_keys=4096)
         self.stats = Stats()
         self.handlers: dict[str, Callable[[str, str, bytearray, dict], bool]] = {}
@@ -171,12 +202,16 @@ class Transport:
         """Reachable endpoints this rank keeps a lane to (when it cannot be reached), and when it last dealt
         with each."""
         self._lane_links: dict[tuple[str, int], Link] = {}
+        self._unpunched: dict[str, float] = {}
+        """Ranks behind NAT a punch failed to, and until when messages to them go through a reachable rank."""
+        self.handlers[PUNCH_KEY] = self._asked_to_punch
         self._closed = threading.Event()
         self.host, self.slot = host, slot
         self._handoff: dict[int, socket.socket] = {}
         self._handoff_lock = threading.Lock()
         if slot == 0:
-            self._server = socket.create_server((host, port), reuse_port=False, backlog=64,
+            # punching, the ranks of this server dial out from this port too
+            self._server = socket.create_server((host, port), reuse_port=self.punch, backlog=64,
                                                 family=socket.AF_INET6 if ":" in host else socket.AF_INET)
             self.port = self._server.getsockname()[1]
         else:
@@ -190,7 +225,7 @@ class Transport:
             advertise = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.address = f"{advertise}:{self.port}" + (f"/{slot}" if slot else "")
         """Where this rank is reached (directly, by the ranks of its own server)."""
-        self.endpoint = self.address if reachable else LANE_PREFIX + self.address
+        self.endpoint = self.address if reachable else (PUNCH_PREFIX if self.punch else LANE_PREFIX) + self.address
         """What other ranks send to."""
         self._conns: set[socket.socket] = set()
         threading.Thread(target=self._accept if slot == 0 else self._accept_handed, name="transport-accept",
@@ -299,7 +334,7 @@ class Transport:
             if not isinstance(extra, dict):
                 extra = {}
             relayed = "_relay" in extra
-            if relayed and not self._pass_on(key, payload, extra, link.peer):
+            if relayed and not self._pass_on(key, payload, extra, link):
                 return  # not acknowledged: the sender tries again
             link.write_ack()
             if relayed:
@@ -311,12 +346,15 @@ class Transport:
                 continue
             self.box.put(key, sender, payload, extra.get("group", ()))
 
-    def _pass_on(self, key: str, payload: memoryview, extra: dict, sender: str) -> bool:
-        """A message between two ranks that cannot be reached: send it on over the receiver's lane."""
+    def _pass_on(self, key: str, payload: memoryview, extra: dict, link: Link) -> bool:
+        """A message between two ranks that cannot be reached: send it on over the receiver's lane, with where it
+        came from (its sender, and the address it came from: the sender's NAT's, for a punch)."""
         target = str(extra.pop("_relay"))
         within = float(extra.pop("_within", 30.0))
+        seen = link.sock.getpeername()[0]
         try:
-            self.send(target, key, payload, time.monotonic() + max(0.05, within), {**extra, "_from": sender})
+            self.send(target, key, payload, time.monotonic() + max(0.05, within),
+                      {**extra, "_from": link.peer, "_seen": seen})
         except TransportError as e:
             log.info("could not pass %s on to %s: %s", key, target, e)
             return False
@@ -330,7 +368,7 @@ class Transport:
     # ------------------------------------------------------------------------------------- lanes
     def _keep_lane_in(self, link: Link) -> bool:
         """A rank that cannot be reached opened a lane: keep it for the next send to its endpoint."""
-        if not link.endpoint.startswith(LANE_PREFIX):
+        if not behind_nat(link.endpoint):
             log.warning("refused a lane from %s: it announces no lane endpoint", link.peer)
             return False
         link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -361,7 +399,7 @@ class Transport:
             return
         now = time.monotonic()
         for endpoint in endpoints:
-            if endpoint.startswith(LANE_PREFIX) or endpoint == self.endpoint:
+            if behind_nat(endpoint) or endpoint == self.endpoint:
                 continue
             with self._peers_lock:
                 fresh = endpoint not in self._lanes_out
@@ -419,24 +457,27 @@ class Transport:
             time.sleep(0.05)
 
     # ----------------------------------------------------------------------------------- sending
-    def _route(self, endpoint: str) -> str:
-        """Where a message for ``endpoint`` goes first: the endpoint itself (a connection, or its lane), its
-        address on this server, or ``""`` when it must be passed on by a reachable rank."""
-        if not endpoint.startswith(LANE_PREFIX):
+    def _route(self, endpoint: str, key: str = "") -> str:
+        """Where a message for ``endpoint`` goes first: the endpoint itself (a connection, its lane, or a punched
+        connection), its address on this server, or ``""`` when it must be passed on by a reachable rank."""
+        if not behind_nat(endpoint):
             return endpoint
-        address = endpoint.removeprefix(LANE_PREFIX)
+        address = address_of(endpoint)
         if parse_endpoint(address)[0] == parse_endpoint(self.address)[0]:
             return address  # a rank of this server
-        return endpoint if self.reachable else ""
+        if self.reachable:
+            return endpoint
+        punch = self.punch and punchable(endpoint) and key != PUNCH_KEY
+        return endpoint if punch and self._unpunched.get(endpoint, 0.0) <= time.monotonic() else ""
 
     def send(self, endpoint: str, key: str, payload: Buffer, deadline: float, extra: dict | None = None) -> None:
         """Deliver one message to the rank at ``endpoint`` (acknowledged), sending it again on a new connection
         if its connection fails, until ``deadline`` (``time.monotonic``); raises TransportError then."""
-        route = self._route(endpoint)
-        if route == endpoint:
+        if self._route(endpoint, key) == endpoint:
             self.reach([endpoint])
         attempt = refused = 0
         while True:
+            route = self._route(endpoint, key)  # a failed punch sends through a reachable rank from then on
             hop, hop_extra = route, extra
             try:
                 if not hop:
@@ -464,6 +505,11 @@ class Transport:
                 return
             except Refused as e:
                 raise RefusedError(f"{endpoint}: {e}") from None
+            except PunchFailed as e:
+                self._unpunched[endpoint] = time.monotonic() + PUNCH_AGAIN
+                log.warning("%s: passing the messages for it on through a reachable island for %.0f s (with "
+                            "--averaging.hole_punch false on the islands behind such a NAT, the reachable islands "
+                            "average for them from the start, which is faster)", e, PUNCH_AGAIN)
             except OSError as e:
                 attempt += 1
                 # through a relay, a refusal is the relay's, not the receiver's
@@ -496,11 +542,15 @@ class Transport:
         return peer
 
     def _dial(self, endpoint: str, deadline: float, role: int) -> Link:
-        """A new connection to ``endpoint`` after its handshake (a ``lane:`` endpoint: the next lane it opens)."""
-        if endpoint.startswith(LANE_PREFIX):
-            return self._wait_lane(endpoint, deadline)
-        sock = socket.create_connection(parse_endpoint(endpoint), timeout=max(0.05, min(
-            HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+        """A new connection to ``endpoint`` after its handshake (a rank behind NAT: the next lane it opens, or,
+        from behind NAT, a punched connection)."""
+        if behind_nat(endpoint):
+            if self.reachable:
+                return self._wait_lane(endpoint, deadline)
+            sock = self._punch(endpoint, deadline)
+        else:
+            sock = socket.create_connection(parse_endpoint(endpoint), timeout=max(0.05, min(
+                HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(SLOT.pack(slot_of(endpoint)))
@@ -508,6 +558,59 @@ class Transport:
         except BaseException:
             sock.close()
             raise
+
+    # ------------------------------------------------------------------------------ hole punching
+    def _punch(self, endpoint: str, deadline: float) -> socket.socket:
+        """A connection to the rank behind NAT at ``endpoint``, opened by both ends at once (see the module's
+        docstring).  PunchFailed when the receiver dialed back but nothing got through; ConnectionError when
+        the request to dial back could not be delivered."""
+        host, port = parse_endpoint(endpoint)
+        until = min(deadline, time.monotonic() + PUNCH_WAIT)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            sock.setblocking(False)
+            sock.connect_ex((host, port))  # our SYN: from now on our NAT lets in what comes from that port
+            try:
+                self.send(endpoint, PUNCH_KEY, b"", until, {"port": sock.getsockname()[1]})
+            except TransportError as e:
+                raise ConnectionError(f"could not ask {endpoint} to dial back: {e}") from None
+            opened = select.select([], [sock], [], max(0.0, until - time.monotonic()))[1]
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if opened else errno.ETIMEDOUT
+            if error:
+                raise PunchFailed(f"could not open a connection to {endpoint} through both NATs "
+                                  f"({os.strerror(error)}): one of them gives each destination its own port, or "
+                                  "a firewall drops the connections")
+            sock.setblocking(True)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # keeps both NATs' mappings
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _asked_to_punch(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
+        """A rank behind NAT is opening a connection to this one: dial back to its port from this server's."""
+        seen, port = extra.get("_seen"), extra.get("port")
+        if self.punch and isinstance(seen, str) and isinstance(port, int) and 0 < port < 65536:
+            threading.Thread(target=self._dial_back, args=(seen, port), name="transport-punch", daemon=True).start()
+        return True
+
+    def _dial_back(self, host: str, port: int) -> None:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((self.host, self.port))
+            sock.settimeout(PUNCH_WAIT)
+            sock.connect((host, port))
+        except OSError as e:  # the caller's SYN may have come in on the listener instead: then all is well
+            log.debug("dialing back to %s:%d for a punch: %s", host, port, e)
+            sock.close()
+            return
+        self._serve(sock)
 
     def _links(self) -> list[Link]:
         """Every connection this rank made or holds a lane on (the caller holds ``_peers_lock``)."""
@@ -594,7 +697,7 @@ def refuses(endpoint: str, timeout: float = 1.0) -> bool:
     the connection opens, when no answer comes within ``timeout`` (a server that dropped off the network
     cannot be told from a slow one), and for a lane (a rank behind NAT takes no connection).  The probe sends
     nothing: the listener sees a connection end before its handshake."""
-    if not endpoint or endpoint.startswith(LANE_PREFIX):
+    if not endpoint or behind_nat(endpoint):
         return False
     try:
         with socket.create_connection(parse_endpoint(endpoint), timeout=timeout):
