@@ -1,7 +1,8 @@
-"""The exchange of 3 islands' pseudo-gradients over the delay line, with two islands behind NAT: relayed
-(every island owns a part; the reachable island passes the hidden islands' parts to each other) against the
-star (the hidden islands own none: :func:`peers.wire.encoded.part_owners`), and all islands reachable, side
-by side in one run.  Not a test.
+"""The exchange of 3 islands' pseudo-gradients over the delay line, with two islands behind NAT: punched
+(every island owns a part; the hidden islands connect to each other through their NATs), relayed (every
+island owns a part; the reachable island passes the hidden islands' parts to each other), the star (the
+hidden islands own none: :func:`peers.wire.encoded.part_owners`), and all islands reachable, side by side in
+one run.  Not a test.
 
 Each arm starts 3 processes, one in each host's namespace of :class:`experiments.netns.EmulatedNetwork`, each
 with a real :class:`~peers.wire.transport.Transport`, and times ``--rounds`` calls of
@@ -25,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ARMS = {"all reachable": ((), "star"), "2 of 3 behind NAT, relayed": ((1, 2), "relay"),
-        "2 of 3 behind NAT, star": ((1, 2), "star")}
+ARMS = {"all reachable": ((), "star"), "2 of 3 behind NAT, punched": ((1, 2), "punch"),
+        "2 of 3 behind NAT, relayed": ((1, 2), "relay"), "2 of 3 behind NAT, star": ((1, 2), "star")}
 
 
 def worker(index: int, n: int, host: str, reachable: bool, folder: Path, mode: str, rounds: int,
-           numel: int) -> None:
+           numel: int, idle: float) -> None:
     """One island's rank: exchange ``rounds`` times with the others, print its seconds as JSON."""
     import torch
 
@@ -40,7 +41,7 @@ def worker(index: int, n: int, host: str, reachable: bool, folder: Path, mode: s
 
     torch.set_num_threads(1)
     name = f"island{index}"
-    transport = Transport(name, "key", host=host, reachable=reachable)
+    transport = Transport(name, "key", host=host, reachable=reachable, punch=mode == "punch")
     (folder / f"{name}.endpoint").write_text(transport.endpoint)
     while len(list(folder.glob("*.endpoint"))) < n:
         time.sleep(0.05)
@@ -51,9 +52,10 @@ def worker(index: int, n: int, host: str, reachable: bool, folder: Path, mode: s
     peers = sorted(endpoints)
     transport.reach([e for p, e in endpoints.items() if p != name])
     payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(index)))
-    owners = part_owners(peers, endpoints) if mode == "star" else None
+    owners = part_owners(peers, endpoints) if mode != "relay" else None
     seconds = []
     for r in range(rounds):
+        time.sleep(idle)  # an island's inner steps: its connections idle between rounds
         (folder / f"{name}.{r}").write_text("")
         while len(list(folder.glob(f"*.{r}"))) < n:
             time.sleep(0.01)
@@ -75,7 +77,8 @@ def run_arm(nat: tuple[int, ...], mode: str, args: argparse.Namespace) -> list[f
     with netns.EmulatedNetwork(3, rate=args.rate, rtt_ms=args.rtt, nat=nat, delay_line=True) as net:
         folder = tempfile.mkdtemp()
         procs = [net.popen([sys.executable, __file__, "--worker", str(i), net.host(i).address,
-                            "0" if i in nat else "1", folder, mode, str(args.rounds), str(args.numel)], i,
+                            "0" if i in nat else "1", folder, mode, str(args.rounds), str(args.numel),
+                            str(args.idle)], i,
                            stdout=subprocess.PIPE, text=True) for i in range(3)]
         outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["seconds"] for p in procs]
     return [max(o[r] for o in outs) for r in range(1, args.rounds)]
@@ -83,14 +86,16 @@ def run_arm(nat: tuple[int, ...], mode: str, args: argparse.Namespace) -> list[f
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        i, host, reachable, folder, mode, rounds, numel = sys.argv[2:9]
-        worker(int(i), 3, host, reachable == "1", Path(folder), mode, int(rounds), int(numel))
+        i, host, reachable, folder, mode, rounds, numel, idle = sys.argv[2:10]
+        worker(int(i), 3, host, reachable == "1", Path(folder), mode, int(rounds), int(numel), float(idle))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="50mbit")
     parser.add_argument("--rtt", type=float, default=100.0)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--numel", type=int, default=920_000, help="fp32 values per island (the small model's)")
+    parser.add_argument("--idle", type=float, default=0.0,
+                        help="seconds between rounds, as an island's inner steps leave its connections idle")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/star-exchange"))
     args = parser.parse_args()
     results = {}
@@ -100,7 +105,7 @@ def main() -> None:
     base = statistics.median(results["all reachable"])
     payload_mb = args.numel * 4 / 1e6
     lines = [f"# The exchange of 3 islands, 2 behind NAT: {args.rate}, RTT {args.rtt:.0f} ms, "
-             f"{payload_mb:.1f} MB of fp32 per island", "",
+             f"{payload_mb:.1f} MB of fp32 per island, {args.idle:g} s idle between rounds", "",
              "| arm | exchange s (median) | min | max | / all reachable |", "|---|---|---|---|---|"]
     for arm, secs in results.items():
         med = statistics.median(secs)

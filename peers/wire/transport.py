@@ -93,7 +93,7 @@ PUNCH_KEY = "_punch"
 """The key of a request to dial back for hole punching (see the module's docstring)."""
 PUNCH_WAIT = 5.0
 """Seconds a punched connection may take to open before its messages go through a reachable rank."""
-PUNCH_AGAIN = 120.0
+PUNCH_AGAIN = 600.0
 """Seconds after a failed punch during which messages to that rank go through a reachable rank."""
 
 Buffer = bytes | bytearray | memoryview
