@@ -101,6 +101,24 @@ def run_arm(cfg: Config, islands: int, nat: tuple[int, ...], rate: str, rtt_ms: 
             "round_seconds": took}
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's repeated runs as one: the first run's facts, every round of every run, medians over all of
+    them (the exchange's: the median of the runs' medians), and each run's median round."""
+    if len(runs) == 1:
+        return runs[0]
+    took = [t for r in runs for t in r["round_seconds"]]
+    out = dict(runs[0], round_seconds=took, round_seconds_median=statistics.median(took),
+               rounds_committed=[sum(c) for c in zip(*(r["rounds_committed"] for r in runs))],
+               rounds_planned=sum(r["rounds_planned"] for r in runs),
+               theta_identical=all(r["theta_identical"] for r in runs),
+               relayed=[sum(x) for x in zip(*(r["relayed"] for r in runs))] if all(
+                   None not in r["relayed"] for r in runs) else [None],
+               per_run_round_seconds_median=[r["round_seconds_median"] for r in runs])
+    for name in ("exchange_seconds_median", "group_seconds_median", "vote_seconds_median"):
+        out[name] = statistics.median(r[name] for r in runs)
+    return out
+
+
 def figure() -> tuple[Any, Any]:
     """A figure and its axes, drawn off screen, sized for the results folders."""
     import matplotlib
@@ -147,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = link_parser(__doc__, "experiments/results/nat")
     parser.add_argument("--nat", default="1", help="indices of the islands behind NAT, comma-separated")
     parser.add_argument("--rtt", type=float, default=100.0, help="round-trip time in ms")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the arms in turn this many times and pool their rounds (default 1)")
     parser.add_argument("--nat-kind", default="cone", choices=netns.NAT_KINDS,
                         help="cone: a NAT that keeps a connection's port (hole punching gets through); symmetric: "
                              "one that gives each destination its own port (it does not)")
@@ -160,11 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         if not nat or max(nat) >= args.islands or min(nat) < 0 or len(set(nat)) >= args.islands:
             raise ConfigError([f"--nat must name between 1 and {args.islands - 1} of the islands "
                                f"0..{args.islands - 1}, leaving one reachable, got {args.nat!r}"])
+        if args.repeats < 1:
+            raise ConfigError([f"--repeats must be at least 1, got {args.repeats}"])
         ok, why = netns.available(delay=True)
         if not ok:
             raise ConfigError([f"the emulated links need root and TUN devices: {why}"])
         cfg = config_load.load(None, rest, defaults=DEFAULTS)
-        results = {}
         hidden_name = f"island{'s' if len(nat) > 1 else ''} {args.nat} behind NAT"
         if args.nat_kind != "cone":
             hidden_name = hidden_name.replace("NAT", f"{args.nat_kind} NAT")
@@ -172,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
                 (f"{hidden_name}, found by dial-back", nat, "nat-found", False, True)]
         if len(nat) > 1:  # whether the islands behind NAT punch through to each other or average through a star
             arms.append((f"{hidden_name}, declared, no hole punching", nat, "nat-star", True, False))
-        for arm, hidden, folder, declared, punch in arms:
-            print(f"== {arm} ==", flush=True)
-            results[arm] = run_arm(cfg, args.islands, hidden, args.rate, args.rtt, args.out / "runs" / folder,
-                                   declared=declared, nat_kind=args.nat_kind, punch=punch)
-            print(json.dumps({k: v for k, v in results[arm].items() if k != "round_seconds"}), flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm, *_ in arms}
+        for repeat in range(args.repeats):  # arms in turn: the machine's slow spells fall on all of them
+            for arm, hidden, folder, declared, punch in arms:
+                print(f"== {arm}{f' (repeat {repeat + 1})' if args.repeats > 1 else ''} ==", flush=True)
+                runs[arm].append(run_arm(cfg, args.islands, hidden, args.rate, args.rtt, args.out / "runs" / (
+                    folder + (str(repeat) if args.repeats > 1 else "")), declared=declared, nat_kind=args.nat_kind,
+                    punch=punch))
+                print(json.dumps({k: v for k, v in runs[arm][-1].items() if k != "round_seconds"}), flush=True)
+        results = {arm: pooled(rs) for arm, rs in runs.items()}
         base = results["all reachable"]
         title = f"{args.islands} islands, {args.rate}, RTT {args.rtt:g} ms, {cfg.model.preset} model"
         rows = [f"# Islands behind NAT: {title}", "",
@@ -187,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             hidden = ", ".join(f"island{i}{' (found)' if found else ''}"
                                for i, (behind, found) in enumerate(zip(r["behind_nat"], r["found_by_dial_back"]))
                                if behind) or "none"
+            each = f" (runs: {', '.join(f'{x:.2f}' for x in r['per_run_round_seconds_median'])})" if (
+                "per_run_round_seconds_median" in r) else ""
             relayed = "+".join(str(x) for x in r["relayed"]) if None not in r["relayed"] else "?"
             rows.append(f"| {arm} | {r['rounds_committed']} of {r['rounds_planned']} | {r['theta_identical']} | "
-                        f"{hidden} | {relayed} | {r['round_seconds_median']:.2f} | {r['exchange_seconds_median']:.2f} | "
+                        f"{hidden} | {relayed} | {r['round_seconds_median']:.2f}{each} | "
+                        f"{r['exchange_seconds_median']:.2f} | "
                         f"{r['round_seconds_median'] / base['round_seconds_median']:.2f}x |")
         table = "\n".join(rows)
         save_results(args.out, table, results)
