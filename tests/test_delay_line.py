@@ -237,7 +237,7 @@ for line in sys.stdin:
         out = {"size": len(value) if value is not None else -1,
                "intact": value is not None and bytes(value) == bytes(range(256)) * (len(value) // 256)}
     else:
-        out = vars(t.stats)
+        out = dict(vars(t.stats), punch_failed=t.punch_failed())
     print(json.dumps(out), flush=True)
 """
 
@@ -284,6 +284,8 @@ def test_two_ranks_behind_nat_punch_through_to_each_other_or_have_their_bytes_re
             assert relay["relayed"] >= 1 and relay["sent"] < size // 100  # the requests to dial back, only
         else:
             assert relay["sent"] >= size  # the payload itself, after the punch failed
+        # an island whose punch failed has its next groups average through the reachable islands
+        assert first(stats=1)["punch_failed"] == (kind == "symmetric")
 
 
 def _forwarder_gone(pid: int) -> bool:

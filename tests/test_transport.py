@@ -253,7 +253,7 @@ def test_a_dial_back_finds_a_listener_that_can_be_reached_and_one_that_cannot(tr
     """A joining island asks a reachable one to connect back: its own listener counts only when the nonce it
     wrote comes back; an address nothing answers at, or one on another 'server' (127.0.0.2: the listener is
     bound to 127.0.0.1, as a private address behind a NAT is), is named among those not reached, and the
-    answer comes back over the asker's lane."""
+    answer comes back over the asker's lane, with the address the question came from (a NAT's, behind one)."""
     from peers.wire.dial_back import ask_dial_back, serve_dial_back
 
     responder = transports("responder", "k", host="127.0.0.1")
@@ -269,6 +269,7 @@ def test_a_dial_back_finds_a_listener_that_can_be_reached_and_one_that_cannot(tr
 
     found = ask_dial_back("island", "k", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.2", [])
     assert found.reached is False and found.failed == found.addresses and found.answered == 1, found
+    assert found.seen == "127.0.0.1"  # where the question came from, not the address it would announce
 
 
 def test_a_dial_back_that_nobody_answers_knows_nothing(transports):
@@ -322,6 +323,7 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
     punching = {**endpoints, "first": "punch:127.0.0.3:1", "second": "punch:127.0.0.4:1"}
     assert part_owners(peers, punching) == peers  # they connect to each other through their NATs
     assert set(part_owners(peers, {**punching, "second": endpoints["second"]})) == {"public"}  # one cannot
+    assert set(part_owners(peers, punching, unpunched=["first"])) == {"public"}  # one failed a punch lately
 
     def round_(key: str, owners) -> dict:
         out: dict = {}

@@ -122,6 +122,8 @@ class PeerNode:
         self.behind_nat = False
         """Whether the islands asked could not connect back to this one (on rank 0; then the island takes part
         as ``--averaging.client_mode true`` would)."""
+        self.seen_ip = ""
+        """The address the islands asked saw this one's question come from (its NAT's, behind one)."""
         self._server: StateServer | None = None
         self._provide: Provider = lambda: None
         self._lock = threading.Lock()
@@ -316,7 +318,9 @@ class PeerNode:
         host = _listen_ip(a)
         transport, advertise, error = None, "", ""
         if rt.is_main:
-            advertise = _advertised_ip(a, self.dht)
+            # behind NAT, hole punching aims at the announced address: the NAT's, as the dial-back saw it
+            advertise = (self.seen_ip if a.client_mode and not _ip_of(a.announce_maddrs) else ""
+                         ) or _advertised_ip(a, self.dht)
             try:
                 transport = Transport(str(self.dht.peer_id), run_key, host=host, port=a.transport_port,
                                       advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode,
@@ -436,6 +440,7 @@ class PeerNode:
                     "open or forward the ports and announce the public address with --averaging.announce_maddrs",
                     ", ".join(found.failed))
         self.behind_nat = True
+        self.seen_ip = found.seen
         port = tcp_port(dht)
         dht.shutdown()
         settings = network(initial)

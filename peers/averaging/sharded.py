@@ -278,6 +278,8 @@ class ShardedAverager:
         meta["layout_fingerprint"] = self.layout_fingerprint
         meta["island_id"] = self.island_id
         meta["ranks"] = self.ranks
+        if self.transport is not None and self.transport.punch_failed():
+            meta["unpunched"] = True  # as rank 0 finds it: the island's ranks sit behind the same NAT
         if self.auto and self.rank == 0:
             meta["link"] = self.link.published()
         refusal = self.exchange.precheck(local_deltas, weight, buckets)
@@ -357,7 +359,8 @@ class ShardedAverager:
         told = []
 
         def exchange(meta: dict[str, dict], peers: list[str], round_id: str) -> Exchange:
-            group = {p: {"ranks": meta[p].get("ranks"), "weight": meta[p].get("weight")} for p in peers}
+            group = {p: {"ranks": meta[p].get("ranks"), "weight": meta[p].get("weight"),
+                         "unpunched": bool(meta[p].get("unpunched"))} for p in peers}
             if self.auto:
                 pending.codec = self._pick(meta, peers, pending.buckets)
             self._tell_ranks("group", round_id, {"peers": peers, "group": group, "codec": pending.codec})
@@ -417,6 +420,7 @@ class ShardedAverager:
         codec = self.codecs[pending.codec]
         self.channel.entropy_coding = self.settings.entropy_coding and codec.skewed
         endpoints = {str(peer): str(endpoint) for p in peers for peer, endpoint in group[p]["ranks"]}
+        unpunched = [str(peer) for p in peers if group[p].get("unpunched") for peer, _ in group[p]["ranks"]]
         if isinstance(self.channel, DirectChannel):
             self.channel.endpoints.update(endpoints)
             self.transport.reach(list(endpoints.values()))
@@ -440,7 +444,8 @@ class ShardedAverager:
                                   self.peer_id, members, owners, payload, bucket.numel,
                                   self.settings.allreduce_timeout, carry,
                                   flat[bucket.start:bucket.end] if flat is not None else None,
-                                  pending.owned[b] if codec.lossy else None, part_owners(members, endpoints))
+                                  pending.owned[b] if codec.lossy else None,
+                                  part_owners(members, endpoints, unpunched))
             return b, out
 
         prints: dict[int, list[float]] = {}

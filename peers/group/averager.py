@@ -181,6 +181,7 @@ class VerifiedAverager(MissedGroups):
                     self._parts = DirectChannel(transport, max_bytes, entropy_coding=coding)
                     self._votes.use_lanes(self._parts)
             self.endpoint = transport.endpoint if transport is not None else ""
+            self.transport = transport
         except BaseException:
             self.shutdown()
             raise
@@ -223,9 +224,10 @@ class VerifiedAverager(MissedGroups):
             endpoints = {p: str(meta[p].get("endpoint", "")) for p in peers}
             if isinstance(self._parts, DirectChannel):
                 self._parts.endpoints.update(endpoints)
+            owners = part_owners(peers, endpoints, [p for p in peers if meta[p].get("unpunched")])
             out = average_encoded(self._parts, self.codec, parts_key(peers, rid), self.peer_id, peers,
                                   {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
-                                  self.settings.allreduce_timeout, carry, owners=part_owners(peers, endpoints))
+                                  self.settings.allreduce_timeout, carry, owners=owners)
             if out.mean is None:
                 reason, left = out.failure(len(peers))
                 return Exchange(None, None, out.bytes_sent, out.bytes_received, reason, left, out.carry)
@@ -234,6 +236,8 @@ class VerifiedAverager(MissedGroups):
                             finite=all(all_finite(a) for a in averaged))
 
         meta = dict(metadata, endpoint=self.endpoint) if self.endpoint else metadata
+        if self.transport is not None and self.transport.punch_failed():
+            meta = dict(meta, unpunched=True)
         result, averaged = self.run_round(weight, meta, round_id, exchange, on_stage, matchmaking_timeout,
                                           expected_group_size)
         return result, averaged

@@ -44,6 +44,9 @@ class Reachability:
     reached: bool | None
     addresses: list[str]
     """The addresses the islands were asked to connect to."""
+    seen: str = ""
+    """The IP address the islands that answered saw the question come from: behind a NAT, the NAT's public
+    one, which this island announces for hole punching (:mod:`peers.wire.transport`)."""
     failed: list[str] = field(default_factory=list)
     """Those no island could connect to."""
     asked: list[str] = field(default_factory=list)
@@ -63,16 +66,17 @@ def serve_dial_back(transport: Transport) -> None:
         except (ValueError, KeyError, TypeError):
             log.warning("refused a malformed dial-back request from %s", sender)
             return True
-        threading.Thread(target=_dial, args=(transport, addresses, greeted, reply, to), name="dial-back",
-                         daemon=True).start()
+        threading.Thread(target=_dial, args=(transport, addresses, greeted, reply, to, str(extra.get("_seen", ""))),
+                         name="dial-back", daemon=True).start()
         return True
 
     transport.handlers[REQUEST] = on_request
 
 
-def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: str, to: str) -> None:
+def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: str, to: str, seen: str) -> None:
     """Connect to each address, read the nonce from those ``greeted`` (the others, such as a DHT's port, speak
-    only when spoken to: connecting is all), and send what came back to the asker."""
+    only when spoken to: connecting is all), and send what came back to the asker, with the address ``seen``
+    its question came from."""
     greetings = {}
     for address in addresses:
         try:
@@ -91,7 +95,8 @@ def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: 
         except OSError:
             greetings[address] = None
     try:
-        transport.send(to, reply, json.dumps(greetings).encode(), time.monotonic() + 2 * CONNECT_TIMEOUT)
+        transport.send(to, reply, json.dumps({"greetings": greetings, "seen": seen}).encode(),
+                       time.monotonic() + 2 * CONNECT_TIMEOUT)
     except TransportError as e:
         log.info("could not answer a dial-back request: %s", e)
 
@@ -162,10 +167,13 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
     reports = []
     for payload in answers.values():
         try:
-            report = json.loads(bytes(payload))
+            answer = json.loads(bytes(payload))
         except ValueError:
             continue
+        report = answer.get("greetings") if isinstance(answer, dict) else None
         reports.append(report if isinstance(report, dict) else {})
+        if isinstance(answer, dict) and isinstance(answer.get("seen"), str) and not out.seen:
+            out.seen = answer["seen"]
 
     def reached(address: str, report: dict) -> bool:
         greeting = report.get(address)

@@ -86,14 +86,16 @@ def part_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def part_owners(peers: Sequence[str], endpoints: Mapping[str, str]) -> Collection[str]:
+def part_owners(peers: Sequence[str], endpoints: Mapping[str, str], unpunched: Collection[str] = ()
+                ) -> Collection[str]:
     """The members of a reduce-scatter that own a part: all of them, unless two or more cannot be reached (their
     endpoint is a lane), not all of those take part in hole punching, and one can be reached, then only those
     that can (see the module's docstring).  ``endpoints``: the members' transport endpoints (none known, over
-    hivemind's daemon: all own a part)."""
+    hivemind's daemon: all own a part); ``unpunched``: members behind NAT that failed a punch lately (they
+    count as not punching: their NAT, or another's, gives each destination its own port)."""
     reachable = [p for p in peers if takes_connections(endpoints.get(p, ""))]
     hidden = [p for p in peers if endpoints.get(p, "") and p not in reachable]
-    if all(punchable(endpoints[p]) for p in hidden):
+    if all(punchable(endpoints[p]) and p not in unpunched for p in hidden):
         return peers  # they connect to each other through their NATs
     return reachable if len(hidden) >= 2 and reachable else peers
 

@@ -333,6 +333,8 @@ class Transport:
                 return
             if not isinstance(extra, dict):
                 extra = {}
+            if "_from" not in extra:  # where it came from, as this end sees it (a relay tells its own)
+                extra["_seen"] = link.sock.getpeername()[0]
             relayed = "_relay" in extra
             if relayed and not self._pass_on(key, payload, extra, link):
                 return  # not acknowledged: the sender tries again
@@ -348,13 +350,11 @@ class Transport:
 
     def _pass_on(self, key: str, payload: memoryview, extra: dict, link: Link) -> bool:
         """A message between two ranks that cannot be reached: send it on over the receiver's lane, with where it
-        came from (its sender, and the address it came from: the sender's NAT's, for a punch)."""
+        came from (its sender, and the address it came from, ``_seen``: the sender's NAT's, for a punch)."""
         target = str(extra.pop("_relay"))
         within = float(extra.pop("_within", 30.0))
-        seen = link.sock.getpeername()[0]
         try:
-            self.send(target, key, payload, time.monotonic() + max(0.05, within),
-                      {**extra, "_from": link.peer, "_seen": seen})
+            self.send(target, key, payload, time.monotonic() + max(0.05, within), {**extra, "_from": link.peer})
         except TransportError as e:
             log.info("could not pass %s on to %s: %s", key, target, e)
             return False
@@ -560,6 +560,12 @@ class Transport:
             raise
 
     # ------------------------------------------------------------------------------ hole punching
+    def punch_failed(self) -> bool:
+        """Whether a punch from this rank failed within the last :data:`PUNCH_AGAIN` seconds: its island then
+        has its groups average through the reachable islands (:func:`peers.wire.encoded.part_owners`)."""
+        now = time.monotonic()
+        return any(until > now for until in list(self._unpunched.values()))
+
     def _punch(self, endpoint: str, deadline: float) -> socket.socket:
         """A connection to the rank behind NAT at ``endpoint``, opened by both ends at once (see the module's
         docstring).  PunchFailed when the receiver dialed back but nothing got through; ConnectionError when
