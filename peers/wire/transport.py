@@ -571,7 +571,9 @@ class Transport:
         docstring).  PunchFailed when the receiver dialed back but nothing got through; ConnectionError when
         the request to dial back could not be delivered."""
         host, port = parse_endpoint(endpoint)
-        until = min(deadline, time.monotonic() + PUNCH_WAIT)
+        now = time.monotonic()
+        until = min(deadline, now + PUNCH_WAIT)
+        cut_short = deadline < now + PUNCH_WAIT  # by the message's deadline: then no verdict on the NATs
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -584,6 +586,8 @@ class Transport:
                 raise ConnectionError(f"could not ask {endpoint} to dial back: {e}") from None
             opened = select.select([], [sock], [], max(0.0, until - time.monotonic()))[1]
             error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if opened else errno.ETIMEDOUT
+            if error == errno.ETIMEDOUT and cut_short:
+                raise ConnectionError(f"the connection to {endpoint} did not open before the message's deadline")
             if error:
                 raise PunchFailed(f"could not open a connection to {endpoint} through both NATs "
                                   f"({os.strerror(error)}): one of them gives each destination its own port, or "
