@@ -278,3 +278,20 @@ def test_single_process_island_exchange_and_its_checks():
 if __name__ == "__main__":
     run_cases(json.loads(sys.argv[1]), sys.argv[2])
     exit_worker(0)
+
+
+def test_rank_0_combines_the_bucket_failures_its_other_ranks_reported_over_json():
+    """Rank 0's own report holds tuples, the other ranks' came as JSON lists: the island's verdict names the
+    first failed bucket either way (comparing the two once crashed rank 0 mid-round, and its island hung)."""
+    from types import SimpleNamespace
+
+    from peers.averaging.sharded import ShardedAverager
+
+    island = object.__new__(ShardedAverager)  # only _combine's logic: no DHT, no transport
+    island.layout = SimpleNamespace(buckets=[0, 1, 2])
+    report = {"sent": 10, "received": 20, "resent": 0, "prints": {}, "finite": True}
+    mine = dict(report, failures=[(2, "a member never learned of the group", 1)])
+    theirs = json.loads(json.dumps(dict(report, failures=[(0, "1 of 3 island(s) did not send", 2)])))
+    out = island._combine([mine, theirs], None)
+    assert out.fingerprint is None and out.bytes_sent == 20 and out.members_left == 1
+    assert out.reason == "bucket 0: 1 of 3 island(s) did not send (2 buckets failed)"

@@ -482,7 +482,7 @@ class ShardedAverager:
         if missing:
             return Exchange(None, None, sent, received, f"rank(s) {missing} of this island did not finish their "
                             f"buckets in time", 0, parts_resent=resent)
-        failures = [f for rep in reports for f in rep["failures"]]
+        failures = [tuple(f) for rep in reports for f in rep["failures"]]  # the other ranks' came as JSON lists
         if failures:
             b, reason, _ = min(failures)
             lefts = [left for _, _, left in failures]
