@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from diloco.engine.metrics import read_metrics
 from experiments import netns
 from experiments.compare import (
     arm_settings,
@@ -42,8 +43,14 @@ def _check_report(out, H: int) -> dict:
     assert not [f for f in dl["extra"]["failures"] if PART_LOST not in f], dl["extra"]["failures"]
     ok, failed = dl["extra"]["rounds_ok"], dl["extra"]["rounds_failed"]
     assert len(set(ok)) == 1 and ok[0] >= 1 and [a + b for a, b in zip(ok, failed)] == [2, 2], (ok, failed)
-    assert data["acceptance"]["bytes_reduction"] == pytest.approx(H, rel=1e-3)  # a rejected round sent its bytes too
-    assert data["acceptance"]["bytes_ok"]
+    # a round that averaged again (a member that never learned of its group) sent its bytes twice; a rejected
+    # round sent its bytes too
+    retried = [r for i in range(2) for r in read_metrics(out / "runs" / "diloco" / f"island{i}") if r.get("retried")]
+    if retried:
+        assert H / 2 <= data["acceptance"]["bytes_reduction"] < H, retried
+    else:
+        assert data["acceptance"]["bytes_reduction"] == pytest.approx(H, rel=1e-3)
+        assert data["acceptance"]["bytes_ok"]
     for r in (single, base, dl):
         assert r["final_eval_loss"] < r["curve"][0]["eval_loss"]
     return data
