@@ -314,6 +314,7 @@ class Transport:
 
     def _read_frames(self, link: Link) -> None:
         """Read, acknowledge and deliver the frames of one connection until it ends."""
+        seen = link.sock.getpeername()[0]  # where its frames come from, as this end sees it (a relay tells its own)
         while not self._closed.is_set():
             try:
                 key, meta, payload = link.read_frame(self.max_message)
@@ -333,8 +334,8 @@ class Transport:
                 return
             if not isinstance(extra, dict):
                 extra = {}
-            if "_from" not in extra:  # where it came from, as this end sees it (a relay tells its own)
-                extra["_seen"] = link.sock.getpeername()[0]
+            if "_from" not in extra:
+                extra["_seen"] = seen
             relayed = "_relay" in extra
             if relayed and not self._pass_on(key, payload, extra, link):
                 return  # not acknowledged: the sender tries again
