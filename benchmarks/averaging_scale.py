@@ -157,7 +157,7 @@ def run_case(size: str, codec: str, rounds: int, inner_steps: int, out: Path, ne
     numel = sum(p.numel() for p in build_model(cfg.model).parameters())
     sampler = TreeSampler()
     t0 = time.time()
-    hosts = [h.address for h in network.hosts[:2]] if network is not None else None
+    hosts = [h.local_address for h in network.hosts[:2]] if network is not None else None
     summary = simulate(cfg, 2, 600.0, wrap=network.wrap if network is not None else None, host_addresses=hosts,
                        quiet=True)
     wall = time.time() - t0

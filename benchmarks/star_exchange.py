@@ -30,9 +30,10 @@ ARMS = {"all reachable": ((), "star"), "2 of 3 behind NAT, punched": ((1, 2), "p
         "2 of 3 behind NAT, relayed": ((1, 2), "relay"), "2 of 3 behind NAT, star": ((1, 2), "star")}
 
 
-def worker(index: int, n: int, host: str, reachable: bool, folder: Path, mode: str, rounds: int,
+def worker(index: int, n: int, host: str, public: str, reachable: bool, folder: Path, mode: str, rounds: int,
            numel: int, idle: float) -> None:
-    """One island's rank: exchange ``rounds`` times with the others, print its seconds as JSON."""
+    """One island's rank, listening on ``host`` and announcing ``public`` (its NAT's address behind NAT): exchange
+    ``rounds`` times with the others, print its seconds as JSON."""
     import torch
 
     from outer_optim.codecs import make_codec
@@ -41,7 +42,7 @@ def worker(index: int, n: int, host: str, reachable: bool, folder: Path, mode: s
 
     torch.set_num_threads(1)
     name = f"island{index}"
-    transport = Transport(name, "key", host=host, reachable=reachable, punch=mode == "punch")
+    transport = Transport(name, "key", host=host, advertise=public, reachable=reachable, punch=mode == "punch")
     (folder / f"{name}.endpoint").write_text(transport.endpoint)
     while len(list(folder.glob("*.endpoint"))) < n:
         time.sleep(0.05)
@@ -76,7 +77,7 @@ def run_arm(nat: tuple[int, ...], mode: str, args: argparse.Namespace) -> list[f
 
     with netns.EmulatedNetwork(3, rate=args.rate, rtt_ms=args.rtt, nat=nat, delay_line=True) as net:
         folder = tempfile.mkdtemp()
-        procs = [net.popen([sys.executable, __file__, "--worker", str(i), net.host(i).address,
+        procs = [net.popen([sys.executable, __file__, "--worker", str(i), net.host(i).local_address, net.host(i).address,
                             "0" if i in nat else "1", folder, mode, str(args.rounds), str(args.numel),
                             str(args.idle)], i,
                            stdout=subprocess.PIPE, text=True) for i in range(3)]
@@ -86,8 +87,8 @@ def run_arm(nat: tuple[int, ...], mode: str, args: argparse.Namespace) -> list[f
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        i, host, reachable, folder, mode, rounds, numel, idle = sys.argv[2:10]
-        worker(int(i), 3, host, reachable == "1", Path(folder), mode, int(rounds), int(numel), float(idle))
+        i, host, public, reachable, folder, mode, rounds, numel, idle = sys.argv[2:11]
+        worker(int(i), 3, host, public, reachable == "1", Path(folder), mode, int(rounds), int(numel), float(idle))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="50mbit")

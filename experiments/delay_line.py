@@ -29,7 +29,11 @@ says which SYNs it lets in after all:
 - ``"symmetric"``: a NAT that gives every destination its own port, so that no peer ever learns the port a SYN
   would have to reach: no inbound SYN passes.
 
-Addresses are not rewritten: a host's address is its public one.
+A NAT also translates addresses, as real ones do: a host behind it has a private address on its own TUN device
+(``local``), which no other host can reach (a packet for it is unroutable), and the forwarder rewrites it to the
+host's public ``address`` on the way out and back on the way in (ports are kept, as Linux's masquerading keeps
+them while they are free), fixing the IP and TCP/UDP checksums.  A peer therefore sees a NATed host's
+connections come from its public address, and only an announced public address can be reached or punched.
 
 Packet rates, not bytes, cost Python its time, so the TUN devices get a large MTU (``DEFAULT_MTU``):
 the kernel hands over segments of up to that size and TCP acknowledges fewer of them. Pacing is exact
@@ -92,6 +96,7 @@ class Endpoint:
     up_bits: float  # uplink rate, bits/s
     down_bits: float  # downlink rate, bits/s
     nat: bool = False  # behind NAT: accepts no inbound TCP connection (but see nat_kind)
+    local: str = ""  # behind NAT: the private address on its TUN device, rewritten to ``address`` ("" : none)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,35 @@ class DelayLineConfig:
         raw = json.loads(text)
         raw["hosts"] = tuple(Endpoint(**h) for h in raw["hosts"])
         return DelayLineConfig(**raw)
+
+
+def _checksum_after(checksum: int, old: bytes, new: bytes) -> int:
+    """A 16-bit one's-complement checksum once the 4 bytes ``old`` it covers became ``new`` (RFC 1624)."""
+    total = ~checksum & 0xFFFF
+    for i in (0, 2):
+        total += (~int.from_bytes(old[i:i + 2], "big") & 0xFFFF) + int.from_bytes(new[i:i + 2], "big")
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def translate(pkt: bytes, at: int, new: bytes) -> bytes:
+    """IPv4 packet ``pkt`` with the address at byte ``at`` (12: the source, 16: the destination) set to ``new``,
+    its IP checksum and, in a first fragment, its TCP or UDP checksum (which cover both addresses) fixed."""
+    out = bytearray(pkt)
+    old = bytes(out[at:at + 4])
+    out[at:at + 4] = new
+    out[10:12] = _checksum_after(int.from_bytes(out[10:12], "big"), old, new).to_bytes(2, "big")
+    ihl = (out[0] & 0x0F) * 4
+    spot = {6: ihl + 16, 17: ihl + 6}.get(out[9])
+    if spot is not None and not (out[6] & 0x1F or out[7]) and len(out) >= spot + 2:
+        checksum = int.from_bytes(out[spot:spot + 2], "big")
+        if out[9] == 6 or checksum:  # a UDP checksum of 0 means none
+            fixed = _checksum_after(checksum, old, new)
+            if out[9] == 17 and not fixed:
+                fixed = 0xFFFF  # UDP writes a computed 0 as its one's complement twin
+            out[spot:spot + 2] = fixed.to_bytes(2, "big")
+    return bytes(out)
 
 
 # --------------------------------------------------------------------------- namespaces and TUN devices
@@ -185,6 +219,8 @@ class Forwarder:
         n = len(fds)
         route = {socket.inet_aton(h.address): i for i, h in enumerate(cfg.hosts)}
         nat = [h.nat for h in cfg.hosts]
+        public = [socket.inet_aton(h.address) for h in cfg.hosts]
+        private = [socket.inet_aton(h.local) if h.local else None for h in cfg.hosts]
         cone = cfg.nat_kind == "cone"
         # (host behind a cone NAT, its port, remote address, remote port) -> when it last sent a SYN there
         opened: dict[tuple[int, bytes, bytes, bytes], float] = {}
@@ -257,6 +293,8 @@ class Forwarder:
                     if dst is None or dst == src:
                         counts["unroutable"] += 1
                         continue
+                    if private[src] is not None and pkt[12:16] == private[src]:  # out through its NAT
+                        pkt = translate(pkt, 12, public[src])
                     if (nat[dst] or nat[src] and cone) and pkt[9] == 6 and not (pkt[6] & 0x1F or pkt[7]):
                         ihl = (pkt[0] & 0x0F) * 4  # TCP, first fragment
                         if len(pkt) > ihl + 13 and pkt[ihl + 13] & 0x02:  # a SYN
@@ -270,6 +308,8 @@ class Forwarder:
                                     < NAT_MAPPING_S):  # a SYN without ACK, and no mapping lets it in
                                 counts["nat_drops"] += 1
                                 continue
+                    if private[dst] is not None:  # in through its NAT
+                        pkt = translate(pkt, 16, private[dst])
                     sent = max(up_free[src], now - up_burst_s[src]) + len(pkt) / up_bytes_s[src]
                     up_free[src] = sent
                     if loss and rng.random() < loss:

@@ -36,7 +36,7 @@ def launch_islands(cfg: Config, n: int, network: Any = None, *,
         if len(network.hosts) < n:
             raise CompareError(f"the emulated network has {len(network.hosts)} hosts but {n} islands need one each")
         wrap = wrap or network.wrap
-        hosts = [h.address for h in network.hosts[:n]]
+        hosts = [h.local_address for h in network.hosts[:n]]
     t0 = time.time()
     out = simulate(cfg, n, startup_timeout, wrap=wrap, host_addresses=hosts, quiet=not progress)
     out["launcher_wall_seconds"] = time.time() - t0

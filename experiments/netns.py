@@ -31,7 +31,7 @@ Typical use::
         print(why)                      # and fall back to loopback
     with EmulatedNetwork(4, rate="20mbit") as net:
         procs = [subprocess.Popen(net.wrap([sys.executable, "worker.py",
-                 "--host", h.address], i)) for i, h in enumerate(net.hosts)]
+                 "--host", h.local_address], i)) for i, h in enumerate(net.hosts)]
         ...
 
 ``close()`` (also run by ``__exit__``, by SIGINT/SIGTERM/SIGHUP handlers
@@ -414,7 +414,7 @@ assert c.recv(2) == b"ok"
 def can_reach(net: EmulatedNetwork, src: int, dst: int, timeout: float = 3.0) -> bool:
     """Whether a TCP connection from host ``src`` to host ``dst`` succeeds."""
     d = net.host(dst)
-    rx = net.popen([sys.executable, "-c", _PROBE_RX, d.address, str(timeout + 2)], dst,
+    rx = net.popen([sys.executable, "-c", _PROBE_RX, d.local_address, str(timeout + 2)], dst,
                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         port = _read_port(rx, timeout + 2)
@@ -440,7 +440,7 @@ def measure_rate(net: EmulatedNetwork, src: int, dst: int, seconds: float = 2) -
     net.host(src)
     d = net.host(dst)
     limit = seconds + 15
-    rx = net.popen([sys.executable, "-c", _RX_SCRIPT, d.address, str(limit)], dst,
+    rx = net.popen([sys.executable, "-c", _RX_SCRIPT, d.local_address, str(limit)], dst,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port = _read_port(rx, 10)
@@ -485,6 +485,12 @@ class Host:
     address: str  # IPv4 address other hosts reach this one at (on its eth0, or its tun0 behind the delay line)
     interface: str = "eth0"  # the device that address is on
     bridge_port: str = ""  # name of the peer veth in the hub namespace ("" behind the delay line)
+    private: str = ""  # behind NAT: the address on its own device, which its NAT rewrites to ``address``
+
+    @property
+    def local_address(self) -> str:
+        """The address this host has on its own device, to listen on: its private one behind NAT."""
+        return self.private or self.address
 
 
 class EmulatedNetwork:
@@ -493,7 +499,9 @@ class EmulatedNetwork:
     ``rtt_ms`` is the round-trip time between any two hosts; each one-way delay varies uniformly
     by up to ``jitter_ms`` (at most ``rtt_ms / 2``); ``loss`` is the probability that a packet
     is lost; the hosts whose indices are in ``nat`` accept no inbound TCP connection, except, behind a ``"cone"``
-    NAT (``nat_kind``), one from where they just sent a SYN (hole punching; ``"symmetric"``: none at all).
+    NAT (``nat_kind``), one from where they just sent a SYN (hole punching; ``"symmetric"``: none at all); they
+    listen on a private address (``Host.local_address``, in ``10.78.*``) that their NAT rewrites to their public
+    one (``Host.address``) and that no other host can reach.
     ``latency_ms`` is the deprecated one-way spelling of ``rtt_ms / 2``. ``delay_line``: None
     picks the path (the delay line unless only a rate, or a rate and latency on a kernel with
     netem, is asked), True or False forces it. ``tun_mtu`` is the delay line's MTU.
@@ -572,7 +580,8 @@ class EmulatedNetwork:
         self.hub = f"{self.base}-hub"
         self.hosts = [
             Host(i, f"{self.base}-h{i}", f"10.77.{int(subnet)}.{i + 1}",
-                 *((TUN_NAME, "") if self.delay_line else ("eth0", f"v{i}")))
+                 *((TUN_NAME, "") if self.delay_line else ("eth0", f"v{i}")),
+                 private=f"10.78.{int(subnet)}.{i + 1}" if i in self.nat else "")
             for i in range(n_hosts)
         ]
         self._created: list[str] = []  # namespaces we created, in creation order
@@ -656,8 +665,8 @@ class EmulatedNetwork:
             self._add_host_ns(h)
         cfg = DelayLineConfig(
             hub=self.hub,
-            hosts=tuple(Endpoint(h.namespace, h.address, self.rate_bits, self.rate_bits, h.index in self.nat)
-                        for h in self.hosts),
+            hosts=tuple(Endpoint(h.namespace, h.address, self.rate_bits, self.rate_bits, h.index in self.nat,
+                                 h.private) for h in self.hosts),
             rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss, queue_ms=self.queue_ms, mtu=self.tun_mtu,
             nat_kind=self.nat_kind)
         try:
@@ -668,8 +677,10 @@ class EmulatedNetwork:
         plen = self.subnet.split("/")[1]
         for h in self.hosts:
             _run(["ip", "-n", h.namespace, "link", "set", "dev", h.interface, "mtu", str(self.tun_mtu)])
-            _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/{plen}", "dev", h.interface])
+            _run(["ip", "-n", h.namespace, "addr", "add", f"{h.local_address}/{plen}", "dev", h.interface])
             _run(["ip", "-n", h.namespace, "link", "set", h.interface, "up"])
+            if h.private:  # the public hosts lie beyond its NAT
+                _run(["ip", "-n", h.namespace, "route", "add", self.subnet, "dev", h.interface])
 
     def _build_bridge(self) -> None:
         self._add_ns(self.hub)

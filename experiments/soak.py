@@ -155,7 +155,7 @@ def soak(islands: int, kill_every: float, seed: int, rate: str, out: Path, overr
     stop_at = cfg.diloco.outer_steps - max(6, int(2 * kill_every))  # leave rounds for the last victim to rejoin
     try:
         cluster = Cluster(cfg, islands, wrap=network.wrap if network else None,
-                          host_addresses=[h.address for h in network.hosts] if network else None)
+                          host_addresses=[h.local_address for h in network.hosts] if network else None)
         cluster.start_all()
         link = f"links capped at {rate}" if network else "loopback"
         print(f"soak: {islands} islands, {cfg.diloco.outer_steps} rounds, {link}, a SIGKILL at a random moment "

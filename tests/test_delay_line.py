@@ -98,7 +98,8 @@ ECHO_SERVER = r"""
 import socket, sys
 s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(20)
 print(s.getsockname()[1], flush=True)
-c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+c, peer = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+print(peer[0], flush=True)
 while (b := c.recv(1 << 16)):
     c.sendall(b)
 """
@@ -122,14 +123,14 @@ print(json.dumps({"connect": connect, "echo": sorted(echo)}))
 
 def _echo(net: EmulatedNetwork, client: int, server: int, n: int = 10, size: int = 1) -> dict:
     """Connect from host ``client`` to an echo server on host ``server`` and time ``n`` echoes of ``size`` bytes."""
-    srv = net.popen([sys.executable, "-c", ECHO_SERVER, net.hosts[server].address], server,
+    srv = net.popen([sys.executable, "-c", ECHO_SERVER, net.hosts[server].local_address], server,
                     stdout=subprocess.PIPE, text=True)
     try:
         out = subprocess.run(net.wrap([sys.executable, "-c", ECHO_CLIENT, net.hosts[server].address,
                                        str(_port(srv)), str(n), str(size)], client),
                              check=False, capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout)
+        return dict(json.loads(out.stdout), peer=srv.stdout.readline().strip())
     finally:
         net.reap(srv)
 
@@ -190,7 +191,7 @@ for i in range(int(sys.argv[3])):
 def test_loss_and_jitter_keep_order(delay_line_ok):
     sent = 1000
     with _net(2, rate="50mbit", rtt_ms=20, jitter_ms=10, loss=0.2) as net:
-        rx = net.popen([sys.executable, "-c", UDP_RECEIVER, net.hosts[1].address], 1, stdout=subprocess.PIPE,
+        rx = net.popen([sys.executable, "-c", UDP_RECEIVER, net.hosts[1].local_address], 1, stdout=subprocess.PIPE,
                        text=True)
         try:
             port = _port(rx)
@@ -214,12 +215,16 @@ def test_nat_host_accepts_nothing_but_connects_out(delay_line_ok):
         assert net.can_reach(1, 0)
         res = _echo(net, 1, 0, n=5, size=100_000)  # replies, and bulk data both ways, on its own connection
         assert len(res["echo"]) == 5
+        # its NAT rewrote its private address to its public one, as a real NAT does
+        hidden = net.hosts[1]
+        assert hidden.local_address != hidden.address and res["peer"] == hidden.address, res["peer"]
 
 
 TRANSPORT_HOST = r"""
 import json, sys, time
 from peers.wire.transport import Transport, TransportError
-t = Transport(sys.argv[1], "key", host=sys.argv[2], reachable=sys.argv[3] == "1", punch=sys.argv[4] == "1")
+t = Transport(sys.argv[1], "key", host=sys.argv[2], advertise=sys.argv[3], reachable=sys.argv[4] == "1",
+              punch=sys.argv[5] == "1")
 print(t.endpoint, flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -245,10 +250,13 @@ for line in sys.stdin:
 class _TransportHost:
     """A real transport in host ``index`` of ``net``, driven over its stdin."""
 
-    def __init__(self, net: EmulatedNetwork, index: int, reachable: bool, punch: bool = True):
+    def __init__(self, net: EmulatedNetwork, index: int, reachable: bool, punch: bool = True,
+                 advertise: str | None = None):
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, f"h{index}", net.hosts[index].address,
-                               str(int(reachable)), str(int(punch))], index, stdin=subprocess.PIPE,
+        host = net.hosts[index]
+        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, f"h{index}", host.local_address,
+                               advertise or host.address, str(int(reachable)), str(int(punch))], index,
+                              stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
         self.endpoint = self._line(30)
 
@@ -351,3 +359,25 @@ def test_an_island_behind_nat_that_did_not_say_so_finds_it_out_and_trains(delay_
     assert r["rounds_committed"] == [2, 2] and r["theta_identical"], r
     log = (tmp_path / "runs" / "island1" / "train.log").read_text()
     assert "no island of the run could connect to" in log and "taking part behind NAT" in log
+
+
+def test_two_islands_that_declared_themselves_behind_nat_learn_their_public_address_and_punch_through(
+        delay_line_ok, tmp_path):
+    """Islands 1 and 2 behind cone NATs that rewrite their private addresses, started with
+    ``--averaging.client_mode true`` and no announced address: each asks the reachable island where it sees it
+    from, announces that (its NAT's public address) and so punches through to the other; every round commits on
+    all three and θ_global ends identical.  Announcing its private address instead, as before, no punch could
+    reach it."""
+    from experiments.nat import run_arm
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "unused", **{
+        "diloco.outer_steps": 2, "diloco.inner_steps": 4, "averaging.backend": "hivemind",
+        "averaging.min_group_size": 3, "averaging.matchmaking_time": 2.0, "averaging.request_timeout": 1.0,
+        "averaging.matchmaking_timeout": 60.0, "averaging.startup_timeout": 30.0})
+    r = run_arm(cfg, 3, (1, 2), "50mbit", 10.0, tmp_path / "runs", declared=True)
+    assert r["rounds_committed"] == [2, 2, 2] and r["theta_identical"], r
+    for i in (1, 2):
+        log = (tmp_path / "runs" / f"island{i}" / "train.log").read_text()
+        assert "through both NATs" not in log, log[-3000:]  # no punch failed
+        assert f"the run's reachable islands see this one at 10.77.0.{i + 1}" in log, log[-3000:]

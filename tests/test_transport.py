@@ -271,6 +271,11 @@ def test_a_dial_back_finds_a_listener_that_can_be_reached_and_one_that_cannot(tr
     assert found.reached is False and found.failed == found.addresses and found.answered == 1, found
     assert found.seen == "127.0.0.1"  # where the question came from, not the address it would announce
 
+    # an island that declared itself behind NAT asks only where it is seen from: nothing is dialed
+    found = ask_dial_back("island", "k", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.2", [nobody],
+                          dial=False)
+    assert found.seen == "127.0.0.1" and found.answered == 1 and found.reached is None and found.addresses == []
+
 
 def test_a_dial_back_that_nobody_answers_knows_nothing(transports):
     """Asked with the wrong run key, the responder refuses the question: the asker learns nothing (None), and

@@ -422,9 +422,15 @@ class PeerNode:
         """On an island's rank 0 that joins a run (``initial`` peers) and has not declared itself behind NAT:
         ask the run's reachable islands to connect back (:mod:`peers.wire.dial_back`).  When none can, restart
         the DHT node as a client and take part as ``--averaging.client_mode true`` would (:attr:`behind_nat`);
-        the DHT node to use from now on."""
+        the DHT node to use from now on.  One that declared itself behind NAT (and announces no address) asks
+        only the address they see it at, its NAT's, which its transport announces for hole punching."""
         a = self.a
-        if a.client_mode or not a.dial_back or not initial or a.transport != "direct":
+        if not a.dial_back or not initial or a.transport != "direct":
+            return dht
+        if a.client_mode:
+            if a.hole_punch and not _ip_of(a.announce_maddrs):
+                self.seen_ip = self._dial_back(dht, run_key, dial=False).seen
+                log.info("behind NAT: the run's reachable islands see this one at %s", self.seen_ip or "(no answer)")
             return dht
         found = self._dial_back(dht, run_key)
         if found.reached is None:
@@ -447,9 +453,10 @@ class PeerNode:
         return start_dht(dataclasses.replace(settings, client_mode=True, host_maddrs=[
             _shift_port(m, 0, port) for m in settings.host_maddrs]), open_keys)
 
-    def _dial_back(self, dht: Any, run_key: str) -> Reachability:
+    def _dial_back(self, dht: Any, run_key: str, dial: bool = True) -> Reachability:
         """Wait (up to the startup timeout) for reachable islands in the run's registry, then ask up to two of
-        them to connect back to this island's transport port and DHT port."""
+        them to connect back to this island's transport port and DHT port (``dial`` False: only where they see
+        the question come from)."""
         a = self.a
         responders = reachable_islands(dht, a.run_id, a.startup_timeout)
         if not responders:
@@ -458,7 +465,7 @@ class PeerNode:
         announced = next((e for e in map(tcp_endpoint, a.announce_maddrs) if e), None)
         dht_address = f"{announced[0]}:{announced[1]}" if announced else f"{advertise}:{tcp_port(dht)}"
         return ask_dial_back(str(dht.peer_id), run_key, a.encrypt, responders, _listen_ip(a),
-                             a.transport_port, advertise, [dht_address])
+                             a.transport_port, advertise, [dht_address], dial=dial)
 
 
 class AloneWatch:

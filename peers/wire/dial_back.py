@@ -101,6 +101,16 @@ def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: 
         log.info("could not answer a dial-back request: %s", e)
 
 
+def _seen_in(payload: bytes | bytearray) -> str:
+    """The address an answer says the question came from ('' if it says none)."""
+    try:
+        answer = json.loads(bytes(payload))
+    except ValueError:
+        return ""
+    seen = answer.get("seen") if isinstance(answer, dict) else None
+    return seen if isinstance(seen, str) else ""
+
+
 class _Listener:
     """Listens at ``host:port`` and writes ``nonce`` to whoever connects, until closed."""
 
@@ -128,20 +138,25 @@ class _Listener:
 
 
 def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[str], listen_host: str,
-                  listen_port: int, advertise: str, also: list[str], timeout: float = 0.0) -> Reachability:
+                  listen_port: int, advertise: str, also: list[str], timeout: float = 0.0,
+                  dial: bool = True) -> Reachability:
     """Ask the reachable islands at ``responders`` (transport endpoints) to connect to this island: to
     ``advertise:PORT``, where a listener on ``listen_host:listen_port`` (0: a free port, standing for one) stands
     in for the transport, and to each address of ``also`` (the DHT's: any connection counts).  Reachable when
     an island reached them all; not reachable when islands answered and none did.  ``timeout``: seconds to
-    wait for the answers (0: long enough for every connection to time out)."""
+    wait for the answers (0: long enough for every connection to time out).  ``dial`` False: ask only where the
+    question came from (:attr:`Reachability.seen`, the address a NAT gives this island's connections), connecting
+    to nothing."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    try:
-        listener = _Listener(listen_host, listen_port, nonce)
-    except OSError as e:  # the transport, listening there next, says what to do about it
-        log.info("could not listen on %s:%d to be dialed back: %s", listen_host, listen_port, e)
-        return Reachability(None, [])
-    mine = f"{advertise}:{listener.port}"
-    addresses = [mine] + [a for a in also if a != mine][:MAX_ADDRESSES - 1]
+    listener = None
+    if dial:
+        try:
+            listener = _Listener(listen_host, listen_port, nonce)
+        except OSError as e:  # the transport, listening there next, says what to do about it
+            log.info("could not listen on %s:%d to be dialed back: %s", listen_host, listen_port, e)
+            return Reachability(None, [])
+    mine = f"{advertise}:{listener.port}" if listener else ""
+    addresses = [mine] + [a for a in also if a != mine][:MAX_ADDRESSES - 1] if listener else []
     asker = Transport(f"{peer_id}.dial-back", run_key, host=listen_host, advertise=advertise, encrypt=encrypt,
                       reachable=False)
     reply = f"{REPLY}{os.getpid()}.{secrets.token_hex(4)}"
@@ -160,9 +175,11 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
         answers = asker.box.wait_for(reply, lambda got: len(got) >= asked, deadline) if asked else {}
     finally:
         asker.close()
-        listener.close()
+        if listener:
+            listener.close()
     out.answered = len(answers)
-    if not answers:
+    out.seen = next((s for s in map(_seen_in, answers.values()) if s), "")
+    if not answers or not dial:
         return out
     reports = []
     for payload in answers.values():
@@ -172,8 +189,6 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
             continue
         report = answer.get("greetings") if isinstance(answer, dict) else None
         reports.append(report if isinstance(report, dict) else {})
-        if isinstance(answer, dict) and isinstance(answer.get("seen"), str) and not out.seen:
-            out.seen = answer["seen"]
 
     def reached(address: str, report: dict) -> bool:
         greeting = report.get(address)

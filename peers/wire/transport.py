@@ -94,7 +94,8 @@ PUNCH_KEY = "_punch"
 PUNCH_WAIT = 5.0
 """Seconds a punched connection may take to open before its messages go through a reachable rank."""
 PUNCH_AGAIN = 600.0
-"""Seconds after a failed punch during which messages to that rank go through a reachable rank."""
+"""Seconds after a first failed punch during which messages to that rank go through a reachable rank; each
+further failure to the same rank doubles them (a NAT that failed a punch most likely always will)."""
 
 Buffer = bytes | bytearray | memoryview
 
@@ -202,7 +203,8 @@ class Transport:
         """Reachable endpoints this rank keeps a lane to (when it cannot be reached), and when it last dealt
         with each."""
         self._lane_links: dict[tuple[str, int], Link] = {}
-        self._unpunched: dict[str, float] = {}
+        self._unpunched: dict[str, float] = {}  # endpoint -> until when its messages go through a relay
+        self._punch_failures: dict[str, int] = {}
         """Ranks behind NAT a punch failed to, and until when messages to them go through a reachable rank."""
         self.handlers[PUNCH_KEY] = self._asked_to_punch
         self._closed = threading.Event()
@@ -507,10 +509,13 @@ class Transport:
             except Refused as e:
                 raise RefusedError(f"{endpoint}: {e}") from None
             except PunchFailed as e:
-                self._unpunched[endpoint] = time.monotonic() + PUNCH_AGAIN
-                log.warning("%s: passing the messages for it on through a reachable island for %.0f s (with "
-                            "--averaging.hole_punch false on the islands behind such a NAT, the reachable islands "
-                            "average for them from the start, which is faster)", e, PUNCH_AGAIN)
+                failures = self._punch_failures[endpoint] = self._punch_failures.get(endpoint, 0) + 1
+                wait = PUNCH_AGAIN * 2 ** (failures - 1)
+                self._unpunched[endpoint] = time.monotonic() + wait
+                log.warning("%s: passing the messages for it on through a reachable island, and averaging through "
+                            "the reachable islands from the next round; trying again in %.0f s "
+                            "(--averaging.hole_punch false on the islands behind such a NAT saves this first "
+                            "wait and the tries again)", e, wait)
             except OSError as e:
                 attempt += 1
                 # through a relay, a refusal is the relay's, not the receiver's
@@ -562,8 +567,9 @@ class Transport:
 
     # ------------------------------------------------------------------------------ hole punching
     def punch_failed(self) -> bool:
-        """Whether a punch from this rank failed within the last :data:`PUNCH_AGAIN` seconds: its island then
-        has its groups average through the reachable islands (:func:`peers.wire.encoded.part_owners`)."""
+        """Whether messages from this rank go through a relay after a failed punch (for :data:`PUNCH_AGAIN` seconds,
+        doubled at each failure to the same rank): its island then has its groups average through the reachable
+        islands (:func:`peers.wire.encoded.part_owners`)."""
         now = time.monotonic()
         return any(until > now for until in list(self._unpunched.values()))
 
