@@ -1,6 +1,7 @@
 """``--averaging.compression auto`` against fixed codecs over a link that slows down in the middle of the run.
 
-Two islands of the ``small`` model train H steps a round, blocking, over an emulated link capped at ``--fast``;
+Two islands of the ``small`` model train H steps a round (blocking, unless ``--diloco.overlap_steps`` lets rounds run
+under the inner steps) over an emulated link capped at ``--fast``;
 once island 0 has committed ``--switch`` rounds, the link drops to ``--slow`` in both directions (``tc tbf``,
 :meth:`experiments.netns.EmulatedNetwork.set_rate`), and with ``--back N`` it returns to ``--fast`` once island 0
 has committed N rounds.  The same run with each of ``--codecs`` (default: fp32, int4 and auto).  Per arm: the
@@ -117,8 +118,11 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: s
           f"{r['utilization']:.1%}", f"{r['eval_loss']:.4f}", f"{r['bytes_sent'] / 1e6:.1f} MB",
           f"{r['wall_s']:.0f}"] for r in rows])
     returns = f", and returns to {fast} once it committed round {back}" if back else ""
+    d = cfg.diloco
+    rounds = ("blocking rounds" if d.overlap == "none" and not d.overlap_steps else
+              f"rounds in flight (`--diloco.overlap {d.overlap} --diloco.overlap_steps {d.overlap_steps}`)")
     lines = [f"# `--averaging.compression auto` over a link that slows down: 2 islands of `{cfg.model.preset}`, "
-             f"H={cfg.diloco.inner_steps}, {cfg.diloco.outer_steps} blocking rounds", "",
+             f"H={d.inner_steps}, {d.outer_steps} {rounds}", "",
              f"`{command}`: the link drops from {fast} to {slow} once island 0 committed "
              f"round {switch}{returns}. Utilization: the worse island's "
              f"share of compute in the rounds' wall-clock, on each stretch of the link; `auto` may let communication "
