@@ -30,7 +30,7 @@ says which SYNs it lets in after all:
   would have to reach: no inbound SYN passes.
 
 A NAT also translates addresses, as real ones do: a host behind it has a private address on its own TUN device
-(``local``), which no other host can reach (a packet for it is unroutable), and the forwarder rewrites it to the
+(``private``), which no other host can reach (a packet for it is unroutable), and the forwarder rewrites it to the
 host's public ``address`` on the way out and back on the way in (ports are kept, as Linux's masquerading keeps
 them while they are free), fixing the IP and TCP/UDP checksums.  A peer therefore sees a NATed host's
 connections come from its public address, and only an announced public address can be reached or punched.
@@ -96,7 +96,7 @@ class Endpoint:
     up_bits: float  # uplink rate, bits/s
     down_bits: float  # downlink rate, bits/s
     nat: bool = False  # behind NAT: accepts no inbound TCP connection (but see nat_kind)
-    local: str = ""  # behind NAT: the private address on its TUN device, rewritten to ``address`` ("" : none)
+    private: str = ""  # behind NAT: the address on its own TUN device, which its NAT rewrites to ``address``
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class Forwarder:
         route = {socket.inet_aton(h.address): i for i, h in enumerate(cfg.hosts)}
         nat = [h.nat for h in cfg.hosts]
         public = [socket.inet_aton(h.address) for h in cfg.hosts]
-        private = [socket.inet_aton(h.local) if h.local else None for h in cfg.hosts]
+        private = [socket.inet_aton(h.private) if h.private else None for h in cfg.hosts]
         cone = cfg.nat_kind == "cone"
         # (host behind a cone NAT, its port, remote address, remote port) -> when it last sent a SYN there
         opened: dict[tuple[int, bytes, bytes, bytes], float] = {}
