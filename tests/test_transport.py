@@ -192,6 +192,28 @@ def test_a_rank_declines_the_parts_of_a_group_it_never_learned_of_back_to_their_
     assert x.callers == {"a": a.endpoint}
 
 
+def test_a_rank_behind_nat_declines_the_parts_that_came_over_its_lane_back_to_their_sender(transports):
+    """As above, x behind NAT: a's part reached it over the lane x opened to a, not by a call, so x heard no
+    endpoint announced; its decline still reaches a, at the endpoint its lane goes to (seen once in CI: a group
+    race left the reachable island waiting out its whole exchange timeout for a hidden island that had
+    declined)."""
+    from peers.wire.encoded import DirectChannel
+
+    a, x = transports("a", "key", host="127.0.0.2"), _unreachable(transports, "x", "127.0.0.3")
+    ca, cx = DirectChannel(a, 1 << 20), DirectChannel(x, 1 << 20)
+    ca.endpoints = {"x": x.endpoint}
+    x.reach([a.endpoint])
+    key = "rs.b0.0123456789abcdef.round.8"
+    out: list = []
+    sending = threading.Thread(target=lambda: out.append(ca.exchange(key, ["a", "x"], {"x": b"part"}, {"x": 4}, 60.0)))
+    sending.start()
+    assert x.box.wait_for(key, lambda m: "a" in m, time.monotonic() + 10), "a's part never reached x"
+    cx.decline(key, ["a"], 10.0)
+    sending.join(30)
+    assert out and out[0].missing == out[0].declined == ["x"], out
+    assert x.callers == {"a": a.endpoint}
+
+
 def test_a_member_whose_process_is_gone_ends_the_exchange_at_once_and_is_named_gone(transports):
     """x took its place in the group, then died: nothing listens at its address any more.  a's part to it is
     refused (not lost in a network) a few times in a row, so a stops waiting for x's part well before the

@@ -186,8 +186,9 @@ class Transport:
         message whose key starts with it (the longest prefix wins) before it goes to the inbox; returning True
         keeps it out of the inbox (a request served at once, a message stored otherwise)."""
         self.callers: dict[str, str] = {}
-        """Peer id -> the endpoint it announced when it called this rank (checked by the handshake): where to
-        answer a rank that sent us something although we never learned of it from a group's metadata."""
+        """Peer id -> the endpoint it announced when it called this rank (checked by the handshake), or, behind
+        NAT, the endpoint of the reachable rank this rank opened a lane to: where to answer a rank that sent us
+        something although we never learned of it from a group's metadata."""
         self.fault: Callable[[str], bool] | None = None
         """Tests: ``fault(key)`` True makes the next send of that key break its connection half-way."""
         self.tamper: Callable[[str], bool] | None = None
@@ -438,6 +439,7 @@ class Transport:
                 link.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
             with self._peers_lock:
                 self._lane_links[endpoint, lane] = link
+            self.callers[link.peer] = endpoint  # what comes over the lane is answered where the lane goes
             try:
                 self._read_frames(link)
             except OSError as e:
