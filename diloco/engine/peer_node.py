@@ -229,7 +229,7 @@ class PeerNode:
                                    self.membership.company)
         self._connected()
         if rt.is_main:
-            announce_join(self.name, self.dht, a, run_key)
+            announce_join(self.name, self.dht, a, run_key, reachable=self.transport.reachable)
 
     def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any]) -> None:
         """Collective: an island alone in the run although it knew live islands restarts its peer node
@@ -516,11 +516,16 @@ def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
     return generate()
 
 
-def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str) -> None:
-    """Print the line other islands join with; write the addresses to ``maddr_file`` (atomically) if set."""
+def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str, reachable: bool = True) -> None:
+    """Print the line other islands join with (behind NAT, that they join through a reachable island instead);
+    write the addresses to ``maddr_file`` (atomically) if set."""
     maddrs = visible_maddrs(dht)
     key = "" if a.public else f" --averaging.run_key {run_key}"
-    print(f"[{name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
+    if reachable:
+        print(f"[{name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
+    else:
+        print(f"[{name}] this island is behind NAT and accepts no connection: other islands join the run through a "
+              f"reachable island's --initial-peers{key}", flush=True)
     if a.maddr_file:
         tmp = Path(a.maddr_file + ".tmp")
         tmp.write_text("\n".join(maddrs) + "\n")
