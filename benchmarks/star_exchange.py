@@ -77,9 +77,9 @@ def run_arm(nat: tuple[int, ...], mode: str, args: argparse.Namespace) -> list[f
 
     with netns.EmulatedNetwork(3, rate=args.rate, rtt_ms=args.rtt, nat=nat, delay_line=True) as net:
         folder = tempfile.mkdtemp()
-        procs = [net.popen([sys.executable, __file__, "--worker", str(i), net.host(i).local_address, net.host(i).address,
-                            "0" if i in nat else "1", folder, mode, str(args.rounds), str(args.numel),
-                            str(args.idle)], i,
+        procs = [net.popen([sys.executable, __file__, "--worker", str(i), net.host(i).local_address,
+                            net.host(i).address, "0" if i in nat else "1", folder, mode, str(args.rounds),
+                            str(args.numel), str(args.idle)], i,
                            stdout=subprocess.PIPE, text=True) for i in range(3)]
         outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["seconds"] for p in procs]
     return [max(o[r] for o in outs) for r in range(1, args.rounds)]

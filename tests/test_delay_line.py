@@ -250,13 +250,11 @@ for line in sys.stdin:
 class _TransportHost:
     """A real transport in host ``index`` of ``net``, driven over its stdin."""
 
-    def __init__(self, net: EmulatedNetwork, index: int, reachable: bool, punch: bool = True,
-                 advertise: str | None = None):
+    def __init__(self, net: EmulatedNetwork, index: int, reachable: bool, punch: bool = True):
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        host = net.hosts[index]
-        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, f"h{index}", host.local_address,
-                               advertise or host.address, str(int(reachable)), str(int(punch))], index,
-                              stdin=subprocess.PIPE,
+        host = net.hosts[index]  # listens on its own address, announces the one others reach it at
+        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, f"h{index}", host.local_address, host.address,
+                               str(int(reachable)), str(int(punch))], index, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
         self.endpoint = self._line(30)
 

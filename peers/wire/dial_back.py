@@ -101,14 +101,13 @@ def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: 
         log.info("could not answer a dial-back request: %s", e)
 
 
-def _seen_in(payload: bytes | bytearray) -> str:
-    """The address an answer says the question came from ('' if it says none)."""
+def _answer(payload: bytes | bytearray) -> dict | None:
+    """A dial-back answer as sent ({} if it is not an object; None if it is not JSON)."""
     try:
         answer = json.loads(bytes(payload))
     except ValueError:
-        return ""
-    seen = answer.get("seen") if isinstance(answer, dict) else None
-    return seen if isinstance(seen, str) else ""
+        return None
+    return answer if isinstance(answer, dict) else {}
 
 
 class _Listener:
@@ -178,17 +177,11 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
         if listener:
             listener.close()
     out.answered = len(answers)
-    out.seen = next((s for s in map(_seen_in, answers.values()) if s), "")
+    parsed = [a for a in map(_answer, answers.values()) if a is not None]
+    out.seen = next((s for a in parsed if isinstance(s := a.get("seen"), str) and s), "")
     if not answers or not dial:
         return out
-    reports = []
-    for payload in answers.values():
-        try:
-            answer = json.loads(bytes(payload))
-        except ValueError:
-            continue
-        report = answer.get("greetings") if isinstance(answer, dict) else None
-        reports.append(report if isinstance(report, dict) else {})
+    reports = [r if isinstance(r := a.get("greetings"), dict) else {} for a in parsed]
 
     def reached(address: str, report: dict) -> bool:
         greeting = report.get(address)

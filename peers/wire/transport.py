@@ -204,9 +204,10 @@ class Transport:
         """Reachable endpoints this rank keeps a lane to (when it cannot be reached), and when it last dealt
         with each."""
         self._lane_links: dict[tuple[str, int], Link] = {}
-        self._unpunched: dict[str, float] = {}  # endpoint -> until when its messages go through a relay
-        self._punch_failures: dict[str, int] = {}
+        self._unpunched: dict[str, float] = {}
         """Ranks behind NAT a punch failed to, and until when messages to them go through a reachable rank."""
+        self._punch_failures: dict[str, int] = {}
+        """Ranks behind NAT a punch failed to, and how many times (each failure doubles the wait)."""
         self.handlers[PUNCH_KEY] = self._asked_to_punch
         self._closed = threading.Event()
         self.host, self.slot = host, slot
