@@ -194,10 +194,11 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
 
         # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
-        for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", CODEC_ARMS[c]) for c in codecs]:
+        for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", codec_settings(c)) for c in codecs]:
             items = matched_budget(items, runs / "diloco")
             say(f"\n== DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in items.items())} ==", flush=True)
-            c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{arm}"), "averaging.run_id": f"diloco-{arm}",
+            c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{run_name(arm)}"),
+                                      "averaging.run_id": f"diloco-{run_name(arm)}",
                                       **items})
             check_network()
             before = link_tx_bytes(network) if network else None
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"as the DiLoCo run; default: none)")
     parser.add_argument("--compression", default="",
                         help=f"also run DiLoCo with low-bit pseudo-gradients, comma-separated: {', '.join(CODEC_ARMS)} "
-                             f"(each as long as the DiLoCo run; default: none)")
+                             f"(each as long as the DiLoCo run; then any @section.key=value of its own, e.g. "
+                             f"sparseloco@diloco.outer_lr=4; default: none)")
     args, rest = parser.parse_known_args(argv)
     # Ctrl-C / kill -INT must stop the experiment even when started from a shell that ignores SIGINT in
     # background jobs (the emulated network closes itself on SIGINT and passes it on to this handler)
@@ -335,9 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError([f"--arms {','.join(unknown)} is not one of {', '.join(ARMS)} (optionally +"
                                f"{'|'.join(CODEC_ARMS)})"])
         codecs = [c.strip() for c in args.compression.split(",") if c.strip()]
-        unknown = [c for c in codecs if c not in CODEC_ARMS]
+        unknown = unknown_codecs(codecs)
         if unknown:
-            raise ConfigError([f"--compression {','.join(unknown)} is not one of {', '.join(CODEC_ARMS)}"])
+            raise ConfigError([f"--compression {','.join(unknown)} is not one of {', '.join(CODEC_ARMS)} (then any "
+                               f"@section.key=value)"])
+        for codec in codecs:  # a wrong key of an arm's own says so now, not after the baseline has run
+            variant(cfg, **codec_settings(codec))
         run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms, **link,
                     warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms,
                     codecs=codecs)
@@ -414,6 +419,34 @@ def matched_budget(items: dict[str, Any], blocking_runs: Path) -> dict[str, Any]
         raise CompareError(f"a timed arm needs the blocking run's compute per round, and {blocking_runs} has "
                            f"no island summary with a round in it: run the blocking arm first")
     return {**items, "diloco.sync_every": f"{per_round[len(per_round) // 2]:.2f}s"}
+
+
+def own_settings(arm: str) -> tuple[str, dict[str, str]]:
+    """``NAME@section.key=value@...``: the arm's name and the settings of its own that follow it
+    (``sparseloco@diloco.outer_lr=4``: SparseLoCo at outer lr 4)."""
+    name, *own = arm.split("@")
+    return name, dict(item.split("=", 1) for item in own)
+
+
+def malformed_own(arm: str) -> bool:
+    """Whether an ``@`` item of ``arm`` lacks its ``=value``."""
+    return any("=" not in item for item in arm.split("@")[1:])
+
+
+def codec_settings(codec: str) -> dict[str, Any]:
+    """The settings of a codec arm: a name of :data:`CODEC_ARMS`, then any ``@section.key=value`` of its own."""
+    name, own = own_settings(codec)
+    return {**CODEC_ARMS[name], **own}
+
+
+def unknown_codecs(codecs: list[str]) -> list[str]:
+    """The codec arms of ``codecs`` that :func:`codec_settings` cannot read."""
+    return [c for c in codecs if c.split("@")[0] not in CODEC_ARMS or malformed_own(c)]
+
+
+def run_name(arm: str) -> str:
+    """The folder of ``arm``'s run under ``runs/`` (and its run id's suffix, where '.' may not appear)."""
+    return arm.replace("+", "-").replace("@", "_").replace("=", "-").replace(".", "_")
 
 
 def unknown_arms(names: list[str]) -> list[str]:

@@ -30,7 +30,13 @@ from typing import Any, Sequence
 from diloco.command import run_command
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
-from experiments.compare import CODEC_ARMS, COMPARE_DEFAULTS, run_compare
+from experiments.compare import (
+    CODEC_ARMS,
+    COMPARE_DEFAULTS,
+    codec_settings,
+    run_compare,
+    unknown_codecs,
+)
 from experiments.islands import CompareError, variant
 from experiments.report import format_bytes, markdown_table, save_results
 from experiments.warm_start import WARM_START_LR, WARM_START_STEPS, warm_start
@@ -298,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=DEFAULTS["diloco.outer_steps"],
                         help="outer rounds of each run (default 18)")
     parser.add_argument("--codecs", default=None,
-                        help="codec arms of every optimizer, or '' for fp32 DiLoCo and DDP alone (default: " +
+                        help="codec arms of every optimizer, each a name then any @section.key=value of its own "
+                             "(sparseloco@diloco.outer_lr=4), or '' for fp32 DiLoCo and DDP alone (default: " +
                              "; ".join(f"{o}: {','.join(c)}" for o, c in CODECS.items()) + ")")
     parser.add_argument("--rate", default=None, help="cap every worker's link, e.g. 20mbit (needs root)")
     netns.add_link_arguments(parser)
@@ -324,14 +331,17 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 raise ConfigError([f"--optimizers {','.join(unknown)} is not a list of {', '.join(OPTIMIZERS)}"])
             codecs = None if args.codecs is None else [c.strip() for c in args.codecs.split(",") if c.strip()]
-            bad = [c for c in codecs or [] if c not in CODEC_ARMS]
+            bad = unknown_codecs(codecs or [])
             if bad:
-                raise ConfigError([f"--codecs {','.join(bad)} is not one of {', '.join(CODEC_ARMS)}"])
+                raise ConfigError([f"--codecs {','.join(bad)} is not one of {', '.join(CODEC_ARMS)} (then any "
+                                   f"@section.key=value, e.g. sparseloco@diloco.outer_lr=4)"])
             if args.rounds < 1:
                 raise ConfigError([f"--rounds must be at least 1, got {args.rounds}"])
             if args.warm_start_steps < 0 or not args.warm_start_lr > 0:
                 raise ConfigError(["--warm-start-steps must be 0 or more and --warm-start-lr positive"])
             cfg = config_load.load(None, rest, defaults={**DEFAULTS, "diloco.outer_steps": args.rounds})
+            for codec in codecs or []:  # an arm's wrong key says so now, not after the cells before it ran
+                variant(cfg, **codec_settings(codec))
             rate = args.rate if args.rate and args.rate.lower() not in ("none", "off", "0") else None
             try:
                 link = netns.link_arguments(args, rate)

@@ -35,7 +35,10 @@ from experiments.compare import (
     CODEC_ARMS,
     COMPARE_DEFAULTS,
     arm_settings,
+    malformed_own,
     matched_budget,
+    own_settings,
+    run_name,
     unknown_arms,
 )
 from experiments.islands import CompareError, island_summaries, launch_islands, variant
@@ -48,21 +51,16 @@ REFERENCE = "blocking"
 def settings_of(arm: str) -> dict[str, Any]:
     """The config items of ``arm``: blocking fp32 DiLoCo, an overlapped arm, a codec, or ``mode+codec``, each
     followed by any ``@section.key=value`` of its own."""
-    name, *own = arm.split("@")
+    name, own = own_settings(arm)
     items = {} if name == REFERENCE else CODEC_ARMS[name] if name in CODEC_ARMS else arm_settings(name)
-    return {**items, **dict(item.split("=", 1) for item in own)}
+    return {**items, **own}
 
 
 def unknown(arms: list[str]) -> list[str]:
     """The names of ``arms`` that :func:`settings_of` cannot read (an ``@`` item without ``=`` included)."""
     names = [a.split("@")[0] for a in arms]
     bad = {n for n in unknown_arms(names) if n != REFERENCE and n not in CODEC_ARMS}
-    return [a for a, n in zip(arms, names) if n in bad or any("=" not in item for item in a.split("@")[1:])]
-
-
-def run_name(arm: str) -> str:
-    """The folder of ``arm``'s run under ``runs/`` (and its run id's suffix, where '.' may not appear)."""
-    return arm.replace("+", "-").replace("@", "_").replace("=", "-").replace(".", "_")
+    return [a for a, n in zip(arms, names) if n in bad or malformed_own(a)]
 
 
 def losses_per_round(run_dir: Path, fragments: int = 1) -> list[float]:

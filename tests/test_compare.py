@@ -176,6 +176,10 @@ def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
         "averaging.error_feedback_decay"] == "0.9"
     assert settings_of("blocking@diloco.outer_lr=2") == {"diloco.outer_lr": "2"}
     assert run_name("delayed+int8@diloco.outer_lr=0.5") == "delayed-int8_diloco_outer_lr-0_5"
+    # compare's and the frontier's codec arms read the same settings of their own
+    from experiments.compare import codec_settings, unknown_codecs
+    assert codec_settings("sparseloco@diloco.outer_lr=4") == {**settings_of("sparseloco"), "diloco.outer_lr": "4"}
+    assert unknown_codecs(["int4", "sparseloco@diloco.outer_lr=4", "int4@x", "delayed"]) == ["int4@x", "delayed"]
     curves = {REFERENCE: [1.6, 1.5, 1.4, 1.3], "delayed": [1.6, 1.55, 1.43, 1.31]}
     assert abs(gap(curves, "delayed", 3) - (1.31 / 1.3 - 1)) < 1e-12 and gap(curves, "delayed", 9) != gap(curves, "delayed", 9)
     _plot(curves, tmp_path / "horizon.png")
@@ -191,6 +195,9 @@ def test_horizon_report_gaps_and_bad_arguments(tmp_path, capsys):
     # an arm's own setting that cannot work is told before any arm runs
     assert main(["--arms", "sparseloco@averaging.topk_density=2", "--rounds", "2", "--out", str(tmp_path / "h")]) == 2
     assert "topk_density" in capsys.readouterr().err and not (tmp_path / "h" / "runs").exists()
+    from experiments.compare import main as compare
+    assert compare(["--compression", "sparseloco@diloco.outer_rate=4", "--out", str(tmp_path / "c")]) == 2
+    assert "outer_rate" in capsys.readouterr().err and not (tmp_path / "c" / "runs").exists()
 
 
 def test_unsent_says_what_is_missing_when_no_round_was_checkpointed_by_every_island(tmp_path):

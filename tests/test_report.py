@@ -292,6 +292,8 @@ def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
     (["--seeds", "a,b"], "--seeds takes whole numbers"),
     (["--optimizers", "sgd"], "--optimizers sgd is not a list of adamw, muon"),
     (["--codecs", "zip"], "--codecs zip is not one of"),
+    (["--codecs", "sparseloco@diloco.outer_lr"], "--codecs sparseloco@diloco.outer_lr is not one of"),
+    (["--codecs", "sparseloco@diloco.outer_rate=4"], "outer_rate"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--report-only"], "--report-only found no finished cell under"),
 ])
