@@ -89,7 +89,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
                 latency_ms: float = 0.0, rtt_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0,
                 warm_start_steps: int = 0,
                 warm_start_lr: float | None = None, arms: list[str] = (), codecs: list[str] = (),
-                single: bool = True) -> Path:
+                single: bool = True, reuse: Path | None = None) -> Path:
     """Run single worker, synchronous baseline and DiLoCo (and the overlapped DiLoCo ``arms``, names of
     :data:`ARMS`, and the low-bit ``codecs``, names of :data:`CODEC_ARMS`); write the report; return ``results.md``.
 
@@ -97,6 +97,9 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     parameters one worker reached after that many steps at peak lr ``warm_start_lr`` (default: the inner
     lr), as the DiLoCo paper starts every run from a pretrained model; the report names the shared
     starting point.  ``single=False`` leaves the single worker (a) out (the frontier compares with DDP only).
+    ``reuse``: the ``results.json`` of an earlier compare with the same settings and start, whose (a), (b) and (c)
+    this run takes instead of running them again (from one start they repeat to the last digit); only the arms
+    and codecs run.
     """
     from diloco.launch.baseline import run_baseline
     from experiments import netns
@@ -159,43 +162,55 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         else:
             notes.append("start: every run starts from the same seeded random initialisation (no warm start)")
 
-        # (a) one worker, plain AdamW
-        one = None
-        if single:
-            say("\n== (a) single worker ==", flush=True)
-            c_single = single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
-            one = diloco_result("single", "single", launch_islands(c_single, 1, progress=progress))
-
-        # (b) synchronous data parallelism over k workers
-        # as many workers as the islands have ranks: HSDP inside each island's server when it has several
-        workers = islands * cfg.parallel.dp
-        say(f"\n== (b) synchronous data-parallel baseline, {workers} workers"
-            f"{f' (HSDP, servers of {cfg.parallel.dp})' if cfg.parallel.dp > 1 else ''} ==", flush=True)
-        c_base = variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
-                                  "wandb.group": group})
-        check_network()
-        tx0 = link_tx_bytes(network) if network else None
-        s_base = run_baseline(c_base, workers, network=network, progress=progress)
-        tx1 = link_tx_bytes(network) if network else None
-        base = baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
-        if cfg.parallel.dp > 1:  # like an island's, what crosses a server's link: its dp workers' shards together
-            base.bytes_per_worker *= cfg.parallel.dp
-            notes.append(f"bytes: per server for both, {cfg.parallel.dp} workers (the island's ranks, the baseline's "
-                         f"HSDP shards) sharing each server's link")
-
-        # (c) DiLoCo with k islands
-        say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
         c_dl = variant(cfg, **{"logging.run_dir": str(runs / "diloco"), "averaging.backend": "hivemind",
                                 "averaging.run_id": "diloco", "wandb.group": group})
-        check_network()
-        out_dl = launch_islands(c_dl, islands, network=network, progress=progress)
-        check_network()
-        tx2 = link_tx_bytes(network) if network else None
-        dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
+        blocking_runs = runs / "diloco"
+        tx0 = None
+        if reuse is not None:
+            one, base, dl = reused_runs(Path(reuse), cfg, islands, single)
+            s_base = {"comm_method": f"as in {reuse}"}
+            blocking_runs = Path(reuse).parent / "runs" / "diloco"
+            say(f"\n== single worker, baseline and DiLoCo: those of {reuse} (the same settings and start) ==",
+                flush=True)
+            notes.append(f"reused: the {'single worker, ' if one else ''}baseline and DiLoCo (fp32) are those of "
+                         f"{reuse}, which ran with the same settings from the same start (from one start they repeat "
+                         f"to the last digit), not run again")
+        else:
+            # (a) one worker, plain AdamW
+            one = None
+            if single:
+                say("\n== (a) single worker ==", flush=True)
+                c_single = single_worker(cfg, runs / "single", "single", **{"wandb.group": group})
+                one = diloco_result("single", "single", launch_islands(c_single, 1, progress=progress))
+
+            # (b) synchronous data parallelism over k workers
+            # as many workers as the islands have ranks: HSDP inside each island's server when it has several
+            workers = islands * cfg.parallel.dp
+            say(f"\n== (b) synchronous data-parallel baseline, {workers} workers"
+                f"{f' (HSDP, servers of {cfg.parallel.dp})' if cfg.parallel.dp > 1 else ''} ==", flush=True)
+            c_base = variant(cfg, **{"logging.run_dir": str(runs / "baseline"), "averaging.run_id": "ddp",
+                                      "wandb.group": group})
+            check_network()
+            tx0 = link_tx_bytes(network) if network else None
+            s_base = run_baseline(c_base, workers, network=network, progress=progress)
+            tx1 = link_tx_bytes(network) if network else None
+            base = baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
+            if cfg.parallel.dp > 1:  # like an island's, what crosses a server's link: its dp workers' shards together
+                base.bytes_per_worker *= cfg.parallel.dp
+                notes.append(f"bytes: per server for both, {cfg.parallel.dp} workers (the island's ranks, the baseline's "
+                             f"HSDP shards) sharing each server's link")
+
+            # (c) DiLoCo with k islands
+            say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
+            check_network()
+            out_dl = launch_islands(c_dl, islands, network=network, progress=progress)
+            check_network()
+            tx2 = link_tx_bytes(network) if network else None
+            dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
 
         # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
         for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", codec_settings(c)) for c in codecs]:
-            items = matched_budget(items, runs / "diloco")
+            items = matched_budget(items, blocking_runs)
             say(f"\n== DiLoCo {arm}: {', '.join(f'{k}={v}' for k, v in items.items())} ==", flush=True)
             c_arm = variant(c_dl, **{"logging.run_dir": str(runs / f"diloco-{run_name(arm)}"),
                                       "averaging.run_id": f"diloco-{run_name(arm)}",
@@ -257,6 +272,28 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
             print(line)
         print(f"\nreport: {md}", flush=True)
     return md
+
+
+def same_settings(results_json: Path, cfg: Config) -> bool:
+    """Whether the compare run that wrote ``results_json`` ran with ``cfg``, its start (``checkpoint.init_from``)
+    included."""
+    data = json.loads(Path(results_json).read_text())
+    return data.get("config") == json.loads(json.dumps(config_mod.to_dict(cfg), default=str))
+
+
+def reused_runs(results_json: Path, cfg: Config, islands: int,
+                single: bool) -> tuple[RunResult | None, RunResult, RunResult]:
+    """The single worker (when ``single``), baseline and fp32 DiLoCo of the compare run that wrote
+    ``results_json``, which must have run with ``cfg`` and ``islands``."""
+    if not same_settings(results_json, cfg) or json.loads(Path(results_json).read_text()).get("islands") != islands:
+        raise CompareError(f"{results_json} ran with other settings or another start than this run: its baseline and "
+                           f"DiLoCo cannot stand for this run's (run them again without reusing it)")
+    runs = {r["name"]: RunResult.from_dict(r) for r in json.loads(Path(results_json).read_text())["runs"]}
+    names = ["single"] * single + [f"baseline-ddp-{islands}", f"diloco-{islands}x-H{cfg.diloco.inner_steps}"]
+    missing = [n for n in names if n not in runs]
+    if missing:
+        raise CompareError(f"{results_json} has no run {', '.join(missing)} to reuse: run them again without reusing it")
+    return runs.get("single") if single else None, runs[names[-2]], runs[names[-1]]
 
 
 def _param_count(cfg: Config) -> int:

@@ -9,7 +9,9 @@ A cell of the grid is one (k islands, H, inner optimizer, seed, codec arms): one
 (:func:`experiments.compare.run_compare`, without its single worker: DDP, fp32 DiLoCo and the codec arms, by
 default those of :data:`CODECS`) in ``OUT/<optimizer>-k<k>-H<H>/seed<seed>[-<codec>...]/``.  Every cell of a
 seed starts from that seed's one warm start (``OUT/warm-start/seed<seed>/``: AdamW, as compare's), so the optimizers differ from their first step
-only.  A cell whose ``results.json`` exists is read, not run again: the grid runs slice by slice (a seed, an
+only.  A new cell of a seed whose DDP and fp32 DiLoCo already ran in another cell with the same settings and start
+takes them from there (:func:`reusable_cell`; from one start they repeat to the last digit) and runs its codec arms
+alone.  A cell whose ``results.json`` exists is read, not run again: the grid runs slice by slice (a seed, an
 optimizer, a k or an H at a time, over days), and every command reports the whole frontier found under ``OUT``:
 ``results.md`` (each arm's bytes against DDP's, held-out loss over the seeds, and its gap to the DDP of the same
 seed), ``results.json`` and ``frontier.png`` (mean over the seeds, bars from the lowest to the highest).
@@ -35,6 +37,7 @@ from experiments.compare import (
     COMPARE_DEFAULTS,
     codec_settings,
     run_compare,
+    same_settings,
     unknown_codecs,
 )
 from experiments.islands import CompareError, variant
@@ -84,7 +87,7 @@ class Arm:
 
 def cell_dir(out: Path, optimizer: str, islands: int, inner_steps: int, seed: int, codecs: Sequence[str] = ()) -> Path:
     """Where one cell's compare run writes its report: named by its codec arms too, so that a slice of other
-    codecs is a cell of its own beside one already run (each runs its own DDP and fp32 DiLoCo)."""
+    codecs is a cell of its own beside one already run (whose DDP and fp32 DiLoCo it takes, :func:`reusable_cell`)."""
     return out / f"{optimizer}-k{islands}-H{inner_steps}" / "-".join([f"seed{seed}", *codecs])
 
 
@@ -99,8 +102,9 @@ def arm_name(run_name: str, islands: int, inner_steps: int) -> str | None:
 
 def collect(out: Path) -> list[Arm]:
     """Every arm of every cell found under ``out`` (see :func:`cell_dir`), its seeds gathered; arms in the order
-    optimizer, k, H, then DDP, fp32 and the codecs by bytes.  A seed's DDP and fp32 DiLoCo run again in each of its
-    cells (one per set of codec arms): the last cell read counts, and each codec's gap is to its own cell's DDP."""
+    optimizer, k, H, then DDP, fp32 and the codecs by bytes.  A seed's DDP and fp32 DiLoCo are in each of its cells
+    (one per set of codec arms; run there or taken from an earlier cell of the same start): the last cell read counts,
+    and each codec's gap is to its own cell's DDP."""
     arms: dict[tuple[str, int, int, str], Arm] = {}
     for path in sorted(out.glob("*-k*-H*/seed*/results.json")):
         data = json.loads(path.read_text())
@@ -192,6 +196,12 @@ def verdicts(arms: list[Arm]) -> list[str]:
     return lines
 
 
+def short_name(arm: str) -> str:
+    """An arm's name for a plot: its own settings by key alone (``sparseloco outer_lr=4 topk_density=0.05``)."""
+    name, *own = arm.split("@")
+    return " ".join([name] + [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in (i.split("=", 1) for i in own)])
+
+
 def plot(arms: list[Arm], path: Path) -> None:
     """Left: held-out loss against bytes per worker; right: the gap to DDP against the bytes saved, with the goal's
     corner shaded.  Points at the mean over the seeds, bars from the lowest to the highest; the groups (optimizer,
@@ -214,7 +224,7 @@ def plot(arms: list[Arm], path: Path) -> None:
             y = statistics.mean(v)
             ax.errorbar([xs], [y], yerr=[[y - min(v)], [max(v) - y]], fmt="s" if a.name == DDP else "o",
                         color=color, capsize=3, markersize=5, label=a.group if a.name == FP32 else None)
-            ax.annotate(a.name, (xs, y), textcoords="offset points", xytext=(5, 4), fontsize=7.5, color=color)
+            ax.annotate(short_name(a.name), (xs, y), textcoords="offset points", xytext=(5, 4), fontsize=7.5, color=color)
     left.set_xscale("log")
     left.set_xlabel("bytes a worker sent and received (log)")
     left.set_ylabel("held-out loss at the end (nats/token)")
@@ -268,8 +278,21 @@ def run_grid(cfg: Config, out: Path, islands: list[int], inner_steps: list[int],
                     items = {"seed": seed, "inner.optimizer": opt, "diloco.inner_steps": H}
                     if init is not None:
                         items["checkpoint.init_from"] = str(init)
-                    print(f"\nfrontier: cell {opt}, k={k}, H={H}, seed {seed} → {cell}", flush=True)
-                    run_compare(variant(cfg, **items), k, rate, cell, **link, codecs=arms, single=False)
+                    c = variant(cfg, **items)
+                    reuse = reusable_cell(out, k, c)
+                    print(f"\nfrontier: cell {opt}, k={k}, H={H}, seed {seed} → {cell}"
+                          + (f" (its DDP and fp32 DiLoCo: {reuse.parent.name}'s)" if reuse else ""), flush=True)
+                    run_compare(c, k, rate, cell, **link, codecs=arms, single=False, reuse=reuse)
+
+
+def reusable_cell(out: Path, islands: int, cfg: Config) -> Path | None:
+    """The ``results.json`` of a finished cell under ``out`` that ran with ``cfg`` (inner optimizer, H and seed
+    included) and ``islands``: its DDP and fp32 DiLoCo stand for those of a new cell of other codecs."""
+    group = out / f"{cfg.inner.optimizer}-k{islands}-H{cfg.diloco.inner_steps}"
+    for path in sorted(group.glob("seed*/results.json")):
+        if json.loads(path.read_text()).get("islands") == islands and same_settings(path, cfg):
+            return path
+    return None
 
 
 def _warm_start(cfg: Config, seed: int, run_dir: Path, steps: int, lr: float) -> Path:

@@ -15,7 +15,7 @@ from experiments.compare import (
     run_compare,
     unknown_arms,
 )
-from experiments.islands import CompareError
+from experiments.islands import CompareError, variant
 from tests.conftest import PART_LOST, tiny_config
 
 COMMON = {
@@ -79,6 +79,21 @@ def test_compare_end_to_end(tmp_path, no_leaked_daemons):
     assert 0 < topk["bytes_per_worker"] < fp32["bytes_per_worker"] / 10
     assert topk["extra"]["theta_global_max_abs_diff"] == 0.0
     assert any(n.startswith("codec: diloco-codec-topk: held-out loss") for n in data["notes"])
+    # the same settings and start again with another codec: (a), (b) and (c) are the first run's, only int4 runs
+    again = variant(cfg, **{"checkpoint.init_from": data["config"]["checkpoint"]["init_from"]})
+    run_compare(again, 2, None, tmp_path / "again", progress=False, codecs=["int4"],
+                reuse=tmp_path / "out" / "results.json")
+    second = json.loads((tmp_path / "again" / "results.json").read_text())
+    runs2 = {r["name"]: r for r in second["runs"]}
+    for name in ("single", "baseline-ddp-2", "diloco-2x-H4"):
+        assert runs2[name]["final_eval_loss"] == runs[name]["final_eval_loss"], name
+    assert sorted(p.name for p in (tmp_path / "again" / "runs").iterdir()) == ["diloco-codec-int4"]
+    assert runs2["diloco-codec-int4"]["curve"][0]["eval_loss"] == pytest.approx(warm[-1]["eval_loss"], rel=1e-6)
+    assert runs2["diloco-codec-int4"]["extra"]["theta_global_max_abs_diff"] == 0.0
+    assert any(n.startswith("reused: the single worker, baseline and DiLoCo (fp32)") for n in second["notes"])
+    with pytest.raises(CompareError, match="other settings or another start"):  # another seed cannot stand in
+        run_compare(variant(again, seed=cfg.seed + 1), 2, None, tmp_path / "other", progress=False, codecs=["int4"],
+                    reuse=tmp_path / "out" / "results.json")
     if not emulated:
         print(f"links not emulated: {why_not}")
         assert data["measured_link_bits_per_second"] is None

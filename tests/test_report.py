@@ -267,6 +267,11 @@ def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
     assert "frontier goal (≥ 1,000× fewer bytes than DDP within 1% on every seed) not met" in md
     assert "the most bytes saved within 1%: muon k=2 H=20 int4, 160×" in md  # sign is +1.35%
     assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from experiments.frontier import (
+        short_name,  # the plot names an arm's own settings by key alone
+    )
+    assert short_name("sparseloco@diloco.outer_lr=4@averaging.topk_density=0.05") == (
+        "sparseloco outer_lr=4 topk_density=0.05")
     # overlapping seeds are no verdict either way
     _compare_cell(tmp_path / "close", "adamw", 0, {"DDP": 1.50, "fp32": 1.50})
     _compare_cell(tmp_path / "close", "adamw", 1, {"DDP": 1.47, "fp32": 1.47})
@@ -286,6 +291,27 @@ def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
     md = (tmp_path / "close" / "results.md").read_text()
     assert "1 seed(s): Muon 1.4800 [1.4800, 1.4800], AdamW 1.4700" in md, md
     assert "seed(s) 0 left out: no warm start run under both" in md
+
+
+def test_a_new_frontier_cell_takes_ddp_and_fp32_from_a_cell_of_the_same_settings_and_start(tmp_path):
+    """A cell of other codecs reuses the DDP and fp32 DiLoCo of a finished cell only when everything but the codec
+    arms is the same: the seed, the inner optimizer, H, k and the warm start."""
+    from diloco.config import loader as config_load
+    from diloco.config import schema as config_mod
+    from experiments.frontier import DEFAULTS, cell_dir, reusable_cell
+    from experiments.islands import variant
+
+    cfg = variant(config_load.load(None, [], defaults=DEFAULTS),
+                  **{"seed": 1, "checkpoint.init_from": str(tmp_path / "warm-start" / "seed1")})
+    cell = cell_dir(tmp_path, "adamw", 2, 20, 1, ("sign",))
+    cell.mkdir(parents=True)
+    (cell / "results.json").write_text(json.dumps({"runs": [], "islands": 2, "config": config_mod.to_dict(cfg)},
+                                                  default=str))
+    assert reusable_cell(tmp_path, 2, cfg) == cell / "results.json"
+    assert reusable_cell(tmp_path, 4, cfg) is None
+    for other in ({"seed": 2}, {"checkpoint.init_from": str(tmp_path / "elsewhere")}, {"inner.optimizer": "muon"},
+                  {"diloco.inner_steps": 50}, {"inner.lr": 2e-3}):
+        assert reusable_cell(tmp_path, 2, variant(cfg, **other)) is None, other
 
 
 @pytest.mark.parametrize("args, words", [

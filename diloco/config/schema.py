@@ -113,7 +113,7 @@ class DilocoConfig:
     outer_steps: int = 10
     """Number of outer rounds to run."""
     outer_optimizer: str = "nesterov"
-    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default), `avg` (FedAvg: lr 1, no momentum) or `sparseloco` (SparseLoCo, Sarfi et al. 2025: plain averaged descent with `outer_lr`, no momentum: the error-feedback buffer of a lossy `averaging.compression` stands in for it; it wants a larger `outer_lr` than Nesterov's: over 30 rounds of 2 islands at H = 20, +7.8% against blocking DiLoCo at lr 1, +1.5% at lr 4, experiments/results/sparseloco-30/)."""
+    """`nesterov` (SGD with Nesterov momentum, the DiLoCo default), `avg` (FedAvg: lr 1, no momentum) or `sparseloco` (SparseLoCo, Sarfi et al. 2025: plain averaged descent with `outer_lr`, no momentum: the error-feedback buffer of a lossy `averaging.compression` stands in for it; it wants a larger `outer_lr` than Nesterov's: over 30 rounds of 2 islands at H = 20, +7.8% against blocking DiLoCo at lr 1, +1.5% at lr 4, experiments/results/sparseloco-30/; at H = 50 also a larger `averaging.topk_density`: 18 rounds at lr 4 ended +2.9% against DDP at 2%, +0.25% at 5% (2,138× fewer bytes), experiments/results/sparseloco-H50/)."""
     outer_lr: float = 0.7
     """Outer learning rate (ignored by `avg`, which uses 1)."""
     outer_momentum: float = 0.9
