@@ -274,18 +274,19 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     return md
 
 
-def same_settings(results_json: Path, cfg: Config) -> bool:
-    """Whether the compare run that wrote ``results_json`` ran with ``cfg``, its start (``checkpoint.init_from``)
-    included."""
+def same_settings(results_json: Path, cfg: Config, islands: int) -> bool:
+    """Whether the compare run that wrote ``results_json`` ran with ``cfg`` (its start, ``checkpoint.init_from``,
+    included) and ``islands``."""
     data = json.loads(Path(results_json).read_text())
-    return data.get("config") == json.loads(json.dumps(config_mod.to_dict(cfg), default=str))
+    return data.get("islands") == islands and data.get("config") == json.loads(json.dumps(config_mod.to_dict(cfg),
+                                                                                          default=str))
 
 
 def reused_runs(results_json: Path, cfg: Config, islands: int,
                 single: bool) -> tuple[RunResult | None, RunResult, RunResult]:
     """The single worker (when ``single``), baseline and fp32 DiLoCo of the compare run that wrote
     ``results_json``, which must have run with ``cfg`` and ``islands``."""
-    if not same_settings(results_json, cfg) or json.loads(Path(results_json).read_text()).get("islands") != islands:
+    if not same_settings(results_json, cfg, islands):
         raise CompareError(f"{results_json} ran with other settings or another start than this run: its baseline and "
                            f"DiLoCo cannot stand for this run's (run them again without reusing it)")
     runs = {r["name"]: RunResult.from_dict(r) for r in json.loads(Path(results_json).read_text())["runs"]}

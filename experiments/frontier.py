@@ -290,7 +290,7 @@ def reusable_cell(out: Path, islands: int, cfg: Config) -> Path | None:
     included) and ``islands``: its DDP and fp32 DiLoCo stand for those of a new cell of other codecs."""
     group = out / f"{cfg.inner.optimizer}-k{islands}-H{cfg.diloco.inner_steps}"
     for path in sorted(group.glob("seed*/results.json")):
-        if json.loads(path.read_text()).get("islands") == islands and same_settings(path, cfg):
+        if same_settings(path, cfg, islands):
             return path
     return None
 
