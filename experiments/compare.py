@@ -167,7 +167,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         blocking_runs = runs / "diloco"
         tx0 = None
         if reuse is not None:
-            one, base, dl = reused_runs(Path(reuse), cfg, islands, single)
+            one, base, dl = reused_runs(Path(reuse), cfg, islands, rate, single)
             s_base = {"comm_method": f"as in {reuse}"}
             blocking_runs = Path(reuse).parent / "runs" / "diloco"
             say(f"\n== single worker, baseline and DiLoCo: those of {reuse} (the same settings and start) ==",
@@ -274,21 +274,21 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     return md
 
 
-def same_settings(results_json: Path, cfg: Config, islands: int) -> bool:
+def same_settings(results_json: Path, cfg: Config, islands: int, rate: str | None) -> bool:
     """Whether the compare run that wrote ``results_json`` ran with ``cfg`` (its start, ``checkpoint.init_from``,
-    included) and ``islands``."""
+    included), ``islands`` and the link ``rate``."""
     data = json.loads(Path(results_json).read_text())
-    return data.get("islands") == islands and data.get("config") == json.loads(json.dumps(config_mod.to_dict(cfg),
-                                                                                          default=str))
+    return (data.get("islands") == islands and data.get("rate") == rate
+            and data.get("config") == json.loads(json.dumps(config_mod.to_dict(cfg), default=str)))
 
 
-def reused_runs(results_json: Path, cfg: Config, islands: int,
+def reused_runs(results_json: Path, cfg: Config, islands: int, rate: str | None,
                 single: bool) -> tuple[RunResult | None, RunResult, RunResult]:
     """The single worker (when ``single``), baseline and fp32 DiLoCo of the compare run that wrote
-    ``results_json``, which must have run with ``cfg`` and ``islands``."""
-    if not same_settings(results_json, cfg, islands):
-        raise CompareError(f"{results_json} ran with other settings or another start than this run: its baseline and "
-                           f"DiLoCo cannot stand for this run's (run them again without reusing it)")
+    ``results_json``, which must have run with ``cfg``, ``islands`` and ``rate``."""
+    if not same_settings(results_json, cfg, islands, rate):
+        raise CompareError(f"{results_json} ran with other settings, another start or another link rate than this run: "
+                           f"its baseline and DiLoCo cannot stand for this run's (run them again without reusing it)")
     runs = {r["name"]: RunResult.from_dict(r) for r in json.loads(Path(results_json).read_text())["runs"]}
     names = ["single"] * single + [f"baseline-ddp-{islands}", f"diloco-{islands}x-H{cfg.diloco.inner_steps}"]
     missing = [n for n in names if n not in runs]

@@ -279,18 +279,19 @@ def run_grid(cfg: Config, out: Path, islands: list[int], inner_steps: list[int],
                     if init is not None:
                         items["checkpoint.init_from"] = str(init)
                     c = variant(cfg, **items)
-                    reuse = reusable_cell(out, k, c)
+                    reuse = reusable_cell(out, k, rate, c)
                     print(f"\nfrontier: cell {opt}, k={k}, H={H}, seed {seed} → {cell}"
                           + (f" (its DDP and fp32 DiLoCo: {reuse.parent.name}'s)" if reuse else ""), flush=True)
                     run_compare(c, k, rate, cell, **link, codecs=arms, single=False, reuse=reuse)
 
 
-def reusable_cell(out: Path, islands: int, cfg: Config) -> Path | None:
+def reusable_cell(out: Path, islands: int, rate: str | None, cfg: Config) -> Path | None:
     """The ``results.json`` of a finished cell under ``out`` that ran with ``cfg`` (inner optimizer, H and seed
-    included) and ``islands``: its DDP and fp32 DiLoCo stand for those of a new cell of other codecs."""
+    included), ``islands`` and the link ``rate``: its DDP and fp32 DiLoCo stand for those of a new cell of other
+    codecs."""
     group = out / f"{cfg.inner.optimizer}-k{islands}-H{cfg.diloco.inner_steps}"
     for path in sorted(group.glob("seed*/results.json")):
-        if same_settings(path, cfg, islands):
+        if same_settings(path, cfg, islands, rate):
             return path
     return None
 

@@ -62,7 +62,8 @@ def test_compare_end_to_end(tmp_path, no_leaked_daemons):
     emulated, why_not = netns.available()
     before = set(netns.list_namespaces()) if emulated else set()
     cfg = tiny_config(tmp_path / "unused", **COMMON)
-    md = run_compare(cfg, 2, "50mbit" if emulated else None, tmp_path / "out", progress=False, codecs=["topk"],
+    rate = "50mbit" if emulated else None
+    md = run_compare(cfg, 2, rate, tmp_path / "out", progress=False, codecs=["topk"],
                      warm_start_steps=6, warm_start_lr=2e-3)
     assert md == tmp_path / "out" / "results.md"
     data = _check_report(tmp_path / "out", H=4)
@@ -81,7 +82,7 @@ def test_compare_end_to_end(tmp_path, no_leaked_daemons):
     assert any(n.startswith("codec: diloco-codec-topk: held-out loss") for n in data["notes"])
     # the same settings and start again with another codec: (a), (b) and (c) are the first run's, only int4 runs
     again = variant(cfg, **{"checkpoint.init_from": data["config"]["checkpoint"]["init_from"]})
-    run_compare(again, 2, None, tmp_path / "again", progress=False, codecs=["int4"],
+    run_compare(again, 2, rate, tmp_path / "again", progress=False, codecs=["int4"],
                 reuse=tmp_path / "out" / "results.json")
     second = json.loads((tmp_path / "again" / "results.json").read_text())
     runs2 = {r["name"]: r for r in second["runs"]}
@@ -91,9 +92,10 @@ def test_compare_end_to_end(tmp_path, no_leaked_daemons):
     assert runs2["diloco-codec-int4"]["curve"][0]["eval_loss"] == pytest.approx(warm[-1]["eval_loss"], rel=1e-6)
     assert runs2["diloco-codec-int4"]["extra"]["theta_global_max_abs_diff"] == 0.0
     assert any(n.startswith("reused: the single worker, baseline and DiLoCo (fp32)") for n in second["notes"])
-    with pytest.raises(CompareError, match="other settings or another start"):  # another seed cannot stand in
-        run_compare(variant(again, seed=cfg.seed + 1), 2, None, tmp_path / "other", progress=False, codecs=["int4"],
-                    reuse=tmp_path / "out" / "results.json")
+    for other, other_rate in ((variant(again, seed=cfg.seed + 1), rate), (again, "7mbit")):  # neither can stand in
+        with pytest.raises(CompareError, match="other settings, another start or another link"):
+            run_compare(other, 2, other_rate, tmp_path / "other", progress=False, codecs=["int4"],
+                        reuse=tmp_path / "out" / "results.json")
     if not emulated:
         print(f"links not emulated: {why_not}")
         assert data["measured_link_bits_per_second"] is None

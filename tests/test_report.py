@@ -295,7 +295,7 @@ def test_the_frontier_gathers_seeds_per_arm_and_says_what_they_show(tmp_path):
 
 def test_a_new_frontier_cell_takes_ddp_and_fp32_from_a_cell_of_the_same_settings_and_start(tmp_path):
     """A cell of other codecs reuses the DDP and fp32 DiLoCo of a finished cell only when everything but the codec
-    arms is the same: the seed, the inner optimizer, H, k and the warm start."""
+    arms is the same: the seed, the inner optimizer, H, k, the link's rate and the warm start."""
     from diloco.config import loader as config_load
     from diloco.config import schema as config_mod
     from experiments.frontier import DEFAULTS, cell_dir, reusable_cell
@@ -305,13 +305,14 @@ def test_a_new_frontier_cell_takes_ddp_and_fp32_from_a_cell_of_the_same_settings
                   **{"seed": 1, "checkpoint.init_from": str(tmp_path / "warm-start" / "seed1")})
     cell = cell_dir(tmp_path, "adamw", 2, 20, 1, ("sign",))
     cell.mkdir(parents=True)
-    (cell / "results.json").write_text(json.dumps({"runs": [], "islands": 2, "config": config_mod.to_dict(cfg)},
-                                                  default=str))
-    assert reusable_cell(tmp_path, 2, cfg) == cell / "results.json"
-    assert reusable_cell(tmp_path, 4, cfg) is None
+    (cell / "results.json").write_text(json.dumps({"runs": [], "islands": 2, "rate": None,
+                                                   "config": config_mod.to_dict(cfg)}, default=str))
+    assert reusable_cell(tmp_path, 2, None, cfg) == cell / "results.json"
+    assert reusable_cell(tmp_path, 4, None, cfg) is None
+    assert reusable_cell(tmp_path, 2, "20mbit", cfg) is None
     for other in ({"seed": 2}, {"checkpoint.init_from": str(tmp_path / "elsewhere")}, {"inner.optimizer": "muon"},
                   {"diloco.inner_steps": 50}, {"inner.lr": 2e-3}):
-        assert reusable_cell(tmp_path, 2, variant(cfg, **other)) is None, other
+        assert reusable_cell(tmp_path, 2, None, variant(cfg, **other)) is None, other
 
 
 @pytest.mark.parametrize("args, words", [
