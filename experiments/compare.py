@@ -170,8 +170,8 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
             one, base, dl = reused_runs(Path(reuse), cfg, islands, rate, single)
             s_base = {"comm_method": f"as in {reuse}"}
             blocking_runs = Path(reuse).parent / "runs" / "diloco"
-            say(f"\n== single worker, baseline and DiLoCo: those of {reuse} (the same settings and start) ==",
-                flush=True)
+            say(f"\n== {'single worker, ' if one else ''}baseline and DiLoCo: those of {reuse} (the same settings and "
+                f"start) ==", flush=True)
             notes.append(f"reused: the {'single worker, ' if one else ''}baseline and DiLoCo (fp32) are those of "
                          f"{reuse}, which ran with the same settings from the same start (from one start they repeat "
                          f"to the last digit), not run again")
