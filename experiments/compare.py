@@ -168,7 +168,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
         tx0 = None
         if reuse is not None:
             one, base, dl = reused_runs(Path(reuse), cfg, islands, rate, single)
-            s_base = {"comm_method": f"as in {reuse}"}
+            base_comm = f"as in {reuse}"
             blocking_runs = Path(reuse).parent / "runs" / "diloco"
             say(f"\n== {'single worker, ' if one else ''}baseline and DiLoCo: those of {reuse} (the same settings and "
                 f"start) ==", flush=True)
@@ -193,12 +193,11 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
             check_network()
             tx0 = link_tx_bytes(network) if network else None
             s_base = run_baseline(c_base, workers, network=network, progress=progress)
+            base_comm = str(s_base.get("comm_method", ""))
             tx1 = link_tx_bytes(network) if network else None
             base = baseline_result(f"baseline-ddp-{islands}", s_base, runs / "baseline")
             if cfg.parallel.dp > 1:  # like an island's, what crosses a server's link: its dp workers' shards together
                 base.bytes_per_worker *= cfg.parallel.dp
-                notes.append(f"bytes: per server for both, {cfg.parallel.dp} workers (the island's ranks, the baseline's "
-                             f"HSDP shards) sharing each server's link")
 
             # (c) DiLoCo with k islands
             say(f"\n== (c) DiLoCo, {islands} islands, H={H}, outer {cfg.diloco.outer_optimizer} ==", flush=True)
@@ -207,6 +206,9 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
             check_network()
             tx2 = link_tx_bytes(network) if network else None
             dl = diloco_result(f"diloco-{islands}x-H{H}", "diloco", out_dl)
+        if cfg.parallel.dp > 1:
+            notes.append(f"bytes: per server for both, {cfg.parallel.dp} workers (the island's ranks, the baseline's "
+                         f"HSDP shards) sharing each server's link")
 
         # (d) the same DiLoCo with rounds in flight, (e) with low-bit pseudo-gradients
         for arm, items in [(a, arm_settings(a)) for a in arms] + [(f"codec-{c}", codec_settings(c)) for c in codecs]:
@@ -257,7 +259,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     notes.append("wall-clock is each run's training loop (first evaluation to last), excluding process start, "
                  "data loading and (DiLoCo) DHT bootstrap; launch-to-exit: "
                  + ", ".join(f"{r.name} {r.extra.get('launcher_wall_seconds', float('nan')):.0f} s" for r in results))
-    notes.append("baseline communication: " + str(s_base.get("comm_method", "")) +
+    notes.append("baseline communication: " + base_comm +
                  "; DiLoCo bytes are the hivemind all-reduce's 2·(k−1)/k of the fp32 pseudo-gradient per round")
     md = write_report(results, out_dir, reference=base.name, notes=notes,
                       title=f"DiLoCo ({islands} islands, H={H}) vs synchronous data parallelism")
@@ -274,10 +276,9 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
     return md
 
 
-def same_settings(results_json: Path, cfg: Config, islands: int, rate: str | None) -> bool:
-    """Whether the compare run that wrote ``results_json`` ran with ``cfg`` (its start, ``checkpoint.init_from``,
-    included), ``islands`` and the link ``rate``."""
-    data = json.loads(Path(results_json).read_text())
+def same_settings(data: dict[str, Any], cfg: Config, islands: int, rate: str | None) -> bool:
+    """Whether the compare run whose ``results.json`` is ``data`` ran with ``cfg`` (its start,
+    ``checkpoint.init_from``, included), ``islands`` and the link ``rate``."""
     return (data.get("islands") == islands and data.get("rate") == rate
             and data.get("config") == json.loads(json.dumps(config_mod.to_dict(cfg), default=str)))
 
@@ -286,10 +287,11 @@ def reused_runs(results_json: Path, cfg: Config, islands: int, rate: str | None,
                 single: bool) -> tuple[RunResult | None, RunResult, RunResult]:
     """The single worker (when ``single``), baseline and fp32 DiLoCo of the compare run that wrote
     ``results_json``, which must have run with ``cfg``, ``islands`` and ``rate``."""
-    if not same_settings(results_json, cfg, islands, rate):
+    data = json.loads(Path(results_json).read_text())
+    if not same_settings(data, cfg, islands, rate):
         raise CompareError(f"{results_json} ran with other settings, another start or another link rate than this run: "
                            f"its baseline and DiLoCo cannot stand for this run's (run them again without reusing it)")
-    runs = {r["name"]: RunResult.from_dict(r) for r in json.loads(Path(results_json).read_text())["runs"]}
+    runs = {r["name"]: RunResult.from_dict(r) for r in data["runs"]}
     names = ["single"] * single + [f"baseline-ddp-{islands}", f"diloco-{islands}x-H{cfg.diloco.inner_steps}"]
     missing = [n for n in names if n not in runs]
     if missing:

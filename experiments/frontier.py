@@ -291,7 +291,7 @@ def reusable_cell(out: Path, islands: int, rate: str | None, cfg: Config) -> Pat
     codecs."""
     group = out / f"{cfg.inner.optimizer}-k{islands}-H{cfg.diloco.inner_steps}"
     for path in sorted(group.glob("seed*/results.json")):
-        if same_settings(path, cfg, islands, rate):
+        if same_settings(json.loads(path.read_text()), cfg, islands, rate):
             return path
     return None
 
