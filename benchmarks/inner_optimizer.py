@@ -8,7 +8,8 @@
 
 Under torchrun the island is FSDP over the ranks (``--batch`` sequences per rank), and Muon runs twice: with each
 rank orthogonalising its share of the matrices (``--inner.muon_split``, the default) and with every rank
-orthogonalising all of them.
+orthogonalising all of them.  Where ``--inner.muon_dtype auto`` takes bf16 products (CUDA, or a CPU with AMX or
+AVX-512 BF16), Muon also runs with fp32 products (``muon-fp32``), to show what bf16 saves.
 
 The two optimizers take turns, ``--rounds`` blocks of ``--steps`` timed steps each (after ``--warmup``), so a
 machine that slows down mid-run slows both alike; the figure is each one's fastest block.  Also timed: the
@@ -36,7 +37,11 @@ from diloco.config import DataConfig, InnerOptimConfig, ModelConfig, resolve_mod
 from diloco.data.batches import ShardedBatches  # noqa: E402
 from diloco.data.corpus import load_corpus  # noqa: E402
 from diloco.engine.runtime import use_device  # noqa: E402
-from diloco.model.inner import build_inner_optimizer, take_inner_step  # noqa: E402
+from diloco.model.inner import (  # noqa: E402
+    build_inner_optimizer,
+    newton_schulz_dtype,
+    take_inner_step,
+)
 from diloco.model.transformer import build_model, count_parameters, lm_loss  # noqa: E402
 from experiments.report import markdown_table  # noqa: E402
 from pipeline import ModelParts, ParallelSettings  # noqa: E402
@@ -47,8 +52,9 @@ MODEL_40M = dict(dim=640, n_layers=8, n_heads=10, ffn_dim=1728, seq_len=256)
 
 
 class Arm:
-    """One optimizer's island: its own model (same seed), optimizer and batches; ``name`` ``adamw``, ``muon``, or
-    ``muon-unsplit`` (every rank orthogonalises every matrix); ``mesh``: an FSDP island's, or None."""
+    """One optimizer's island: its own model (same seed), optimizer and batches; ``name`` ``adamw``, ``muon``,
+    ``muon-unsplit`` (every rank orthogonalises every matrix) or ``muon-fp32`` (Newton–Schulz in fp32 whatever the
+    device); ``mesh``: an FSDP island's, or None."""
 
     def __init__(self, name: str, cfg: ModelConfig, batch: int, device: torch.device, corpus: Any, dtype: str,
                  mesh: Any = None):
@@ -57,7 +63,8 @@ class Arm:
         self.model = ModelParts(build_model(cfg), mesh, ParallelSettings(dp=dp, param_dtype=dtype), loss_fn=lm_loss,
                                 device=device)
         self.inner = InnerOptimConfig(optimizer=name.split("-")[0], batch_size=batch, warmup_steps=1,
-                                      muon_split=not name.endswith("-unsplit"))
+                                      muon_split=not name.endswith("-unsplit"),
+                                      muon_dtype="fp32" if name.endswith("-fp32") else "auto")
         self.opt, self.sched = build_inner_optimizer(list(self.model.named_parameters()), self.inner, 10 ** 6)
         self.batches = ShardedBatches(corpus.train, cfg.seq_len, batch, 0, 1, 0, replica=self.model.dp_rank,
                                       replicas=dp)
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.mesh import init_island_mesh
 
         mesh = init_island_mesh(1, 1, device.type, dp=world)
-    names = ("adamw", "muon", "muon-unsplit") if world > 1 else ("adamw", "muon")
+    names = ["adamw", "muon"] + (["muon-unsplit"] if world > 1 else []) \
+        + (["muon-fp32"] if newton_schulz_dtype("auto", device.type) == torch.bfloat16 else [])
     arms = [Arm(name, cfg, args.batch, device, corpus, args.dtype, mesh) for name in names]
     for arm in arms:
         for _ in range(args.warmup):
@@ -122,18 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for arm in arms:
             arm.block(args.steps)
-    adamw, muon = arms[:2]
+    adamw = arms[0]
     params = count_parameters(adamw.model.modules[0])
     rows = [{"optimizer": a.kind, "step_s": min(a.blocks), "optimizer_step_s": min(a.opt_steps),
              "tokens_per_s": args.batch * cfg.seq_len * world / min(a.blocks)} for a in arms]
-    extra = min(muon.blocks) / min(adamw.blocks) - 1
+    extra = {a.kind: min(a.blocks) / min(adamw.blocks) - 1 for a in arms[1:]}
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "threads": torch.get_num_threads(), "ranks": world, "params": params,
                "batch": f"{args.batch}x{cfg.seq_len}" + (f" per rank, {world} ranks (FSDP)" if world > 1 else ""),
                "model": {k: getattr(cfg, k) for k in ("dim", "n_layers", "n_heads", "ffn_dim", "seq_len")},
-               "rows": rows, "muon_extra_step_fraction": extra}
+               "newton_schulz_dtype": str(newton_schulz_dtype("auto", device.type)).removeprefix("torch."),
+               "rows": rows, "extra_step_fraction": extra}
     if world > 1:
-        summary["muon_unsplit_extra_step_fraction"] = min(arms[2].blocks) / min(adamw.blocks) - 1
         summary["orthogonalized_per_step"] = {a.kind: a.opt.orthogonalized / (args.warmup + args.rounds * (args.steps + 1))
                                               for a in arms[1:]}
     if int(os.environ.get("RANK", "0")) != 0:
@@ -146,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{r['tokens_per_s']:.0f}"] for r in rows])
     text = (f"# Muon against AdamW per inner step\n\n{params / 1e6:.1f}M parameters, batch {summary['batch']}, "
             f"{summary['device']} ({summary['threads']} threads); fastest of {args.rounds} blocks of "
-            f"{args.steps} steps each, the arms taking turns.\n\n{table}\n\nMuon's inner step: "
-            f"{extra * 100:+.1f}% against AdamW's"
-            + (f" (every rank orthogonalising every matrix: {summary['muon_unsplit_extra_step_fraction'] * 100:+.1f}%; "
-               f"matrices orthogonalised per step on rank 0: {summary['orthogonalized_per_step']})" if world > 1 else "")
+            f"{args.steps} steps each, the arms taking turns; `muon`'s Newton–Schulz products in "
+            f"{summary['newton_schulz_dtype']}.\n\n{table}\n\nThe inner step against AdamW's: "
+            + ", ".join(f"{kind} {x * 100:+.1f}%" for kind, x in extra.items())
+            + (f" (matrices orthogonalised per step on rank 0: {summary['orthogonalized_per_step']})" if world > 1 else "")
             + ".\n")
     (out / "results.md").write_text(text)
     print(text)

@@ -77,7 +77,8 @@ def test_an_island_whose_fsdp_shards_are_uneven_trains_and_resumes(tmp_path):
     matrix gathered from the uneven shards), the dp=2 island trains as one process accumulating two batches, and
     its round-2 checkpoint (Muon's momentum resharded too) resumed on one process ends round 3 where the
     uninterrupted run did."""
-    uneven = {"model.ffn_dim": 65, "model.vocab_size": 259, "inner.optimizer": "muon"}
+    # Newton–Schulz in fp32: bf16's rounding would make the two ways of summing a gradient visibly differ
+    uneven = {"model.ffn_dim": 65, "model.vocab_size": 259, "inner.optimizer": "muon", "inner.muon_dtype": "fp32"}
     reference = tmp_path / "reference"
     Island(island_config(reference, **uneven, **{"inner.grad_accum": 2})).run()
     dp2 = tmp_path / "dp2"

@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from diloco.config import InnerOptimConfig, ModelConfig
-from diloco.model.inner import build_inner_optimizer, orthogonalize
+from diloco.model.inner import (
+    build_inner_optimizer,
+    multiplies_bf16_natively,
+    newton_schulz_dtype,
+    orthogonalize,
+)
 from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from pipeline.mesh import exit_worker
@@ -61,9 +66,9 @@ def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
 
 def make_optimizer(named_params, kind: str = "adamw", split: bool = True) -> torch.optim.Optimizer:
     """AdamW, or the island's Muon (on the blocks' matrices, AdamW on the rest) at a constant learning rate."""
-    if kind == "muon":
+    if kind == "muon":  # fp32 products: bf16's rounding would turn a TP sum's last bits into visible differences
         cfg = InnerOptimConfig(optimizer="muon", lr=LR, weight_decay=0.1, warmup_steps=0, min_lr_ratio=1.0,
-                               muon_split=split)
+                               muon_split=split, muon_dtype="fp32")
         return build_inner_optimizer(list(named_params), cfg, STEPS)[0]
     return torch.optim.AdamW([p for _, p in named_params], lr=LR, weight_decay=0.1, betas=(0.9, 0.95),
                              foreach=True)
@@ -230,6 +235,12 @@ def test_muon_takes_the_blocks_matrices_and_orthogonalises_their_update():
     singular = torch.linalg.svdvals(orthogonalize(g))
     assert 0.5 < singular.min() and singular.max() < 1.5, singular
     assert orthogonalize(g.T).shape == (64, 24)
+    # bf16 products (the paper's; `auto` takes them where the device multiplies bf16 natively) land on the same
+    # matrix as fp32's, to bf16's precision, and hand back the input's dtype
+    fp32, bf16 = orthogonalize(g, precision="fp32"), orthogonalize(g, precision="bf16")
+    assert bf16.dtype == torch.float32 and 0 < (bf16 - fp32).abs().max() < 0.05
+    assert newton_schulz_dtype("auto", "cuda") == torch.bfloat16 and newton_schulz_dtype("fp32", "cuda") == torch.float32
+    assert newton_schulz_dtype("auto", "cpu") == (torch.bfloat16 if multiplies_bf16_natively("cpu") else torch.float32)
     model = build_model(tiny_model_config())
     opt = make_optimizer(model.named_parameters(), "muon")
     muon = {id(p) for group in opt.param_groups if group["muon"] for p in group["params"]}

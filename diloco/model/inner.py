@@ -3,6 +3,7 @@ cosine decay) and the one inner step."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterable, Iterator
 
@@ -29,11 +30,29 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+@functools.cache
+def multiplies_bf16_natively(device_type: str) -> bool:
+    """Whether bf16 matrix products are faster than fp32 on a ``device_type`` device: CUDA, or a CPU with AMX or
+    AVX-512 BF16 (elsewhere torch emulates them, slower than fp32)."""
+    if device_type == "cuda":
+        return True
+    cpu = torch.cpu
+    return device_type == "cpu" and any(getattr(cpu, probe, lambda: False)()
+                                        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
+def newton_schulz_dtype(setting: str, device_type: str) -> torch.dtype:
+    """The dtype of the Newton–Schulz products for ``--inner.muon_dtype`` ``setting`` on a ``device_type`` device."""
+    if setting == "bf16" or (setting == "auto" and multiplies_bf16_natively(device_type)):
+        return torch.bfloat16
+    return torch.float32
+
+
+def orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, precision: str = "auto") -> torch.Tensor:
     """Muon's Newton–Schulz iteration: ``g`` (a whole 2-D matrix) made nearly semi-orthogonal (U S' V^T with S'
-    near 1, where U S V^T = g), in bf16 on a GPU as the paper does, in fp32 on a CPU (where bf16 is slower)."""
+    near 1, where U S V^T = g), its products in the dtype ``precision`` names (see :func:`newton_schulz_dtype`)."""
     a, b, c = NEWTON_SCHULZ
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    x = g.to(newton_schulz_dtype(precision, g.device.type))
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
@@ -61,10 +80,12 @@ class MuonAdamW(torch.optim.AdamW):
     does (one all-gather of each hidden matrix per step, as FSDP's forward does, one broadcast of its
     orthogonalised update, and 1/N of the Newton–Schulz FLOPs on each of the N ranks).  Without ``split``,
     every rank orthogonalises every whole matrix itself.  The state of a Muon parameter is its
-    ``momentum_buffer`` and ``step``; :attr:`orthogonalized` counts the matrices this rank orthogonalised.
+    ``momentum_buffer`` and ``step``; :attr:`orthogonalized` counts the matrices this rank orthogonalised;
+    :attr:`precision` is ``--inner.muon_dtype``.
     """
 
     split: bool = True
+    precision: str = "auto"
     orthogonalized: int = 0
 
     @torch.no_grad()
@@ -79,7 +100,7 @@ class MuonAdamW(torch.optim.AdamW):
             if group["muon"]:
                 params = [p for p in group["params"] if p.grad is not None]
                 updates = [self._nesterov(p, group) for p in params]
-                for p, ortho in zip(params, orthogonalized(updates, self.split, self)):
+                for p, ortho in zip(params, orthogonalized(updates, self.split, self, self.precision)):
                     rows, cols = p.shape
                     local = local_tensor(p)
                     local.mul_(1 - group["lr"] * group["weight_decay"])
@@ -96,8 +117,8 @@ class MuonAdamW(torch.optim.AdamW):
         return grad.lerp(buf, momentum)
 
 
-def orthogonalized(updates: list[torch.Tensor], split: bool = True, counter: MuonAdamW | None = None
-                   ) -> Iterator[torch.Tensor]:
+def orthogonalized(updates: list[torch.Tensor], split: bool = True, counter: MuonAdamW | None = None,
+                   precision: str = "auto") -> Iterator[torch.Tensor]:
     """The whole orthogonalised matrix of each of ``updates`` (plain tensors, or DTensors sharded inside the
     island), in order.  A DTensor is gathered whole on every rank of its mesh; with ``split``, a run of up to N
     consecutive updates on one mesh of N ranks is orthogonalised one matrix per rank, at once, and each result
@@ -118,12 +139,12 @@ def orthogonalized(updates: list[torch.Tensor], split: bool = True, counter: Muo
             for whole in wholes:
                 if counter is not None:
                     counter.orthogonalized += 1
-                yield orthogonalize(whole)
+                yield orthogonalize(whole, precision=precision)
             continue
         me, group = ranks.index(dist.get_rank()), _group_of(ranks)
         out = [torch.empty_like(w) for w in wholes]
         if me < run:
-            out[me] = orthogonalize(wholes[me]).contiguous()  # a tall matrix's comes transposed: gloo would garble it
+            out[me] = orthogonalize(wholes[me], precision=precision).contiguous()  # a tall matrix's comes transposed: gloo would garble it
             if counter is not None:
                 counter.orthogonalized += 1
         works = [dist.broadcast(o, src=ranks[j], group=group, async_op=True) for j, o in enumerate(out)]
@@ -166,7 +187,7 @@ def build_inner_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], cfg:
     kind = MuonAdamW if muon else torch.optim.AdamW
     opt = kind(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused or None)
     if muon:
-        opt.split = cfg.muon_split
+        opt.split, opt.precision = cfg.muon_split, cfg.muon_dtype
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio,
                                  progress() if progress is not None else None))
