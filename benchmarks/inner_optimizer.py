@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     adamw = arms[0]
     params = count_parameters(adamw.model.modules[0])
     rows = [{"optimizer": a.kind, "step_s": min(a.blocks), "optimizer_step_s": min(a.opt_steps),
-             "tokens_per_s": args.batch * cfg.seq_len * world / min(a.blocks)} for a in arms]
+             "tokens_per_s": args.batch * cfg.seq_len * world / min(a.blocks),
+             "blocks_step_s": a.blocks, "blocks_optimizer_step_s": a.opt_steps} for a in arms]
     extra = {a.kind: min(a.blocks) / min(adamw.blocks) - 1 for a in arms[1:]}
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "threads": torch.get_num_threads(), "ranks": world, "params": params,

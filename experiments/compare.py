@@ -255,7 +255,7 @@ def run_compare(cfg: Config, islands: int, rate: str | None, out_dir: Path, *, p
                  f"{cfg.model.seq_len} byte tokens, {islands} workers, data `{cfg.data.path}`, {os.cpu_count()} CPU "
                  f"core(s) shared by all workers; DiLoCo outer {cfg.diloco.outer_optimizer} "
                  f"(lr {cfg.diloco.outer_lr}, momentum {cfg.diloco.outer_momentum}), "
-                 f"inner {'Muon + AdamW' if cfg.inner.optimizer == 'muon' else 'AdamW'} lr {cfg.inner.lr}")
+                 f"inner {_inner_optimizer(cfg)} lr {cfg.inner.lr}")
     notes.append("wall-clock is each run's training loop (first evaluation to last), excluding process start, "
                  "data loading and (DiLoCo) DHT bootstrap; launch-to-exit: "
                  + ", ".join(f"{r.name} {r.extra.get('launcher_wall_seconds', float('nan')):.0f} s" for r in results))
@@ -297,6 +297,17 @@ def reused_runs(results_json: Path, cfg: Config, islands: int, rate: str | None,
     if missing:
         raise CompareError(f"{results_json} has no run {', '.join(missing)} to reuse: run them again without reusing it")
     return runs.get("single") if single else None, runs[names[-2]], runs[names[-1]]
+
+
+def _inner_optimizer(cfg: Config) -> str:
+    """The inner optimizer as the notes name it; Muon's with the dtype its Newton–Schulz products ran in here."""
+    if cfg.inner.optimizer != "muon":
+        return "AdamW"
+    from diloco.engine.runtime import pick_device
+    from diloco.model.inner import newton_schulz_dtype
+
+    dtype = newton_schulz_dtype(cfg.inner.muon_dtype, pick_device(cfg.device).type)
+    return f"Muon (Newton–Schulz in {str(dtype).removeprefix('torch.')}) + AdamW"
 
 
 def _param_count(cfg: Config) -> int:
