@@ -144,7 +144,8 @@ def orthogonalized(updates: list[torch.Tensor], split: bool = True, counter: Muo
         me, group = ranks.index(dist.get_rank()), _group_of(ranks)
         out = [torch.empty_like(w) for w in wholes]
         if me < run:
-            out[me] = orthogonalize(wholes[me], precision=precision).contiguous()  # a tall matrix's comes transposed: gloo would garble it
+            # a tall matrix's comes transposed: gloo would garble it
+            out[me] = orthogonalize(wholes[me], precision=precision).contiguous()
             if counter is not None:
                 counter.orthogonalized += 1
         works = [dist.broadcast(o, src=ranks[j], group=group, async_op=True) for j, o in enumerate(out)]
