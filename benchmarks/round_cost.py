@@ -35,7 +35,7 @@ from peers.averaging.sharded import ShardedAverager  # noqa: E402
 from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
 from peers.group.averager import AveragerSettings, VerifiedAverager  # noqa: E402
 from peers.settings import NetworkSettings
-from peers.wire.layout import CanonicalLayout  # noqa: E402
+from peers.island.layout import CanonicalLayout  # noqa: E402
 from pipeline import shard_spec_of  # noqa: E402
 
 

@@ -133,7 +133,7 @@ def cmd_baseline(cfg: config_mod.Config, workers: int | None) -> int:
 
 def cmd_probe(argv: list[str]) -> int:
     """``diloco probe --listen`` or ``diloco probe --initial-peers ADDR``: the link between two servers."""
-    from peers.wire import probe
+    from peers import probe
 
     parser = argparse.ArgumentParser(prog="diloco probe", description=probe.__doc__.split("\n\n")[0])
     parser.add_argument("--listen", action="store_true", help="answer probes (run this on the other server first)")
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.launch.baseline import BaselineError
     from diloco.launch.simulate import SimulationError
     from diloco.model.checkpoint import CheckpointError
-    from peers.discovery.dht import PeerNetworkError
+    from peers import PeerNetworkError
 
     def body() -> int:
         cfg = load_config(ns, rest)

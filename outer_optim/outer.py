@@ -22,7 +22,7 @@ class OuterOptimizer:
     """Holds θ_global (fp32, on ``device``) and applies outer steps to it.
 
     θ_global and the outer momentum are each one flat buffer, allocated once, in the order of ``params`` (the
-    model's order: for an island holding every parameter whole, the canonical layout of :mod:`peers.wire.layout`,
+    model's order: for an island holding every parameter whole, the canonical layout of :mod:`peers.island.layout`,
     so its buckets are views, never copies); :attr:`theta_global` holds per-name views of it.  The step is
     torch's SGD update (the same operations, in place): momentum ``buf ← μ·buf + Δ`` (from zeros), Nesterov
     ``update = Δ + μ·buf`` (else ``buf``; without momentum ``Δ``), ``θ ← θ − lr·update``.  On CUDA hosts the
@@ -84,7 +84,7 @@ class OuterOptimizer:
     def pseudo_gradient(self, local: Mapping[str, torch.Tensor], names: list[str] | None = None,
                         out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """``{name: Δ}`` with Δ = θ_global − θ_local, fp32 on the master device (of ``names``, None: all),
-        written into ``out[name]`` when given (buffers allocated once, see :meth:`peers.wire.exchange.BucketExchange.flat_views`)."""
+        written into ``out[name]`` when given (buffers allocated once, see :meth:`peers.island.exchange.BucketExchange.flat_views`)."""
         names = self.names if names is None else names
         if out is not None and names and local[names[0]].is_cuda and out[names[0]].is_pinned():
             return self._pseudo_gradient_from_device(local, names, out)

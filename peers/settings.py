@@ -2,7 +2,7 @@
 how its rounds form and time out, and how its pseudo-gradients travel.
 
 Plain data without hivemind, so that the trainer's config section ``averaging`` can *be* these settings
-(:class:`diloco.config.AveragingConfig` extends both classes) rather than copy them.
+(:class:`diloco.config.AveragingConfig` *is* :class:`PeerSettings`) rather than copy them.
 """
 
 from __future__ import annotations
@@ -119,6 +119,43 @@ class AveragerSettings:
     """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
     transport: str = "direct"
     """How a round's bytes travel between islands: `direct` (TCP between the ranks, sealed with AES-GCM unless --averaging.encrypt false: as fast as a gloo all-reduce; the run key authenticates every connection) or `p2p` (hivemind's daemon: encrypted, several times slower)."""
+
+
+@dataclass
+class PeerSettings(NetworkSettings, AveragerSettings):
+    """Everything an island rank's peer node is told: where it listens and whom it joins
+    (:class:`NetworkSettings`), how its rounds form and travel (:class:`AveragerSettings`), and the run it belongs
+    to (below)."""
+
+    backend: str = "hivemind"
+    """`hivemind` (peer-to-peer over the internet), `local` (no peers: a group of one), `torch` (islands
+    launched as one torchrun world average with a torch.distributed all-reduce) or `auto` (hivemind, falling
+    back to that all-reduce when no hivemind group forms); `torch` and `auto` average shard-wise."""
+    run_id: str = "diloco"
+    """Name shared by all islands of one run: the DHT prefix of its averager."""
+    maddr_file: str = ""
+    """If set, write this island's visible multiaddrs to this file once it is reachable."""
+    public: bool = False
+    """Run without a run key: anyone who reaches an island may join (not recommended over the internet)."""
+    retry_lost_member: bool = True
+    """When a group member is lost mid-round (its verdict never comes, or two members received different
+    results), the members left average the same pseudo-gradients once more among themselves instead of
+    rolling the round back; and when no group formed although the registry lists a live island still
+    training towards this round (restarted or caught up), the island waits for it once more."""
+    max_norm_ratio: float = 10.0
+    """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
+    committed rounds (0 disables the check); per million tokens under a `sync_every` budget other than steps, whose rounds differ in length."""
+    wait_for_islands: int = 0
+    """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
+    member_ttl: float = 60.0
+    """Seconds an island's registration lives without a heartbeat (refreshed every third of it, at least every 3 s: an island that missed a beat does not hold up a catch-up)."""
+    rejoin_after: float = 30.0
+    """Seconds an island alone in the run, although it knew live islands (it restarted while none of them
+    answered, or the network split), waits before it restarts its peer node through their addresses;
+    the wait doubles after each try, up to ten times this."""
+    bucket_numel: int = 4_000_000
+    """Elements per bucket of the pseudo-gradient (the unit one island rank averages with the other islands,
+    each bucket over its own hivemind averager); must be the same on every island of a run."""
 
 
 def codec_backend_problem(compression: str, backend: str) -> str:

@@ -21,7 +21,7 @@ from peers.group.averager import VerifiedAverager
 from peers.result import RoundResult
 from peers.settings import AveragerSettings, NetworkSettings, Scope
 from peers.wire.encoded import part_bounds, weighted_mean
-from peers.wire.layout import CanonicalLayout
+from peers.island.layout import CanonicalLayout
 from tests.conftest import tiny_config
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,

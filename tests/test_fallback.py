@@ -36,7 +36,7 @@ def run_cases(out_dir: str) -> None:
     from peers.averaging.fallback import HierarchicalAllReduce
     from peers.averaging.sharded import ShardedAverager
     from peers.settings import AveragerSettings, Scope
-    from peers.wire.layout import CanonicalLayout
+    from peers.island.layout import CanonicalLayout
 
     t0 = time.monotonic()
     me = Rank()

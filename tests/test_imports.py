@@ -1,6 +1,6 @@
 """The packages depend on each other in one direction, the parts of ``diloco/`` and ``peers/`` stand on floors
-that import only downwards, and no module imports another in a cycle, counting every import: at the top of a
-module, inside functions and under ``TYPE_CHECKING``."""
+that import only downwards, ``diloco`` reaches ``peers`` through its front door only, and no module imports another
+in a cycle, counting every import: at the top of a module, inside functions and under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ FLOORS = {  # inside a package, its parts from the bottom up: a part imports its
     "diloco": [{"diloco.errors", "diloco.progress"}, {"diloco.config"}, {"diloco.command"}, {"diloco.data"},
                {"diloco.model"}, {"diloco.inference"}, {"diloco.engine"}, {"diloco.launch"}, {"diloco.cli"},
                {"diloco"}],
-    "peers": [{"peers.settings", "peers.result", "peers.fingerprints", "peers.proctable"}, {"peers.discovery"}, {"peers.wire"},
-              {"peers.group"}, {"peers.averaging"}, {"peers"}],
+    "peers": [{"peers.settings", "peers.errors", "peers.result", "peers.fingerprints", "peers.proctable"},
+              {"peers.discovery", "peers.island"}, {"peers.wire"}, {"peers.group"}, {"peers.averaging"},
+              {"peers.node"}, {"peers"}],
 }
+FRONT_DOORS = {"peers": {"diloco"}}
+"""A package whose front door is its ``__init__``: the packages that may import it only through that door."""
 
 
 def _modules() -> dict[str, Path]:
@@ -56,6 +59,31 @@ def test_packages_import_each_other_in_one_direction():
     wrong = [(m, i) for m, path in modules.items() for i in _imports(path, modules)
              if i.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]]
     assert not wrong, f"imports against the layering: {wrong}"
+
+
+def test_diloco_imports_peers_only_through_its_front_door():
+    """``from peers import X`` (what ``peers/__init__.py`` exports), never ``peers.<module>``: what the trainer may
+    use of the peer network is one list, and peers can move its modules without touching the trainer."""
+    import peers
+
+    modules = _modules()
+    wrong, unknown = [], []
+    for m, path in modules.items():
+        for door, users in FRONT_DOORS.items():
+            if m.split(".")[0] not in users:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    wrong += [(m, a.name) for a in node.names if a.name.startswith(door + ".")]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    if node.module.startswith(door + "."):
+                        wrong.append((m, node.module))
+                    elif node.module == door:
+                        unknown += [(m, a.name) for a in node.names if a.name not in peers.__all__]
+    assert not wrong, f"imports past the front door (import from the package itself): {wrong}"
+    assert not unknown, f"names the front door does not export: {unknown}"
+    for name in peers.__all__:  # every name the door lists is really there
+        assert getattr(peers, name) is not None, name
 
 
 def _floor(module: str) -> int:

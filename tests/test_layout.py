@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from peers.wire.layout import CanonicalLayout, Segment
+from peers.island.layout import CanonicalLayout, Segment
 
 PARAMS = [("emb", (10, 6)), ("wq", (6, 6)), ("wo", (6, 8)), ("norm", (6,)), ("w2", (5, 7)), ("scale", ()),
           ("head", (4, 3, 2))]

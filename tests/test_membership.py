@@ -109,7 +109,7 @@ def test_known_peers_keep_islands_that_are_restarting(tmp_path):
     the remembered list keeps it (after the live ones), one address per peer id, a moved peer's newest."""
     from types import SimpleNamespace
 
-    from diloco.engine.peer_node import KNOWN_PEERS, PeerNode
+    from peers.node import KNOWN_PEERS, PeerNode
 
     a, b, c = (f"/ip4/10.0.0.{i}/tcp/400{i}/p2p/Qm{i}" for i in (1, 2, 3))
     moved = "/ip4/10.0.0.2/tcp/5002/p2p/Qm2"
@@ -134,8 +134,8 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
     import socket
     from types import SimpleNamespace
 
-    from diloco.engine import peer_node as peer_setup
-    from diloco.engine.peer_node import KNOWN_PEERS, AloneWatch
+    from peers import node as peer_setup
+    from peers.node import KNOWN_PEERS, AloneWatch
 
     server = socket.create_server(("127.0.0.1", 0))
     closed = socket.create_server(("127.0.0.1", 0))

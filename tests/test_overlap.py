@@ -15,7 +15,7 @@ from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
 from outer_optim.fragments import split_into_fragments
-from peers.wire.layout import CanonicalLayout
+from peers.island.layout import CanonicalLayout
 from tests.conftest import tiny_config
 
 

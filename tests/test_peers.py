@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from peers.discovery.dht import PeerNetworkError, start_dht, visible_maddrs
+from peers.discovery.dht import start_dht, visible_maddrs
+from peers.errors import PeerNetworkError
 from peers.group.averager import VerifiedAverager, fingerprint, fingerprints_agree
 from peers.settings import AveragerSettings, NetworkSettings, Scope
 
@@ -175,7 +176,7 @@ def test_unreachable_and_malformed_peers_fail_fast_with_one_line(no_leaked_daemo
     # a port in use is told apart from peers that do not answer (a restarted island moves only for the former)
     import socket
 
-    from peers.discovery.dht import PortTakenError
+    from peers.errors import PortTakenError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

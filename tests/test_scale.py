@@ -20,7 +20,7 @@ from peers.averaging.sharded import ShardedAverager
 from peers.discovery.dht import start_dht, visible_maddrs
 from peers.proctable import descendants, socket_files
 from peers.settings import AveragerSettings, NetworkSettings, Scope
-from peers.wire.layout import CanonicalLayout
+from peers.island.layout import CanonicalLayout
 
 FAST = dict(matchmaking_time=1.0, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,
             allreduce_timeout=15.0, target_group_size=2)

@@ -163,7 +163,7 @@ def load(out_dir: Path, case: str, world: int = 3) -> list[dict]:
 def run_cases(cases: list[dict], out_dir: str) -> None:
     from peers.averaging.sharded import ShardedAverager
     from peers.settings import AveragerSettings, Scope
-    from peers.wire.layout import CanonicalLayout
+    from peers.island.layout import CanonicalLayout
 
     t0 = time.monotonic()
     me = Rank()
@@ -241,8 +241,8 @@ def test_one_failed_bucket_rolls_back_every_rank_of_the_island(runs):
 
 
 def test_single_process_island_exchange_and_its_checks():
-    from peers.wire.exchange import BucketExchange
-    from peers.wire.layout import CanonicalLayout
+    from peers.island.exchange import BucketExchange
+    from peers.island.layout import CanonicalLayout
 
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     full = full_delta("B", "0")

@@ -9,7 +9,7 @@ import re
 from diloco.config.budget import parse_budget
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
 from outer_optim.codecs import AUTO, CODECS, may_drop
-from peers.settings import codec_backend_problem
+from peers import codec_backend_problem
 
 WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 """What W&B accepts in ``WANDB_MODE`` (an empty variable counts as unset)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outer_optim.codecs import COMPRESSIONS
-from peers.settings import AveragerSettings, NetworkSettings
+from peers import PeerSettings
 from pipeline.settings import ParallelSettings
 
 
@@ -141,40 +141,9 @@ class DilocoConfig:
     """Run each outer round on a thread of its own: at sending, the training thread only copies the parameters it trains on (when it trains on meanwhile) and hands the round over; catching up, fingerprints, Δ, the codec, the exchange, the vote, the registry's reads and the outer step happen off it; at applying, it only brings the parameters onto the result. `false` runs the round on the training thread (islands of one torch world always do)."""
 
 
-@dataclass
-class AveragingConfig(NetworkSettings, AveragerSettings):
-    """The ``averaging`` section: the peer node's network settings and the averager's
-    (:class:`peers.settings.NetworkSettings`, :class:`peers.settings.AveragerSettings`), and the island's own."""
-
-    backend: str = "hivemind"
-    """`hivemind` (peer-to-peer over the internet), `local` (no peers: a group of one), `torch` (islands
-    launched as one torchrun world average with a torch.distributed all-reduce) or `auto` (hivemind, falling
-    back to that all-reduce when no hivemind group forms); `torch` and `auto` average shard-wise."""
-    run_id: str = "diloco"
-    """Name shared by all islands of one run: the DHT prefix of its averager."""
-    maddr_file: str = ""
-    """If set, write this island's visible multiaddrs to this file once it is reachable."""
-    public: bool = False
-    """Run without a run key: anyone who reaches an island may join (not recommended over the internet)."""
-    retry_lost_member: bool = True
-    """When a group member is lost mid-round (its verdict never comes, or two members received different
-    results), the members left average the same pseudo-gradients once more among themselves instead of
-    rolling the round back; and when no group formed although the registry lists a live island still
-    training towards this round (restarted or caught up), the island waits for it once more."""
-    max_norm_ratio: float = 10.0
-    """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
-    committed rounds (0 disables the check); per million tokens under a `sync_every` budget other than steps, whose rounds differ in length."""
-    wait_for_islands: int = 0
-    """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
-    member_ttl: float = 60.0
-    """Seconds an island's registration lives without a heartbeat (refreshed every third of it, at least every 3 s: an island that missed a beat does not hold up a catch-up)."""
-    rejoin_after: float = 30.0
-    """Seconds an island alone in the run, although it knew live islands (it restarted while none of them
-    answered, or the network split), waits before it restarts its peer node through their addresses;
-    the wait doubles after each try, up to ten times this."""
-    bucket_numel: int = 4_000_000
-    """Elements per bucket of the pseudo-gradient (the unit one island rank averages with the other islands,
-    each bucket over its own hivemind averager); must be the same on every island of a run."""
+AveragingConfig = PeerSettings
+"""The ``averaging`` section: the peer node's settings (:class:`peers.settings.PeerSettings`: where it listens,
+how its rounds form, how its pseudo-gradients travel, and the run it belongs to)."""
 
 
 ParallelConfig = ParallelSettings

@@ -34,8 +34,7 @@ from diloco.model import checkpoint
 from diloco.model.checkpoint import CheckpointError
 from outer_optim import OuterOptimizer
 from outer_optim.guard import NormGuard
-from peers.averaging.sharded import FeedbackBuffers
-from peers.wire.layout import CanonicalLayout, spec_tuple
+from peers import CanonicalLayout, FeedbackBuffers, spec_tuple
 from pipeline import ShardSpec, copy_overlap, local_state, restore_dtensor_state
 
 log = logging.getLogger("diloco")

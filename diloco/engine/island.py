@@ -8,12 +8,12 @@ connects and runs; each part has one job and gets the narrow pieces it needs:
 
 - the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this rank's
   local shards (they share storage with the parameters, DTensor or not);
-- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.wire.layout`): buckets of
+- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.island.layout`): buckets of
   ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
   (:mod:`peers.averaging.sharded`), so islands of any shape average together;
 - :class:`~diloco.engine.rounds.OuterRounds` runs the outer rounds (schedule, round in flight, transaction);
   :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners
-  and resynchronizes; :class:`~diloco.engine.peer_node.PeerNode` is the rank's place in the peer network;
+  and resynchronizes; :class:`peers.PeerNode` is the rank's place in the peer network;
 - rank 0 alone writes metrics, ``summary.json``, the multiaddrs and ``theta_global.pt`` and prints.
 
 Checkpoints (per rank, resharded across island shapes) are :class:`~diloco.engine.checkpoints.CheckpointManager`'s:
@@ -40,7 +40,6 @@ from diloco.config import Config, config_fingerprint, to_dict
 from diloco.engine.checkpoints import CheckpointManager, RankState
 from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
-from diloco.engine.peer_node import PeerNode, is_peer_file
 from diloco.engine.rounds import (
     FaultHook,
     IslandNorm,
@@ -67,10 +66,15 @@ from diloco.progress import Progress
 from outer_optim import OuterOptimizer, checksum
 from outer_optim.codecs import may_drop
 from outer_optim.fragments import split_into_fragments
-from peers.averaging.sharded import FeedbackBuffers
-from peers.discovery.dht import mute_shutdown_noise
-from peers.wire.exchange import BucketExchange
-from peers.wire.layout import CanonicalLayout, spec_tuple
+from peers import (
+    BucketExchange,
+    CanonicalLayout,
+    FeedbackBuffers,
+    PeerNode,
+    is_peer_file,
+    mute_shutdown_noise,
+    spec_tuple,
+)
 
 log = logging.getLogger("diloco")
 
@@ -134,7 +138,7 @@ class Island:
         self.round_rt = round_rt = rt.round_view() if d.round_thread else rt
         # the peer node's processes are forked from this one: before the data and the model exist
         self.peers = PeerNode(a, round_rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
-                              unsent=self.unsent, stats=self.stats)
+                              unsent=self.unsent, count=self.stats.add_traffic)
         self.peers.start()
         torch.manual_seed(cfg.seed)
         data = build_data(cfg, cfg.data.shard_index, cfg.data.num_shards, replica=rt.dp_rank, replicas=rt.dp)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peers import Traffic
+
 log = logging.getLogger(__name__)
 
 # Every metric name the trainer emits (W&B charts and the simulate summary rely on them).
@@ -183,3 +185,10 @@ class RunStats:
     behind: bool = False
     """The other islands averaged this island's latest round without it (it was late for their group)
     and it has not taken their θ_global since: a run that ends so may end out of sync."""
+
+    def add_traffic(self, t: Traffic) -> None:
+        """Add the island's slow-link traffic since the last count (:meth:`peers.PeerNode.count_bytes`)."""
+        self.bytes_sent += t.bytes_sent
+        self.bytes_received += t.bytes_received
+        self.payload_bytes_sent += t.payload_bytes_sent
+        self.payload_bytes_received += t.payload_bytes_received

@@ -57,15 +57,11 @@ from diloco.config import AveragingConfig, DilocoConfig
 from diloco.config.budget import Budget, auto_seconds, parse_budget
 from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import RunStats
-from diloco.engine.peer_node import PeerNode, round_id
 from diloco.engine.runtime import Runtime
 from diloco.engine.state_transfer import Adoption, StateTransfer
 from outer_optim import OuterOptimizer
 from outer_optim.guard import NormGuard
-from peers.averaging.sharded import FeedbackBuffers
-from peers.result import RoundResult
-from peers.wire.exchange import BucketExchange
-from peers.wire.layout import CanonicalLayout, spec_tuple
+from peers import BucketExchange, CanonicalLayout, FeedbackBuffers, PeerNode, RoundResult, round_id, spec_tuple
 
 log = logging.getLogger("diloco")
 
@@ -565,7 +561,7 @@ class OuterRounds:
 
     Every rank of the island builds one and calls it alike (its methods are collective).  ``params`` are
     this rank's local shards (sharing storage with the model's parameters), ``exchange`` the island's
-    :class:`~peers.wire.exchange.BucketExchange` over ``layout``; ``transfer`` is the island's
+    :class:`~peers.island.exchange.BucketExchange` over ``layout``; ``transfer`` is the island's
     :class:`~diloco.engine.state_transfer.StateTransfer`; ``fingerprint`` the config fingerprint islands
     must share.
 

@@ -20,18 +20,21 @@ import torch
 
 from diloco.config import AveragingConfig
 from diloco.engine.metrics import RunStats
-from diloco.engine.peer_node import PeerNode
 from diloco.engine.runtime import Runtime
 from diloco.errors import TrainingError
 from outer_optim import OuterOptimizer
 from outer_optim.tensors import all_finite
-from peers.discovery.membership import wait_until
-from peers.fingerprints import STATS
-from peers.group.averager import fingerprint, fingerprints_agree
-from peers.result import as_float
-from peers.wire.exchange import BucketExchange
-from peers.wire.state_share import Downloaded
-from peers.wire.state_share import download as state_download
+from peers import (
+    STATS,
+    BucketExchange,
+    Downloaded,
+    PeerNode,
+    as_float,
+    download_state,
+    fingerprint,
+    fingerprints_agree,
+    wait_until,
+)
 
 log = logging.getLogger("diloco")
 
@@ -296,7 +299,7 @@ class StateTransfer:
         if donor:
             self._downloads += 1
             buckets = {b: self.layout.buckets[b].numel for b in self.exchange.owned}
-            got, why = state_download(self.peers.transport, donor, buckets, self.a.state_download_timeout,
+            got, why = download_state(self.peers.transport, donor, buckets, self.a.state_download_timeout,
                                       f"{self.stats.outer_step}.{self._downloads}")
             if why:
                 log.info("could not download θ_global: %s", why)

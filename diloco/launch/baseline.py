@@ -60,7 +60,7 @@ from diloco.model.build import build_data, build_inner, build_model
 from diloco.model.inner import take_inner_step
 from diloco.model.transformer import flops_per_token
 from outer_optim import checksum
-from peers.wire.counters import WireCounter, ring_allreduce_bytes
+from peers import WireCounter, ring_allreduce_bytes
 from pipeline.mesh import exit_worker, free_port, init_hsdp_mesh
 
 log = logging.getLogger("diloco.launch.baseline")

@@ -27,11 +27,8 @@ import torch
 
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
-from diloco.engine.peer_node import IDENTITY
 from diloco.launch import tail, warm
-from peers.discovery.dht import peer_id_of
-from peers.discovery.run_key import new_run_key
-from peers.proctable import descendants, process_table, socket_files
+from peers import IDENTITY, descendants, new_run_key, peer_id_of, process_table, socket_files
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""

@@ -83,7 +83,7 @@ class PendingRound:
 def island_verdict(exchange: Any, pending: PendingRound, min_group_size: int
                    ) -> tuple[RoundResult, bool, bool]:
     """Share this rank's view of the round with the island (collective over ``exchange``, a
-    :class:`peers.wire.exchange.BucketExchange`) and decide, identically on every rank: (result, needs a fallback,
+    :class:`peers.island.exchange.BucketExchange`) and decide, identically on every rank: (result, needs a fallback,
     a group rejected the round).  Every rank learned the island's result from its rank 0, which heard
     every rank's buckets before it voted; a rank whose own part failed since makes the whole island fail."""
     res = pending.result if pending.result is not None else RoundResult(False, pending.refusal)

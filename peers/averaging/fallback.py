@@ -4,7 +4,7 @@ On a cluster with a fast fabric the islands can be launched as one torch.distrib
 rank of every island).  Averaging a round then needs no hivemind at all:
 
 1. inside each island, every bucket's pieces are sent to the bucket's owner (the same
-   point-to-point :class:`~peers.wire.exchange.BucketExchange` the hivemind path uses);
+   point-to-point :class:`~peers.island.exchange.BucketExchange` the hivemind path uses);
 2. across islands, the owners of each bucket all-reduce ``weight × bucket`` (SUM; ``ReduceOp.AVG``
    is NCCL-only) in a subgroup made of exactly those owners, and divide by the sum of the islands'
    weights (tokens), as hivemind weighs them;
@@ -34,8 +34,8 @@ from peers.fingerprints import majority_by_state
 from peers.group.averager import check_group
 from peers.result import RoundResult
 from peers.wire.counters import ring_allreduce_bytes
-from peers.wire.exchange import BucketExchange
-from peers.wire.layout import CanonicalLayout
+from peers.island.exchange import BucketExchange
+from peers.island.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
 

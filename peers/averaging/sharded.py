@@ -1,6 +1,6 @@
 """Shard-wise averaging across islands: every rank of an island averages the buckets it owns.
 
-An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see :mod:`peers.wire.layout`) and
+An island is tp×pp processes.  Its pseudo-gradient is laid out canonically (see :mod:`peers.island.layout`) and
 cut into buckets; bucket ``b`` belongs to island rank ``b mod island size`` (round-robin), which averages
 it with the owners of bucket ``b`` on the other islands, straight over the ranks' transports
 (:mod:`peers.wire.transport`; hivemind's p2p daemon with ``--averaging.transport p2p``).  Slow-link traffic is
@@ -86,8 +86,8 @@ from peers.wire.encoded import (
     average_encoded,
     part_owners,
 )
-from peers.wire.exchange import BucketExchange, shape_of
-from peers.wire.layout import CanonicalLayout, spec_tuple
+from peers.island.exchange import BucketExchange, shape_of
+from peers.island.layout import CanonicalLayout, spec_tuple
 from peers.wire.link_fit import LinkFit, explore, group_seconds
 from peers.wire.round_keys import parts_key
 from peers.wire.transport import Transport, TransportError

@@ -15,17 +15,10 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from peers.discovery.run_key import RunKeyValidator
+from peers.errors import PeerNetworkError, PortTakenError
 from peers.settings import NetworkSettings
 
 log = logging.getLogger(__name__)
-
-
-class PeerNetworkError(RuntimeError):
-    """The island could not join or start the peer network; the message says what to check."""
-
-
-class PortTakenError(PeerNetworkError):
-    """The port to listen on is in use (by another process, or a daemon of ours not yet gone)."""
 
 
 def check_multiaddr(addr: str, what: str, need_peer_id: bool = False) -> None:

@@ -1,5 +1,4 @@
-"""The bytes: how a pseudo-gradient is laid out whatever the island's shape (:mod:`.layout`), how its pieces
-move inside an island (:mod:`.exchange`), how a round's parts travel between islands (:mod:`.transport`,
+"""The bytes between islands: how a round's parts travel (:mod:`.transport`,
 plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, with
 :mod:`.deflate` on the wire), θ_global for joiners (:mod:`.state_share`), messages that arrive early
 (:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
@@ -11,5 +10,5 @@ what ``--averaging.compression auto`` picks its codec by), and whether other ser
 Everything about reaching another island's ranks (ports, NAT, encryption) belongs here.
 
 May import: :mod:`peers.settings`, :mod:`peers.result`, :mod:`peers.fingerprints`, :mod:`peers.discovery` (the member check of a
-private run), :mod:`outer_optim`, hivemind.
+private run), :mod:`peers.island` (a joiner's download lands in the island's buckets), :mod:`outer_optim`, hivemind.
 """

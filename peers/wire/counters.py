@@ -50,6 +50,17 @@ class WireBytes:
         return WireBytes(self.sent - other.sent, self.received - other.received)
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """An island's slow-link traffic over some stretch of a run, summed over its ranks: what went on the wire (the
+    kernel's counts, see :class:`WireBytes`) and the pseudo-gradient payload alone."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    payload_bytes_sent: int = 0
+    payload_bytes_received: int = 0
+
+
 def _frame_bytes(family: int, info: bytes) -> WireBytes:
     """Frame bytes of one connection from its ``tcp_info``."""
     if len(info) < _BYTES_SENT + 8:

@@ -1,7 +1,7 @@
 """θ_global and the outer momentum between islands, over the ranks' transports (:mod:`peers.wire.transport`).
 
 Every rank serves its own pieces of any bucket of the canonical layout (the elements of its shards it
-contributes to that bucket, see :class:`peers.wire.exchange.BucketExchange`), read from the live θ_global under
+contributes to that bucket, see :class:`peers.island.exchange.BucketExchange`), read from the live θ_global under
 the caller's lock: nothing is kept aside for joiners.  A joining rank downloads each bucket it owns from
 every rank of the island it chose, all requests at once, and assembles the buckets from the pieces: the
 state comes at the round's throughput, in parallel over buckets and ranks.  A download counts only when
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.wire.exchange import BucketExchange
+from peers.island.exchange import BucketExchange
 from peers.wire.inbox import GONE
 from peers.wire.transport import GoneError, Transport, TransportError
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from outer_optim.tensors import all_finite
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprints
-from peers.wire.layout import CanonicalLayout, Segment, spec_tuple
+from peers.island.layout import CanonicalLayout, Segment, spec_tuple
 
 
 class BucketExchange:

@@ -9,7 +9,7 @@ averaging: every island averages bucket ``i`` with every other island's bucket `
 ranks holds the pieces.
 
 A rank's local shard of a parameter is a spec ``(dim, offset, length)``, and where it lands in a bucket
-a list of :class:`peers.wire.layout.Segment` (see :mod:`peers.wire.layout`).
+a list of :class:`peers.island.layout.Segment` (see :mod:`peers.island.layout`).
 """
 
 from __future__ import annotations

@@ -24,17 +24,11 @@ from typing import Any
 import hivemind
 import torch
 
-from diloco.config import AveragingConfig
-from diloco.engine.metrics import RunStats
-from diloco.engine.runtime import Runtime
-from diloco.errors import TrainingError
 from peers.averaging.fallback import HierarchicalAllReduce
 from peers.averaging.local import LocalAverager
 from peers.averaging.protocol import IslandAverager
 from peers.averaging.sharded import FeedbackBuffers, ShardedAverager
 from peers.discovery.dht import (
-    PeerNetworkError,
-    PortTakenError,
     listens,
     start_dht,
     tcp_endpoint,
@@ -43,16 +37,18 @@ from peers.discovery.dht import (
 )
 from peers.discovery.membership import Membership, reachable_islands
 from peers.discovery.run_key import check_run_key, key_check_key, new_run_key
+from peers.errors import PeerNetworkError, PortTakenError, RunKeyError
 from peers.group.averager import VerifiedAverager
-from peers.settings import NetworkSettings, Scope
-from peers.wire.counters import WireCounter
+from peers.island.exchange import BucketExchange
+from peers.island.layout import CanonicalLayout
+from peers.island.ranks import IslandRanks
+from peers.settings import NetworkSettings, PeerSettings, Scope
+from peers.wire.counters import Traffic, WireCounter
 from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
-from peers.wire.exchange import BucketExchange
-from peers.wire.layout import CanonicalLayout
 from peers.wire.state_share import Provider, StateServer
 from peers.wire.transport import Transport, refuses
 
-log = logging.getLogger("diloco")
+log = logging.getLogger("diloco")  # the trainer's log: the island speaks with one voice
 
 KNOWN_PEERS = "known_peers.txt"
 """In the run dir: multiaddrs of the live islands this island last saw, so that after a restart it finds
@@ -95,18 +91,19 @@ class PeerNode:
     writes afterwards: the parameters, the optimizer states, θ_global, round after round).  :meth:`bind` gives
     the shards this rank averages (``layout``, ``params``, ``specs``, ``exchange``), :meth:`serve` what it
     serves to joiners, and :meth:`connect` wires the rest.  ``unsent``: the codec's error feedback dicts the
-    averager keeps (``feedback`` and ``carry``, updated in place); ``stats`` receives the traffic counts;
+    averager keeps (``feedback`` and ``carry``, updated in place); ``count(traffic)`` receives the island's traffic since the last
+    count (:meth:`count_bytes`);
     ``resuming``: the island was started with ``--resume`` (it listens on its former ports and rejoins the
     run it knew)."""
 
-    def __init__(self, a: AveragingConfig, rt: Runtime, run_dir: Path, name: str, *, resuming: bool,
-                 unsent: FeedbackBuffers, stats: RunStats):
+    def __init__(self, a: PeerSettings, rt: IslandRanks, run_dir: Path, name: str, *, resuming: bool,
+                 unsent: FeedbackBuffers, count: Callable[[Traffic], None]):
         self.a, self.rt, self.run_dir, self.name, self.resuming = a, rt, run_dir, name, resuming
         self.layout: CanonicalLayout | None = None
         self.params: Mapping[str, torch.Tensor] = {}
         self.specs: Mapping[str, Any] = {}
         self.exchange: BucketExchange | None = None
-        self.unsent, self.stats = unsent, stats
+        self.unsent, self.count = unsent, count
         self.run_key = ""
         self.matcher: VerifiedAverager | None = None
         """The island's hivemind averager (rank 0), started with the DHT; the averager takes it over."""
@@ -180,7 +177,7 @@ class PeerNode:
                 if problem:
                     self.dht.shutdown()
                     self.dht = None
-                    raise TrainingError(problem)
+                    raise RunKeyError(problem)
             if rt.is_main:
                 self.matcher = VerifiedAverager(self.dht, [], a, self._scope())
         self.run_key = run_key
@@ -275,8 +272,7 @@ class PeerNode:
 
     # ------------------------------------------------------------------------------------ traffic
     def count_bytes(self, payload_sent: int, payload_received: int, through_torch: bool) -> None:
-        """Collective: add the slow-link traffic since the last count, summed over the island's ranks, to the
-        run's totals.
+        """Collective: hand the slow-link traffic since the last count, summed over the island's ranks, to ``count``.
 
         ``bytes_*``: what the kernel counted on the connections of the ranks' DHT daemons (all of hivemind's
         traffic: parts, votes, DHT records, state downloads; headers included).  A round that went through
@@ -287,11 +283,7 @@ class PeerNode:
         if wire is None or through_torch:
             sent, received = sent + payload_sent, received + payload_received
         totals = self.rt.reduce([float(sent), float(received), float(payload_sent), float(payload_received)])
-        s = self.stats
-        s.bytes_sent += int(totals[0])
-        s.bytes_received += int(totals[1])
-        s.payload_bytes_sent += int(totals[2])
-        s.payload_bytes_received += int(totals[3])
+        self.count(Traffic(*(int(t) for t in totals)))
 
     def remember_peers(self) -> None:
         """Rank 0 keeps the addresses of the run's other islands in the run dir (after every round): the live
@@ -503,7 +495,7 @@ class AloneWatch:
         return answering
 
 
-def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
+def resolve_run_key(a: PeerSettings, generate: Callable[[], str]) -> str:
     """The run key this island uses: the configured one, or (first island of a private run) ``generate()``.
 
     An island joining a private run without the key cannot be let in: say how to get it.
@@ -511,12 +503,12 @@ def resolve_run_key(a: AveragingConfig, generate: Callable[[], str]) -> str:
     if a.public or a.run_key:
         return a.run_key
     if a.initial_peers:
-        raise TrainingError("this run is private: pass --averaging.run_key KEY as printed by the island "
+        raise RunKeyError("this run is private: pass --averaging.run_key KEY as printed by the island "
                             "that started it (or --averaging.public true if the run is public)")
     return generate()
 
 
-def announce_join(name: str, dht: Any, a: AveragingConfig, run_key: str, reachable: bool = True) -> None:
+def announce_join(name: str, dht: Any, a: PeerSettings, run_key: str, reachable: bool = True) -> None:
     """Print the line other islands join with (behind NAT, that they join through a reachable island instead);
     write the addresses to ``maddr_file`` (atomically) if set."""
     maddrs = visible_maddrs(dht)
@@ -576,7 +568,7 @@ def _visible_ip(dht: Any) -> str:
     return next((ip for ip in ips if ip and not ip.startswith("127.")), "127.0.0.1")
 
 
-def _local_rank(rt: Runtime) -> int:
+def _local_rank(rt: IslandRanks) -> int:
     return int(os.environ.get("LOCAL_RANK", rt.global_rank))
 
 
