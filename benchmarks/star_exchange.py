@@ -36,7 +36,7 @@ def worker(index: int, n: int, host: str, public: str, reachable: bool, folder: 
     ``rounds`` times with the others, print its seconds as JSON."""
     import torch
 
-    from outer_optim.codecs import make_codec
+    from outer_optim.compression import make_codec
     from peers.wire.encoded import DirectChannel, average_encoded, part_owners
     from peers.wire.transport import Transport
 

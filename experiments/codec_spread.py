@@ -26,7 +26,7 @@ from diloco.config import schema as config_mod
 from diloco.model import checkpoint
 from experiments.islands import CompareError, launch_islands, variant
 from experiments.report import markdown_table
-from outer_optim.codecs import CODECS
+from outer_optim.compression import CODECS
 
 DEFAULTS = {"model.preset": "tiny", "inner.batch_size": 4, "inner.warmup_steps": 2, "diloco.inner_steps": 5,
             "logging.eval_every": 1000, "logging.eval_batches": 2, "logging.samples": 0, "wandb.mode": "disabled",

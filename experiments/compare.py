@@ -58,7 +58,7 @@ from experiments.warm_start import (
     single_worker,
     warm_start,
 )
-from outer_optim.codecs import LOSSY_CODECS
+from outer_optim.compression import LOSSY_CODECS
 
 COMPARE_DEFAULTS: dict[str, Any] = {
     "model.preset": "small",

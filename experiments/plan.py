@@ -11,7 +11,7 @@ alternative (HSDP: FSDP inside each server, gradients all-reduced across servers
   data sheet's peak, less the pipeline bubble and the tensor-parallel traffic over NVLink (data sheet: no
   multi-GPU measurement exists yet), and the memory each GPU needs (weights, gradients, AdamW and activations
   fitted to the measured peak memory);
-- a round: the bytes each island sends for the codec and group size (:mod:`outer_optim.codecs`), over the link
+- a round: the bytes each island sends for the codec and group size (:mod:`outer_optim.compression`), over the link
   rate of as many TCP streams as the island has ranks, plus the fixed cost and round trips measured by
   ``experiments/results/latency``, plus the outer state's work measured in a running island (``gpu-run-h100*``;
   blocking rounds keep the outer state on the GPU when it fits there, where that work is 26 times shorter);
@@ -40,7 +40,7 @@ from diloco.config import ConfigError
 from diloco.config.schema import MODEL_PRESETS, ModelConfig
 from diloco.engine.throughput import sheet_peak as peak_of
 from diloco.model.transformer import flops_per_token
-from outer_optim.codecs import AUTO_CODECS, exchange_factor, make_codec
+from outer_optim.compression import AUTO_CODECS, exchange_factor, make_codec
 from peers.wire.probe import LinkProbe, read_probe
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from outer_optim.codecs import AUTO_CODECS, may_drop
+from outer_optim.compression import AUTO_CODECS, TOPK_DEFAULT_BITS, TOPK_DEFAULT_DENSITY, may_drop
 
 
 @dataclass
@@ -103,9 +103,9 @@ class AveragerSettings:
     """Wire format of pseudo-gradients: `none` (fp32), `fp16` (half precision), `int8` (blocks of 256 with an absmax scale), `int4` (blocks of 128, absmax scale), `int2` (blocks of 256: a sign and one of two magnitudes fitted to the block, 2 bits a value), `sign` (1 bit per value: its sign times a bfloat16 scale per block of 256, the block's mean magnitude) and `topk` (per chunk of 4096 the `topk_density` largest entries, `topk_bits` bits each, 12-bit indices), with error feedback for the lossy ones (dense codecs reduce-scatter from 3 islands on, `topk` all-gathers); or `auto`: each round the group picks the most faithful of `auto_codecs` whose bytes the link, as measured in earlier rounds, moves in the time overlap hides plus `diloco.max_comm_fraction` of the round (the fewest bytes until every member has measured its link); the error feedback carries across changes of codec."""
     auto_codecs: list[str] = field(default_factory=lambda: list(AUTO_CODECS))
     """With `compression auto`: the codecs it may pick, the most faithful first."""
-    topk_density: float = 0.02
+    topk_density: float = TOPK_DEFAULT_DENSITY
     """Fraction of each chunk of 4096 values the `topk` codec sends, in (0, 1]."""
-    topk_bits: int = 2
+    topk_bits: int = TOPK_DEFAULT_BITS
     """Bits per value sent by the `topk` codec: 2 or 4."""
     error_feedback: bool = True
     """With `fp16`, `int8`, `int4`, `int2`, `sign`, `topk` or `auto`: carry what the codec dropped into the next round (per island, checkpointed, reset when the island adopts another island's state); see `owner_feedback` for what re-encoding an averaged part drops."""

@@ -14,7 +14,7 @@ import hashlib
 import pytest
 import torch
 
-from outer_optim.codecs import ErrorFeedback, make_codec
+from outer_optim.compression import ErrorFeedback, make_codec
 
 SETTINGS = {  # a name for the digests -> make_codec's arguments
     "none": ("none", {}), "fp16": ("fp16", {}), "int8": ("int8", {}), "int4": ("int4", {}), "int2": ("int2", {}),

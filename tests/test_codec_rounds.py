@@ -14,7 +14,7 @@ from diloco.engine.metrics import RunStats, read_metrics
 from diloco.engine.rounds import RoundSchedule
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
-from outer_optim.codecs import ErrorFeedback, make_codec
+from outer_optim.compression import ErrorFeedback, make_codec
 from peers.averaging.sharded import ShardedAverager
 from peers.discovery.dht import start_dht, visible_maddrs
 from peers.group.averager import VerifiedAverager
@@ -296,7 +296,7 @@ def test_islands_under_auto_pick_the_same_codec_every_round_and_end_in_sync(tmp_
     """``--averaging.compression auto`` end to end: every island records the same codec for each round (the
     fewest bytes first, before any link was measured), θ_global stays bit-identical, and after a round in fp32
     nothing waits unsent."""
-    from outer_optim.codecs import AUTO_CODECS
+    from outer_optim.compression import AUTO_CODECS
 
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.target_group_size": 2,

@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from outer_optim.bitpack import pack_bits, unpack_bits
-from outer_optim.codecs import LOSSY_CODECS, ErrorFeedback, make_codec, wire_ratio
+from outer_optim.compression.bitpack import pack_bits, unpack_bits
+from outer_optim.compression import LOSSY_CODECS, ErrorFeedback, make_codec, wire_ratio
 
 SIZES = (1, 7, 255, 256, 257, 4095, 4096, 4097, 10000)
 CODEC_SETTINGS = [("int8", {}), ("int4", {}), ("int2", {}), ("sign", {})] + [
@@ -399,6 +399,24 @@ def test_bad_settings_name_the_setting(kwargs, setting):
         make_codec("topk", **kwargs)
 
 
+@pytest.mark.parametrize("key,value", [("topk_density", 0.0), ("topk_density", 1.5), ("topk_bits", 3),
+                                       ("error_feedback_decay", 0.0), ("error_feedback_decay", 1.5)])
+def test_the_config_and_the_codecs_refuse_a_bad_bound_in_the_same_sentence(key, value):
+    """Each bound is stated once (in outer_optim.compression), so the config's check and the codec's own refuse a
+    value alike."""
+    from diloco.config import ConfigError
+    from diloco.config.loader import load
+
+    with pytest.raises(ConfigError) as config:
+        load(None, [f"--averaging.{key}", str(value)])
+    with pytest.raises(ValueError) as codec:
+        if key == "error_feedback_decay":
+            ErrorFeedback(make_codec("int8"), value)
+        else:
+            make_codec("topk", **{key: value})
+    assert config.value.problems == [str(codec.value)]
+
+
 def test_unknown_codec():
     with pytest.raises(ValueError, match="--averaging.compression zip is not a codec; use one of none, fp16, int8, int4, int2, "
                                          "sign, topk, auto"):
@@ -423,11 +441,11 @@ def test_pack_bits_round_trip(widths):
         pack_bits([(torch.tensor([1 << widths[0]]), widths[0])])
 
 
-# ---- entropy coding on the wire (peers.wire.deflate) -----------------------------------------------------
+# ---- entropy coding on the wire (outer_optim.compression.entropy) ------------------------------------
 
 @pytest.mark.parametrize("name,kwargs", CODEC_SETTINGS)
 def test_entropy_coding_is_lossless_and_never_costs_more_than_a_byte(name, kwargs):
-    from peers.wire.deflate import pack, unpack
+    from outer_optim.compression.entropy import pack, unpack
     codec = make_codec(name, **kwargs)
     for n in (1, 4097, 10000):
         payload = codec.encode(randn(n, seed=n))
@@ -445,7 +463,7 @@ def test_entropy_decoding_refuses_what_is_not_exactly_the_expected_payload():
     beyond the expected size, which is never inflated past it) all give None; an empty wire is a decline."""
     import zlib
 
-    from peers.wire.deflate import pack, unpack
+    from outer_optim.compression.entropy import pack, unpack
     payload = bytes(range(16)) * 64
     wire = pack(payload)
     assert wire[:1] == b"\x01" and unpack(wire, len(payload)) == payload
@@ -465,7 +483,7 @@ def test_the_config_choices_the_docs_and_the_experiments_read_the_registry():
 
     from diloco.config.schema import CHOICES
     from experiments.compare import CODEC_ARMS
-    from outer_optim.codecs import AUTO, AUTO_CODECS, CODECS, REGISTRY, codec_table
+    from outer_optim.compression import AUTO, AUTO_CODECS, CODECS, REGISTRY, codec_table
 
     assert CHOICES["averaging.compression"] == CODECS + (AUTO,) and CODECS == tuple(REGISTRY)
     assert list(AUTO_CODECS) == [n for n in CODECS if n in AUTO_CODECS]  # the registry's order: most faithful first
@@ -479,7 +497,7 @@ def test_the_config_choices_the_docs_and_the_experiments_read_the_registry():
 def test_a_codec_that_is_gone_is_refused_at_config_time_naming_those_that_exist(gone):
     from diloco.config import ConfigError
     from diloco.config.loader import load
-    from outer_optim.codecs import COMPRESSIONS
+    from outer_optim.compression import COMPRESSIONS
 
     with pytest.raises(ConfigError) as e:
         load(None, ["--averaging.compression", gone])
@@ -489,7 +507,7 @@ def test_a_codec_that_is_gone_is_refused_at_config_time_naming_those_that_exist(
 # ---- auto: the codec each round's group picks from its measured link ---------------------------------
 
 def test_auto_picks_the_most_faithful_codec_whose_bytes_fit_and_the_fewest_bytes_when_unsure():
-    from outer_optim.codecs import AUTO_CODECS, choose_codec, exchange_factor
+    from outer_optim.compression import AUTO_CODECS, choose_codec, exchange_factor
 
     numels = [4096, 1000]
     codecs = {n: make_codec(n) for n in AUTO_CODECS}

@@ -304,7 +304,7 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
     other."""
     import torch
 
-    from outer_optim.codecs import make_codec
+    from outer_optim.compression import make_codec
     from peers.wire.encoded import (
         MIN_PIECE,
         DirectChannel,

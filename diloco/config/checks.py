@@ -8,7 +8,7 @@ import re
 
 from diloco.config.budget import parse_budget
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
-from outer_optim.codecs import AUTO, CODECS, may_drop
+from outer_optim.compression import AUTO, CODECS, decay_problem, may_drop, topk_problems
 from peers import codec_backend_problem
 
 WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
@@ -201,12 +201,9 @@ def codec_problems(cfg: Config) -> list[str]:
     """What is wrong with the wire format settings (the low-bit codecs and SparseLoCo)."""
     a, p = cfg.averaging, []
     encoded = may_drop(a.compression)
-    if not 0 < a.topk_density <= 1:
-        p.append(f"--averaging.topk_density must be in (0, 1], got {a.topk_density}")
-    if a.topk_bits not in (2, 4):
-        p.append(f"--averaging.topk_bits must be 2 or 4, got {a.topk_bits}")
-    if not 0 < a.error_feedback_decay <= 1:
-        p.append(f"--averaging.error_feedback_decay must be in (0, 1], got {a.error_feedback_decay}")
+    p += topk_problems(a.topk_density, a.topk_bits)  # the codecs' own bounds, which make_codec checks too
+    if decay := decay_problem(a.error_feedback_decay):
+        p.append(decay)
     if backend_problem := codec_backend_problem(a.compression, a.backend):
         p.append(backend_problem)
     if a.compression == AUTO:

@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from outer_optim.codecs import COMPRESSIONS
+from outer_optim.compression import COMPRESSIONS
 from peers import PeerSettings
 from pipeline.settings import ParallelSettings
 

@@ -64,7 +64,7 @@ from diloco.model.inner import take_inner_step
 from diloco.model.transformer import flops_per_token
 from diloco.progress import Progress
 from outer_optim import OuterOptimizer, checksum
-from outer_optim.codecs import may_drop
+from outer_optim.compression import may_drop
 from outer_optim.fragments import split_into_fragments
 from peers import (
     BucketExchange,

@@ -60,7 +60,7 @@ import hivemind
 import torch
 import torch.distributed as dist
 
-from outer_optim.codecs import (
+from outer_optim.compression import (
     AUTO,
     Codec,
     ErrorFeedback,
@@ -517,7 +517,7 @@ class ShardedAverager:
 
     def _pick(self, meta: dict[str, dict], peers: list[str], buckets: Collection[int] | None) -> str:
         """``auto``: the codec of the round whose group is ``peers`` (their metadata ``meta``), from the links and
-        budgets they published (:func:`outer_optim.codecs.choose_codec`): the same on every member."""
+        budgets they published (:func:`outer_optim.compression.choose_codec`): the same on every member."""
         def told(p: str, key: str) -> Any:
             m = meta[p].get(key)
             return m if isinstance(m, dict) else {} if key == "link" else as_float(m)

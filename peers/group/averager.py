@@ -30,7 +30,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
-from outer_optim.codecs import make_codec
+from outer_optim.compression import make_codec
 from outer_optim.tensors import all_finite
 from peers.discovery.membership import MemberCheck
 from peers.fingerprints import (

@@ -1,6 +1,6 @@
 """The bytes between islands: how a round's parts travel (:mod:`.transport`,
-plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, with
-:mod:`.deflate` on the wire), θ_global for joiners (:mod:`.state_share`), messages that arrive early
+plain TCP; :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, entropy-coded on the wire
+by :mod:`outer_optim.compression.entropy`), θ_global for joiners (:mod:`.state_share`), messages that arrive early
 (:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
 (:mod:`.p2p_loop`), the kernel's byte counts (:mod:`.counters`), the link between two servers, measured
 before a run (:mod:`.probe`, ``diloco probe``), and during it, from the rounds' exchanges (:mod:`.link_fit`,

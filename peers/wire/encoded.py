@@ -1,7 +1,7 @@
 """Encoded pseudo-gradients between the members of a group, over hivemind's p2p daemon.
 
 hivemind's butterfly all-reduce can carry only the codecs in its own table (it decodes a part by the
-``CompressionType`` enum of its protobuf), so the low-bit codecs of :mod:`outer_optim.codecs` travel
+``CompressionType`` enum of its protobuf), so the low-bit codecs of :mod:`outer_optim.compression` travel
 another way over the same daemon: once hivemind's matchmaking has formed the group, every member
 streams its encoded bucket straight to every other member through a protocol handler registered on
 the DHT's p2p daemon (authenticated peer ids, private-run membership checked as for the votes), and
@@ -51,10 +51,10 @@ import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
 
-from outer_optim.codecs import Payload, reduce_scatters
+from outer_optim.compression import Payload, reduce_scatters
+from outer_optim.compression.entropy import pack, unpack, unpack_at_most
 from outer_optim.tensors import all_finite
 from peers.discovery.membership import MemberCheck, punchable, takes_connections
-from peers.wire.deflate import pack, unpack, unpack_at_most
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
 from peers.wire.round_keys import names_group
@@ -117,7 +117,8 @@ class Exchanged:
     """What :meth:`EncodedChannel.exchange` got."""
 
     got: dict[str, bytes]
-    """The payloads received, decoded (:mod:`peers.wire.deflate`) and of the expected size, by member."""
+    """The payloads received, decoded (:mod:`outer_optim.compression.entropy`) and of the expected size, by
+    member."""
     missing: list[str]
     """Members whose payload never came or had another size."""
     declined: list[str]
@@ -136,11 +137,12 @@ class EncodedChannel:
 
     ``max_bytes``: the largest payload taken (the codec's size of the bucket: anything larger is refused,
     and a payload of another size than expected does not count); ``members``: in a private run, who may
-    send; ``entropy_coding``: Huffman-code what we send (:mod:`peers.wire.deflate`; we read either form)."""
+    send; ``entropy_coding``: Huffman-code what we send (:mod:`outer_optim.compression.entropy`; we read either
+    form)."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, max_bytes: int, members: MemberCheck | None = None,
                  ttl: float = 120.0, entropy_coding: bool = True):
-        self.dht, self.members, self.max_bytes = dht, members, max_bytes + 1  # + the flag byte of peers.wire.deflate
+        self.dht, self.members, self.max_bytes = dht, members, max_bytes + 1  # + entropy coding's flag byte
         self.entropy_coding = entropy_coding
         self.name = f"{prefix}::diloco.parts"
         self.box = Inbox(ttl, max_keys=MAX_KEYS)

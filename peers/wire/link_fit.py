@@ -1,6 +1,6 @@
 """How long a round's bytes take on an island's link, fitted to the exchanges it measured: what each island
 publishes with its pseudo-gradient under ``--averaging.compression auto``, so that every member of a group
-predicts the same exchange time for each codec (see :func:`outer_optim.codecs.choose_codec`)."""
+predicts the same exchange time for each codec (see :func:`outer_optim.compression.choose_codec`)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Huffman coding alone (zlib's ``Z_HUFFMAN_ONLY``: no match search, about 130 MB/s
 back. Measured on a real pseudo-gradient of the ``small`` model (warm start → 6 rounds of 4 islands),
 the wire size against the codec's: ``int4`` 0.846, ``int8`` 0.926, ``sign`` 0.988, ``topk`` 0.999.
 A payload that would not shrink travels as it is, after one flag byte; an empty payload (a decline,
-:meth:`peers.encoded.EncodedChannel.decline`) stays empty.
+:meth:`peers.wire.encoded.EncodedChannel.decline`) stays empty.
 """
 
 from __future__ import annotations

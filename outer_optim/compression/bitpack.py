@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-_LITTLE_ENDIAN = sys.byteorder == "little"
+LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def to_bytes(t: torch.Tensor) -> bytes:
@@ -25,12 +25,12 @@ def from_bytes(payload: bytes) -> torch.Tensor:
 def to_le(t: torch.Tensor) -> torch.Tensor:
     """Values of a 2- or 4-byte dtype -> (n, size) uint8 little-endian bytes."""
     raw = t.contiguous().view(torch.uint8).view(-1, t.element_size())
-    return raw if _LITTLE_ENDIAN else raw.flip(1)
+    return raw if LITTLE_ENDIAN else raw.flip(1)
 
 
 def from_le(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(n, size) uint8 little-endian bytes -> values of ``dtype``."""
-    raw = raw if _LITTLE_ENDIAN else raw.flip(1)
+    raw = raw if LITTLE_ENDIAN else raw.flip(1)
     return raw.reshape(-1).clone().view(dtype)  # a fresh, aligned copy that a dtype view accepts
 
 
@@ -96,3 +96,17 @@ def unpack_bits(payload: bytes, n: int, widths: Sequence[int]) -> list[torch.Ten
         raise ValueError(f"{n} records of {sum(widths)} bits need {(n * sum(widths) + 7) // 8} bytes, "
                          f"not {len(payload)}")
     return [f.view(-1) for f in unpack_rows(from_bytes(payload).view(1, -1), n, widths)]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``n`` codes of ``bits`` bits (1, 2, 4 or 8) -> ceil(n*bits/8) uint8, the first code in the lowest bits."""
+    per_byte = 8 // bits
+    codes = F.pad(codes, (0, -codes.numel() % per_byte)).view(-1, per_byte)
+    return pack_rows([(codes[:, j].view(1, -1), bits) for j in range(per_byte)])
+
+
+def unpack_codes(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes (int32) of the uint8 ``data``."""
+    per_byte = 8 // bits
+    fields = unpack_rows(data.view(1, -1), -(-numel // per_byte), [bits] * per_byte)
+    return torch.stack(fields, dim=-1).view(-1)[:numel]
