@@ -1,5 +1,6 @@
 """``--averaging.compression auto``: each round the group picks one codec from the link it measured, the same on
-every member (:func:`choose_codec`); what it picks from by default is the registry's (:data:`AUTO_CODECS`)."""
+every member (:func:`choose_codec`); what it picks from by default is the registry's
+(:data:`outer_optim.compression.registry.AUTO_CODECS`)."""
 
 from __future__ import annotations
 
