@@ -6,7 +6,8 @@ checks it, ``tests/test_imports.py``):
 
 0. plain data and math: :mod:`peers.settings` (what the config section ``averaging`` *is*),
    :mod:`peers.result` (the one result every averager returns), :mod:`peers.fingerprints`,
-   :mod:`peers.proctable` (who started whom, from ``/proc``);
+   :mod:`peers.proctable` (who started whom, from ``/proc``), :mod:`peers.aggregation` (the group's mean and
+   the rules robust to a lying member);
 1. :mod:`peers.discovery`: the DHT, the run key, the member registry (who is in the run);
 2. :mod:`peers.wire`: the bytes (the canonical layout, moving pieces inside an island, the transport between
    islands, codecs' payloads on the wire, state for joiners, traffic counters, the link probe);

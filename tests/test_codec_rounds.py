@@ -15,12 +15,13 @@ from diloco.engine.rounds import RoundSchedule
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.codecs import ErrorFeedback, make_codec
+from peers.aggregation import weighted_mean
 from peers.averaging.sharded import ShardedAverager
 from peers.discovery.dht import start_dht, visible_maddrs
 from peers.group.averager import VerifiedAverager
 from peers.result import RoundResult
 from peers.settings import AveragerSettings, NetworkSettings, Scope
-from peers.wire.encoded import part_bounds, weighted_mean
+from peers.wire.encoded import part_bounds
 from peers.wire.layout import CanonicalLayout
 from tests.conftest import tiny_config
 
