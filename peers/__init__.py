@@ -22,7 +22,8 @@ Where a change belongs, by folder:
 
 One floor per concept; a module imports its own floor and the floors below it, never one above (a test checks
 it): plain data and math (:mod:`peers.settings`, :mod:`peers.errors`, :mod:`peers.result`,
-:mod:`peers.fingerprints`, :mod:`peers.proctable`) → discovery and island → wire → group → averaging → node.
+:mod:`peers.fingerprints`, :mod:`peers.proctable`, :mod:`peers.aggregation`: the group's mean and the rules robust
+to a lying member) → discovery and island → wire → group → averaging → node.
 
 One round, top to bottom: :meth:`peers.averaging.sharded.ShardedAverager.start` gathers the island's buckets
 (:class:`peers.island.exchange.BucketExchange`) → :meth:`peers.group.averager.VerifiedAverager.run_round` forms

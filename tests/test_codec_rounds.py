@@ -15,13 +15,14 @@ from diloco.engine.rounds import RoundSchedule
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.compression import ErrorFeedback, make_codec
+from peers.aggregation import weighted_mean
 from peers.averaging.sharded import ShardedAverager
 from peers.discovery.dht import start_dht, visible_maddrs
 from peers.group.averager import VerifiedAverager
 from peers.result import RoundResult
 from peers.settings import AveragerSettings, NetworkSettings, Scope
-from peers.wire.encoded import part_bounds, weighted_mean
 from peers.island.layout import CanonicalLayout
+from peers.wire.encoded import part_bounds
 from tests.conftest import tiny_config
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=8.0, vote_timeout=4.0,

@@ -305,13 +305,8 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
     import torch
 
     from outer_optim.compression import make_codec
-    from peers.wire.encoded import (
-        MIN_PIECE,
-        DirectChannel,
-        average_encoded,
-        part_owners,
-        weighted_mean,
-    )
+    from peers.aggregation import weighted_mean
+    from peers.wire.encoded import MIN_PIECE, DirectChannel, average_encoded, part_owners
 
     c, numel = make_codec(codec), 3 * MIN_PIECE + 1000
     ts = {"public": transports("public", "key", host="127.0.0.2"),

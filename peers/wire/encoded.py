@@ -54,6 +54,7 @@ from hivemind.p2p import P2PContext, PeerID
 from outer_optim.compression import Payload, reduce_scatters
 from outer_optim.compression.entropy import pack, unpack, unpack_at_most
 from outer_optim.tensors import all_finite
+from peers.aggregation import weighted_mean
 from peers.discovery.membership import MemberCheck, punchable, takes_connections
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -98,18 +99,6 @@ def part_owners(peers: Sequence[str], endpoints: Mapping[str, str], unpunched: C
     if all(punchable(endpoints[p]) and p not in unpunched for p in hidden):
         return peers  # they connect to each other through their NATs
     return reachable if len(hidden) >= 2 and reachable else peers
-
-
-def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """Σ wᵢ·vᵢ / Σ wᵢ in fp32, summed in the order of the sorted member ids: the same bits on every member
-    (written into ``out`` when given)."""
-    order = sorted(values)
-    total = sum(weights[p] for p in order)
-    out = torch.mul(values[order[0]].float(), weights[order[0]] / total, out=out)
-    for p in order[1:]:
-        out.add_(values[p], alpha=weights[p] / total)
-    return out
 
 
 @dataclass
