@@ -11,7 +11,7 @@ import torch
 
 from diloco.config import DilocoConfig
 from diloco.engine.metrics import RunStats, read_metrics
-from diloco.engine.rounds import RoundSchedule
+from diloco.engine.round import RoundSchedule
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.codecs import ErrorFeedback, make_codec
