@@ -6,7 +6,9 @@ training thread) is watched with :func:`sys.setprofile`; a call *receives the co
 or one of its sections (``cfg.model``, ``cfg.diloco``, ...).  The modules of those calls, in the order they
 happen, make the config's trail; consecutive calls in one module are one **stop**, and a stop in a module the
 trail had already left is a **return**.  A method of the config tree itself (a property of a section) is the
-config being read, not passed on: it is not a stop unless another argument is config too.
+config being read, not passed on: it is not a stop unless another argument is config too.  Two counts are
+printed: the trail into the island's parts (calls into :mod:`diloco.config` itself, which fill in, fingerprint or
+convert the config, left out), and the trail with them.
 
 Run it from the repository root: ``python benchmarks/cfg_trail.py`` (``--calls`` lists every call); under
 ``torchrun --nproc-per-node 2 benchmarks/cfg_trail.py`` it follows the config of one of two islands in one torch
@@ -102,14 +104,16 @@ def main() -> None:
     built[0].close()
     if int(os.environ.get("RANK", "0")):
         return
-    path, returns = stops(calls)
     if args.calls:
         for module, function in calls:
             print(f"  {module}: {function}")
-    for i, module in enumerate(path, 1):
-        print(f"{i:3d} {module}{'  (return)' if module in path[:i - 1] else ''}")
-    print(f"{len(calls)} calls, {len(path)} stops in {len(set(path))} modules, {returns} returns to a module left")
-
+    for title, kept in (("into the island's parts (calls into diloco.config left out)",
+                         [c for c in calls if not c[0].startswith("diloco.config")]), ("every call", calls)):
+        path, returns = stops(kept)
+        print(f"{title}:")
+        for i, module in enumerate(path, 1):
+            print(f"{i:5d} {module}{'  (return)' if module in path[:i - 1] else ''}")
+        print(f"  {len(kept)} calls, {len(path)} stops in {len(set(path))} modules, {returns} returns to a module left")
 
 if __name__ == "__main__":
     main()

@@ -40,8 +40,8 @@ def worker(steps: int, cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     cfg = config_load.load(None, [], defaults=COMPARE_DEFAULTS)
-    core = TrainerCore.build(cfg, mesh=None, parallel=cfg.parallel, device=torch.device("cpu"), shard=0, shards=1,
-                             evaluates=False)
+    core = TrainerCore(cfg, mesh=None, parallel=cfg.parallel, device=torch.device("cpu"), shard=0, shards=1,
+                       evaluates=False)
     core.start_inner(steps)
     times = []
     for _ in range(steps):

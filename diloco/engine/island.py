@@ -135,7 +135,7 @@ class Island:
         # rank; each rank materialises only its own pieces of it
         torch.manual_seed(cfg.seed)
         micro = max(1, cfg.inner.batch_size // (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
-        self.core = core = TrainerCore.build(
+        self.core = core = TrainerCore(
             cfg, mesh=rt.mesh, parallel=cfg.parallel, device=self.device, shard=cfg.data.shard_index,
             shards=cfg.data.num_shards, replica=rt.dp_rank, replicas=rt.dp, devices=rt.size,
             profile_shape=(micro, m.seq_len))
@@ -157,9 +157,9 @@ class Island:
                                                 device=d.master_device)
         self.exchange = BucketExchange(self.layout, self.params, self.specs, round_rt.group)
         self.faults = FaultPlan.from_env()
-        ctx = RoundContext.build(d, a, rt=rt, round_rt=round_rt, stats=self.stats, layout=self.layout, specs=self.specs,
-                                 outer=self.outer, params=self.params, exchange=self.exchange, peers=self.peers,
-                                 unsent=self.unsent, fingerprint=self.fingerprint, faults=self.faults)
+        ctx = RoundContext(d, a, rt=rt, round_rt=round_rt, stats=self.stats, layout=self.layout, specs=self.specs,
+                          outer=self.outer, params=self.params, exchange=self.exchange, peers=self.peers,
+                          unsent=self.unsent, fingerprint=self.fingerprint, faults=self.faults)
         self.schedule, self.transfer = ctx.schedule, ctx.transfer
         # without a fixed H the cosine follows the run's progress
         core.start_inner(d.outer_steps * d.inner_steps, None if self.schedule.budget.by_steps else self.schedule.progress)

@@ -4,7 +4,7 @@ is the outer rounds of :mod:`diloco.engine.round`) and a worker of the synchrono
 (:mod:`diloco.launch.baseline`, whose sync is DDP's all-reduce of every gradient) stand on it alike, so that their
 curves and summaries show the same quantities, computed the same way.
 
-- :meth:`TrainerCore.build`, in order: tokenizer → corpus → this worker's training batches and the held-out ones →
+- :class:`TrainerCore`, built in order: tokenizer → corpus → this worker's training batches and the held-out ones →
   the model's skeleton (no memory) and this process's parts of it; then :meth:`TrainerCore.start_inner`: the
   inner optimizer and its schedule (an island's schedule may follow its rounds' progress, known only once they
   exist);
@@ -18,7 +18,6 @@ curves and summaries show the same quantities, computed the same way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -49,51 +48,44 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50))
 
 
-@dataclass
 class TrainerCore:
-    """One worker's text, model and inner optimizer, and what it writes about them (see the module's docstring)."""
+    """One worker's text, model and inner optimizer, and what it writes about them (see the module's docstring).
 
-    tokenizer: Tokenizer
-    corpus: Corpus
-    batches: ShardedBatches
-    """This worker's training batches (its data shard, its replica's part of it)."""
-    eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    """The fixed held-out batches every evaluation averages over (none on a worker that does not evaluate)."""
-    model: ModelParts
-    """This process's parts of the model."""
-    full_shapes: list[tuple[str, tuple[int, ...]]]
-    """The whole model's parameter names and shapes (from its skeleton)."""
-    inner: InnerOptimConfig
-    """The inner loop's settings (batch accumulation, clipping, learning rate)."""
-    throughput: Throughput
-    inner_opt: torch.optim.Optimizer | None = None
-    """The inner optimizer (:meth:`start_inner`)."""
-    inner_sched: torch.optim.lr_scheduler.LRScheduler | None = None
+    Built from the config in order: the tokenizer (``cfg.model``'s vocabulary is fitted to it, in place), the
+    corpus, the training batches of data shard ``shard`` of ``shards`` read by replica ``replica`` of ``replicas``
+    (FSDP replicas of an island), the held-out batches (none unless ``evaluates``), and the model of ``cfg.model``
+    as a skeleton, split and sharded by ``parallel`` over ``mesh``, each piece of this process materialised on
+    ``device`` from the seed (or ``--checkpoint.init_from``).  ``devices``: the devices that train together (for
+    the throughput per device); ``profile_shape``: a micro-batch's shape, when the pipeline balances its stages by
+    profiling them."""
 
-    @classmethod
-    def build(cls, cfg: Config, *, mesh: DeviceMesh | None, parallel: ParallelSettings, device: torch.device,
-              shard: int, shards: int, replica: int = 0, replicas: int = 1, devices: int = 1,
-              evaluates: bool = True, profile_shape: tuple[int, int] | None = None) -> TrainerCore:
-        """The tokenizer (``cfg.model``'s vocabulary is fitted to it, in place), the corpus, the training batches of
-        data shard ``shard`` of ``shards`` read by replica ``replica`` of ``replicas`` (FSDP replicas of an island),
-        the held-out batches (none unless ``evaluates``), and the model of ``cfg.model`` as a skeleton, split and
-        sharded by ``parallel`` over ``mesh``, each piece of this process materialised on ``device`` from the seed
-        (or ``--checkpoint.init_from``).  ``devices``: the devices that train together (for throughput per device)."""
+    def __init__(self, cfg: Config, *, mesh: DeviceMesh | None, parallel: ParallelSettings, device: torch.device,
+                 shard: int, shards: int, replica: int = 0, replicas: int = 1, devices: int = 1,
+                 evaluates: bool = True, profile_shape: tuple[int, int] | None = None):
         m = cfg.model
-        tokenizer = Tokenizer.for_data(cfg.data)
-        fit_vocabulary(m, tokenizer)
-        corpus = load_corpus(cfg.data, tokenizer)
-        batches = ShardedBatches(corpus.train, m.seq_len, cfg.inner.batch_size, shard, shards, cfg.seed,
-                                 replica=replica, replicas=replicas)
-        evals = heldout_batches(corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches) \
-            if evaluates else []
-        flops = flops_per_token(m)
+        self.tokenizer = Tokenizer.for_data(cfg.data)
+        fit_vocabulary(m, self.tokenizer)
+        self.corpus: Corpus = load_corpus(cfg.data, self.tokenizer)
+        self.batches = ShardedBatches(self.corpus.train, m.seq_len, cfg.inner.batch_size, shard, shards, cfg.seed,
+                                      replica=replica, replicas=replicas)
+        """This worker's training batches (its data shard, its replica's part of it)."""
+        self.eval_batches: list[tuple[torch.Tensor, torch.Tensor]] = heldout_batches(
+            self.corpus.heldout, m.seq_len, cfg.inner.batch_size, cfg.logging.eval_batches) if evaluates else []
+        """The fixed held-out batches every evaluation averages over (none on a worker that does not evaluate)."""
         skeleton, initial = initial_model(m, cfg.seed, cfg.checkpoint.init_from)
-        full_shapes = [(n, tuple(p.shape)) for n, p in skeleton.named_parameters()]
-        model = ModelParts(skeleton, mesh, parallel, loss_fn=lm_loss, device=device, profile_shape=profile_shape,
-                           init=initial)
-        throughput = Throughput(flops, devices, device, peak_flops(device, model.compute_dtype, parallel.peak_tflops))
-        return cls(tokenizer, corpus, batches, evals, model, full_shapes, cfg.inner, throughput)
+        flops = flops_per_token(m)
+        self.full_shapes = [(n, tuple(p.shape)) for n, p in skeleton.named_parameters()]
+        """The whole model's parameter names and shapes (from its skeleton)."""
+        self.model = ModelParts(skeleton, mesh, parallel, loss_fn=lm_loss, device=device, profile_shape=profile_shape,
+                                init=initial)
+        """This process's parts of the model."""
+        self.throughput = Throughput(flops, devices, device,
+                                     peak_flops(device, self.model.compute_dtype, parallel.peak_tflops))
+        self.inner: InnerOptimConfig = cfg.inner
+        """The inner loop's settings (batch accumulation, clipping, learning rate)."""
+        self.inner_opt: torch.optim.Optimizer | None = None
+        """The inner optimizer (:meth:`start_inner`)."""
+        self.inner_sched: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def start_inner(self, total_steps: int, progress: Callable[[], float] | None = None) -> None:
         """Build the inner optimizer of the model's parameters and its schedule over ``total_steps`` (or over

@@ -161,8 +161,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
         # a worker holds the whole model, or under HSDP its server's share: the island's precision and
         # compilation, no TP or PP
         mesh = init_hsdp_mesh(workers // shard, shard, device.type) if shard > 1 else None
-        core = TrainerCore.build(cfg, mesh=mesh, parallel=dataclasses.replace(cfg.parallel, dp=shard, tp=1, pp=1),
-                                 device=device, shard=rank, shards=workers, devices=workers, evaluates=evaluates)
+        core = TrainerCore(cfg, mesh=mesh, parallel=dataclasses.replace(cfg.parallel, dp=shard, tp=1, pp=1),
+                           device=device, shard=rank, shards=workers, devices=workers, evaluates=evaluates)
         model = core.model
 
         # every worker must start from the same parameters (DDP would broadcast rank 0's)

@@ -1,11 +1,10 @@
-"""What every part of a round works with, built once by the island (:meth:`RoundContext.build`): the settings,
+"""What every part of a round works with, built once by the island (:class:`RoundContext`): the settings,
 the runtimes, the run's counters and schedule, the outer optimizer and this rank's parameters, the island's
 exchange and peer node, the state transfer, the codec's unsent part, the hooks, the norm and its guard."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,59 +45,39 @@ class IslandNorm:
         return math.sqrt(self.rt.reduce([sq])[0])
 
 
-@dataclass(kw_only=True)
 class RoundContext:
-    """The collaborators of the island's rounds, shared by :class:`~diloco.engine.round.rounds.OuterRounds`, the
-    rounds in flight and :class:`~diloco.engine.round.transaction.RoundTransaction` (every rank of the island
-    builds its own, alike)."""
+    """The collaborators of the island's rounds, built once and shared by
+    :class:`~diloco.engine.round.rounds.OuterRounds`, the rounds in flight and
+    :class:`~diloco.engine.round.transaction.RoundTransaction` (every rank of the island builds its own, alike).
 
-    d: DilocoConfig
-    a: AveragingConfig
-    rt: Runtime
-    """The training thread's runtime."""
-    round_rt: Runtime
-    """The runtime whose process groups a round's collectives use (groups of their own when a thread of its own
-    runs the round, so that they never interleave with the training thread's; the exchange, the norm, the peer
-    node and the state transfer are built over it)."""
-    stats: RunStats
-    schedule: RoundSchedule
-    outer: OuterOptimizer
-    params: Params
-    """This rank's local shards, sharing storage with the model's parameters."""
-    exchange: BucketExchange
-    """The island's exchange of canonical buckets between its ranks."""
-    peers: PeerNode
-    transfer: StateTransfer
-    unsent: FeedbackBuffers
-    """What a lossy codec left unsent of the island's pseudo-gradients (error feedback)."""
-    fingerprint: str
-    """The config fingerprint islands must share."""
-    hooks: list[RoundHook]
-    norm: IslandNorm
-    guard: NormGuard
-    background: bool
-    """Whether rounds run on a thread of their own (islands of one torch world average in lockstep: never)."""
-    keeps_unsent: bool
-    """Whether a codec's unsent part is carried into later rounds (:attr:`unsent` fills)."""
+    Collective: given the island's parts (``params``: this rank's local shards, sharing storage with the model's
+    parameters; ``exchange``: the island's exchange of canonical buckets between its ranks; ``unsent``: what a lossy
+    codec left unsent of the island's pseudo-gradients; ``fingerprint``: the config fingerprint islands must share;
+    ``faults``: the scripted faults the rounds inject, ``DILOCO_FAULTS``), it builds the schedule, the state
+    transfer, the hooks, the island's norm and its guard.  ``round_rt`` is the runtime whose process groups a
+    round's collectives use (groups of their own when a thread of its own runs the round, so that they never
+    interleave with the training thread's; the exchange and the peer node are built over it)."""
+
+    def __init__(self, d: DilocoConfig, a: AveragingConfig, *, rt: Runtime, round_rt: Runtime, stats: RunStats,
+                 layout: CanonicalLayout, specs: dict[str, Any], outer: OuterOptimizer, params: Params,
+                 exchange: BucketExchange, peers: PeerNode, unsent: FeedbackBuffers, fingerprint: str,
+                 faults: FaultPlan):
+        self.d, self.a, self.rt, self.round_rt, self.stats = d, a, rt, round_rt, stats
+        self.outer, self.params, self.exchange, self.peers = outer, params, exchange, peers
+        self.unsent, self.fingerprint = unsent, fingerprint
+        self.schedule = RoundSchedule(d, rt, stats, layout, list(params))
+        self.transfer = StateTransfer(a, rt=round_rt, stats=stats, outer=outer, params=params, exchange=exchange,
+                                      peers=peers, schedule=self.schedule, forget_unsent=unsent.clear,
+                                      fingerprint=fingerprint)
+        self.hooks: list[RoundHook] = [FaultHook(faults, outer, a.matchmaking_time + 3.0), MembershipHook(peers)]
+        self.norm = IslandNorm(round_rt, layout, specs)
+        self.guard = NormGuard(a.max_norm_ratio)
+        self.background = d.round_thread and not rt.lockstep
+        """Whether rounds run on a thread of their own (islands of one torch world average in lockstep: never)."""
+        self.keeps_unsent = may_drop(a.compression) and a.error_feedback
+        """Whether a codec's unsent part is carried into later rounds (:attr:`unsent` fills)."""
 
     @property
     def blocking(self) -> bool:
         """Whether every round is applied the moment it is sent (plain DiLoCo's loop)."""
         return self.d.overlap == "none" and self.d.overlap_steps == 0
-
-    @classmethod
-    def build(cls, d: DilocoConfig, a: AveragingConfig, *, rt: Runtime, round_rt: Runtime, stats: RunStats,
-              layout: CanonicalLayout, specs: dict[str, Any], outer: OuterOptimizer, params: Params,
-              exchange: BucketExchange, peers: PeerNode, unsent: FeedbackBuffers, fingerprint: str,
-              faults: FaultPlan) -> RoundContext:
-        """Collective: the schedule, the state transfer, the hooks, the island's norm and its guard around the
-        island's parts (``faults``: the scripted faults the rounds inject, ``DILOCO_FAULTS``)."""
-        schedule = RoundSchedule(d, rt, stats, layout, list(params))
-        transfer = StateTransfer(a, rt=round_rt, stats=stats, outer=outer, params=params, exchange=exchange,
-                                 peers=peers, schedule=schedule, forget_unsent=unsent.clear, fingerprint=fingerprint)
-        hooks: list[RoundHook] = [FaultHook(faults, outer, a.matchmaking_time + 3.0), MembershipHook(peers)]
-        return cls(d=d, a=a, rt=rt, round_rt=round_rt, stats=stats, schedule=schedule, outer=outer, params=params,
-                   exchange=exchange, peers=peers, transfer=transfer, unsent=unsent, fingerprint=fingerprint,
-                   hooks=hooks, norm=IslandNorm(round_rt, layout, specs), guard=NormGuard(a.max_norm_ratio),
-                   background=d.round_thread and not rt.lockstep,
-                   keeps_unsent=may_drop(a.compression) and a.error_feedback)
