@@ -275,13 +275,17 @@ class CheckpointManager:
                 raise TrainingError("a checkpoint of another island shape needs the path it was read from")
             self.resharding.load(state, path)
         for name, part in self.parts.items():
-            if mine or name not in Resharding.PARTS and not getattr(part, "per_rank", False):
+            if mine:
                 part.load_state_dict(state[name])
-            elif name not in Resharding.PARTS:
+            elif name in Resharding.PARTS:
+                continue  # filled from every old rank's file above
+            elif getattr(part, "per_rank", False):
                 part.load_state_dict({})
                 if any(state.get(name, {}).values()):
                     log.warning("the checkpoint's %s start empty: they were kept per rank of a %s island",
                                 name.replace("_", " "), _island_record(state)["shape"])
+            else:
+                part.load_state_dict(state[name])
 
     # ---------------------------------------------------------------------------------------- resume
     def _find(self, spec: str) -> Path | None:

@@ -2,22 +2,25 @@
 
 An island is the training process group of one server: ``dp * pp * tp`` processes under ``torchrun`` (tensor
 parallelism inside, pipeline stages around it, data-parallel FSDP replicas outside, see :mod:`pipeline`), or one
-process, which is simply the ``dp = pp = tp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process group).  Every rank builds the
-same :class:`Island` and takes every decision together with the others.  :class:`Island` only builds,
-connects and runs; each part has one job and gets the narrow pieces it needs:
+process, which is simply the ``dp = pp = tp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process
+group).  Every rank builds the same :class:`Island` and takes every decision together with the others.
+:class:`Island` only builds, connects and runs; each part has one job and gets the narrow pieces it needs:
 
-- the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this rank's
-  local shards (they share storage with the parameters, DTensor or not);
-- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.island.layout`): buckets of
-  ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
-  (:mod:`peers.averaging.sharded`), so islands of any shape average together;
-- :class:`~diloco.engine.rounds.OuterRounds` runs the outer rounds (schedule, round in flight, transaction);
-  :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners
-  and resynchronizes; :class:`peers.PeerNode` is the rank's place in the peer network;
+- the trainer core (:class:`~diloco.engine.trainer.TrainerCore`, the synchronous baseline's too) holds the data,
+  this rank's :class:`pipeline.ModelParts` and the inner optimizer, takes the inner steps, evaluates and makes the
+  records; the outer optimizer holds θ_global of this rank's local shards (they share storage with the
+  parameters, DTensor or not);
+- the pseudo-gradient is averaged over the canonical layout (:mod:`peers`' ``CanonicalLayout``): buckets of
+  ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it, so islands of
+  any shape average together;
+- :class:`~diloco.engine.round.OuterRounds` runs the outer rounds (:mod:`diloco.engine.round`: schedule, round in
+  flight, transaction) over one :class:`~diloco.engine.round.RoundContext`;
+  :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners and
+  resynchronizes; :class:`peers.PeerNode` is the rank's place in the peer network;
 - rank 0 alone writes metrics, ``summary.json``, the multiaddrs and ``theta_global.pt`` and prints.
 
 Checkpoints (per rank, resharded across island shapes) are :class:`~diloco.engine.checkpoints.CheckpointManager`'s:
-the island hands it the pieces it saves.
+the island hands it ``{name: part}``, one line per stateful part.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class Island:
         # the rounds' collectives (the exchange, the peer node, state transfer) on groups of their own when a thread
         # of its own runs them
         self.round_rt = round_rt = rt.round_view() if d.round_thread else rt
+        # the peer node's processes are forked from this one: before the data and the model exist
         self.peers = PeerNode(a, round_rt, self.run_dir, self.name, resuming=bool(ck.resume), unsent=self.unsent,
                               count=self.stats.add_traffic)
         self.peers.start()

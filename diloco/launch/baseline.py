@@ -1,11 +1,11 @@
 """The synchronous data-parallel baseline DiLoCo is compared against.
 
-``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run: worker
-``r`` reads shard ``r`` of ``k`` (:class:`~diloco.data.batches.ShardedBatches`) with the same per-worker
-batch (``inner.batch_size`` × ``inner.grad_accum``), the same inner AdamW and schedule
-(:func:`~diloco.model.inner.build_inner_optimizer`) and the same number of steps
-(``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers
-after **every** step, as torch DDP does.
+``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run, on the island's
+trainer core (:class:`~diloco.engine.trainer.TrainerCore`: the same builders, inner step, evaluation, records and
+summary): worker ``r`` reads shard ``r`` of ``k`` with the same per-worker batch (``inner.batch_size`` ×
+``inner.grad_accum``), the same inner optimizer and schedule and the same number of steps
+(``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers after **every**
+step, as torch DDP does.
 
 How gradients are averaged: with torch's own DDP (:class:`TimedDDP`, the composable ``replicate``), in
 buckets of 25 MB all-reduced while the backward pass still runs (gloo on CPU, NCCL on GPU), as a user of
@@ -19,11 +19,14 @@ same seed, and a checksum all-reduce checks that they start equal before DDP's o
 fp32 gradients' size (:func:`peers.wire.counters.ring_allreduce_bytes`); the summary's
 ``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire.counters`).
 
-Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
-all workers, ``tokens_per_second``, ``payload_bytes_sent``, ``allreduce_seconds``, ``compute_utilization``,
-``eval/loss`` every ``inner_steps`` steps so the curves line up with DiLoCo rounds, ``outer_step`` =
-step // inner_steps) to ``<run_dir>/metrics.jsonl`` and W&B, and ``<run_dir>/summary.json`` with the
-island summary's keys where they apply.
+Rank 0 writes the island's records, made by the same functions (:mod:`diloco.engine.trainer`): the training
+loss every ``logging.log_every`` steps (``tokens`` counted over all workers), an evaluation before training and
+every ``inner_steps`` steps, so that the curves line up with DiLoCo rounds (``eval/loss``, its perplexity and
+``eval/bits_per_byte``; ``outer_step`` = step // inner_steps), each with the sync's own figures
+(``payload_bytes_sent``, ``allreduce_seconds``, ``num_peers``), to ``<run_dir>/metrics.jsonl`` and W&B; and
+``<run_dir>/summary.json`` with the island summary's keys (:data:`~diloco.engine.trainer.SUMMARY_KEYS`) and the
+baseline's own (``workers``, ``bytes_per_step``, the seconds per rank, ``losses``, ``comm_method``,
+``hsdp_shard``).
 
 Entry points: :func:`diloco.launch.baseline.run_baseline` launches the ``k`` workers as separate
 processes (each one ``python -m diloco.launch.baseline --config FILE --rank R --workers K --master ADDR:PORT``,

@@ -79,6 +79,7 @@ class RoundSchedule:
         self._in_flight = None
 
     def fragment_of(self, rnd: int) -> int:
+        """The fragment round ``rnd`` averages (Streaming DiLoCo: in turn)."""
         return rnd % self.n
 
     def buckets(self, fragment: int) -> list[int] | None:
