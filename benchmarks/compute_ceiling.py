@@ -33,21 +33,20 @@ def worker(steps: int, cpu: int | None) -> None:
     import torch
 
     from diloco.config import loader as config_load
-    from diloco.model.build import build_data, build_inner, build_model
-    from diloco.model.inner import take_inner_step
+    from diloco.engine.trainer import TrainerCore
     from experiments.compare import COMPARE_DEFAULTS
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     cfg = config_load.load(None, [], defaults=COMPARE_DEFAULTS)
-    batches = build_data(cfg, 0, 1, evaluates=False).batches
-    model = build_model(cfg, None, cfg.parallel, "cpu").parts
-    opt, sched = build_inner(model, cfg, steps)
+    core = TrainerCore(cfg, mesh=None, parallel=cfg.parallel, device=torch.device("cpu"), shard=0, shards=1,
+                       evaluates=False)
+    core.start_inner(steps)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        take_inner_step(model, batches, opt, sched, cfg.inner)
+        core.step()
         times.append(time.perf_counter() - t)
     times = sorted(times[len(times) // 5:])  # the first steps warm the allocator and caches
     print(json.dumps({"median_s": times[len(times) // 2]}), flush=True)

@@ -31,3 +31,11 @@ class NormGuard:
         """Remember the norm of a committed round."""
         self.history.append(norm)
         del self.history[:-self.window]
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """The norms of the last committed rounds (what a resumed island compares its next rounds with)."""
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.history = [float(x) for x in state.get("history", [])]

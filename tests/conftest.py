@@ -228,13 +228,13 @@ def arrives_on_time(monkeypatch):
     """A round in flight is applied at the first step it may be, as a round on the training thread is with
     nobody to wait for: the round thread is waited for there (when it is applied is otherwise a race, and so
     is the trajectory of delayed and eager)."""
-    from diloco.engine.rounds import OuterRounds
+    from diloco.engine.round import OuterRounds
 
     due = OuterRounds.apply_due
 
     def deterministic(self) -> bool:
         f = self.flight
-        if f is not None and f.job is not None and self.stats.inner_step - f.sent_at >= self.tau:
+        if f is not None and f.job is not None and f.ripe(self.stats.inner_step):
             f.job.thread.join()
         return due(self)
 

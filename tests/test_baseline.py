@@ -11,7 +11,9 @@ import torch
 
 from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
+from diloco.engine.island import Island
 from diloco.engine.metrics import read_metrics
+from diloco.engine.trainer import EVALUATION_KEYS, SUMMARY_KEYS
 from diloco.launch.baseline import BaselineError, run_baseline
 from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
@@ -119,3 +121,30 @@ def test_hsdp_over_two_servers_of_two_matches_one_worker_with_four_times_the_bat
 
     with pytest.raises(BaselineError, match="servers of 2 workers, which 3 workers do not fill"):
         run_baseline(cfg, 3, progress=False)
+
+
+def test_the_baseline_and_an_island_record_evaluations_and_summaries_alike(tmp_path):
+    """Both trainers stand on one trainer core: their evaluations are the same records computed the same way
+    (the same θ_0 on the same held-out batches gives the same first evaluation, in bits per byte too, its
+    perplexity capped as a diverged run's would be), every later evaluation carries the round's progress alike, and
+    their summaries hold the same keys besides their sync's own figures."""
+    common = {"diloco.inner_steps": 2, "diloco.outer_steps": 2}
+    base = run_baseline(tiny_config(tmp_path / "ddp", **common), 2, progress=False)
+    island = Island(tiny_config(tmp_path / "island", **common)).run()
+    evals = {run: [r for r in read_metrics(tmp_path / run) if "eval/loss" in r] for run in ("ddp", "island")}
+    first = {run: records[0] for run, records in evals.items()}
+    assert set(first["ddp"]) == set(first["island"]) == {*EVALUATION_KEYS, "time"}
+    for key in ("eval/loss", "eval/perplexity", "eval/bits_per_byte"):
+        assert first["ddp"][key] == pytest.approx(first["island"][key], rel=1e-6), key
+    round_keys = {*EVALUATION_KEYS, "loss", "compute_utilization"}
+    for run, records in evals.items():
+        assert [r["outer_step"] for r in records] == [0, 1, 2], run
+        for r in records:
+            assert r["eval/perplexity"] == pytest.approx(math.exp(min(r["eval/loss"], 50)))
+            assert r["eval/bits_per_byte"] == pytest.approx(r["eval/loss"] / math.log(2))  # a byte per token
+        assert all(round_keys <= set(r) for r in records[1:]), run
+    shared = set(SUMMARY_KEYS)
+    assert set(base) - shared == {"workers", "bytes_per_step", "compute_seconds_per_rank", "comm_seconds_per_rank",
+                                  "losses", "comm_method", "hsdp_shard", "launcher_wall_seconds"}
+    assert set(island) - shared == {"behind_nat", "behind_nat_found_by_dial_back", "transport_relayed", "out_of_sync"}
+    assert base["eval_loss_start"] == pytest.approx(island["eval_loss_start"], rel=1e-6)

@@ -36,8 +36,21 @@ def test_keep_limit_deletes_oldest(tmp_path):
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000004.pt", "ckpt-000005.pt"]
 
 
-def test_resume_continues_with_the_same_losses(tmp_path):
-    """Stop after round 2 of 4, resume: rounds 3-4 match an uninterrupted run step for step."""
+def _as_written_before_parts(state: dict) -> dict:
+    """A checkpoint in the layout diloco wrote up to 9ecef41, before its parts had names of their own: the norm
+    guard's history, the schedule (``overlap``) and the codec's residuals at the top level."""
+    old = {k: v for k, v in state.items() if k not in ("norm_guard", "schedule", "codec_residuals")}
+    old["norm_history"] = state["norm_guard"]["history"]
+    old["overlap"] = state["schedule"]
+    old["error_feedback"] = state["codec_residuals"]["feedback"]
+    old["owner_feedback"] = state["codec_residuals"]["carry"]
+    return old
+
+
+@pytest.mark.parametrize("layout", ["parts", "before-parts"])
+def test_resume_continues_with_the_same_losses(tmp_path, layout):
+    """Stop after round 2 of 4, resume: rounds 3-4 match an uninterrupted run step for step, from a checkpoint of
+    this version or of one before the stateful parts had names of their own."""
     common = {"diloco.outer_steps": 4, "checkpoint.every": 2, "logging.log_every": 1, "diloco.inner_steps": 4}
     full = tiny_config(tmp_path / "full", **common)
     Island(full).run()
@@ -47,7 +60,11 @@ def test_resume_continues_with_the_same_losses(tmp_path):
     # the run that "crashed" after round 2: only its round-2 checkpoint survives
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
-    shutil.copy(tmp_path / "full" / "checkpoints" / "ckpt-000002.pt", resumed_dir / "checkpoints")
+    kept = tmp_path / "full" / "checkpoints" / "ckpt-000002.pt"
+    if layout == "parts":
+        shutil.copy(kept, resumed_dir / "checkpoints")
+    else:
+        checkpoint.save(_as_written_before_parts(checkpoint.load(kept)), resumed_dir / "checkpoints" / kept.name)
     resumed = tiny_config(resumed_dir, **common, **{"checkpoint.resume": "latest"})
     summary = Island(resumed).run()
     assert summary["outer_step"] == 4

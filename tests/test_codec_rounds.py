@@ -11,7 +11,7 @@ import torch
 
 from diloco.config import DilocoConfig
 from diloco.engine.metrics import RunStats, read_metrics
-from diloco.engine.rounds import RoundSchedule
+from diloco.engine.round import RoundSchedule
 from diloco.launch.simulate import simulate
 from diloco.model.checkpoint import list_checkpoints, load
 from outer_optim.compression import ErrorFeedback, make_codec
@@ -281,7 +281,8 @@ def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leak
         state = load(list_checkpoints(tmp_path / f"island{i}" / "checkpoints")[-1])
         flat = [torch.cat([t.reshape(-1) for t in part.values()])
                 for part in (state["model"], state["outer_optimizer"]["master"])]
-        unsent = torch.cat([state["error_feedback"][b] for b in sorted(state["error_feedback"])])
+        residuals = state["codec_residuals"]
+        unsent = torch.cat([residuals["feedback"][b] for b in sorted(residuals["feedback"])])
         assert unsent.abs().max() > 0
         expected = flat[1] - unsent if kept_in == "params" else flat[1]
         torch.testing.assert_close(flat[0], expected, rtol=0, atol=1e-6)
@@ -289,7 +290,7 @@ def test_three_islands_with_a_codec_commit_every_round_in_sync(tmp_path, no_leak
         assert rounds[-1]["unsent_norm"] == pytest.approx(float(unsent.norm()), rel=1e-5)
         if kept_in == "params":  # e is what the codec left of Δ (which carries the e before it): never more
             assert all(r["unsent_norm"] <= r["pseudo_grad_norm"] for r in rounds), rounds
-        carried = state["owner_feedback"]
+        carried = residuals["carry"]
         assert (sum(float(t.abs().sum()) for t in carried.values()) > 0) == (compression == "sign")
 
 

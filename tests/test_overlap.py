@@ -10,7 +10,6 @@ from diloco.config import ConfigError
 from diloco.data.batches import ShardedBatches
 from diloco.data.corpus import load_corpus
 from diloco.engine.island import Island
-from diloco.engine.rounds import InFlight
 from diloco.model.inner import build_inner_optimizer
 from diloco.model.transformer import build_model, lm_loss
 from outer_optim import OuterOptimizer
@@ -202,7 +201,7 @@ def test_an_island_that_adopts_a_state_sends_its_next_round_with_the_island_that
     assert steps_to_next_round() == 27 and ov.phase() == 0
     assert steps_to_next_round() == 50  # and every H steps from then on
     restored = Island(tiny_config(tmp_path / "b", **{"diloco.inner_steps": 50, "diloco.outer_steps": 10}))
-    restored.schedule.load_state_dict(ov.state_dict(), 0)
+    restored.schedule.load_state_dict(ov.state_dict())
     restored.stats.inner_step = island.stats.inner_step + 10
     assert restored.schedule.phase() == 10
     island.stats.inner_step = 300
@@ -224,15 +223,13 @@ def test_a_budget_of_seconds_counts_from_when_the_group_formed(tmp_path):
 
     island.stats.inner_step, stats.compute_seconds = 20, 100.0
     ov.restart_budget()  # the island sends at 100 s of compute
-    flight = InFlight(0, 0, [], {}, 1.0, {}, None, 20, 0, 0.0, compute_at_formed=104.0)
-    stats.compute_seconds = 106.0  # the result arrives and is applied
-    ov.aligned(flight)
+    stats.compute_seconds = 106.0  # the result of the round sent at step 20 arrives and is applied
+    ov.aligned(20, compute_at_formed=104.0)
     assert not due_at(112.0) and due_at(114.0)
     restored = Island(tiny_config(tmp_path / "b", **{"diloco.sync_every": "10s", "diloco.overlap": "delayed"}))
-    restored.schedule.load_state_dict(ov.state_dict(), 0)
+    restored.schedule.load_state_dict(ov.state_dict())
     assert restored.schedule.skew == 4.0
     ov.restart_budget()  # the next round is sent: it counts from its own group again
     assert ov.skew == 0.0
-    late = InFlight(1, 0, [], {}, 1.0, {}, None, island.stats.inner_step, 0, 0.0, compute_at_formed=None)
-    ov.aligned(late)  # the island was the group's last (or saw no stage): nothing to skip
+    ov.aligned(island.stats.inner_step, compute_at_formed=None)  # the group's last (or saw no stage): nothing to skip
     assert ov.skew == 0.0 and due_at(124.5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diloco.engine.island import Island
-from diloco.engine.rounds import OuterRounds
+from diloco.engine.round import OuterRounds
 from peers.averaging.local import LocalAverager
 from tests.conftest import tiny_config
 

@@ -15,7 +15,7 @@
 A budget of seconds counts from when the group of the island's last round formed, not from its own send:
 with rounds in flight an island that sent first trains on while it waits for the others, and counted from
 its own send it would send every later round that much early again, each of its rounds in flight staying
-stale for as long (:meth:`diloco.engine.rounds.RoundSchedule.aligned`).  Islands of different speed thus send at once,
+stale for as long (:meth:`diloco.engine.round.schedule.RoundSchedule.aligned`).  Islands of different speed thus send at once,
 and a round stays in flight for its transfer alone; a steps budget cannot do this (H is the round).
 
 With fragments (P > 1) a sync is due every 1/P of the budget.  Only the steps budget is part of the run's

@@ -2,22 +2,25 @@
 
 An island is the training process group of one server: ``dp * pp * tp`` processes under ``torchrun`` (tensor
 parallelism inside, pipeline stages around it, data-parallel FSDP replicas outside, see :mod:`pipeline`), or one
-process, which is simply the ``dp = pp = tp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process group).  Every rank builds the
-same :class:`Island` and takes every decision together with the others.  :class:`Island` only builds,
-connects and runs; each part has one job and gets the narrow pieces it needs:
+process, which is simply the ``dp = pp = tp = 1`` case (:class:`~diloco.engine.runtime.Runtime` with no process
+group).  Every rank builds the same :class:`Island` and takes every decision together with the others.
+:class:`Island` only builds, connects and runs; each part has one job and gets the narrow pieces it needs:
 
-- the model is this rank's :class:`pipeline.ModelParts`; the outer optimizer holds θ_global of this rank's
-  local shards (they share storage with the parameters, DTensor or not);
-- the pseudo-gradient is averaged over the canonical layout (:mod:`peers.island.layout`): buckets of
-  ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it
-  (:mod:`peers.averaging.sharded`), so islands of any shape average together;
-- :class:`~diloco.engine.rounds.OuterRounds` runs the outer rounds (schedule, round in flight, transaction);
-  :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners
-  and resynchronizes; :class:`peers.PeerNode` is the rank's place in the peer network;
+- the trainer core (:class:`~diloco.engine.trainer.TrainerCore`, the synchronous baseline's too) holds the data,
+  this rank's :class:`pipeline.ModelParts` and the inner optimizer, takes the inner steps, evaluates and makes the
+  records; the outer optimizer holds θ_global of this rank's local shards (they share storage with the
+  parameters, DTensor or not);
+- the pseudo-gradient is averaged over the canonical layout (:mod:`peers`' ``CanonicalLayout``): buckets of
+  ``--averaging.bucket_numel`` elements of the whole model, each averaged by the rank that owns it, so islands of
+  any shape average together;
+- :class:`~diloco.engine.round.OuterRounds` runs the outer rounds (:mod:`diloco.engine.round`: schedule, round in
+  flight, transaction) over one :class:`~diloco.engine.round.RoundContext`;
+  :class:`~diloco.engine.state_transfer.StateTransfer` catches up with the run, serves θ_global to joiners and
+  resynchronizes; :class:`peers.PeerNode` is the rank's place in the peer network;
 - rank 0 alone writes metrics, ``summary.json``, the multiaddrs and ``theta_global.pt`` and prints.
 
 Checkpoints (per rank, resharded across island shapes) are :class:`~diloco.engine.checkpoints.CheckpointManager`'s:
-the island hands it the pieces it saves.
+the island hands it ``{name: part}``, one line per stateful part.
 """
 
 from __future__ import annotations
@@ -33,38 +36,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from diloco.config import Config, config_fingerprint, to_dict
-from diloco.engine.checkpoints import CheckpointManager, RankState
+from diloco.engine.checkpoints import (
+    CheckpointManager,
+    CodecResiduals,
+    InnerOptimizer,
+    ModelShards,
+    Resharding,
+    RngState,
+)
 from diloco.engine.faults import FaultPlan
 from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
-from diloco.engine.rounds import (
-    FaultHook,
-    IslandNorm,
-    MembershipHook,
-    OuterRounds,
-    RoundMetrics,
-    RoundSchedule,
-)
+from diloco.engine.round import OuterRounds, RoundContext, RoundMetrics
 from diloco.engine.runtime import Runtime, pick_device, return_freed_memory
-from diloco.engine.state_transfer import StateTransfer
-from diloco.engine.throughput import (
-    Throughput,
-    peak_flops,
-    peak_host_memory_gb,
-    peak_memory_gb,
-)
+from diloco.engine.trainer import TrainerCore, run_summary
 from diloco.errors import TrainingError
 from diloco.inference.generate import cached_forward
 from diloco.inference.samples import Sampler
-from diloco.model.build import build_data, build_inner, build_model
-from diloco.model.inner import take_inner_step
-from diloco.model.transformer import flops_per_token
 from diloco.progress import Progress
 from outer_optim import OuterOptimizer, checksum
-from outer_optim.compression import may_drop
 from outer_optim.fragments import split_into_fragments
 from peers import (
     BucketExchange,
@@ -102,11 +94,11 @@ class Island:
         return_freed_memory()
         self.rt = Runtime.start(cfg, pick_device(cfg.device))
         self.peers: PeerNode | None = None
-        cfg = self.rt.island_config(cfg)
-        run_dir = Path(cfg.logging.run_dir)
+        self.cfg = self.rt.island_config(cfg)
+        run_dir = Path(self.cfg.logging.run_dir)
         self._run_dir_before = set(run_dir.iterdir()) if run_dir.is_dir() else None
         try:
-            self._build(cfg)
+            self._build()
         except BaseException:
             mute_shutdown_noise()
             if self.peers is not None:
@@ -115,11 +107,13 @@ class Island:
             _forget_failed_start(run_dir, self._run_dir_before)
             raise
 
-    def _build(self, cfg: Config) -> None:
-        rt = self.rt
+    def _build(self) -> None:
+        """Wire the island's parts.  The order matters where a part needs another: the peer node's processes are
+        forked before the data and the model exist; the layout comes from the model; the rounds' schedule exists
+        before the inner optimizer, whose learning rate may follow it."""
+        cfg, rt = self.cfg, self.rt
         if not rt.is_main:
             logging.getLogger("diloco").setLevel(logging.ERROR)  # rank 0 speaks for the island
-        self.cfg = cfg
         self.run_dir = Path(cfg.logging.run_dir)
         try:  # before any peer hears of us
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,74 +124,72 @@ class Island:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = rt.device
-        m, d, a, lg = cfg.model, cfg.diloco, cfg.averaging, cfg.logging
+        m, d, a, lg, ck = cfg.model, cfg.diloco, cfg.averaging, cfg.logging, cfg.checkpoint
         self.stats = RunStats()
         self.unsent = FeedbackBuffers()
         # the rounds' collectives (the exchange, the peer node, state transfer) on groups of their own when a thread
         # of its own runs them
         self.round_rt = round_rt = rt.round_view() if d.round_thread else rt
         # the peer node's processes are forked from this one: before the data and the model exist
-        self.peers = PeerNode(a, round_rt, self.run_dir, self.name, resuming=bool(cfg.checkpoint.resume),
-                              unsent=self.unsent, count=self.stats.add_traffic)
+        self.peers = PeerNode(a, round_rt, self.run_dir, self.name, resuming=bool(ck.resume), unsent=self.unsent,
+                              count=self.stats.add_traffic)
         self.peers.start()
-        torch.manual_seed(cfg.seed)
-        data = build_data(cfg, cfg.data.shard_index, cfg.data.num_shards, replica=rt.dp_rank, replicas=rt.dp)
-        self.tokenizer, corpus, self.batches, self.eval_batches = \
-            data.tokenizer, data.corpus, data.batches, data.eval_batches
-        self.heldout_bytes_per_token = corpus.heldout_bytes_per_token
-        log.info("data: %s", corpus.description)
-        # without pipeline stages every rank takes part in generating the samples; with them the main rank alone
-        self.sampler = Sampler(m, corpus.heldout, lg.samples, lg.sample_tokens, self.tokenizer) \
-            if lg.samples and (rt.is_main or cfg.parallel.pp == 1) else None
 
-        # the model: the layout comes from the whole model's skeleton (no memory), the same on every rank; each
-        # rank materialises only its own pieces of it
+        # the data and the model: the layout comes from the whole model's skeleton (no memory), the same on every
+        # rank; each rank materialises only its own pieces of it
+        torch.manual_seed(cfg.seed)
         micro = max(1, cfg.inner.batch_size // (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
-        built = build_model(cfg, rt.mesh, cfg.parallel, self.device, profile_shape=(micro, m.seq_len))
-        self.model, self.full_shapes = built.parts, built.full_shapes
+        self.core = core = TrainerCore(
+            cfg, mesh=rt.mesh, parallel=cfg.parallel, device=self.device, shard=cfg.data.shard_index,
+            shards=cfg.data.num_shards, replica=rt.dp_rank, replicas=rt.dp, devices=rt.size,
+            profile_shape=(micro, m.seq_len))
+        log.info("data: %s", core.corpus.description)
+        self.model, self.batches, self.tokenizer = core.model, core.batches, core.tokenizer
+        # without pipeline stages every rank takes part in generating the samples; with them the main rank alone
+        self.sampler = Sampler(m, core.corpus.heldout, lg.samples, lg.sample_tokens, core.tokenizer) \
+            if lg.samples and (rt.is_main or cfg.parallel.pp == 1) else None
+        self.full_shapes = core.full_shapes
         fragments = split_into_fragments([n for n, _ in self.full_shapes], d.fragments) if d.fragments > 1 else ()
         self.layout = CanonicalLayout.build(self.full_shapes, a.bucket_numel, fragments)
         self.specs = self.model.shard_specs()
         self.params = self.model.local_named_parameters()  # local shards, sharing storage with the parameters
-        self.throughput = Throughput(flops_per_token(m), rt.size, self.device,
-                                     peak_flops(self.device, self.model.compute_dtype, cfg.parallel.peak_tflops))
+        self.fingerprint = config_fingerprint(cfg, "" if core.tokenizer.is_bytes else core.tokenizer.sha256)
+        record = {"config": to_dict(cfg), "tokenizer": core.tokenizer.json_text}
 
-        # the outer state and the run's counters
+        # the outer state, the rounds and their peers
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
-        self.fingerprint = config_fingerprint(cfg, "" if self.tokenizer.is_bytes else self.tokenizer.sha256)
         self.exchange = BucketExchange(self.layout, self.params, self.specs, round_rt.group)
-        self.schedule = RoundSchedule(d, rt, self.stats, self.layout, list(self.params))
+        self.faults = FaultPlan.from_env()
+        ctx = RoundContext(d, a, rt=rt, round_rt=round_rt, stats=self.stats, layout=self.layout, specs=self.specs,
+                          outer=self.outer, params=self.params, exchange=self.exchange, peers=self.peers,
+                          unsent=self.unsent, fingerprint=self.fingerprint, faults=self.faults)
+        self.schedule, self.transfer = ctx.schedule, ctx.transfer
         # without a fixed H the cosine follows the run's progress
-        self.inner_opt, self.inner_sched = build_inner(
-            self.model, cfg, d.outer_steps * d.inner_steps,
-            None if self.schedule.budget.by_steps else self.schedule.progress)
-
-        # peers, state transfer and rounds
+        core.start_inner(d.outer_steps * d.inner_steps, None if self.schedule.budget.by_steps else self.schedule.progress)
         self._stop = threading.Event()
         self.stopping = False
         self.peers.bind(self.layout, self.params, self.specs, self.exchange)
-        self.transfer = StateTransfer(a, rt=round_rt, stats=self.stats, outer=self.outer, params=self.params,
-                                      exchange=self.exchange, peers=self.peers, schedule=self.schedule,
-                                      forget_unsent=self.unsent.clear, fingerprint=self.fingerprint)
         self.peers.serve(self.transfer.provide, self.outer.lock, self.transfer.connected, self._stop.is_set)
-        self.faults = FaultPlan.from_env()
-        hooks = [FaultHook(self.faults, self.outer, a.matchmaking_time + 3.0), MembershipHook(self.peers)]
-        self.rounds = OuterRounds(d, a, rt=rt, stats=self.stats, schedule=self.schedule, outer=self.outer,
-                                  params=self.params, exchange=self.exchange,
-                                  norm=IslandNorm(round_rt, self.layout, self.specs), peers=self.peers,
-                                  transfer=self.transfer, unsent=self.unsent, fingerprint=self.fingerprint,
-                                  keeps_unsent=may_drop(a.compression) and a.error_feedback, hooks=hooks,
-                                  round_rt=round_rt, background=d.round_thread)
+        self.rounds = OuterRounds(ctx)
+
+        # what a checkpoint holds: one line per stateful part
+        self.checkpoints = CheckpointManager(Path(ck.dir or self.run_dir / "checkpoints"), rt, {
+            "model": ModelShards(self.params),
+            "inner_optimizer": InnerOptimizer(core.inner_opt),
+            "inner_scheduler": core.inner_sched,
+            "outer_optimizer": self.outer,
+            "data": core.batches,
+            "rng": RngState(),
+            "stats": self.stats,
+            "norm_guard": ctx.guard,
+            "schedule": self.schedule,
+            "codec_residuals": CodecResiduals(self.unsent),
+        }, clock=self.stats, resharding=Resharding(rt, self.params, self.specs, self.layout,
+                                                   list(self.model.named_parameters()), core.inner_opt, self.outer,
+                                                   cfg.inner.grad_accum),
+            record=record, fingerprint=self.fingerprint, keep=ck.keep, background=ck.background)
         self.metrics: MetricsLogger | NullMetrics = NullMetrics()
-        ck = cfg.checkpoint
-        self.checkpoints = CheckpointManager(
-            Path(ck.dir or self.run_dir / "checkpoints"), rt,
-            RankState(self.params, self.specs, self.layout, list(self.model.named_parameters()), self.inner_opt,
-                      self.inner_sched, self.outer, self.batches, self.stats, self.rounds.guard, self.schedule,
-                      self.unsent),
-            record={"config": to_dict(cfg), "tokenizer": self.tokenizer.json_text}, fingerprint=self.fingerprint,
-            keep=ck.keep, background=ck.background, grad_accum=cfg.inner.grad_accum)
         self.progress = Progress(None, self.name, enabled=False)
         """The bar of :meth:`run` on a terminal (rank 0 only)."""
         self.t_start = 0.0
@@ -215,7 +207,7 @@ class Island:
 
     def train_step(self) -> float:
         """One inner AdamW step over the island (with gradient accumulation); returns the mean loss."""
-        loss = take_inner_step(self.model, self.batches, self.inner_opt, self.inner_sched, self.cfg.inner)
+        loss = self.core.step()
         self.stats.inner_step += 1
         self.stats.tokens += self.batches.tokens_per_batch * self.cfg.inner.grad_accum
         return loss
@@ -232,11 +224,10 @@ class Island:
                 for n, p in self.params.items():
                     p.copy_(own[n])
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean held-out loss of θ_global over the fixed evaluation batches (the same on every rank)."""
         with self._holding_theta_global():
-            return float(np.mean([self.model.eval_loss(x, y) for x, y in self.eval_batches]))
+            return self.core.evaluate()
 
     def theta_pieces(self) -> dict[str, tuple[tuple[int, int, int], torch.Tensor]]:
         """This rank's pieces of θ_global with where each sits in its parameter, as sent to rank 0: copies, since
@@ -315,7 +306,7 @@ class Island:
         if s.outer_step == 0 and math.isnan(s.eval_loss_start):
             with self._as_compute():
                 s.eval_loss_start = self.evaluate()
-            self.metrics.log({**self._eval_record(s.eval_loss_start), "tokens": s.tokens, "outer_step": s.outer_step})
+            self.metrics.log(self.core.evaluation_record(s.eval_loss_start, s))
         loss, window = float("nan"), (time.perf_counter(), s.tokens)
         self.progress = Progress(100, self.name, percent=True, enabled=self.is_main and sys.stderr.isatty())
         first = (time.perf_counter(), s.tokens)
@@ -366,38 +357,27 @@ class Island:
         finally:
             self.stats.compute_seconds += time.perf_counter() - t
 
-    def _eval_record(self, loss: float) -> dict[str, float]:
-        """The held-out loss of θ_global as logged: per token, its perplexity, and in bits per byte of text (which
-        compares runs of different tokenizers)."""
-        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
-                "eval/bits_per_byte": loss / math.log(2) / self.heldout_bytes_per_token}
-
     def _log_loss(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
         """Log the training loss and throughput since ``window`` (time, tokens); returns the new window."""
         now, s = time.perf_counter(), self.stats
         tokens_per_second = (s.tokens - window[1]) / max(now - window[0], 1e-9)
-        self.metrics.log({"loss": loss, "perplexity": math.exp(min(loss, 50)),
-                          "lr": self.inner_sched.get_last_lr()[0], "tokens": s.tokens,
-                          "tokens_per_second": tokens_per_second, **self.throughput.record(tokens_per_second),
-                          "outer_step": self.schedule.outer_step, "inner_step": s.inner_step})
+        self.metrics.log(self.core.loss_record(loss, s, tokens_per_second, outer_step=self.schedule.outer_step))
         return now, s.tokens
 
     def _after_round(self, metrics: RoundMetrics, loss: float) -> None:
         """Record a round that ended: metrics, evaluation of θ_global when due, progress line, checkpoint."""
         cfg, s, n, total = self.cfg, self.stats, self.schedule.n, self.schedule.total_rounds
-        record = dict(metrics.record(), tokens=s.tokens, outer_step=s.outer_step, loss=loss)
+        evaluation = None
         if s.outer_step % (cfg.logging.eval_every * n) == 0 or s.outer_step == total:
             with self._as_compute():
-                ev = self.evaluate()
+                evaluation = s.eval_loss_end = self.evaluate()
                 if s.outer_step % (cfg.logging.sample_every * n) == 0 or s.outer_step == total:
                     self._log_samples()
-            s.eval_loss_end = ev
-            record.update(self._eval_record(ev))
-        record["compute_utilization"] = s.compute_seconds / max(time.perf_counter() - self.t_start, 1e-9)
-        self.metrics.log(record)
+        self.metrics.log({**metrics.record(), **s.traffic(),
+                          **self.core.round_record(loss, s, time.perf_counter() - self.t_start, evaluation)})
         if self.is_main:
             self.progress.write(f"[{self.name}] {metrics.progress_line(s.outer_step, total, loss)}"
-                                + (f" eval={record['eval/loss']:.3f}" if "eval/loss" in record else ""))
+                                + (f" eval={evaluation:.3f}" if evaluation is not None else ""))
         if cfg.checkpoint.every and s.outer_step % (cfg.checkpoint.every * n) == 0:
             self.checkpoints.save()
 
@@ -434,21 +414,11 @@ class Island:
         theta, theta_checksum = self.theta_global()
         if self.is_main:
             torch.save(theta, self.run_dir / "theta_global.pt")
-        s = self.stats
-        summary = {
-            "island": self.name, "outer_step": s.outer_step, "inner_step": s.inner_step, "tokens": s.tokens,
-            "eval_loss_start": s.eval_loss_start, "eval_loss_end": s.eval_loss_end,
-            "rounds_ok": s.rounds_ok, "rounds_failed": s.rounds_failed,
-            "rounds_caught_up": s.rounds_caught_up, "bytes_sent": s.bytes_sent,
-            "bytes_received": s.bytes_received, "payload_bytes_sent": s.payload_bytes_sent,
-            "payload_bytes_received": s.payload_bytes_received, "compute_seconds": s.compute_seconds,
-            "comm_seconds": s.comm_seconds, "stall_seconds": s.stall_seconds, "wall_seconds": wall,
-            "theta_checksum": theta_checksum,
+        transport = self.peers.transport
+        summary = run_summary(self.name, self.stats, wall=wall, theta_checksum=theta_checksum, device=self.device,
+                              stopped_early=self.stopping, sync={
             "behind_nat": self.peers.a.client_mode, "behind_nat_found_by_dial_back": self.peers.behind_nat,
-            "transport_relayed": self.peers.transport.stats.relayed if self.peers.transport is not None else 0,
-            "peak_memory_gb": peak_memory_gb(self.device), "peak_host_memory_gb": peak_host_memory_gb(),
-            "failures": s.failures[-20:], "stopped_early": self.stopping, "out_of_sync": out_of_sync,
-        }
+            "transport_relayed": transport.stats.relayed if transport is not None else 0, "out_of_sync": out_of_sync})
         self.metrics.summary(summary)
         return summary
 

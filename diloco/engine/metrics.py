@@ -9,9 +9,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peers import Traffic
+
+if TYPE_CHECKING:
+    from diloco.engine.round.record import RoundMetrics
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +188,31 @@ class RunStats:
     behind: bool = False
     """The other islands averaged this island's latest round without it (it was late for their group)
     and it has not taken their θ_global since: a run that ends so may end out of sync."""
+
+    def add_round(self, m: RoundMetrics) -> None:
+        """Count a round that ended, from its record: committed or failed (and why), the seconds its averaging
+        took and those it kept the island from training."""
+        if m.ok:
+            self.rounds_ok += 1
+        else:
+            self.rounds_failed += 1
+            self.failures.append(f"round {m.rnd + 1}: {m.failure}")
+        self.comm_seconds += m.result.seconds
+        self.stall_seconds += m.stall_seconds
+
+    def traffic(self) -> dict[str, int]:
+        """The island's bytes on the slow link so far, as its records carry them."""
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "payload_bytes_sent": self.payload_bytes_sent}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every counter (a resumed island carries them on)."""
+        return {**self.__dict__, "failures": list(self.failures)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (counters a checkpoint lacks keep their values)."""
+        for k, v in state.items():
+            setattr(self, k, v)
 
     def add_traffic(self, t: Traffic) -> None:
         """Add the island's slow-link traffic since the last count (:meth:`peers.PeerNode.count_bytes`)."""

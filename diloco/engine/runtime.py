@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.config import Config, to_dict
-from diloco.config.loader import from_dict
+from diloco.config import Config
 from diloco.errors import TrainingError
 from pipeline import init_island_mesh
 
@@ -245,18 +244,15 @@ class Runtime:
             dist.destroy_process_group()
         self.owns_process_group = False
 
-
     def island_config(self, cfg: Config) -> Config:
         """``cfg`` as this island sees it: with several islands in one world, island ``k`` reads data
         shard ``k`` and writes under ``<run_dir>/island<k>``; otherwise ``cfg`` itself."""
         if self.n_islands == 1:
             return cfg
         k = self.island_index
-        cfg = from_dict(to_dict(cfg))
-        cfg.data.shard_index, cfg.data.num_shards = k, self.n_islands
-        cfg.logging.run_dir = os.path.join(cfg.logging.run_dir, f"island{k}")
-        if cfg.checkpoint.dir:
-            cfg.checkpoint.dir = os.path.join(cfg.checkpoint.dir, f"island{k}")
-        if cfg.averaging.maddr_file:
-            cfg.averaging.maddr_file = f"{cfg.averaging.maddr_file}.island{k}"
-        return cfg
+        a, ck = cfg.averaging, cfg.checkpoint
+        return dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, shard_index=k, num_shards=self.n_islands),
+            logging=dataclasses.replace(cfg.logging, run_dir=os.path.join(cfg.logging.run_dir, f"island{k}")),
+            checkpoint=dataclasses.replace(ck, dir=os.path.join(ck.dir, f"island{k}") if ck.dir else ""),
+            averaging=dataclasses.replace(a, maddr_file=f"{a.maddr_file}.island{k}" if a.maddr_file else ""))

@@ -43,7 +43,7 @@ State = tuple[dict, list[torch.Tensor]]
 
 
 class Schedule(Protocol):
-    """What state transfer needs of the island's round schedule (:class:`diloco.engine.rounds.RoundSchedule`)."""
+    """What state transfer needs of the island's round schedule (:class:`diloco.engine.round.schedule.RoundSchedule`)."""
 
     def phase(self) -> int:
         """Inner steps into the run's H-step cycle (served with the state)."""

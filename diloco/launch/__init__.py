@@ -1,5 +1,6 @@
-"""Starting islands and workers as processes of this machine: ``simulate``'s islands, the baseline's workers, and
-the warm interpreter they may fork from."""
+"""Starting islands and workers as processes of this machine: ``simulate``'s islands, the synchronous baseline's
+workers (on the island's trainer core, :mod:`diloco.engine.trainer`, with DDP's sync), and the warm interpreter
+they may fork from."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The synchronous data-parallel baseline DiLoCo is compared against.
 
-``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run: worker
-``r`` reads shard ``r`` of ``k`` (:class:`~diloco.data.batches.ShardedBatches`) with the same per-worker
-batch (``inner.batch_size`` × ``inner.grad_accum``), the same inner AdamW and schedule
-(:func:`~diloco.model.inner.build_inner_optimizer`) and the same number of steps
-(``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers
-after **every** step, as torch DDP does.
+``k`` worker processes train the same model on the same data as a ``k``-island DiLoCo run, on the island's
+trainer core (:class:`~diloco.engine.trainer.TrainerCore`: the same builders, inner step, evaluation, records and
+summary): worker ``r`` reads shard ``r`` of ``k`` with the same per-worker batch (``inner.batch_size`` ×
+``inner.grad_accum``), the same inner optimizer and schedule and the same number of steps
+(``diloco.outer_steps × diloco.inner_steps``), but the gradients are averaged over all workers after **every**
+step, as torch DDP does.
 
 How gradients are averaged: with torch's own DDP (:class:`TimedDDP`, the composable ``replicate``), in
 buckets of 25 MB all-reduced while the backward pass still runs (gloo on CPU, NCCL on GPU), as a user of
@@ -19,11 +19,14 @@ same seed, and a checksum all-reduce checks that they start equal before DDP's o
 fp32 gradients' size (:func:`peers.wire.counters.ring_allreduce_bytes`); the summary's
 ``bytes_sent`` is what the kernel counted on the worker's own connections (see :mod:`peers.wire.counters`).
 
-Rank 0 writes the same metrics as an island (``loss``, ``perplexity``, ``lr``, ``tokens`` counted over
-all workers, ``tokens_per_second``, ``payload_bytes_sent``, ``allreduce_seconds``, ``compute_utilization``,
-``eval/loss`` every ``inner_steps`` steps so the curves line up with DiLoCo rounds, ``outer_step`` =
-step // inner_steps) to ``<run_dir>/metrics.jsonl`` and W&B, and ``<run_dir>/summary.json`` with the
-island summary's keys where they apply.
+Rank 0 writes the island's records, made by the same functions (:mod:`diloco.engine.trainer`): the training
+loss every ``logging.log_every`` steps (``tokens`` counted over all workers), an evaluation before training and
+every ``inner_steps`` steps, so that the curves line up with DiLoCo rounds (``eval/loss``, its perplexity and
+``eval/bits_per_byte``; ``outer_step`` = step // inner_steps), each with the sync's own figures
+(``payload_bytes_sent``, ``allreduce_seconds``, ``num_peers``), to ``<run_dir>/metrics.jsonl`` and W&B; and
+``<run_dir>/summary.json`` with the island summary's keys (:data:`~diloco.engine.trainer.SUMMARY_KEYS`) and the
+baseline's own (``workers``, ``bytes_per_step``, the seconds per rank, ``losses``, ``comm_method``,
+``hsdp_shard``).
 
 Entry points: :func:`diloco.launch.baseline.run_baseline` launches the ``k`` workers as separate
 processes (each one ``python -m diloco.launch.baseline --config FILE --rank R --workers K --master ADDR:PORT``,
@@ -37,7 +40,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -52,13 +54,10 @@ import torch.distributed as dist
 
 from diloco.command import run_command
 from diloco.config import Config, to_dict
-from diloco.engine.metrics import MetricsLogger
+from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
 from diloco.engine.runtime import use_device
-from diloco.engine.throughput import Throughput, peak_flops
+from diloco.engine.trainer import TrainerCore, run_summary
 from diloco.launch import tail, warm
-from diloco.model.build import build_data, build_inner, build_model
-from diloco.model.inner import take_inner_step
-from diloco.model.transformer import flops_per_token
 from outer_optim import checksum
 from peers import WireCounter, ring_allreduce_bytes
 from pipeline.mesh import exit_worker, free_port, init_hsdp_mesh
@@ -145,7 +144,8 @@ def _device_for(cfg: Config, rank: int) -> torch.device:
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one data-parallel worker to the end; rank 0 returns the summary (the others a short one).  With
     ``cfg.parallel.dp > 1`` the workers are servers of ``dp`` ranks each, trained with HSDP
-    (:class:`GradientSync`)."""
+    (:class:`GradientSync`).  The worker stands on the island's trainer core (:mod:`diloco.engine.trainer`): the
+    same builders, inner step, evaluation, records and summary; only the sync differs."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device_for(cfg, rank)
@@ -153,21 +153,20 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=workers,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    metrics = None
+    metrics: MetricsLogger | NullMetrics = NullMetrics()
     try:
         torch.manual_seed(cfg.seed)
-        m, H = cfg.model, cfg.diloco.inner_steps
+        H = cfg.diloco.inner_steps
         total_steps = cfg.diloco.outer_steps * H
         shard = cfg.parallel.dp
         # under HSDP a forward pass gathers the server's shards: every worker evaluates, rank 0 reports
         evaluates = rank == 0 or shard > 1
-        data = build_data(cfg, rank, workers, evaluates=evaluates)
-        batches, eval_batches = data.batches, data.eval_batches
         # a worker holds the whole model, or under HSDP its server's share: the island's precision and
         # compilation, no TP or PP
         mesh = init_hsdp_mesh(workers // shard, shard, device.type) if shard > 1 else None
-        model = build_model(cfg, mesh, dataclasses.replace(cfg.parallel, dp=shard, tp=1, pp=1), device).parts
-        accum = cfg.inner.grad_accum
+        core = TrainerCore(cfg, mesh=mesh, parallel=dataclasses.replace(cfg.parallel, dp=shard, tp=1, pp=1),
+                           device=device, shard=rank, shards=workers, devices=workers, evaluates=evaluates)
+        model = core.model
 
         # every worker must start from the same parameters (DDP would broadcast rank 0's)
         whole = model.full_parameters().values()
@@ -186,10 +185,8 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             grads: GradientSync | None = GradientSync(model.modules[0])
         else:
             grads = TimedDDP(model.modules[0], device, workers) if workers > 1 else None
-        opt, sched = build_inner(model, cfg, total_steps)
-        tokens_per_step = workers * batches.tokens_per_batch * accum
-        throughput = Throughput(flops_per_token(m), workers, device,
-                                peak_flops(device, model.compute_dtype, cfg.parallel.peak_tflops))
+        core.start_inner(total_steps)
+        tokens_per_step = workers * core.batches.tokens_per_batch * cfg.inner.grad_accum
 
         name = f"{cfg.averaging.run_id}-baseline-rank{rank}"
         if rank == 0:
@@ -198,81 +195,73 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
                                     group=w.group or cfg.averaging.run_id, name=f"{cfg.averaging.run_id}-baseline",
                                     entity=w.entity, config=dict(to_dict(cfg), baseline_workers=workers))
 
-        @torch.no_grad()
-        def evaluate() -> float:
-            losses = []
-            for x, y in eval_batches:
-                losses.append(model.eval_loss(x, y))
-            return float(sum(losses) / len(losses))
-
+        s = RunStats()  # the run's totals, as an island keeps them: each step is a sync that cannot fail
         loss_buffer = torch.zeros(1, dtype=torch.float64, device=device)
+        comm_window = 0.0
 
         def after_backward(local_loss: float) -> float:
             """DDP has averaged the gradients: count how long the step waited for it, average the loss."""
-            nonlocal comm, comm_window, bytes_sent
+            nonlocal comm_window
             t1 = time.perf_counter()
             loss_buffer[0] = local_loss
             dist.all_reduce(loss_buffer)
             waited = grads.waited() + time.perf_counter() - t1
-            comm += waited
+            s.comm_seconds += waited
             comm_window += waited
-            bytes_sent += step_bytes
+            s.payload_bytes_sent += step_bytes
             return float(loss_buffer.item()) / workers
 
-        compute = comm = 0.0
-        comm_window = 0.0
-        bytes_sent = tokens = 0
-        eval_start = eval_end = float("nan")
+        def sync_record() -> dict[str, Any]:
+            """The sync's own figures in a record: its bytes so far and the workers averaging every step."""
+            return {"payload_bytes_sent": s.payload_bytes_sent, "num_peers": workers}
+
         step_losses: list[float] = []
         dist.barrier()
         t_start = time.perf_counter()
         if evaluates:
-            eval_start = evaluate()
-        if rank == 0:
-            metrics.log({"eval/loss": eval_start, "eval/perplexity": math.exp(eval_start), "tokens": 0,
-                         "outer_step": 0, "payload_bytes_sent": 0})
-        compute += time.perf_counter() - t_start
+            s.eval_loss_start = core.evaluate()
+        metrics.log(core.evaluation_record(s.eval_loss_start, s))
+        s.compute_seconds += time.perf_counter() - t_start
         window_t, window_tokens = time.perf_counter(), 0
         for step in range(total_steps):
-            t0, comm_before = time.perf_counter(), comm
-            step_loss = take_inner_step(model, batches, opt, sched, cfg.inner,
-                                        sync_grads=after_backward if grads else None,
-                                        gradient_sync=grads.require_sync if grads else None)
-            compute += time.perf_counter() - t0 - (comm - comm_before)
-            tokens += tokens_per_step
+            t0, comm_before = time.perf_counter(), s.comm_seconds
+            step_loss = core.step(sync_grads=after_backward if grads else None,
+                                  gradient_sync=grads.require_sync if grads else None)
+            s.compute_seconds += time.perf_counter() - t0 - (s.comm_seconds - comm_before)
+            s.tokens += tokens_per_step
+            s.inner_step = done = step + 1
+            s.outer_step = done // H
             step_losses.append(step_loss)
-            done = step + 1
             round_end = done % H == 0 or done == total_steps
             if rank != 0:
                 if evaluates and round_end:
-                    evaluate()
+                    core.evaluate()
                 continue
             if done % cfg.logging.log_every == 0 or round_end:
                 now = time.perf_counter()
-                tokens_per_second = (tokens - window_tokens) / max(now - window_t, 1e-9)
-                metrics.log({"loss": step_loss, "perplexity": math.exp(min(step_loss, 50)),
-                             "lr": sched.get_last_lr()[0], "tokens": tokens, "tokens_per_second": tokens_per_second,
-                             **throughput.record(tokens_per_second), "outer_step": done // H, "inner_step": done,
-                             "payload_bytes_sent": bytes_sent, "num_peers": workers})
-                window_t, window_tokens = now, tokens
+                tokens_per_second = (s.tokens - window_tokens) / max(now - window_t, 1e-9)
+                metrics.log({**core.loss_record(step_loss, s, tokens_per_second), **sync_record()})
+                window_t, window_tokens = now, s.tokens
             if round_end:
                 t_eval = time.perf_counter()
-                eval_end = evaluate()
-                compute += time.perf_counter() - t_eval
-                wall = time.perf_counter() - t_start
-                metrics.log({"eval/loss": eval_end, "eval/perplexity": math.exp(eval_end), "tokens": tokens,
-                             "outer_step": done // H, "inner_step": done, "loss": step_loss,
-                             "payload_bytes_sent": bytes_sent, "allreduce_seconds": comm_window, "num_peers": workers, "round_ok": 1,
-                             "compute_utilization": compute / max(wall, 1e-9)})
+                s.eval_loss_end = core.evaluate()
+                s.compute_seconds += time.perf_counter() - t_eval
+                metrics.log({**sync_record(), "allreduce_seconds": comm_window, "round_ok": 1,
+                             **core.round_record(step_loss, s, time.perf_counter() - t_start, s.eval_loss_end)})
                 comm_window = 0.0
                 print(f"[baseline] step {done}/{total_steps} (outer step {done // H}) loss={step_loss:.3f} "
-                      f"eval={eval_end:.3f} comm={comm:.1f}s compute={compute:.1f}s", flush=True)
+                      f"eval={s.eval_loss_end:.3f} comm={s.comm_seconds:.1f}s compute={s.compute_seconds:.1f}s",
+                      flush=True)
         dist.barrier()
         wall = time.perf_counter() - t_start
         seen = wire.take()
-        wire_sent, wire_received = (seen.sent, seen.received) if seen is not None else (bytes_sent, bytes_sent)
+        s.payload_bytes_received = s.payload_bytes_sent
+        s.bytes_sent, s.bytes_received = (seen.sent, seen.received) if seen is not None else \
+            (s.payload_bytes_sent, s.payload_bytes_sent)
+        s.rounds_ok = total_steps if workers > 1 else 0
+        s.stall_seconds = s.comm_seconds  # nothing hides a synchronous step's wait
         per_rank = torch.zeros(workers, 2, dtype=torch.float64, device=device)
-        per_rank[rank, 0], per_rank[rank, 1] = compute, comm
+        per_rank[rank, 0], per_rank[rank, 1] = s.compute_seconds, s.comm_seconds
         dist.all_reduce(per_rank)
         final = model.full_parameters()
         if shard > 1:
@@ -284,25 +273,17 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
             method = (f"torch DDP (buckets of {DDP_BUCKET_MB} MB all-reduced during the backward pass), backend "
                       f"{backend}; comm_seconds = time the step waited for them after its last gradient was "
                       f"ready, plus the loss's all-reduce")
-        summary = {
-            "island": name, "workers": workers, "outer_step": total_steps // H, "inner_step": total_steps,
-            "tokens": tokens, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
-            "rounds_ok": total_steps if workers > 1 else 0, "rounds_failed": 0,
-            "bytes_sent": wire_sent, "bytes_received": wire_received, "payload_bytes_sent": bytes_sent,
-            "payload_bytes_received": bytes_sent, "bytes_per_step": step_bytes,
-            "compute_seconds": compute, "comm_seconds": comm, "wall_seconds": wall,
-            "compute_seconds_per_rank": per_rank[:, 0].tolist(), "comm_seconds_per_rank": per_rank[:, 1].tolist(),
-            "theta_checksum": checksum(final), "losses": step_losses, "comm_method": method, "hsdp_shard": shard,
-            "failures": [], "stopped_early": False,
-        }
+        summary = run_summary(name, s, wall=wall, theta_checksum=checksum(final), device=device, stopped_early=False,
+                              sync={"workers": workers, "bytes_per_step": step_bytes,
+                                    "compute_seconds_per_rank": per_rank[:, 0].tolist(),
+                                    "comm_seconds_per_rank": per_rank[:, 1].tolist(), "losses": step_losses,
+                                    "comm_method": method, "hsdp_shard": shard})
         if rank == 0:
-            run_dir = Path(cfg.logging.run_dir)
-            torch.save(final, run_dir / "params.pt")
+            torch.save(final, Path(cfg.logging.run_dir) / "params.pt")
             metrics.summary(summary)
         return summary
     finally:
-        if metrics is not None:
-            metrics.close()
+        metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,0 +1,76 @@
+"""What happens around a round without being part of its transaction: scripted faults and the run's member
+registry, as :class:`RoundHook` objects the transaction calls at each of its moments."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from diloco.engine.faults import FaultPlan
+from outer_optim import OuterOptimizer
+from peers import PeerNode
+
+Delta = dict[str, torch.Tensor]
+"""A pseudo-gradient: parameter name → this rank's shard of Δ = θ_global − θ_local."""
+
+
+class RoundHook:
+    """Something that happens around a round without being part of the transaction (no-op defaults)."""
+
+    def before(self, rnd: int) -> None:
+        """Before the round starts (θ_global as it enters the round is not taken yet)."""
+
+    def starting(self, rnd: int, state: list[float]) -> None:
+        """The island enters round ``rnd`` from the θ_global whose fingerprint is ``state``."""
+
+    def outgoing(self, rnd: int, delta: Delta) -> Delta:
+        """The pseudo-gradient about to be sent (a hook may replace it)."""
+        return delta
+
+    def stage(self, rnd: int, phase: str) -> None:
+        """The averager entered ``phase`` (matchmaking, allreduce, vote)."""
+
+    def after(self, outer_step: int) -> None:
+        """After the round was committed or rolled back; ``outer_step``: the island's outer step now."""
+
+
+class FaultHook(RoundHook):
+    """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ, kills and stalls in a phase.
+    Hooks see the 0-based outer step; faults, like every message, count rounds from 1."""
+
+    def __init__(self, plan: FaultPlan, outer: OuterOptimizer, late_seconds: float):
+        self.plan, self.outer, self.late_seconds = plan, outer, late_seconds
+
+    def before(self, rnd: int) -> None:
+        if self.plan.has("late", "send", rnd + 1):
+            time.sleep(self.late_seconds)
+        if self.plan.has("drift", "theta", rnd + 1):
+            with self.outer.lock, torch.no_grad():
+                for m in self.outer.theta_global.values():
+                    m.add_(1e-3)
+
+    def outgoing(self, rnd: int, delta: Delta) -> Delta:
+        if self.plan.has("scale", "send", rnd + 1):
+            return {n: d * 1e6 for n, d in delta.items()}
+        return delta
+
+    def stage(self, rnd: int, phase: str) -> None:
+        self.plan.at(phase, rnd + 1)
+
+
+class MembershipHook(RoundHook):
+    """Tells the run's member registry when this island averages and which outer step it holds, and keeps
+    the addresses of the live islands (:meth:`PeerNode.remember_peers`)."""
+
+    def __init__(self, peers: PeerNode):
+        self.peers = peers
+
+    def starting(self, rnd: int, state: list[float]) -> None:
+        if self.peers.membership is not None:
+            self.peers.membership.announce(rnd, averaging=True, state=state)
+
+    def after(self, outer_step: int) -> None:
+        if self.peers.membership is not None:
+            self.peers.membership.announce(outer_step, averaging=False)
+            self.peers.remember_peers()
