@@ -129,8 +129,9 @@ class Settings:
         "Cores each island's daemons (DHT, p2pd, heartbeats) keep busy; shared cores only."))
     cpu_per_message_s: float = field(default=50e-6, metadata=_help(
         "CPU seconds per message sent or received (framing, syscalls, the event loop)."))
-    cpu_per_byte_s: float = field(default=1e-9, metadata=_help(
-        "CPU seconds per byte sent or received (encode, seal, open, decode, sum)."))
+    cpu_per_byte_s: float = field(default=1.4e-9, metadata=_help(
+        "CPU seconds per payload byte sent or received (encode, seal, open, decode, sum; measured for fp32 on this "
+        "machine: 0.453 s to exchange 160 MB each way, docs/averaging.md)."))
     round_overhead_s: float = field(default=0.0, metadata=_help(
         "CPU seconds per committed round outside the exchange (the outer step, the fingerprint)."))
     partition: float = field(default=0.0, metadata=_help(
@@ -373,7 +374,7 @@ class Collective:
         self.sender_set = set(senders)
         self._sent: dict[int, tuple[float, float]] = {}
         self.arrival: dict[int, float] = {}
-        self._waiting: dict[int, tuple[Callable[..., None], tuple]] = {}
+        self._waiting: dict[int, tuple[Callable[..., None], tuple, int, int]] = {}
         self._opened: list[tuple[int, set[int]]] = []
         """Directions this phase opened: warm for the phases after it (not for its other senders)."""
 
@@ -429,24 +430,24 @@ class Collective:
                 self.arrival[i] = a
                 self.sim.count(isl, size, sent=False, payload=self.payload)
             if i in self._waiting:
-                fn, args = self._waiting.pop(i)
-                self._deliver(i, fn, args)
+                self._deliver(i, *self._waiting.pop(i))
 
     def receive(self, i: int, fn: Callable[..., None], *args: Any) -> None:
-        """Call ``fn(*args)`` once island ``i`` has its parts and its CPU decoded them."""
+        """Call ``fn(*args)`` once island ``i`` has its parts and its CPU decoded them (unless it died or
+        abandoned what it was doing meanwhile)."""
+        isl = self.sim.islands[i]
         if i in self.arrival:
-            self._deliver(i, fn, args)
+            self._deliver(i, fn, args, isl.life, isl.epoch)
         else:
-            self._waiting[i] = (fn, args)
+            self._waiting[i] = (fn, args, isl.life, isl.epoch)
 
-    def _deliver(self, i: int, fn: Callable[..., None], args: tuple) -> None:
+    def _deliver(self, i: int, fn: Callable[..., None], args: tuple, life: int, epoch: int) -> None:
         sim, isl = self.sim, self.sim.islands[i]
         n = self.sources(i)
         work = sim.s.cpu_per_message_s * n + sim.s.cpu_per_byte_s * self.part * n
-        guard_life, guard_epoch = isl.life, isl.epoch
 
         def decode() -> None:
-            if isl.life == guard_life and isl.epoch == guard_epoch:
+            if isl.life == life and isl.epoch == epoch:
                 sim.cpu.run(isl, work, fn, *args)
 
         sim.loop.at(self.arrival[i], decode)
@@ -512,8 +513,13 @@ class RunResult:
     retries: int
     deaths: int
     late: int
-    """Island-rounds lost because the island's join came after its leader closed the roster."""
+    """Island-rounds missed: the island's join came after its leader closed the roster, or its roster lacked the
+    quorum while the run went on (it catches up by downloading θ_global)."""
     max_commits_per_round: int
+    island_rounds: int
+    """Rounds the islands started computing, all together."""
+    finished: int
+    """Islands that ended the last round (the others died near the end, or the run stalled)."""
     averaged_fraction: float = float("nan")
     """Gossip: share of island-rounds that averaged with a peer."""
     spread_rounds: float = float("nan")
@@ -521,7 +527,8 @@ class RunResult:
     sim_seconds: float = 0.0
 
     def per_island_round(self, total: float) -> float:
-        return total / (self.islands * self.rounds)
+        """``total`` bytes per island-round (a round an island started: it dies or misses some)."""
+        return total / max(self.island_rounds, 1)
 
     @property
     def median_round(self) -> float:
@@ -577,7 +584,8 @@ class Sim:
         self.durations: list[float] = []
         self.idle: list[float] = []
         self.commits = [0] * s.rounds
-        self.retries = self.deaths = self.late = 0
+        self.retries = self.deaths = self.late = self.island_rounds = 0
+        self.finished: set[int] = set()
         self.payload_sent = 0.0
         self.waiting_for_round: dict[int, list[tuple[int, int, bool]]] = {}
         """Per round: the islands (id, life, whether it restarted) that catch up when it ends."""
@@ -642,10 +650,6 @@ class Sim:
 
         self.loop.at(t, fire)
 
-    @property
-    def over(self) -> bool:
-        return self.round_end[-1] > 0
-
     # -- the run
     def run(self) -> RunResult:
         t0 = time.perf_counter()
@@ -661,7 +665,8 @@ class Sim:
             islands=self.n, scheme=self.scheme, rounds=self.s.rounds, round_seconds=spans, idle_seconds=self.idle,
             sent_bytes=sum(i.sent for i in self.islands), received_bytes=sum(i.received for i in self.islands),
             payload_sent_bytes=self.payload_sent, committed=sum(1 for c in self.commits if c),
-            retries=self.retries, deaths=self.deaths, late=self.late, max_commits_per_round=max(self.commits))
+            retries=self.retries, deaths=self.deaths, late=self.late, max_commits_per_round=max(self.commits),
+            island_rounds=self.island_rounds, finished=len(self.finished))
         if self.scheme == "gossip":
             result.averaged_fraction = self.averaged / max(self.gossip_rounds, 1)
             result.spread_rounds, result.steady_spread = gossip_spread(self.n, self.s.spread_threshold, self.s.seed)
@@ -672,7 +677,10 @@ class Sim:
         """Compute H inner steps of round ``r`` (and perhaps die during the round)."""
         if r >= self.s.rounds or not isl.alive:
             return
+        if self.scheme == "gossip":
+            self.release_partners(isl, range(isl.round, r))
         isl.round, isl.round_start, isl.attempt = r, self.loop.now, None
+        self.island_rounds += 1
         isl.reg_step = max(isl.reg_step, r)
         work = self.s.inner_steps * isl.step_s
         if self.s.step_jitter > 0:
@@ -700,6 +708,8 @@ class Sim:
         self.durations.append(isl.last_round_s)
         self.idle.append(now - isl.compute_end)
         self.round_end[r] = max(self.round_end[r], now)
+        if r == self.s.rounds - 1:
+            self.finished.add(isl.id)
         for j, life, restarted in self.waiting_for_round.pop(r, []):
             late = self.islands[j]
             if late.life != life or not self.reachable(late, isl):
@@ -773,7 +783,7 @@ class Sim:
         if g.closed:  # too late for this round: wait for its end, then catch up
             self.late += 1
             isl.epoch += 1
-            self.waiting_for_round.setdefault(r, []).append((isl.id, isl.life, False))
+            self.wait_for_end(isl, r, restarted=False)
             return
         isl.attempt = g
         g.joined[isl.id] = self.loop.now
@@ -915,7 +925,7 @@ class Sim:
         elif self.behind(isl):  # its roster missed the quorum while the run went on: catch up
             self.late += 1
             isl.epoch += 1
-            self.waiting_for_round.setdefault(self.latest[0] + 1, []).append((isl.id, isl.life, False))  # type: ignore
+            self.wait_for_end(isl, self.latest[0] + 1, restarted=False)  # type: ignore[index]
             return
         self.end_round(isl, r, attempt.quorum, attempt.roster)
 
@@ -955,7 +965,7 @@ class Sim:
 
     # -- churn
     def die(self, isl: Island, life: int) -> None:
-        if isl.life != life or not isl.alive or self.over:
+        if isl.life != life or not isl.alive:
             return
         self.deaths += 1
         isl.alive, isl.death_pending = False, False
@@ -985,8 +995,6 @@ class Sim:
 
     def restart(self, isl: Island) -> None:
         """Running again: a new process (no open connections), registered, catching up."""
-        if self.over:
-            return
         isl.alive, isl.stale_at = True, math.inf
         isl.life += 1
         isl.epoch += 1
@@ -1003,8 +1011,14 @@ class Sim:
                 donor = self.rng.choice(donors)
                 self.catch_up(isl, isl.life, donor, donor.round)
             return
-        latest = max((r for r in range(self.s.rounds) if self.round_end[r] > 0), default=-1)
-        self.waiting_for_round.setdefault(latest + 1, []).append((isl.id, isl.life, True))
+        self.wait_for_end(isl, 0, restarted=True)
+
+    def wait_for_end(self, isl: Island, r: int, restarted: bool) -> None:
+        """Catch up when the first round from ``r`` on that nobody has finished yet ends."""
+        while r < self.s.rounds and self.round_end[r] > 0:
+            r += 1
+        if r < self.s.rounds:
+            self.waiting_for_round.setdefault(r, []).append((isl.id, isl.life, restarted))
 
     def catch_up(self, isl: Island, life: int, donor: Island | None, r: int) -> None:
         """Download θ_global from ``donor`` (none: the island's own is current), then start round ``r``."""
@@ -1055,6 +1069,14 @@ class Sim:
             self.gossip_exchange(isl, peer, r)
         else:
             self.ready.add((r, isl.id))
+
+    def release_partners(self, isl: Island, skipped: Iterable[int]) -> None:
+        """Partners waiting for ``isl`` in rounds it skips (it restarted and caught up) average alone."""
+        for q in skipped:
+            j = self.matchings.get(q, {}).get(isl.id)
+            if j is not None and (q, j) in self.ready:
+                self.ready.discard((q, j))
+                self.end_round(self.islands[j], q, False)
 
     def gossip_exchange(self, a: Island, b: Island, r: int) -> None:
         """A request and its answer (a round trip), then each sends its payload to the other."""
