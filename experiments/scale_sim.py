@@ -492,6 +492,7 @@ class Attempt:
     fail_at: float = math.inf
     view: View | None = None
     """The roster as the view its members take when it commits."""
+    groups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -506,6 +507,9 @@ class RunResult:
     gossip: each island's own rounds."""
     idle_seconds: list[float]
     """Per island and round: seconds of the round outside the island's own compute."""
+    exchange_seconds: list[float]
+    """Per island and round that finished its exchange: seconds from its roster's close (gossip: from the pair's
+    request) to its last verdict in (gossip: its partner's payload decoded)."""
     sent_bytes: float
     received_bytes: float
     payload_sent_bytes: float
@@ -537,6 +541,10 @@ class RunResult:
     @property
     def p90_round(self) -> float:
         return quantile(self.round_seconds, 0.9)
+
+    @property
+    def median_exchange(self) -> float:
+        return statistics.median(self.exchange_seconds) if self.exchange_seconds else float("nan")
 
     @property
     def median_idle(self) -> float:
@@ -583,6 +591,7 @@ class Sim:
         """The last commit of the run: its round and its roster."""
         self.durations: list[float] = []
         self.idle: list[float] = []
+        self.exchange: list[float] = []
         self.commits = [0] * s.rounds
         self.retries = self.deaths = self.late = self.island_rounds = 0
         self.finished: set[int] = set()
@@ -663,6 +672,7 @@ class Sim:
             spans = [b - a for a, b in zip([0.0] + ends[:-1], ends) if b > 0 and b > a]
         result = RunResult(
             islands=self.n, scheme=self.scheme, rounds=self.s.rounds, round_seconds=spans, idle_seconds=self.idle,
+            exchange_seconds=self.exchange,
             sent_bytes=sum(i.sent for i in self.islands), received_bytes=sum(i.received for i in self.islands),
             payload_sent_bytes=self.payload_sent, committed=sum(1 for c in self.commits if c),
             retries=self.retries, deaths=self.deaths, late=self.late, max_commits_per_round=max(self.commits),
@@ -844,12 +854,12 @@ class Sim:
         for i in roster:
             self.islands[i].attempt = attempt
         if self.scheme == "roster":
-            groups = split(roster, self.s.group_size)
-            size = self.s.id_bytes * len(roster) + self.s.join_bytes * max(len(x) for x in groups)
+            attempt.groups = split(roster, self.s.group_size)
+            size = self.s.id_bytes * len(roster) + self.s.join_bytes * max(len(x) for x in attempt.groups)
         else:
-            groups = [list(roster)]
+            attempt.groups = [list(roster)]
             size = self.s.join_bytes * len(roster)
-        self.plan(attempt, groups)
+        self.plan(attempt, attempt.groups)
         fanout = Collective(self, [leader.id], roster, size, payload=False, server=True)
         self.cpu.run(leader, self.s.cpu_per_message_s * len(roster), fanout.send, leader.id, lambda: None,
                      server=True)  # the joins it took in
@@ -913,6 +923,7 @@ class Sim:
     def finish(self, isl: Island, attempt: Attempt) -> None:
         """Every verdict is in: the round commits if the roster holds a majority of the last committed one."""
         attempt.finished.add(isl.id)
+        self.exchange.append(self.loop.now - attempt.closed_at)
         r = attempt.round
         if attempt.quorum:
             if len(attempt.finished) == 1:
@@ -1085,11 +1096,12 @@ class Sim:
         for x in (a, b):
             x.attempt = pair
             self.later(x, t, pair.send, x.id, lambda: None)
-            pair.receive(x.id, self.gossip_done, x, pair, r)
+            pair.receive(x.id, self.gossip_done, x, pair, r, self.loop.now)
 
-    def gossip_done(self, isl: Island, pair: Collective, r: int) -> None:
+    def gossip_done(self, isl: Island, pair: Collective, r: int, paired_at: float) -> None:
         if isl.attempt is pair:
             self.averaged += 1
+            self.exchange.append(self.loop.now - paired_at)
             self.end_round(isl, r, True, [i for i in pair.senders if i != isl.id])
 
     def gossip_partner_died(self, dead: Island) -> None:
@@ -1162,6 +1174,7 @@ def simulate(s: Settings, n: int, scheme: str) -> RunResult:
 # ---- the report ---------------------------------------------------------------------------------------------
 
 HEADERS = ["islands", "scheme", "round s (median)", "round s (p90)", "outside compute s (median)",
+           "exchange + vote s (median)",
            "sent / island / round", "received / island / round", "payload sent / island / round", "committed",
            "retries", "deaths", "late"]
 
@@ -1174,6 +1187,7 @@ def row(r: RunResult) -> list[Any]:
         if r.max_commits_per_round > 1:
             committed += f" (split: {r.max_commits_per_round} rosters in one round)"
     return [r.islands, r.scheme, f"{r.median_round:.2f}", f"{r.p90_round:.2f}", f"{r.median_idle:.2f}",
+            f"{r.median_exchange:.2f}",
             format_bytes(r.per_island_round(r.sent_bytes)), format_bytes(r.per_island_round(r.received_bytes)),
             format_bytes(r.per_island_round(r.payload_sent_bytes)), committed, r.retries, r.deaths, r.late]
 
@@ -1342,7 +1356,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(
         {"command": command.strip(), "settings": dataclasses.asdict(s),
          "results": [dict(dataclasses.asdict(r), median_round=r.median_round, p90_round=r.p90_round,
-                          median_idle=r.median_idle) for r in results]}, indent=1, default=str))
+                          median_idle=r.median_idle, median_exchange=r.median_exchange) for r in results]},
+        indent=1, default=str))
     plot(results, args.out / "scale_sim.png")
     print(f"wrote {args.out}/results.md, results.json, scale_sim.png")
     return 0
