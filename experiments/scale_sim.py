@@ -276,7 +276,8 @@ class Island:
     round_start: float = 0.0
     compute_end: float = 0.0
     last_round_s: float = 0.0
-    attempt: Any = None
+    attempt: Gathering | Attempt | Collective | None = None
+    """What it takes part in now: a leader's gathering, a closed roster, a gossip exchange."""
     sent: float = 0.0
     received: float = 0.0
 
@@ -541,6 +542,13 @@ class RunResult:
     @property
     def p90_round(self) -> float:
         return quantile(self.round_seconds, 0.9)
+
+    @property
+    def seconds_per_commit(self) -> float:
+        """Wall-clock of the run per committed round (roster, flat): what one step of θ_global costs."""
+        if self.scheme == "gossip" or not self.committed:
+            return float("nan")
+        return sum(self.round_seconds) / self.committed
 
     @property
     def median_exchange(self) -> float:
@@ -1176,7 +1184,7 @@ def simulate(s: Settings, n: int, scheme: str) -> RunResult:
 HEADERS = ["islands", "scheme", "round s (median)", "round s (p90)", "outside compute s (median)",
            "exchange + vote s (median)",
            "sent / island / round", "received / island / round", "payload sent / island / round", "committed",
-           "retries", "deaths", "late"]
+           "s per commit", "retries", "deaths", "late"]
 
 
 def row(r: RunResult) -> list[Any]:
@@ -1189,7 +1197,8 @@ def row(r: RunResult) -> list[Any]:
     return [r.islands, r.scheme, f"{r.median_round:.2f}", f"{r.p90_round:.2f}", f"{r.median_idle:.2f}",
             f"{r.median_exchange:.2f}",
             format_bytes(r.per_island_round(r.sent_bytes)), format_bytes(r.per_island_round(r.received_bytes)),
-            format_bytes(r.per_island_round(r.payload_sent_bytes)), committed, r.retries, r.deaths, r.late]
+            format_bytes(r.per_island_round(r.payload_sent_bytes)), committed,
+            "–" if r.scheme == "gossip" else f"{r.seconds_per_commit:.1f}", r.retries, r.deaths, r.late]
 
 
 def bounds(s: Settings) -> list[str]:
@@ -1208,6 +1217,19 @@ def bounds(s: Settings) -> list[str]:
         f"{s.hivemind_rtts:g} + 1 + 0.5 RTT = {(s.hivemind_rtts + 1.5) * rtt:.3g} s; gossip: 1.5 RTT = "
         f"{1.5 * rtt:.3g} s",
     ]
+
+
+def summary(r: RunResult) -> dict[str, Any]:
+    """``r`` for results.json: its counts and the round times, the per-island lists as their quantiles."""
+    lists = ("idle_seconds", "exchange_seconds") + (("round_seconds",) if r.scheme == "gossip" else ())
+    out = {k: v for k, v in dataclasses.asdict(r).items() if k not in lists}
+    for name in ("round_seconds", "idle_seconds", "exchange_seconds"):
+        values = getattr(r, name)
+        out[name.replace("_seconds", "") + "_quantiles"] = {q: quantile(values, q) for q in (0.1, 0.5, 0.9)}
+    out["seconds_per_commit"] = r.seconds_per_commit
+    for name in ("sent_bytes", "received_bytes", "payload_sent_bytes"):
+        out[name + "_per_island_round"] = r.per_island_round(getattr(r, name))
+    return out
 
 
 def markdown(results: Sequence[RunResult], s: Settings, command: str) -> str:
@@ -1230,7 +1252,7 @@ def plot(results: Sequence[RunResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right, share) = plt.subplots(1, 3, figsize=(13, 3.8))
     schemes = [sc for sc in SCHEMES if any(r.scheme == sc for r in results)]
     sizes = sorted({r.islands for r in results})
     width = 0.8 / max(len(schemes), 1)
@@ -1242,7 +1264,10 @@ def plot(results: Sequence[RunResult], path: Path) -> None:
         p90 = [max(r.p90_round - r.median_round, 0) for r in got]
         left.bar(xs, med, width, yerr=[[0] * len(got), p90], capsize=3, label=scheme)
         right.bar(xs, [r.per_island_round(r.sent_bytes) / 1e6 for r in got], width, label=scheme)
-    for ax, label in ((left, "round time (s): median, bar to p90"), (right, "MB sent per island per round")):
+        share.bar(xs, [100 * (r.averaged_fraction if r.scheme == "gossip" else r.committed / r.rounds) for r in got],
+                  width, label=scheme)
+    for ax, label in ((left, "round time (s): median, bar to p90"), (right, "MB sent per island per round"),
+                      (share, "% rounds committed (gossip: averaged)")):
         ax.set_xticks(range(len(sizes)))
         ax.set_xticklabels([f"{n} islands" for n in sizes])
         ax.set_ylabel(label, fontsize=8)
@@ -1300,8 +1325,8 @@ def settings_from(given: dict[str, str], calibration: dict[str, Any] | None) -> 
         try:
             values[name] = _kind(fields[name])(text)
         except (KeyError, ValueError):
-            raise ScaleSimError(f"--{name.replace('_', '-')} {text!r} is not {_WORDS.get(str(fields[name].type), 'valid')}"
-                                ) from None
+            wanted = _WORDS.get(str(fields[name].type), "valid")
+            raise ScaleSimError(f"--{name.replace('_', '-')} {text!r} is not {wanted}") from None
     s = Settings(**values)
     s.check()
     return s
@@ -1355,9 +1380,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.md").write_text(markdown(results, s, command.strip()))
     (args.out / "results.json").write_text(json.dumps(
         {"command": command.strip(), "settings": dataclasses.asdict(s),
-         "results": [dict(dataclasses.asdict(r), median_round=r.median_round, p90_round=r.p90_round,
-                          median_idle=r.median_idle, median_exchange=r.median_exchange) for r in results]},
-        indent=1, default=str))
+         "results": [summary(r) for r in results]}, indent=1, default=str))
     plot(results, args.out / "scale_sim.png")
     print(f"wrote {args.out}/results.md, results.json, scale_sim.png")
     return 0
