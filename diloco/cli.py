@@ -40,6 +40,7 @@ commands:
   experiment hetero     islands of unequal speed: fixed H vs time-budgeted and adaptive rounds vs DDP
   experiment horizon    the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run
   experiment frontier   held-out loss against bytes per inner optimizer and codec, over seeds, vs DDP
+  experiment scale-sim  simulated rounds at 100-1,000+ islands: roster rounds vs flat all-reduce vs gossip
   tokenizer train --data.path P --tokenizer.vocab_size N --out FILE   learn a byte-level BPE (--data.tokenizer FILE)
   data prepare --data.path P [--data.tokenizer FILE] --out DIR   tokenize once; train with --data.path DIR
   config show           print the effective configuration (TOML, with a comment per key)
