@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "frontier":
         from experiments.frontier import main as run
     else:
-        print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        print(f"error: unknown experiment {command!r}; `diloco experiment --help` lists them", file=sys.stderr)
         return 2
     return run(rest)
 

@@ -15,13 +15,13 @@ Writes ``results.md``, ``results.json`` and ``utilization.png``.  Needs root (li
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
@@ -157,7 +157,7 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments auto-codec [--fast R] [--slow R] [--switch N] [--back N] [--codecs A,B] [--out DIR]``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments auto-codec", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m experiments auto-codec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", default="20mbit", help="the link's rate at the start")
     parser.add_argument("--slow", default="3mbit", help="its rate once --switch rounds committed")
     parser.add_argument("--switch", type=int, default=3, help="rounds committed before the link slows down")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = netns.available()
         if not ok:
             raise CompareError(f"auto-codec needs emulated links: {why}")
-        args.out.mkdir(parents=True, exist_ok=True)
+        writable_folder(args.out)
         rows = []
         for codec in codecs:
             print(f"\n== {codec}: {args.fast}, then {args.slow} after round {args.switch}"

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments.compare import (
@@ -319,8 +320,8 @@ def _ints(text: str, what: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     from experiments import netns
 
-    parser = argparse.ArgumentParser(prog="python -m experiments frontier", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m experiments frontier", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--islands", default="2", help="islands k of each cell, comma-separated (default 2)")
     parser.add_argument("--inner-steps", default="20", help="H of each cell, comma-separated (default 20)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="inner optimizers (default adamw,muon)")
@@ -371,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                 link = netns.link_arguments(args, rate)
             except ValueError as e:
                 raise ConfigError([str(e)]) from None
-            run_grid(cfg, args.out, islands, steps, optimizers, seeds, codecs, rate, args.warm_start_steps,
-                     args.warm_start_lr, link)
+            run_grid(cfg, writable_folder(args.out), islands, steps, optimizers, seeds, codecs, rate,
+                     args.warm_start_steps, args.warm_start_lr, link)
         report(args.out)
         print(f"\nfrontier: {args.out}/ (results.md, results.json, frontier.png)")
         return 0
