@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds committed before the link returns to --fast (0: it stays slow)")
     parser.add_argument("--codecs", default="none,int4,auto", help="the arms: codecs, or auto")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/auto-codec"), help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 netns.parse_rate(r)
             except ValueError as e:
                 problems.append(f"--fast/--slow: {e}")
-        cfg = config_load.load(None, rest, defaults=DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=DEFAULTS)
         if not 0 < args.switch < cfg.diloco.outer_steps:
             problems.append(f"--switch must be between 1 and --diloco.outer_steps − 1 ({cfg.diloco.outer_steps - 1}), "
                             f"got {args.switch}")

@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS)
     parser.add_argument("--warm-start-lr", type=float, default=WARM_START_LR)
     parser.add_argument("--out", type=Path, default=Path("experiments/results/frontier"))
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     parser.add_argument("--report-only", action="store_true", help="run nothing: report the cells found under --out")
     args, rest = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError([f"--rounds must be at least 1, got {args.rounds}"])
             if args.warm_start_steps < 0 or not args.warm_start_lr > 0:
                 raise ConfigError(["--warm-start-steps must be 0 or more and --warm-start-lr positive"])
-            cfg = config_load.load(None, rest, defaults={**DEFAULTS, "diloco.outer_steps": args.rounds})
+            cfg = config_load.load(args.config, rest, defaults={**DEFAULTS, "diloco.outer_steps": args.rounds})
             for codec in codecs or []:  # an arm's wrong key says so now, not after the cells before it ran
                 variant(cfg, **codec_settings(codec))
             rate = args.rate if args.rate and args.rate.lower() not in ("none", "off", "0") else None

@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"steps of the shared warm start (default {WARM_START_STEPS}; ignored with "
                              f"--checkpoint.init_from)")
     parser.add_argument("--out", default="experiments/results/horizon", help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from diloco.launch.simulate import SimulationError
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--at must list rounds between 1 and --rounds {args.rounds}, got {args.at!r}")
         if problems:
             raise ConfigError(problems)
-        cfg = config_load.load(None, rest, defaults=COMPARE_DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=COMPARE_DEFAULTS)
         for arm in arms:  # an arm's own setting that cannot work is told now, not after the arms before it ran
             variant(cfg, **settings_of(arm))
         run_horizon(cfg, arms, args.islands, args.rounds, sorted(set(at)), writable_folder(args.out),

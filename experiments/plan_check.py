@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m experiments plan-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="5mbit,20mbit", help="the slow and the fast link rate")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/plan-check"), help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 netns.parse_rate(r)
             except ValueError as e:
                 raise ConfigError([f"--rates: {e}"]) from None
-        cfg = config_load.load(None, rest, defaults=DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=DEFAULTS)
         writable_folder(args.out)
         check(cfg, rates, args.out)
         return 0
