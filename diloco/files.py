@@ -12,7 +12,7 @@ import errno
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES})
@@ -72,7 +72,8 @@ def output_file(path: str | Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):  # (a read-only disk refuses even removing what is not there)
+            tmp.unlink(missing_ok=True)
         _remove_created(created)
         if isinstance(e, OSError):
             raise describe(path, e) from None
@@ -134,7 +135,8 @@ def writable_folder(path: str | Path) -> Path:
         probe.write_bytes(bytes(4096))  # a page: an empty file would pass on a full disk
         probe.unlink()
     except OSError as e:
-        probe.unlink(missing_ok=True)
+        with suppress(OSError):
+            probe.unlink(missing_ok=True)
         _remove_created(created)
         raise describe(path, e) from None
     return path

@@ -166,6 +166,7 @@ def test_a_typed_mistake_ends_in_one_line_and_leaves_nothing(places, capsys, mis
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
+    assert ".tmp-" not in lines[0], "the line names the output the user gave, not its temporary name"
     if absent is not None:
         assert not Path(absent.format(**places)).exists()
     for p, names in before.items():  # no temporary file or folder left beside an output
