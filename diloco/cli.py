@@ -16,9 +16,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, config_for, run_command
 from diloco.config import ConfigError
 from diloco.config import loader as config_load
+from diloco.config.checks import device_problems
 from diloco.config import schema as config_mod
 
 USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
@@ -55,7 +56,7 @@ examples:
 
 
 def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="diloco", usage=USAGE, add_help=False)
+    parser = ArgumentParser(prog="diloco", usage=USAGE, add_help=False)
     parser.add_argument("command", nargs="*")
     parser.add_argument("--config")
     parser.add_argument("--islands", type=int)
@@ -136,7 +137,7 @@ def cmd_probe(argv: list[str]) -> int:
     """``diloco probe --listen`` or ``diloco probe --initial-peers ADDR``: the link between two servers."""
     from peers import probe
 
-    parser = argparse.ArgumentParser(prog="diloco probe", description=probe.__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="diloco probe", description=probe.__doc__.split("\n\n")[0])
     parser.add_argument("--listen", action="store_true", help="answer probes (run this on the other server first)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default every interface)")
     parser.add_argument("--port", type=int, default=probe.PROBE_PORT, help=f"port (default {probe.PROBE_PORT})")
@@ -144,9 +145,11 @@ def cmd_probe(argv: list[str]) -> int:
                         help="the listener: HOST:PORT or /ip4/HOST/tcp/PORT")
     parser.add_argument("--seconds", type=float, default=3.0, help="how long each rate is measured (default 3)")
     parser.add_argument("--streams", type=int, default=8, help="streams side by side for the N-stream rate (default 8)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--config", help="a config file, as train takes (checked alike; the probe uses none of it)")
+    args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
+        config_for("diloco probe", "measures the link only", args.config, rest, used=())
         if args.listen == bool(args.peer):
             raise ConfigError(["give either --listen (on one server) or --initial-peers ADDR (on the other)"])
         if args.seconds <= 0 or args.streams < 1:
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         cfg = load_config(ns, rest)
         command = ns.command
+        if command in (["train"], ["simulate"], ["baseline"]) and (problems := device_problems(cfg)):
+            raise ConfigError(problems)
         if command == ["train"]:
             return cmd_train(cfg)
         if command == ["simulate"]:

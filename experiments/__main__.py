@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "scale-sim":
         from experiments.scale_sim import main as run
     else:
-        print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        print(f"error: unknown experiment {command!r}; `diloco experiment --help` lists them", file=sys.stderr)
         return 2
     return run(rest)
 

@@ -15,13 +15,13 @@ Writes ``results.md``, ``results.json`` and ``utilization.png``.  Needs root (li
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
@@ -157,7 +157,7 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, fast: str, slow: s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments auto-codec [--fast R] [--slow R] [--switch N] [--back N] [--codecs A,B] [--out DIR]``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments auto-codec", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m experiments auto-codec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", default="20mbit", help="the link's rate at the start")
     parser.add_argument("--slow", default="3mbit", help="its rate once --switch rounds committed")
     parser.add_argument("--switch", type=int, default=3, help="rounds committed before the link slows down")
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds committed before the link returns to --fast (0: it stays slow)")
     parser.add_argument("--codecs", default="none,int4,auto", help="the arms: codecs, or auto")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/auto-codec"), help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 netns.parse_rate(r)
             except ValueError as e:
                 problems.append(f"--fast/--slow: {e}")
-        cfg = config_load.load(None, rest, defaults=DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=DEFAULTS)
         if not 0 < args.switch < cfg.diloco.outer_steps:
             problems.append(f"--switch must be between 1 and --diloco.outer_steps − 1 ({cfg.diloco.outer_steps - 1}), "
                             f"got {args.switch}")
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = netns.available()
         if not ok:
             raise CompareError(f"auto-codec needs emulated links: {why}")
-        args.out.mkdir(parents=True, exist_ok=True)
+        writable_folder(args.out)
         rows = []
         for codec in codecs:
             print(f"\n== {codec}: {args.fast}, then {args.slow} after round {args.switch}"

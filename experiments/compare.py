@@ -25,7 +25,6 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -35,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from diloco.config import schema as config_mod
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     [--out DIR] [--section.key VALUE ...]``."""
     from experiments import netns
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.compare",
         description="DiLoCo vs synchronous data parallelism vs a single worker: loss, bytes, wall-clock.",
         epilog="Any config key can follow as --section.key VALUE (defaults of this command: "
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                                f"@section.key=value)"])
         for codec in codecs:  # a wrong key of an arm's own says so now, not after the baseline has run
             variant(cfg, **codec_settings(codec))
-        run_compare(cfg, args.islands, rate, Path(args.out), latency_ms=args.latency_ms, **link,
+        run_compare(cfg, args.islands, rate, writable_folder(args.out), latency_ms=args.latency_ms, **link,
                     warm_start_steps=args.warm_start_steps, warm_start_lr=args.warm_start_lr, arms=arms,
                     codecs=codecs)
         return 0

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments.compare import (
@@ -319,8 +320,8 @@ def _ints(text: str, what: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     from experiments import netns
 
-    parser = argparse.ArgumentParser(prog="python -m experiments frontier", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m experiments frontier", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--islands", default="2", help="islands k of each cell, comma-separated (default 2)")
     parser.add_argument("--inner-steps", default="20", help="H of each cell, comma-separated (default 20)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="inner optimizers (default adamw,muon)")
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS)
     parser.add_argument("--warm-start-lr", type=float, default=WARM_START_LR)
     parser.add_argument("--out", type=Path, default=Path("experiments/results/frontier"))
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     parser.add_argument("--report-only", action="store_true", help="run nothing: report the cells found under --out")
     args, rest = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError([f"--rounds must be at least 1, got {args.rounds}"])
             if args.warm_start_steps < 0 or not args.warm_start_lr > 0:
                 raise ConfigError(["--warm-start-steps must be 0 or more and --warm-start-lr positive"])
-            cfg = config_load.load(None, rest, defaults={**DEFAULTS, "diloco.outer_steps": args.rounds})
+            cfg = config_load.load(args.config, rest, defaults={**DEFAULTS, "diloco.outer_steps": args.rounds})
             for codec in codecs or []:  # an arm's wrong key says so now, not after the cells before it ran
                 variant(cfg, **codec_settings(codec))
             rate = args.rate if args.rate and args.rate.lower() not in ("none", "off", "0") else None
@@ -371,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 link = netns.link_arguments(args, rate)
             except ValueError as e:
                 raise ConfigError([str(e)]) from None
-            run_grid(cfg, args.out, islands, steps, optimizers, seeds, codecs, rate, args.warm_start_steps,
-                     args.warm_start_lr, link)
+            run_grid(cfg, writable_folder(args.out), islands, steps, optimizers, seeds, codecs, rate,
+                     args.warm_start_steps, args.warm_start_lr, link)
         report(args.out)
         print(f"\nfrontier: {args.out}/ (results.md, results.json, frontier.png)")
         return 0

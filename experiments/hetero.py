@@ -21,14 +21,14 @@ arm's), in ``results.md`` and ``results.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from diloco.config import schema as config_mod
@@ -124,7 +124,7 @@ def run_hetero(cfg: Config, islands: int, slow_fraction: float, out: Path) -> Pa
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments hetero [--islands N] [--slow-fraction F] [--out DIR] [--section.key VALUE ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments hetero", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m experiments hetero", description=__doc__.split("\n\n")[0])
     parser.add_argument("--islands", type=int, default=3, help="islands (default 3; the last one is slowed)")
     parser.add_argument("--slow-fraction", type=float, default=0.4,
                         help="share of one core the slow island gets (default 0.4: about half the speed of the "
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError([f"--islands must be at least 2, got {args.islands}"])
         if not 0 < args.slow_fraction <= 1:
             raise ConfigError([f"--slow-fraction must be in (0, 1], got {args.slow_fraction}"])
-        run_hetero(cfg, args.islands, args.slow_fraction, Path(args.out))
+        run_hetero(cfg, args.islands, args.slow_fraction, writable_folder(args.out))
         return 0
 
     from diloco.launch.baseline import BaselineError

@@ -18,7 +18,6 @@ Writes ``results.md``, ``results.json``,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -26,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from diloco.engine.metrics import read_metrics
@@ -174,7 +174,7 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments horizon [--arms A,B] [--rounds R] [--at 6,12,R] [--section.key VALUE ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments horizon", description=__doc__.split("\n")[0],
+    parser = ArgumentParser(prog="python -m experiments horizon", description=__doc__.split("\n")[0],
                                      epilog="Any config key can follow as --section.key VALUE (the compare "
                                             "command's defaults apply).")
     parser.add_argument("--arms", default="delayed,eager,topk,sparseloco",
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"steps of the shared warm start (default {WARM_START_STEPS}; ignored with "
                              f"--checkpoint.init_from)")
     parser.add_argument("--out", default="experiments/results/horizon", help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from diloco.launch.simulate import SimulationError
@@ -204,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--at must list rounds between 1 and --rounds {args.rounds}, got {args.at!r}")
         if problems:
             raise ConfigError(problems)
-        cfg = config_load.load(None, rest, defaults=COMPARE_DEFAULTS)
+        cfg = config_load.load(args.config, rest, defaults=COMPARE_DEFAULTS)
         for arm in arms:  # an arm's own setting that cannot work is told now, not after the arms before it ran
             variant(cfg, **settings_of(arm))
-        run_horizon(cfg, arms, args.islands, args.rounds, sorted(set(at)), Path(args.out),
+        run_horizon(cfg, arms, args.islands, args.rounds, sorted(set(at)), writable_folder(args.out),
                     warm_start_steps=args.warm_start_steps)
         return 0
 

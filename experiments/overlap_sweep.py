@@ -15,13 +15,13 @@ and ``utilization.png`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from diloco.engine.metrics import read_metrics
@@ -133,7 +133,7 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config, islands: int) -> P
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments overlap [--rates ...] [--modes ...] [--islands N] [--out DIR] [--section.key VALUE ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments overlap", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m experiments overlap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="2mbit,5mbit,20mbit,100mbit", help="link rates, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {', '.join(MODES)}")
     parser.add_argument("--islands", type=int, default=2, help="islands (default 2)")
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--islands must be at least 2, got {args.islands}")
         if problems or not rates or not modes:
             raise ConfigError(problems or ["--rates and --modes must each name at least one"])
-        sweep(cfg, rates, modes, args.islands, Path(args.out))
+        sweep(cfg, rates, modes, args.islands, writable_folder(args.out))
         return 0
 
     from diloco.launch.simulate import SimulationError

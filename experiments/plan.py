@@ -1,8 +1,9 @@
 """``diloco plan``: from servers, GPUs and a link to the fastest run within a loss budget, predicted from measured
 figures, with the command line of every server.
 
-    diloco plan --model 1b --servers 2 --gpus 8 --gpu h100 --link 1gbit --rtt 50 --tokens 20B --price 2.5
-    diloco plan --model 1b --probe probe.json          # the link as `diloco probe` measured it
+    diloco plan --model.preset 1b --servers 2 --gpus 8 --gpu h100 --link 1gbit --rtt 50 --tokens 20B --price 2.5
+    diloco plan --model.preset 1b --probe probe.json   # the link as `diloco probe` measured it
+    diloco plan --config my.toml                       # the model of a train config (--model.* keys alike)
 
 It predicts, for every candidate (island shape, H, codec, overlap, fragments) and for the synchronous
 alternative (HSDP: FSDP inside each server, gradients all-reduced across servers every step):
@@ -35,9 +36,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, config_for, run_command
 from diloco.config import ConfigError
 from diloco.config.schema import MODEL_PRESETS, ModelConfig
+from diloco.files import output_file
 from diloco.engine.throughput import sheet_peak as peak_of
 from diloco.model.transformer import flops_per_token
 from outer_optim.compression import AUTO_CODECS, exchange_factor, make_codec
@@ -859,11 +861,20 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
             problems.append(f"--dims must be DIM,LAYERS,HEADS,FFN,SEQ (positive, DIM divisible by HEADS), such as "
                             f"4096,32,32,14336,8192, got {args.dims!r}")
             args.dims = ""
-    if not args.dims:
-        if args.model not in MODEL_PRESETS:
-            problems.append(f"--model {args.model} is not a preset; use one of {', '.join(MODEL_PRESETS)} "
+    if args.model_config is not None:
+        if args.dims or args.model:
+            problems.append("give the model once: --model.preset and --model.* keys (as train takes them), or "
+                            "--model / --dims, not both")
+        m = args.model_config
+        preset = m.preset if MODEL_PRESETS.get(m.preset) == dict(
+            dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, ffn_dim=m.ffn_dim, seq_len=m.seq_len) else "custom"
+        model = Model(preset, m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.seq_len, m.vocab_size or args.vocab_size)
+    elif not args.dims:
+        name = args.model or "1b"
+        if name not in MODEL_PRESETS:
+            problems.append(f"--model {name} is not a preset; use one of {', '.join(MODEL_PRESETS)} "
                             f"(or --dims)")
-        model = Model.of_preset(args.model if args.model in MODEL_PRESETS else "1b", args.vocab_size)
+        model = Model.of_preset(name if name in MODEL_PRESETS else "1b", args.vocab_size)
     kind = args.gpu.lower()
     if kind not in DATA_SHEET and kind != "cpu":
         problems.append(f"--gpu {args.gpu} is not a kind the plan knows; use one of {', '.join(DATA_SHEET)} "
@@ -914,8 +925,9 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="diloco plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="1b", help=f"preset: {', '.join(MODEL_PRESETS)} (default 1b)")
+    p = ArgumentParser(prog="diloco plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)} (default 1b); the same as --model.preset")
+    p.add_argument("--config", help="a config file, as train takes: the plan reads its [model] section")
     p.add_argument("--dims", default="", help="a model of other dimensions: DIM,LAYERS,HEADS,FFN,SEQ "
                    "(Llama 3 8B: 4096,32,32,14336,8192)")
     p.add_argument("--vocab-size", type=int, default=32000, help="tokenizer vocabulary (default 32000)")
@@ -936,18 +948,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", help="results.json of benchmarks/gpu_island.py measured on the device to plan for")
     p.add_argument("--top", type=int, default=5, help="candidates to show (default 5)")
     p.add_argument("--json", help="also write the plan as JSON to this file")
+    p.set_defaults(model_config=None)  # the model section of --config and --model.* keys, once read
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``diloco plan [options]``: print the plan."""
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
+    args, rest = parser().parse_known_args(argv)
     given = {a.split("=")[0] for a in argv}
     args.servers_given, args.gpus_given = "--servers" in given, "--gpus" in given
     args.gpu_given, args.price_given = "--gpu" in given, "--price" in given
 
     def body() -> int:
+        # the model as train takes it (--model.preset, --model.dim, ..., --config FILE); the rest is the plan's
+        cfg = config_for("diloco plan", "picks the island shape, H, codec and overlap itself", args.config, rest,
+                         used=("model",))
+        given_model = args.config is not None or any(a.startswith("--model.") for a in rest)
+        args.model_config = cfg.model if given_model else None
         inputs = inputs_from_args(args)
         try:
             plan = make_plan(inputs, top=args.top)
@@ -956,7 +974,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"experiments/results/ from the repository") from None
         print(format_plan(plan), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(plan_json(plan), indent=2) + "\n")
+            with output_file(args.json) as tmp:
+                tmp.write_text(json.dumps(plan_json(plan), indent=2) + "\n")
         return 0 if plan.best else 1
 
     return run_command(body, (PlanError,))

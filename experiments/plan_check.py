@@ -11,7 +11,6 @@ median round (as the last island to arrive sees it) and each island's tokens/s w
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -20,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
@@ -226,9 +226,10 @@ def write(rows: list[dict[str, Any]], out: Path, cfg: Config) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments plan-check [--rates SLOW,FAST] [--out DIR] [--section.key VALUE ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m experiments plan-check", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m experiments plan-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="5mbit,20mbit", help="the slow and the fast link rate")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/plan-check"), help="output directory")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
     args, rest = parser.parse_known_args(argv)
 
     def body() -> int:
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 netns.parse_rate(r)
             except ValueError as e:
                 raise ConfigError([f"--rates: {e}"]) from None
-        cfg = config_load.load(None, rest, defaults=DEFAULTS)
-        args.out.mkdir(parents=True, exist_ok=True)
+        cfg = config_load.load(args.config, rest, defaults=DEFAULTS)
+        writable_folder(args.out)
         check(cfg, rates, args.out)
         return 0
 

@@ -23,7 +23,6 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -35,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
+from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from diloco.config import schema as config_mod
@@ -306,7 +306,7 @@ def rewrite_report(out_dir: Path, sweep: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m experiments.sweeps --sweep H|islands|outer|all --out DIR [--section.key VALUE ...]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.sweeps", description="DiLoCo ablations (H, islands, outer optimizer) "
         "next to the paper's numbers.",
         epilog="Defaults of this command: " + ", ".join(f"{k}={v}" for k, v in SWEEP_DEFAULTS.items())
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         values = [v.strip() for v in args.values.split(",") if v.strip()] if args.values else None
         for name in names:
-            run_sweep(cfg, name, Path(args.out), steps=args.steps, islands=args.islands, values=values)
+            run_sweep(cfg, name, writable_folder(args.out), steps=args.steps, islands=args.islands, values=values)
         return 0
 
     return run_command(body, (CompareError, SimulationError, DataError, ValueError),

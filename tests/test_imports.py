@@ -19,9 +19,9 @@ MAY_IMPORT = {  # package -> the packages of ours it may import
 }
 
 FLOORS = {  # inside a package, its parts from the bottom up: a part imports its own floor and those below it
-    "diloco": [{"diloco.errors", "diloco.progress"}, {"diloco.config"}, {"diloco.command"}, {"diloco.data"},
-               {"diloco.model"}, {"diloco.inference"}, {"diloco.engine"}, {"diloco.launch"}, {"diloco.cli"},
-               {"diloco"}],
+    "diloco": [{"diloco.errors", "diloco.progress", "diloco.files"}, {"diloco.config"}, {"diloco.command"},
+               {"diloco.data"}, {"diloco.model"}, {"diloco.inference"}, {"diloco.engine"}, {"diloco.launch"},
+               {"diloco.cli"}, {"diloco"}],
     "peers": [{"peers.settings", "peers.errors", "peers.result", "peers.fingerprints", "peers.proctable",
                "peers.aggregation"},
               {"peers.discovery", "peers.island"}, {"peers.wire"}, {"peers.group"}, {"peers.averaging"},

@@ -74,6 +74,42 @@ def test_probe_command_line_errors_are_one_line(capsys, listener):
     assert "could not be reached" in lines[2] and "cannot listen" in lines[3]
 
 
+def test_probe_takes_a_config_and_keys_as_train_does_and_names_what_it_does_not_use(tmp_path, capsys):
+    config = tmp_path / "island.toml"
+    config.write_text('[model]\npreset = "1b"\n')
+    assert cli.main(["probe", "--config", str(config), "--model.dim", "512", "--initial-peers", "127.0.0.1:1",
+                     "--seconds", "0.1"]) == 1  # nothing listens on port 1: the keys did not stop it
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "note: diloco probe measures the link only; it does not use --model.dim, --model.preset"
+    assert err[1].startswith("error: the probe listener at 127.0.0.1:1")
+    assert cli.main(["probe", "--modl.preset", "1b", "--listen"]) == 2
+    assert capsys.readouterr().err.strip() == "error: unknown config key --modl.preset; did you mean --model.preset?"
+
+
+def test_plan_takes_the_model_as_train_does(tmp_path, capsys):
+    """``--model.preset``, ``--model.*`` keys and ``--config FILE`` plan the same model as the plan's own
+    ``--model`` and ``--dims``; a key the plan decides itself is named, not silently dropped."""
+    def plan(*argv: str) -> str:
+        assert planner.main(["--tokens", "3B", *argv]) == 0
+        out = capsys.readouterr()
+        return out.out.split("planned in")[0]
+
+    assert plan("--model.preset", "150m") == plan("--model", "150m")
+    config = tmp_path / "train.toml"
+    config.write_text('[model]\npreset = "150m"\n\n[diloco]\ninner_steps = 30\n')
+    assert planner.main(["--tokens", "3B", "--config", str(config)]) == 0
+    out = capsys.readouterr()
+    assert out.out.split("planned in")[0] == plan("--model", "150m")
+    assert out.err.strip() == ("note: diloco plan picks the island shape, H, codec and overlap itself; it does not "
+                               "use --diloco.inner_steps")
+    dims = ("--model.dim", "1024", "--model.n_layers", "12", "--model.n_heads", "16", "--model.ffn_dim", "2816",
+            "--model.seq_len", "1024")
+    assert plan(*dims) == plan("--dims", "1024,12,16,2816,1024")
+    assert plan("--model.preset", "150m", "--model.n_layers", "24") == plan("--dims", "1024,24,16,2816,1024")
+    assert planner.main(["--model.preset", "1b", "--model", "150m"]) == 2
+    assert "give the model once" in capsys.readouterr().err
+
+
 def test_a_probe_over_a_capped_link_sees_the_cap_and_a_host_behind_nat():
     ok, why = available(delay=True)
     if not ok:

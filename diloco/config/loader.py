@@ -10,7 +10,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package (declared for 3.10 only)
+    import tomli as tomllib
 
 from diloco.config.checks import validate
 from diloco.config.schema import (
@@ -141,6 +144,20 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return items, problems
 
 
+def _read_file(config_file: str) -> dict[str, Any]:
+    """The dotted keys of a TOML config file, or :class:`ConfigError` in one line."""
+    path = Path(config_file)
+    try:
+        return _flatten_toml(tomllib.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        raise ConfigError([f"config file {path} does not exist; check the path passed to --config"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ConfigError([f"config file {path} cannot be read ({why}); pass a TOML file to --config"]) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"config file {path} is not valid TOML ({e}); fix the syntax"]) from None
+
+
 def load(config_file: str | None = None, overrides: list[str] | dict[str, Any] | None = None,
          defaults: dict[str, Any] | None = None) -> Config:
     """Build a validated :class:`Config`: field defaults < ``defaults`` (a command's own, dotted keys) <
@@ -148,28 +165,34 @@ def load(config_file: str | None = None, overrides: list[str] | dict[str, Any] |
 
     Raises :class:`ConfigError` listing every problem found.
     """
+    return load_given(config_file, overrides, defaults)[0]
+
+
+def load_given(config_file: str | None = None, overrides: list[str] | dict[str, Any] | None = None,
+               defaults: dict[str, Any] | None = None) -> tuple[Config, set[str]]:
+    """:func:`load`, and the keys the file and the overrides set: for a command that reads only part of the
+    config (``diloco plan`` its model) and takes the rest as train would, checked alike, so that the same
+    flags and files work everywhere and a typo is refused the same way."""
     cfg = Config()
     problems: list[str] = apply(cfg, defaults) if defaults else []
+    given: set[str] = set()
     if config_file:
-        path = Path(config_file)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError([f"config file {path} does not exist; check the path passed to --config"]) from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError([f"config file {path} is not valid TOML ({e}); fix the syntax"]) from None
-        problems += apply(cfg, _flatten_toml(data))
+        items = _read_file(config_file)
+        given.update(items)
+        problems += apply(cfg, items)
     if isinstance(overrides, dict):
+        given.update(overrides)
         problems += apply(cfg, overrides)
     elif overrides:
         items, parse_problems = parse_overrides(overrides)
+        given.update(items)
         problems += parse_problems
         problems += apply(cfg, items)
     resolve_model(cfg.model)
     problems += validate(cfg)
     if problems:
         raise ConfigError(problems)
-    return cfg
+    return cfg, given
 
 
 def describe(cfg: Config) -> str:
@@ -249,4 +272,4 @@ def from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-__all__ = ["load", "apply", "parse_overrides", "from_dict", "describe", "reference_markdown"]
+__all__ = ["load", "load_given", "apply", "parse_overrides", "from_dict", "describe", "reference_markdown"]

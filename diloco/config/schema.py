@@ -237,6 +237,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "inner.muon_dtype": ("auto", "fp32", "bf16"),
     "diloco.outer_optimizer": ("nesterov", "avg", "sparseloco"),
     "diloco.overlap": ("none", "delayed", "eager"),
+    "diloco.master_device": ("cpu", "cuda"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
     "averaging.compression": COMPRESSIONS,
     "wandb.mode": ("online", "offline", "disabled"),

@@ -15,7 +15,6 @@ only the pages of its own range.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Iterable
@@ -35,6 +34,7 @@ from diloco.data.corpus import (
     joined_size,
 )
 from diloco.data.tokenizer import Tokenizer
+from diloco.files import output_folder
 
 BATCH_DOCUMENTS = 512
 """Documents tokenized together (``encode_batch`` spreads them over the cores)."""
@@ -69,20 +69,28 @@ class _Split:
 
 def prepare(docs: Iterable[Document], tokenizer: Tokenizer, out: Path, heldout_fraction: float,
             source: str = "") -> dict:
-    """Tokenize ``docs`` into ``out`` (see the module doc), streaming: at most :data:`BATCH_DOCUMENTS`
-    documents in memory.  Returns the manifest."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Tokenize ``docs`` into the folder ``out`` (see the module doc), streaming: at most :data:`BATCH_DOCUMENTS`
+    documents in memory.  The folder appears whole or not at all (:func:`diloco.files.output_folder`: an
+    earlier prepared folder there is replaced once this one is complete).  Returns the manifest."""
+    with output_folder(out, marker=MANIFEST) as folder:
+        return _prepare(docs, tokenizer, folder, heldout_fraction, source)
+
+
+def _prepare(docs: Iterable[Document], tokenizer: Tokenizer, out: Path, heldout_fraction: float,
+             source: str) -> dict:
     splits = {"train": _Split(out / "train.bin", tokenizer), "heldout": _Split(out / "heldout.bin", tokenizer)}
     pending: dict[str, list[bytes]] = {"train": [], "heldout": []}
-    for name, data in docs:
-        side = "heldout" if is_heldout(name, heldout_fraction) else "train"
-        pending[side].append(data)
-        if len(pending[side]) >= BATCH_DOCUMENTS:
-            splits[side].add(pending[side])
-            pending[side] = []
-    for side, rest in pending.items():
-        splits[side].add(rest)
-    counts = {side: split.close() for side, split in splits.items()}
+    try:
+        for name, data in docs:
+            side = "heldout" if is_heldout(name, heldout_fraction) else "train"
+            pending[side].append(data)
+            if len(pending[side]) >= BATCH_DOCUMENTS:
+                splits[side].add(pending[side])
+                pending[side] = []
+        for side, rest in pending.items():
+            splits[side].add(rest)
+    finally:
+        counts = {side: split.close() for side, split in splits.items()}
     for side, c in counts.items():
         if not c["tokens"]:
             raise DataError(f"{source or 'the source'} gave no {side} document (held-out fraction "
@@ -97,9 +105,9 @@ def prepare(docs: Iterable[Document], tokenizer: Tokenizer, out: Path, heldout_f
 
 def main(argv: list[str]) -> int:
     """``diloco data prepare``: tokenize ``--data.path`` once into a folder that islands memory-map."""
-    from diloco.command import run_command
+    from diloco.command import ArgumentParser, run_command
 
-    parser = argparse.ArgumentParser(prog="diloco data prepare", description=main.__doc__)
+    parser = ArgumentParser(prog="diloco data prepare", description=main.__doc__)
     parser.add_argument("action", choices=["prepare"])
     defaults = DataConfig()
     parser.add_argument("--data.path", dest="path", default=defaults.path)

@@ -8,7 +8,6 @@ read with the tokenizer it was trained with.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
@@ -156,7 +155,12 @@ class Tokenizer:
         if not path.is_file():
             raise DataError(f"--data.tokenizer {spec}: no such tokenizer file; pass bytes, a tokenizer.json (train "
                             f"one with `diloco tokenizer train`) or a folder holding one")
-        return cls.from_json(path.read_text(encoding="utf-8"), str(spec))
+        try:
+            return cls.from_json(path.read_text(encoding="utf-8"), str(spec))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"--data.tokenizer {spec} cannot be read as a tokenizer.json ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); pass a tokenizer.json written by "
+                            f"`diloco tokenizer train` or by transformers") from None
 
     @classmethod
     def for_data(cls, cfg: DataConfig) -> "Tokenizer":
@@ -230,11 +234,12 @@ def train_bpe(docs: Iterable[Document], vocab_size: int) -> Tokenizer:
 
 def main(argv: list[str]) -> int:
     """``diloco tokenizer train``: learn a byte-level BPE on ``--data.path`` and write its tokenizer.json."""
-    from diloco.command import run_command
+    from diloco.command import ArgumentParser, run_command
     from diloco.config import DataConfig
     from diloco.data.corpus import documents, split_documents
+    from diloco.files import output_file
 
-    parser = argparse.ArgumentParser(prog="diloco tokenizer train", description=main.__doc__)
+    parser = ArgumentParser(prog="diloco tokenizer train", description=main.__doc__)
     parser.add_argument("action", choices=["train"])
     defaults = DataConfig()
     parser.add_argument("--data.path", dest="path", default=defaults.path)
@@ -255,8 +260,8 @@ def main(argv: list[str]) -> int:
         tokenizer = train_bpe(train, args.vocab_size)
         seconds = time.perf_counter() - t0
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(out)
+        with output_file(out) as tmp:
+            tokenizer.save(tmp)
         text = b"".join(d for _, d in train)
         tokens = tokenizer.encode_documents([d for _, d in train]).size
         print(f"wrote {out}: {tokenizer.vocab_size} tokens learnt from {len(text) / 1e6:.2f} MB of {what} in "

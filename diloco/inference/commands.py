@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from diloco.command import run_command
+from diloco.command import ArgumentParser, run_command
 from diloco.config import ConfigError, DataConfig
 from diloco.data.corpus import DataError
+from diloco.files import OutputError, output_folder
 from diloco.inference.generate import GenerationError, Sampling, generate
 from diloco.model.checkpoint import CheckpointError
 
@@ -49,7 +50,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def generate_main(argv: list[str]) -> int:
     """``diloco generate``: continue prompts with a trained model, streaming the text; tokens/s at the end."""
-    parser = argparse.ArgumentParser(prog="diloco generate", description=generate_main.__doc__)
+    parser = ArgumentParser(prog="diloco generate", description=generate_main.__doc__)
     parser.add_argument("model", help="a checkpoint (ckpt-*.pt), a run or checkpoint directory (its newest "
                                       "checkpoint), or a folder written by `diloco export`")
     parser.add_argument("--prompt", help="text to continue (\\n for a newline; default: a newline)")
@@ -144,20 +145,27 @@ def _runner(model, args: argparse.Namespace, device: torch.device):
 
 def export_main(argv: list[str]) -> int:
     """``diloco export --format hf``: θ_global as a Hugging Face Llama folder (config, safetensors, tokenizer)."""
-    parser = argparse.ArgumentParser(prog="diloco export", description=export_main.__doc__)
+    parser = ArgumentParser(prog="diloco export", description=export_main.__doc__)
     parser.add_argument("model", help="a checkpoint (ckpt-*.pt) or a run or checkpoint directory")
     parser.add_argument("out", help="the folder to write")
     parser.add_argument("--format", default="hf", help="hf (the only format so far)")
     args = parser.parse_args(argv)
 
     def body() -> int:
+        from safetensors import SafetensorError
+
         from diloco.inference.export import load_trained
         from diloco.model.hf import export_hf
 
         if args.format != "hf":
             raise ConfigError([f"--format {args.format!r} is not supported; use --format hf"])
         model, cfg, source, tokenizer = load_trained(args.model)
-        out = export_hf(dict(model.named_parameters()), cfg, args.out, tokenizer)
+        with output_folder(args.out, marker="config.json") as folder:  # an earlier export there is replaced whole
+            try:
+                export_hf(dict(model.named_parameters()), cfg, folder, tokenizer)
+            except SafetensorError as e:  # safetensors' own writer reports a full disk as this, not OSError
+                raise OutputError(f"cannot write {args.out}: {e}; free some space there or export elsewhere") from None
+        out = Path(args.out)
         print(f"exported {source} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained"
               f"({str(out)!r}) and AutoTokenizer)")
         return 0
@@ -167,7 +175,7 @@ def export_main(argv: list[str]) -> int:
 
 def eval_main(argv: list[str]) -> int:
     """``diloco eval``: held-out loss, perplexity and bits per byte of a trained model on any text."""
-    parser = argparse.ArgumentParser(prog="diloco eval", description=eval_main.__doc__)
+    parser = ArgumentParser(prog="diloco eval", description=eval_main.__doc__)
     parser.add_argument("model", help="a checkpoint (ckpt-*.pt), a run or checkpoint directory, or an exported folder")
     defaults = DataConfig()
     parser.add_argument("--data.path", dest="path", default=defaults.path,
