@@ -5,6 +5,8 @@ peer id of an identity made in memory (one per name, made once: an RSA key takes
 
 from __future__ import annotations
 
+import base64
+import select
 import socket
 import threading
 import time
@@ -12,7 +14,7 @@ import time
 import pytest
 
 from peers.wire.identity import Identity
-from peers.wire.transport import RefusedError, Transport
+from peers.wire.transport import RefusedError, Transport, TransportError
 
 MARKER = b"plain pseudo-gradient bytes " * 400_000
 """11 MB: several sealed records, one write in the clear."""
@@ -42,6 +44,14 @@ def transports():
         t.close()
 
 
+def _until(condition, timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds (what a reader thread does after its ack)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(condition())
+
+
 def _received(t: Transport, key: str, sender: Transport, timeout: float = 10.0) -> bytes:
     got = t.box.wait_for(key, lambda m: sender.peer_id in m, time.monotonic() + timeout)
     assert sender.peer_id in got, f"{key} from {sender.peer_id} never arrived"
@@ -49,10 +59,11 @@ def _received(t: Transport, key: str, sender: Transport, timeout: float = 10.0) 
 
 
 class _Tap:
-    """A TCP forwarder that keeps a copy of every byte it carries (what an onlooker on the link sees)."""
+    """A TCP forwarder that keeps a copy of every byte it carries (what an onlooker on the link sees);
+    ``rewrite=(old, new)``: replaces the first ``old`` it carries towards the target with ``new``, once."""
 
-    def __init__(self, target: tuple[str, int]):
-        self.target, self.seen = target, bytearray()
+    def __init__(self, target: tuple[str, int], rewrite: tuple[bytes, bytes] | None = None):
+        self.target, self.seen, self.rewrite, self.rewritten = target, bytearray(), rewrite, 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -64,10 +75,10 @@ class _Tap:
             except OSError:
                 return
             b = socket.create_connection(self.target)
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+            for src, dst, forth in ((a, b, True), (b, a, False)):
+                threading.Thread(target=self._pipe, args=(src, dst, forth), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, forth: bool) -> None:
         while True:
             try:
                 data = src.recv(1 << 16)
@@ -80,7 +91,14 @@ class _Tap:
                     pass
                 return
             self.seen += data
-            dst.sendall(data)
+            if forth and self.rewrite and not self.rewritten and self.rewrite[0] in data:
+                data = data.replace(*self.rewrite, 1)
+                self.rewritten += 1
+            try:
+                dst.sendall(data)
+            except OSError:  # the receiver dropped a connection it found rewritten
+                src.close()
+                return
 
     def close(self) -> None:
         self.server.close()
@@ -131,10 +149,10 @@ def test_a_key_or_mode_that_does_not_match_is_refused_in_one_line(transports, th
     assert mine.box.senders("x") == [] and not mine.stats.received
 
 
-def _unreachable(transports, name: str, host: str) -> Transport:
+def _unreachable(transports, name: str, host: str, run_key: str = "key") -> Transport:
     """A rank no other server can open a connection to (its listening socket is closed at once), and that
     takes no part in hole punching (tests/test_delay_line.py punches through emulated NATs)."""
-    t = transports(name, "key", host=host, reachable=False, punch=False)
+    t = transports(name, run_key, host=host, reachable=False, punch=False)
     t.listener.server.close()
     return t
 
@@ -248,7 +266,7 @@ def test_the_first_member_to_find_one_gone_tells_the_others_whose_parts_reached_
     a, b, x = transports("a", "run-key"), transports("b", "run-key"), transports("x", "run-key")
     ca, cb = DirectChannel(a, 1 << 20), DirectChannel(b, 1 << 20)
     A, B, X = a.peer_id, b.peer_id, x.peer_id
-    group = [A, B, X]
+    group = sorted([A, B, X])  # a group's members, as its keys name them
     ca.endpoints = cb.endpoints = {A: a.endpoint, B: b.endpoint, X: x.endpoint}
     x.close()
     key = "rs." + parts_key(group, "7")
@@ -261,7 +279,7 @@ def test_the_first_member_to_find_one_gone_tells_the_others_whose_parts_reached_
     assert got.gone == [X] and got.missing == [X], got
     assert out and out[0].gone == [X] and out[0].missing == [X] and bytes(out[0].got[A]) == b"part", out
 
-    other = "rs." + parts_key([A, B, "y"], "7")
+    other = "rs." + parts_key(sorted([A, B, "y"]), "7")
     cb._heard_gone(other, A, {"gone": X, "group": group})  # the key names another group
     later = "ag." + parts_key(group, "7")
     cb._heard_gone(later, "z", {"gone": X, "group": group})  # z is not a member
@@ -379,3 +397,269 @@ def test_two_members_behind_nat_average_through_the_reachable_one_without_relayi
     spread = round_("spread.1", None)
     assert all(torch.equal(spread[p].mean, spread[P].mean) for p in peers)
     assert public.stats.relayed > 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What a holder of the run key cannot do: every test below fails against the transport before it proved senders,
+# authenticated clear-text records and bounded what strangers may hold.
+
+
+class _Impostor(Identity):
+    """Names ``victim``'s peer id; signs with its own key, showing its own public key (``shows="own"``) or the
+    victim's (``shows="victim"``)."""
+
+    def __init__(self, own: Identity, victim: Identity, shows: str):
+        self.__dict__.update(own.__dict__)
+        self.peer_id = victim.peer_id
+        if shows == "victim":
+            self.public = victim.public
+
+
+@pytest.mark.parametrize("shows", ["own", "victim"])
+def test_a_rank_that_names_another_peer_id_is_refused_either_way(transports, shows):
+    """A holder of the run key names another rank's peer id in its handshake: whether it shows its own public
+    key (which does not hash to that peer id) or the victim's (whose signature it cannot make), the listener
+    refuses it, and nothing it sent is attributed to the victim; as a listener, its callers refuse it."""
+    victim, honest = transports("victim", "key"), transports("honest", "key")
+    impostor = Transport(_Impostor(identity("impostor"), identity("victim"), shows), "key")
+    try:
+        with pytest.raises(RefusedError, match="did not prove its peer id") as e:
+            impostor.send(honest.endpoint, "x", b"from the victim, says who?", time.monotonic() + 5)
+        assert "\n" not in str(e.value)
+        assert honest.box.senders("x") == [] and not honest.stats.received
+        with pytest.raises(RefusedError, match="could not prove that it is"):
+            honest.send(impostor.endpoint, "y", b"for the victim", time.monotonic() + 5)
+        assert impostor.box.senders("y") == []
+    finally:
+        impostor.close()
+    honest.send(victim.endpoint, "z", b"hello", time.monotonic() + 5)  # the real one is taken
+    assert _received(victim, "z", honest) == b"hello"
+
+
+def test_a_message_is_from_the_peer_its_connection_proved_whatever_its_extra_says(transports):
+    """A message naming another sender (``_from``) and another origin address (``_seen``) in its extra is
+    attributed to the peer id its connection proved, with the address it came from."""
+    a, b, victim = transports("a", "key"), transports("b", "key"), transports("victim", "key")
+    seen: list = []
+    b.handlers["part"] = lambda key, sender, payload, extra: seen.append((sender, dict(extra))) or True
+    a._send(b.endpoint, "part", b"mine", time.monotonic() + 5,  # _send: as a sender that skips send()'s filter
+            {"_from": victim.peer_id, "_seen": "203.0.113.9", "group": ["g"]})
+    assert _until(lambda: seen) and seen == [(a.peer_id, {"group": ["g"], "_seen": "127.0.0.1"})]
+
+
+@pytest.mark.parametrize("forgery", ["payload", "origin", "receiver", "replay"])
+def test_a_relay_can_pass_a_message_on_but_not_forge_change_redirect_or_replay_it(transports, forgery):
+    """Two ranks behind NAT, a reachable one between them.  The relay passes ``first``'s message on, and a
+    forgery besides: the payload changed, another origin claimed (a third rank's key shown), the message
+    passed on to another rank behind NAT than the one it was for, or the same message passed on twice.  The
+    genuine message arrives once, from ``first``; the forgery is dropped and counted."""
+    public = transports("public", "key", host="127.0.0.2")
+    first = _unreachable(transports, "first", "127.0.0.3")
+    second = _unreachable(transports, "second", "127.0.0.4")
+    third = _unreachable(transports, "third", "127.0.0.5")
+    for t in (first, second, third):
+        t.reach([public.endpoint])
+    got: dict[str, list] = {"second": [], "third": []}
+    for name, t in (("second", second), ("third", third)):
+        t.handlers["part"] = lambda key, sender, payload, extra, into=got[name]: into.append(
+            (sender, bytes(payload))) or True
+    genuine = _send = public._send
+
+    def relay(endpoint, key, payload, deadline, extra, envelope=None):
+        if envelope is not None and key == "part":
+            proof = envelope["_relayed"]["proof"]
+            if forgery == "payload":
+                _send(endpoint, key, b"changed on the way", deadline, extra, envelope)
+            elif forgery == "origin":
+                shown = {**proof, "from": third.peer_id, "key": base64.b64encode(identity("third").public).decode()}
+                _send(endpoint, key, payload, deadline, extra, {"_relayed": {**envelope["_relayed"], "proof": shown}})
+            elif forgery == "receiver":
+                _send(third.endpoint, key, payload, deadline, extra, envelope)
+            else:
+                _send(endpoint, key, payload, deadline, extra, envelope)
+        return genuine(endpoint, key, payload, deadline, extra, envelope)
+
+    public._send = relay
+    first.send(second.endpoint, "part", b"first's part", time.monotonic() + 10)
+    assert _until(lambda: got["second"]) and got["second"] == [(first.peer_id, b"first's part")]
+    assert got["third"] == []
+    forged = third if forgery == "receiver" else second
+    assert _until(lambda: forged.stats.forged == 1), forged.stats
+    assert got["third"] == [] and len(got["second"]) == 1
+
+
+def test_without_encryption_bytes_rewritten_on_the_way_are_refused(transports):
+    """``encrypt=False``: an onlooker reads the payload, but a byte it rewrites fails the record's tag: the
+    receiver drops the message, the sender sends it again, and only the payload as sent is delivered."""
+    a, b = transports("a", "key", encrypt=False), transports("b", "key", encrypt=False)
+    tap = _Tap(("127.0.0.1", b.port), rewrite=(b"plain pseudo-gradient", b"PLAIN pseudo-gradient"))
+    try:
+        a.send(tap.endpoint, "part", MARKER, time.monotonic() + 10)
+        assert _received(b, "part", a) == MARKER
+    finally:
+        tap.close()
+    assert tap.rewritten == 1 and MARKER[:64] in tap.seen  # in the clear, and rewritten once
+    assert b.stats.tampered == 1 and a.stats.resent == 1 and b.stats.received == len(MARKER)
+
+
+def test_a_frame_larger_than_its_owner_takes_is_refused_before_anything_is_allocated(transports, monkeypatch):
+    """The default limit is far below what a frame header can announce, and an owner's own limit holds: a
+    message over it is never delivered, a frame announcing 1 GiB is refused at its header (no buffer of that
+    size is asked for), and a message at the limit is."""
+    from peers.wire import secure
+
+    sizes: list[int] = []
+    real = secure.buffer
+    monkeypatch.setattr(secure, "buffer", lambda size: sizes.append(size) or real(size))
+    a, b = transports("a", "key"), transports("b", "key")
+    assert b.max_message <= 1 << 28
+    link = _caller(a, b)
+    link._write(secure.HEADER.pack(secure.FRAME, 1, 0, 1 << 30))
+    link._write(b"k")
+    assert _closed_by_peer(link.sock), "a frame announcing 1 GiB was not refused at its header"
+    assert max(sizes) < 1 << 23
+
+    small = transports("small", "key", max_message=1000)
+    with pytest.raises(TransportError):
+        a.send(small.endpoint, "big", b"x" * 1001, time.monotonic() + 1)
+    a.send(small.endpoint, "fits", b"x" * 1000, time.monotonic() + 5)
+    assert small.box.senders("big") == [] and _received(small, "fits", a) == b"x" * 1000
+
+
+def _caller(a: Transport, b: Transport, role: int = 0):
+    """A connection from ``a`` to ``b`` after its handshake, to write raw records on."""
+    from peers.wire import secure
+    from peers.wire.listener import SLOT
+
+    sock = socket.create_connection(("127.0.0.1", b.port))
+    sock.sendall(SLOT.pack(0))
+    return secure.call(sock, a.key, a.encrypt, a.identity, a.endpoint, role, time.monotonic() + 10)
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """Whether the other end closes ``sock`` within ``timeout`` seconds (it sends nothing before)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_handshake_has_one_deadline_however_slowly_its_bytes_trickle_in(transports, monkeypatch):
+    """A stranger that sends its handshake a byte at a time, each well within the handshake's time, is closed
+    once the handshake's one deadline passes, long before its bytes would end."""
+    from peers.wire import listener
+
+    monkeypatch.setattr(listener, "HANDSHAKE_TIMEOUT", 1.0)
+    b = transports("b", "key")
+    sock = socket.create_connection(("127.0.0.1", b.port))
+    try:
+        sock.sendall(listener.SLOT.pack(0) + b"\xff\xff")  # a peer id of 65535 bytes to come
+        closed = False
+        for _ in range(100):  # 10 s of bytes, 0.1 s apart
+            time.sleep(0.1)
+            try:
+                sock.sendall(b"x")
+            except OSError:
+                closed = True
+                break
+            if select.select([sock], [], [], 0)[0] and _closed_by_peer(sock, 0):
+                closed = True
+                break
+        assert closed, "a handshake trickled in byte by byte kept its connection open"
+    finally:
+        sock.close()
+
+
+def test_strangers_in_their_handshake_are_capped_and_get_no_thread_each(transports, monkeypatch):
+    """With HANDSHAKES connections silent in their handshake, one more is closed as it comes, with no thread
+    started for it; the silent ones stay until their deadline; once they are gone, ranks connect again."""
+    from peers.wire import listener
+
+    monkeypatch.setattr(listener, "HANDSHAKES", 4)
+    monkeypatch.setattr(listener, "HANDSHAKE_TIMEOUT", 60.0)
+    a, b = transports("a", "key"), transports("b", "key")
+    threads = {t.ident for t in threading.enumerate()}
+    silent = [socket.create_connection(("127.0.0.1", b.port)) for _ in range(4)]
+    extra = [socket.create_connection(("127.0.0.1", b.port)) for _ in range(12)]
+    try:
+        assert all(_closed_by_peer(s) for s in extra), "a connection past the cap was kept"
+        assert b.listener.turned_away == 12
+        assert not any(_closed_by_peer(s, 0.2) for s in silent)
+        started = [t for t in threading.enumerate() if t.ident not in threads and t.name == "transport-conn"]
+        assert len(started) <= 4
+    finally:
+        for s in silent + extra:
+            s.close()
+    a.send(b.endpoint, "x", b"after the strangers", time.monotonic() + 10)
+    assert _received(b, "x", a) == b"after the strangers"
+
+
+def test_a_connection_that_carries_nothing_ends_and_its_sender_opens_a_new_one(transports, monkeypatch):
+    """A receiver ends a proven connection idle for IDLE seconds; the sender, which stops using one sooner, sends
+    its next message on a new connection instead of into the ended one."""
+    from peers.wire import links, transport
+
+    monkeypatch.setattr(transport, "IDLE", 0.5)
+    monkeypatch.setattr(links, "REUSE_IDLE", 0.2)
+    a, b = transports("a", "key"), transports("b", "key")
+    a.send(b.endpoint, "one", b"1", time.monotonic() + 5)
+    assert b.listener.sockets(), "the connection is open after its message"
+    assert _until(lambda: not b.listener.sockets()), "an idle connection stayed open"
+    a.send(b.endpoint, "two", b"2", time.monotonic() + 5)
+    assert _received(b, "two", a) == b"2" and a.stats.resent == 0
+
+
+class _Banner:
+    """A TCP server at ``host`` that writes 16 bytes to whoever connects, counting them."""
+
+    TEXT = b"SECRET-BANNER-16"
+
+    def __init__(self, host: str):
+        self.server = socket.create_server((host, 0))
+        self.address, self.accepted = f"{host}:{self.server.getsockname()[1]}", 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                conn.sendall(self.TEXT)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_dial_back_dials_only_the_asker_s_address_and_tells_no_banner(transports):
+    """A question naming an address of another machine than the one it came from (127.0.0.3, asked from
+    127.0.0.1) is answered "not reached" without a connection to it; an address of the asker's own machine is
+    dialed, but the answer says only whether the asker's nonce came back, never what was read there."""
+    import json
+
+    from peers.wire.dial_back import REPLY, REQUEST, ask_dial_back, serve_dial_back
+
+    responder = transports("responder", "k", host="127.0.0.1")
+    serve_dial_back(responder)
+    elsewhere, own = _Banner("127.0.0.3"), _Banner("127.0.0.1")
+    try:
+        found = ask_dial_back(identity("island"), "k", True, [responder.endpoint], "127.0.0.1", 0, "127.0.0.1",
+                              [elsewhere.address])
+        assert elsewhere.accepted == 0 and found.failed == [elsewhere.address] and found.reached is False, found
+
+        asker = _unreachable(transports, "asker", "127.0.0.1", "k")
+        replies: list[bytes] = []
+        asker.handlers[REPLY] = lambda key, sender, payload, extra: replies.append(bytes(payload)) or True
+        request = {"addresses": [own.address], "greeted": [own.address], "nonce": "00" * 16,
+                   "reply": f"{REPLY}x", "reply_to": asker.endpoint}
+        asker.send(responder.endpoint, f"{REQUEST}x", json.dumps(request).encode(), time.monotonic() + 10)
+        assert _until(lambda: replies, 15) and own.accepted == 1 and len(replies) == 1
+        assert _Banner.TEXT not in replies[0] and _Banner.TEXT.hex().encode() not in replies[0], replies[0]
+    finally:
+        elsewhere.close()
+        own.close()
