@@ -663,3 +663,24 @@ def test_a_dial_back_dials_only_the_asker_s_address_and_tells_no_banner(transpor
     finally:
         elsewhere.close()
         own.close()
+
+
+def test_one_peer_holds_a_bounded_number_of_connections_and_lanes(transports, monkeypatch):
+    """A peer that opens more connections than PER_PEER has its oldest ended; one that opens lanes under more
+    endpoints than its own keeps twice ``streams`` of them at most."""
+    from peers.wire import secure
+    from peers.wire import transport as module
+
+    monkeypatch.setattr(module, "PER_PEER", 2)
+    a, b = transports("a", "key"), transports("b", "key", streams=1)
+    held = [_caller(a, b) for _ in range(3)]
+    assert _closed_by_peer(held[0].sock), "the oldest connection past the bound stayed open"
+    assert not any(_closed_by_peer(link.sock, 0.2) for link in held[1:])
+
+    lanes = []
+    for port in range(1, 5):  # lanes naming four endpoints, as if from four ranks
+        a.endpoint = f"lane:127.0.0.9:{port}"
+        lanes.append(_caller(a, b, secure.LANE))
+    assert _until(lambda: len(b.lanes.links()) == 2), b.lanes.links()
+    ended = [_closed_by_peer(link.sock, 5 if i < 2 else 0.2) for i, link in enumerate(lanes)]
+    assert ended == [True, True, False, False]  # the oldest two

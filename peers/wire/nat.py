@@ -107,7 +107,8 @@ class Lanes:
     # ---------------------------------------------------------- lanes to this rank (it is reachable)
     def keep(self, link: Link) -> bool:
         """A rank that cannot be reached opened a lane: keep it for the next send to its endpoint (its
-        ``streams`` newest ones).  Lanes that waited untaken for :data:`~peers.wire.links.IDLE` seconds end."""
+        ``streams`` newest ones, and twice that at most from one peer id whatever endpoints it names).  Lanes that
+        waited untaken for :data:`~peers.wire.links.IDLE` seconds end."""
         if not behind_nat(link.endpoint):
             log.warning("refused a lane from %s: it announces no lane endpoint", link.peer)
             return False
@@ -119,9 +120,13 @@ class Lanes:
             # a lane opened again after it broke: the oldest waiting one is the broken one
             stale = [lane for lane, _ in waiting[:-self.streams]]
             del waiting[:-self.streams]
+            theirs = sorted((since, id(lane)) for lanes in self._in.values() for lane, since in lanes
+                            if lane.peer == link.peer)
+            too_many = {key for _, key in theirs[:max(0, len(theirs) - 2 * self.streams)]}
             for endpoint, lanes in list(self._in.items()):
-                stale += [lane for lane, since in lanes if now - since > IDLE]
-                lanes[:] = [(lane, since) for lane, since in lanes if now - since <= IDLE]
+                ended = {id(lane) for lane, since in lanes if now - since > IDLE or id(lane) in too_many}
+                stale += [lane for lane, _ in lanes if id(lane) in ended]
+                lanes[:] = [(lane, since) for lane, since in lanes if id(lane) not in ended]
                 if not lanes:
                     del self._in[endpoint]
             self._arrived.notify_all()

@@ -71,6 +71,10 @@ MAX_MESSAGE = 1 << 28
 """Bytes a message may have when its owner sets no limit (256 MiB: the default buckets' largest message,
 :func:`message_limit`, four times over)."""
 
+PER_PEER = 16
+"""Connections one peer id may hold open to this rank at once (a sender opens ``streams`` to a rank, 4 by
+default); one more ends its oldest (a connection of a sender that restarted, most likely)."""
+
 Buffer = bytes | bytearray | memoryview
 Handler = Callable[[str, str, bytearray, dict], bool]
 
@@ -169,6 +173,9 @@ class Transport:
         self.tamper: Callable[[str], bool] | None = None
         """Tests: ``tamper(key)`` True flips one bit of that send's payload on the way out."""
         self._closed = threading.Event()
+        self._inbound: dict[str, list[Link]] = {}
+        """The connections each peer id holds open to this rank, oldest first (:data:`PER_PEER` at most)."""
+        self._inbound_lock = threading.Lock()
         # punching, the ranks of this server dial out from this port too
         self.listener = Listener(host, port, slot, self._greet, self._serve, reuse_port=self.punch)
         self.port = self.listener.port
@@ -200,7 +207,25 @@ class Transport:
         if link.endpoint:
             self.callers[link.peer] = link.endpoint
         link.sock.settimeout(IDLE)  # a connection that carries nothing for that long ends
-        self._read_frames(link)
+        with self._inbound_lock:
+            held = self._inbound.setdefault(link.peer, [])
+            held.append(link)
+            oldest = held.pop(0) if len(held) > PER_PEER else None
+        if oldest is not None:
+            log.info("ended the oldest connection from %s: it holds %d", link.peer, PER_PEER)
+            try:
+                oldest.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self._read_frames(link)
+        finally:
+            with self._inbound_lock:
+                held = [other for other in self._inbound.get(link.peer, []) if other is not link]
+                if held:
+                    self._inbound[link.peer] = held
+                else:
+                    self._inbound.pop(link.peer, None)
         return False
 
     def _read_frames(self, link: Link) -> None:
