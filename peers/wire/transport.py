@@ -23,7 +23,8 @@ payload, written from the caller's buffer and read into the one buffer it is kep
 allocated.  The receiver acknowledges every whole message; a message whose connection fails before its
 acknowledgement, or that fails its seal on the way, is sent again on a new connection, alone, until its deadline
 (:attr:`Stats.resent` counts them); a receiver whose machine refuses connections a few times in a row is gone
-(:class:`GoneError`).  A message is attributed to the peer id its connection proved (passed on by a relay: to the
+(:class:`GoneError`).  A connection that carries nothing for :data:`~peers.wire.links.IDLE` seconds ends, and one
+peer id holds :data:`PER_PEER` connections at most.  A message is attributed to the peer id its connection proved (passed on by a relay: to the
 one its origin's signature proves), never to anything inside it: an ``extra``'s keys that start with ``_`` are
 the transport's own.  Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender until someone takes
 them.
