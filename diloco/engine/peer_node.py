@@ -48,9 +48,9 @@ from peers.settings import NetworkSettings, Scope
 from peers.wire.counters import WireCounter
 from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
 from peers.wire.exchange import BucketExchange
+from peers.wire.identity import identity_of
 from peers.wire.layout import CanonicalLayout
 from peers.wire.state_share import Provider, StateServer
-from peers.wire.identity import identity_of
 from peers.wire.transport import Transport, message_limit, refuses
 
 log = logging.getLogger("diloco")
