@@ -1,16 +1,19 @@
 """What sealing the direct transport's bytes costs, side by side with sending them in the clear.
 
-Three measurements in one run:
+Four measurements in one run:
 
 1. the AEADs alone, on one core: GB/s sealing and opening 4 MiB records (the transport's record size) with
    AES-256-GCM (what the transport uses) and ChaCha20-Poly1305;
-2. one message of a model's fp32 pseudo-gradient between two transports on loopback, encrypted and plain,
-   alternating;
-3. whole rounds: two islands (each its own DHT and :class:`~peers.averaging.sharded.ShardedAverager`, in this
+2. the tags alone, what a record sent in the clear (``encrypt=False``) still carries: GB/s tagging and checking
+   4 MiB records with GMAC (AES-GCM over the record as associated data: what the transport uses) and
+   HMAC-SHA256;
+3. one message of a model's fp32 pseudo-gradient between two transports on loopback, encrypted and plain
+   (tagged, in the clear), alternating;
+4. whole rounds: two islands (each its own DHT and :class:`~peers.averaging.sharded.ShardedAverager`, in this
    process) average a pseudo-gradient of that size over encrypted and plain transports, alternating round by
    round so that both see the same machine load.
 
-On loopback the bytes cost nothing to move and 2 cores run both ends, so (2) and (3) show the whole cost
+On loopback the bytes cost nothing to move and 2 cores run both ends, so (3) and (4) show the whole cost
 of the cipher; over a real link it hides behind the link's rate.  Writes ``results.md`` and ``results.json``::
 
     python -m benchmarks.transport_crypto --numel 40000000 --rounds 3 --out experiments/results/transport-crypto
@@ -19,6 +22,8 @@ of the cipher; over a real link it hides behind the link's rate.  Writes ``resul
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import os
 import statistics
 import time
@@ -35,6 +40,7 @@ from peers.averaging.sharded import ShardedAverager  # noqa: E402
 from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
 from peers.settings import AveragerSettings, NetworkSettings, Scope  # noqa: E402
 from peers.island.layout import CanonicalLayout  # noqa: E402
+from peers.wire.identity import Identity, identity_of  # noqa: E402
 from peers.wire.transport import Transport, tensor_bytes  # noqa: E402
 
 RECORD = 1 << 22
@@ -60,11 +66,33 @@ def aead_rates(seconds: float = 1.0) -> dict[str, dict[str, float]]:
     return out
 
 
+def mac_rates(seconds: float = 1.0) -> dict[str, dict[str, float]]:
+    """GB/s tagging and checking 4 MiB records sent in the clear, per MAC, on this thread."""
+    data, key, nonce = memoryview(os.urandom(RECORD)), os.urandom(32), bytes(12)
+    gmac = AESGCM(key)
+    tag = gmac.encrypt(nonce, b"", data)
+    macs = {"GMAC (AES-GCM tag)": (lambda: gmac.encrypt(nonce, b"", data), lambda: gmac.decrypt(nonce, tag, data)),
+            "HMAC-SHA256": (lambda: hmac.new(key, data, hashlib.sha256).digest(),
+                            lambda: hmac.compare_digest(hmac.new(key, data, hashlib.sha256).digest(), bytes(32)))}
+    out: dict[str, dict[str, float]] = {}
+    for name, (make, check) in macs.items():
+        rates = {}
+        for what, fn in (("tag", make), ("check", check)):
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                n += 1
+            rates[what] = n * RECORD / (time.perf_counter() - t0) / 1e9
+        out[name] = rates
+    return out
+
+
 def one_message(numel: int, repeats: int) -> dict[str, list[float]]:
     """Seconds to deliver one fp32 message of ``numel`` values, encrypted and plain, alternating."""
     payload = tensor_bytes(torch.randn(numel))
     times: dict[str, list[float]] = {"encrypted": [], "plain": []}
-    pairs = {mode: (Transport("a", "bench", encrypt=enc), Transport("b", "bench", encrypt=enc))
+    pairs = {mode: (Transport(Identity.generate(), "bench", encrypt=enc), Transport(Identity.generate(), "bench",
+                                                                                   encrypt=enc))
              for mode, enc in (("encrypted", True), ("plain", False))}
     try:
         for i in range(repeats):
@@ -88,7 +116,7 @@ def rounds(numel: int, n_rounds: int, bucket: int) -> dict[str, list[float]]:
     made: list = []
     averagers = {}
     for mode, enc in (("encrypted", True), ("plain", False)):
-        transports = [Transport(str(d.peer_id), "bench", encrypt=enc) for d in dhts]
+        transports = [Transport(identity_of(d), "bench", encrypt=enc) for d in dhts]
         made += transports
         averagers[mode] = [ShardedAverager(layout, {"w": torch.zeros(numel)}, {"w": (0, 0, numel)}, None, d,
                                            AveragerSettings(**FAST), Scope(prefix=f"crypto-{mode}"), transport=t)
@@ -125,6 +153,9 @@ def main() -> None:
     aead = aead_rates()
     for name, r in aead.items():
         print(f"{name:18s} seal {r['seal']:.2f} GB/s  open {r['open']:.2f} GB/s (one core, 4 MiB records)")
+    macs = mac_rates()
+    for name, r in macs.items():
+        print(f"{name:18s} tag {r['tag']:.2f} GB/s  check {r['check']:.2f} GB/s (one core, 4 MiB records)")
     message = one_message(args.numel, args.rounds)
     whole = rounds(args.numel, args.rounds, args.bucket)
     med = {k: {"message": statistics.median(message[k]), "round": statistics.median(whole[k])} for k in message}
@@ -135,7 +166,8 @@ def main() -> None:
         rows.append(f"| {label} (median of {args.rounds}) | {e:.3f} s | {p:.3f} s | {e / p:.2f}x |")
     table = "\n".join(rows)
     if args.out:
-        save_results(Path(args.out), table, {"aead": aead, "message": message, "rounds": whole, "numel": args.numel})
+        save_results(Path(args.out), table, {"aead": aead, "mac": macs, "message": message, "rounds": whole,
+                                             "numel": args.numel})
     else:
         print(table)
 

@@ -45,8 +45,9 @@ from peers.island.ranks import IslandRanks
 from peers.settings import NetworkSettings, PeerSettings, Scope
 from peers.wire.counters import Traffic, WireCounter
 from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
+from peers.wire.identity import identity_of
 from peers.wire.state_share import Provider, StateServer
-from peers.wire.transport import Transport, refuses
+from peers.wire.transport import Transport, message_limit, refuses
 
 log = logging.getLogger("diloco")  # the trainer's log: the island speaks with one voice
 
@@ -314,9 +315,9 @@ class PeerNode:
             advertise = (self.seen_ip if a.client_mode and not _ip_of(a.announce_maddrs) else ""
                          ) or _advertised_ip(a, self.dht)
             try:
-                transport = Transport(str(self.dht.peer_id), run_key, host=host, port=a.transport_port,
+                transport = Transport(identity_of(self.dht), run_key, host=host, port=a.transport_port,
                                       advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode,
-                                      punch=a.hole_punch)
+                                      punch=a.hole_punch, max_message=message_limit(a.bucket_numel))
             except OSError as e:
                 error = (f"could not listen for round bytes on {host}:{a.transport_port} ({e.strerror or e}); free "
                          f"the port or pick another with --averaging.transport_port")
@@ -327,9 +328,9 @@ class PeerNode:
             serve_dial_back(transport)
         if not rt.is_main:
             try:
-                transport = Transport(str(self.dht.peer_id), run_key, host=host, port=port, advertise=advertise,
+                transport = Transport(identity_of(self.dht), run_key, host=host, port=port, advertise=advertise,
                                       encrypt=a.encrypt, reachable=not a.client_mode, slot=rt.rank,
-                                      punch=a.hole_punch)
+                                      punch=a.hole_punch, max_message=message_limit(a.bucket_numel))
             except OSError as e:
                 error = f"rank {rt.rank} could not take its share of the transport's port {port}: {e.strerror or e}"
         rt.raise_if_any(error, PeerNetworkError)
@@ -456,7 +457,7 @@ class PeerNode:
         advertise = _advertised_ip(a, dht)
         announced = next((e for e in map(tcp_endpoint, a.announce_maddrs) if e), None)
         dht_address = f"{announced[0]}:{announced[1]}" if announced else f"{advertise}:{tcp_port(dht)}"
-        return ask_dial_back(str(dht.peer_id), run_key, a.encrypt, responders, _listen_ip(a),
+        return ask_dial_back(identity_of(dht), run_key, a.encrypt, responders, _listen_ip(a),
                              a.transport_port, advertise, [dht_address], dial=dial)
 
 

@@ -45,7 +45,8 @@ class NetworkSettings:
     other islands reach: those two are all the ports an island needs."""
     encrypt: bool = True
     """Seal every byte islands send each other over the direct transport (AES-256-GCM, fresh keys per
-    connection); false sends them in the clear after the authenticated handshake. Every island of a run
+    connection); false sends them in the clear after the authenticated handshake, each record still tagged
+    (GMAC), so that bytes changed on the way are refused: only privacy is given up. Every island of a run
     must agree."""
     run_key: str = ""
     """Shared secret of the run: only islands holding it can join, average or download state. Empty on

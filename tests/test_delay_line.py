@@ -222,10 +222,11 @@ def test_nat_host_accepts_nothing_but_connects_out(delay_line_ok):
 
 TRANSPORT_HOST = r"""
 import json, sys, time
+from peers.wire.identity import Identity
 from peers.wire.transport import Transport, TransportError
-t = Transport(sys.argv[1], "key", host=sys.argv[2], advertise=sys.argv[3], reachable=sys.argv[4] == "1",
-              punch=sys.argv[5] == "1")
-print(t.endpoint, flush=True)
+t = Transport(Identity.generate(), "key", host=sys.argv[1], advertise=sys.argv[2], reachable=sys.argv[3] == "1",
+              punch=sys.argv[4] == "1")
+print(t.endpoint, t.peer_id, flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
     if "reach" in cmd:
@@ -253,10 +254,10 @@ class _TransportHost:
     def __init__(self, net: EmulatedNetwork, index: int, reachable: bool, punch: bool = True):
         env = dict(os.environ, PYTHONPATH=str(REPO))
         host = net.hosts[index]  # listens on its own address, announces the one others reach it at
-        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, f"h{index}", host.local_address, host.address,
+        self.proc = net.popen([sys.executable, "-c", TRANSPORT_HOST, host.local_address, host.address,
                                str(int(reachable)), str(int(punch))], index, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
-        self.endpoint = self._line(30)
+        self.endpoint, self.peer_id = self._line(30).split()
 
     def _line(self, timeout: float) -> str:
         ready = select.select([self.proc.stdout], [], [], timeout)[0]
@@ -283,7 +284,7 @@ def test_two_ranks_behind_nat_punch_through_to_each_other_or_have_their_bytes_re
         for hidden in (first, second):
             hidden(reach=[public.endpoint])
         assert first(send=second.endpoint, key="part", size=size) == {"ok": True}
-        assert second(recv="part", sender="h1") == {"size": size, "intact": True}
+        assert second(recv="part", sender=first.peer_id) == {"size": size, "intact": True}
         relay = public(stats=1)
         print(f"{kind} NAT: the reachable host passed on {relay['relayed']} message(s), {relay['sent']} bytes")
         if kind == "cone":

@@ -219,12 +219,14 @@ def test_an_island_looking_for_a_group_stops_once_every_other_island_is_gone(two
     ``matchmaking_timeout`` (the soak's longest wait over 30 rounds, 17.9 s, was a round whose two other
     islands had both been killed), its next round does not count the dead island, and the island counts
     again once it restarted."""
+    from peers.wire.identity import identity_of
     from peers.wire.transport import Transport, refuses
 
     survivor_dht, killed_dht = two_registries[0].dht, two_registries[1].dht
     survivor, killed = Membership(survivor_dht, "run", ttl=60.0), Membership(killed_dht, "run", ttl=60.0)
     survivor.refuses = refuses
-    transport = Transport(killed.peer_id)
+    transport = Transport(identity_of(killed_dht))
+    assert transport.peer_id == killed.peer_id
     killed.endpoint = transport.endpoint
     killed.announce(3)
     assert not refuses(transport.endpoint) and not refuses("lane:" + transport.endpoint)
@@ -254,7 +256,7 @@ def test_an_island_looking_for_a_group_stops_once_every_other_island_is_gone(two
     assert survivor.company() == 0 and survivor.others() == [] and survivor.round_size(3) == 1
     # it restarts on its port and registers again: counted again
     host, port = transport.endpoint.rsplit(":", 1)
-    back = Transport(killed.peer_id, host=host, port=int(port))
+    back = Transport(identity_of(killed_dht), host=host, port=int(port))
     try:
         killed.announce(4)
         assert wait_until(lambda: survivor.company() == 1, 5.0)

@@ -90,7 +90,8 @@ from peers.island.exchange import BucketExchange, shape_of
 from peers.island.layout import CanonicalLayout, spec_tuple
 from peers.wire.link_fit import LinkFit, explore, group_seconds
 from peers.wire.round_keys import parts_key
-from peers.wire.transport import Transport, TransportError
+from peers.wire.identity import identity_of
+from peers.wire.transport import Transport, TransportError, message_limit
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,8 @@ class ShardedAverager:
         self._own_transport = None
         self.transport = transport
         if transport is None and backend != "torch":
-            self.transport = self._own_transport = Transport(str(dht.peer_id))
+            self.transport = self._own_transport = Transport(
+                identity_of(dht), max_message=message_limit(max((b.numel for b in layout.buckets), default=1)))
         self.peer_id = str(dht.peer_id) if dht is not None else uuid.uuid4().hex
         me = (self.peer_id, self.transport.endpoint if self.transport is not None else "")
         ident = island_id or me[0]

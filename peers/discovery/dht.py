@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -78,7 +82,9 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
     every record is signed with the key, but for ``open_keys`` (see :class:`peers.discovery.run_key.RunKeyValidator`).
 
     Raises PeerNetworkError with one actionable sentence when an address is malformed, a port is
-    taken or no initial peer answers within ``startup_timeout`` seconds.
+    taken or no initial peer answers within ``startup_timeout`` seconds.  Without ``settings.identity_path`` the
+    node gets a fresh identity in a private folder removed when this process exits: every node's key is in a
+    file, which its rank's transport proves the same peer id with (:func:`peers.wire.identity.identity_of`).
     """
     for addr in settings.initial_peers:
         check_multiaddr(addr, "initial peer", need_peer_id=True)
@@ -98,6 +104,8 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
     if settings.identity_path:
         os.makedirs(os.path.dirname(os.path.abspath(settings.identity_path)), exist_ok=True)
         kwargs["identity_path"] = settings.identity_path
+    else:  # hivemind writes a fresh key there (a name not taken yet: no check that the identity is free)
+        kwargs["identity_path"] = os.path.join(_identities(), f"{secrets.token_hex(8)}.key")
     deadline = time.monotonic() + settings.startup_timeout
     tcp = [a for a in settings.initial_peers if _TCP.match(a)]
     while True:
@@ -126,6 +134,19 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
     raise PeerNetworkError(
         f"could not start the peer-to-peer node on {', '.join(settings.host_maddrs)}: is the port free "
         f"and the address local to this machine? [{detail}]")
+
+
+_IDENTITIES: dict[int, str] = {}
+
+
+def _identities() -> str:
+    """This process's private folder for the identities of DHT nodes started without one (removed when it exits;
+    a forked child makes its own)."""
+    pid = os.getpid()
+    if pid not in _IDENTITIES:
+        _IDENTITIES[pid] = folder = tempfile.mkdtemp(prefix="diloco-identities-")
+        atexit.register(lambda: os.getpid() == pid and shutil.rmtree(folder, ignore_errors=True))
+    return _IDENTITIES[pid]
 
 
 def peer_id_of(identity_path: str) -> str:

@@ -51,7 +51,8 @@ from peers.wire.encoded import (
     part_owners,
 )
 from peers.wire.round_keys import parts_key, round_bits, vote_key
-from peers.wire.transport import Transport
+from peers.wire.identity import identity_of
+from peers.wire.transport import Transport, message_limit
 
 __all__ = ["AveragerGoneError", "AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
            "VerifiedAverager", "fingerprint", "fingerprints_agree", "majority_by_state"]
@@ -177,7 +178,8 @@ class VerifiedAverager(MissedGroups):
                                                  ttl=max(60.0, 4 * settings.allreduce_timeout), entropy_coding=coding)
                 else:
                     if transport is None:
-                        transport = self._own_transport = Transport(self.peer_id)
+                        transport = self._own_transport = Transport(identity_of(dht),
+                                                                    max_message=message_limit(self._numel))
                     self._parts = DirectChannel(transport, max_bytes, entropy_coding=coding)
                     self._votes.use_lanes(self._parts)
             self.endpoint = transport.endpoint if transport is not None else ""

@@ -2,17 +2,23 @@
 dials back.
 
 An island behind a NAT or a firewall that drops incoming connections must take part through lanes (see
-:mod:`peers.wire.transport`); one that does not know it would announce an address nobody can reach, and its
+:mod:`peers.wire.nat`); one that does not know it would announce an address nobody can reach, and its
 rounds would fail.  Before it announces anything, a joining island listens where its transport will listen,
 asks one or more reachable islands (over their transports: only holders of the run key may ask) to connect
 to the address it would announce and to its DHT's port, and reads their answers.  A reached listener writes
-a fresh nonce that the dialer reports back, so that a port answered by some other machine (a NAT's own
-service, a stale forward) does not count.  The asker's own transport for the question cannot be reached
-either, so the answer comes back over its lane.
+a fresh nonce that the dialer checks against the one the question named, so that a port answered by some other
+machine (a NAT's own service, a stale forward) does not count.  The asker's own transport for the question cannot
+be reached either, so the answer comes back over its lane.
+
+A dialer is no tool for anyone else's ends: it connects only to the address the question came from (an address
+that resolves to another is answered "not reached" without a connection, and a question passed on by a relay is
+not answered), answers only whether it reached each address (never a byte it read there), and dials for
+:data:`DIALING` questions at once.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -22,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from peers.wire.identity import Identity
 from peers.wire.transport import Transport, TransportError, parse_endpoint
 
 log = logging.getLogger(__name__)
@@ -35,6 +42,8 @@ CONNECT_TIMEOUT = 3.0
 MAX_ADDRESSES = 4
 """Addresses one request may name: a dial-back is a connection the asker asked for, and no more."""
 NONCE_BYTES = 16
+DIALING = 4
+"""Questions a reachable rank dials for at once; more are dropped (their askers learn nothing, not "unreachable")."""
 
 
 @dataclass
@@ -56,31 +65,73 @@ class Reachability:
 
 def serve_dial_back(transport: Transport) -> None:
     """Let the run's islands ask this reachable rank whether it can connect to them (see the module's docstring)."""
+    dialing = threading.BoundedSemaphore(DIALING)
 
     def on_request(key: str, sender: str, payload: bytearray, extra: dict) -> bool:
         try:
             request = json.loads(bytes(payload))
             addresses = [str(a) for a in request["addresses"]][:MAX_ADDRESSES]
             greeted = {str(a) for a in request.get("greeted", addresses)}
+            nonce = bytes.fromhex(str(request.get("nonce", "")))
             reply, to = str(request["reply"]), str(request["reply_to"])
         except (ValueError, KeyError, TypeError):
             log.warning("refused a malformed dial-back request from %s", sender)
             return True
-        threading.Thread(target=_dial, args=(transport, addresses, greeted, reply, to, str(extra.get("_seen", ""))),
-                         name="dial-back", daemon=True).start()
+        if "_via" in extra:
+            log.warning("refused a dial-back request from %s passed on by %s: only one that comes straight from "
+                        "its asker says where to dial", sender, extra["_via"])
+            return True
+        if not dialing.acquire(blocking=False):
+            log.info("dropped a dial-back request from %s: %d others are being dialed for", sender, DIALING)
+            return True
+
+        def dial() -> None:
+            try:
+                _dial(transport, addresses, greeted, nonce, reply, to, str(extra.get("_seen", "")))
+            finally:
+                dialing.release()
+
+        threading.Thread(target=dial, name="dial-back", daemon=True).start()
         return True
 
     transport.handlers[REQUEST] = on_request
 
 
-def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: str, to: str, seen: str) -> None:
-    """Connect to each address, read the nonce from those ``greeted`` (the others, such as a DHT's port, speak
-    only when spoken to: connecting is all), and send what came back to the asker, with the address ``seen``
-    its question came from."""
-    greetings = {}
+def _ip(host: str) -> str:
+    """``host`` as one spelling of its IP address (an IPv4 address mapped into IPv6 as IPv4); unchanged when it
+    is not an IP address."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return host
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def _at(address: str, seen: str) -> tuple[str, int] | None:
+    """Where to connect for ``address`` (``host:port``, the host a name or an IP address) when it is the address
+    ``seen`` (where a question came from); None when it is another, or names nothing."""
+    try:
+        host, port = parse_endpoint(address)
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, ValueError, UnicodeError):
+        return None
+    return next(((sockaddr[0], port) for *_, sockaddr in found if seen and _ip(sockaddr[0]) == _ip(seen)), None)
+
+
+def _dial(transport: Transport, addresses: list[str], greeted: set[str], nonce: bytes, reply: str, to: str,
+          seen: str) -> None:
+    """Connect to each address that is at ``seen`` (the address the question came from), check that those
+    ``greeted`` write ``nonce`` (the others, such as a DHT's port, speak only when spoken to: connecting is all),
+    and send which were reached to the asker, with the address ``seen``."""
+    reached = {}
     for address in addresses:
+        at = _at(address, seen)
+        if at is None:
+            log.info("did not dial %s back: the question came from %s", address, seen or "nowhere known")
+            reached[address] = False
+            continue
         try:
-            with socket.create_connection(parse_endpoint(address), timeout=CONNECT_TIMEOUT) as s:
+            with socket.create_connection(at, timeout=CONNECT_TIMEOUT) as s:
                 s.settimeout(CONNECT_TIMEOUT)
                 got = b""
                 try:
@@ -91,11 +142,11 @@ def _dial(transport: Transport, addresses: list[str], greeted: set[str], reply: 
                         got += chunk
                 except OSError:
                     pass  # connected, yet nothing came: a port that is open, but not the asker's listener
-                greetings[address] = got.hex()
+                reached[address] = address not in greeted or (len(nonce) == NONCE_BYTES and got == nonce)
         except OSError:
-            greetings[address] = None
+            reached[address] = False
     try:
-        transport.send(to, reply, json.dumps({"greetings": greetings, "seen": seen}).encode(),
+        transport.send(to, reply, json.dumps({"reached": reached, "seen": seen}).encode(),
                        time.monotonic() + 2 * CONNECT_TIMEOUT)
     except TransportError as e:
         log.info("could not answer a dial-back request: %s", e)
@@ -136,7 +187,7 @@ class _Listener:
         self.sock.close()
 
 
-def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[str], listen_host: str,
+def ask_dial_back(identity: Identity, run_key: str, encrypt: bool, responders: list[str], listen_host: str,
                   listen_port: int, advertise: str, also: list[str], timeout: float = 0.0,
                   dial: bool = True) -> Reachability:
     """Ask the reachable islands at ``responders`` (transport endpoints) to connect to this island: to
@@ -145,7 +196,7 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
     an island reached them all; not reachable when islands answered and none did.  ``timeout``: seconds to
     wait for the answers (0: long enough for every connection to time out).  ``dial`` False: ask only where the
     question came from (:attr:`Reachability.seen`, the address a NAT gives this island's connections), connecting
-    to nothing."""
+    to nothing.  ``identity``: the island's (its rank 0's DHT's), which its question is signed with."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     listener = None
     if dial:
@@ -156,12 +207,12 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
             return Reachability(None, [])
     mine = f"{advertise}:{listener.port}" if listener else ""
     addresses = [mine] + [a for a in also if a != mine][:MAX_ADDRESSES - 1] if listener else []
-    asker = Transport(f"{peer_id}.dial-back", run_key, host=listen_host, advertise=advertise, encrypt=encrypt,
+    asker = Transport(identity, run_key, host=listen_host, advertise=advertise, encrypt=encrypt,
                       reachable=False)
     reply = f"{REPLY}{os.getpid()}.{secrets.token_hex(4)}"
     out = Reachability(None, addresses, asked=list(responders))
     try:
-        request = json.dumps({"addresses": addresses, "greeted": [mine], "reply": reply,
+        request = json.dumps({"addresses": addresses, "greeted": [mine], "nonce": nonce.hex(), "reply": reply,
                               "reply_to": asker.endpoint}).encode()
         deadline = time.monotonic() + (timeout or (len(addresses) + 1) * CONNECT_TIMEOUT + 2.0)
         asked = 0
@@ -181,11 +232,10 @@ def ask_dial_back(peer_id: str, run_key: str, encrypt: bool, responders: list[st
     out.seen = next((s for a in parsed if isinstance(s := a.get("seen"), str) and s), "")
     if not answers or not dial:
         return out
-    reports = [r if isinstance(r := a.get("greetings"), dict) else {} for a in parsed]
+    reports = [r if isinstance(r := a.get("reached"), dict) else {} for a in parsed]
 
     def reached(address: str, report: dict) -> bool:
-        greeting = report.get(address)
-        return greeting is not None and (address != mine or greeting == nonce.hex())
+        return report.get(address) is True
 
     out.failed = [a for a in addresses if not any(reached(a, r) for r in reports)]
     out.reached = any(all(reached(a, r) for a in addresses) for r in reports)

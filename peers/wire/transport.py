@@ -6,58 +6,40 @@ memory to another's.  Measured side by side on loopback (2 cores, 160 MB of fp32
 all-gather over this path ran as fast as a gloo ``all_reduce`` of the same tensor (0.112 s against 0.110 s),
 while the same halves over hivemind's p2p daemon took 6.4x as long and hivemind's own all-reduce 18x.
 
-A server's ranks take connections on one TCP port (below).  A connection starts with the handshake of
-:mod:`peers.wire.secure`: both ends prove they hold the run's key (a public run has an empty key: anyone may
-connect, as over hivemind), agree on fresh keys, and every byte after it is sealed with AES-GCM
-(``encrypt=False``: sent in the clear).  A message is one frame: a header (its key, the length of a small
-JSON ``extra`` and of the payload), then the payload, written from the caller's buffer and read into the one
-buffer it is kept in.
-The receiver acknowledges every whole message; a message whose connection fails before its acknowledgement,
-or that fails its seal on the way, is sent again on a new connection, alone, until its deadline
-(:attr:`Stats.resent` counts them).  Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender
-until someone takes them.
+:class:`Transport` is the one object the rest of :mod:`peers` uses; it puts together one concept per module:
 
-**One port per server.**  The ranks of a server share the port of their rank 0 (``slot`` 0): rank ``r``
-announces ``HOST:PORT/r``, a connection names the rank it is for in its first two bytes, and rank 0 hands
-it to rank ``r``'s process over a Unix socket (the file descriptor itself, ``SCM_RIGHTS``), which does the
-handshake and reads it: the bytes never pass through rank 0, and every rank still sends its own parts on
-its own connections, so a server fills its link with several TCP streams.
+- :mod:`peers.wire.listener`: the port a server's ranks share (a connection handed to the rank it names) and
+  the bound on connections that have not proven anything yet (one deadline for the handshake, a few at once);
+- :mod:`peers.wire.secure`: one connection's life: the handshake (both ends prove the run's key and their
+  hivemind identity, :mod:`peers.wire.identity`, and agree on fresh keys), then frames sealed with AES-GCM
+  (``encrypt=False``: in the clear, each record still authenticated) and their acknowledgements;
+- :mod:`peers.wire.links`: the connections a rank sends on, a few to each rank, one message at a time each;
+- :mod:`peers.wire.nat`: the ways to reach a rank that cannot be reached: lanes it opens, hole punching, and a
+  reachable rank that passes messages on.
 
-**Ranks that cannot be reached** (an island behind a NAT or a firewall: ``reachable=False``) announce
-``lane:HOST:PORT`` instead of ``HOST:PORT``.  They open every connection themselves: to send, as anyone; to
-receive, ``streams`` *lanes* to each reachable rank they deal with (:meth:`Transport.reach`, and every rank
-they send to), on which that rank sends its frames back: as many connections as it has to a reachable rank,
-since a connection carries one message at a time (each waits for its acknowledgement), and with one lane the
-averaged parts for islands behind NAT queued.  A reachable rank sending to a ``lane:`` endpoint waits for a
-lane.  Ranks of one server reach each other directly whatever they announce.
-
-**Hole punching.**  Two ranks that both cannot be reached connect to each other through their NATs when both
-dial at once (a TCP simultaneous open): the sender binds a fresh port and sends a SYN from it to the receiver's
-announced port, which its own NAT then lets answers in from; it asks the receiver, through a reachable rank it
-holds a lane to, to dial back; the receiver sends its SYN from its announced port (its server's port, shared
-with ``SO_REUSEPORT``) to the sender's port at the address the reachable rank saw the request come from, which
-its NAT then lets answers in from; the two SYNs cross and the connection opens (a reachable rank and a round
-trip to it, then one between the two).  It then carries the sender's messages as any connection does.  This
-takes a NAT that keeps a connection's port whatever its destination (most do; RFC 4787's endpoint-independent
-mapping); such ranks announce ``punch:HOST:PORT``.  Where a punch fails (a NAT that gives each destination its
-own port) or a rank announces a plain ``lane:`` (``punch=False``), the sender hands its message to a reachable
-rank it holds a lane to, which passes it on over the receiver's lane before acknowledging it
-(:attr:`Stats.relayed`).
+A message is one frame: a header (its key, the length of a small JSON ``extra`` and of the payload), then the
+payload, written from the caller's buffer and read into the one buffer it is kept in; a frame announcing more than
+``max_message`` bytes (what the owner expects at most: :func:`message_limit`) is refused before anything is
+allocated.  The receiver acknowledges every whole message; a message whose connection fails before its
+acknowledgement, or that fails its seal on the way, is sent again on a new connection, alone, until its deadline
+(:attr:`Stats.resent` counts them); a receiver whose machine refuses connections a few times in a row is gone
+(:class:`GoneError`).  A connection that carries nothing for :data:`~peers.wire.links.IDLE` seconds ends, and one
+peer id holds :data:`PER_PEER` connections at most.  A message is attributed to the peer id its connection proved (passed on by a relay: to the
+one its origin's signature proves), never to anything inside it: an ``extra``'s keys that start with ``_`` are
+the transport's own.  Messages wait in an :class:`~peers.wire.inbox.Inbox` by key and sender until someone takes
+them.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from peers.discovery.membership import (
@@ -67,7 +49,11 @@ from peers.discovery.membership import (
     behind_nat,
     punchable,
 )
+from peers.wire.identity import Identity
 from peers.wire.inbox import Inbox
+from peers.wire.links import IDLE, Links
+from peers.wire.listener import SLOT, Listener
+from peers.wire.nat import MAX_WITHIN, PUNCH_KEY, Lanes, PunchFailed, Puncher, Relay
 from peers.wire.secure import (
     FRAMES,
     HANDSHAKE_TIMEOUT,
@@ -78,26 +64,20 @@ from peers.wire.secure import (
     Tampered,
     call,
     greet,
-    recv_exact,
 )
 
 log = logging.getLogger(__name__)
 
-LANE_IDLE = 600.0
-"""Seconds a lane to a rank stays open after this rank last dealt with it."""
-SLOT = struct.Struct(">H")
-"""What a connection names first: the rank of the server behind the port it is for."""
-KEEPALIVE = 20
-"""Seconds of silence before the kernel probes a lane, so that a NAT keeps its mapping."""
-PUNCH_KEY = "_punch"
-"""The key of a request to dial back for hole punching (see the module's docstring)."""
-PUNCH_WAIT = 5.0
-"""Seconds a punched connection may take to open before its messages go through a reachable rank."""
-PUNCH_AGAIN = 600.0
-"""Seconds after a first failed punch during which messages to that rank go through a reachable rank; each
-further failure to the same rank doubles them (a NAT that failed a punch most likely always will)."""
+MAX_MESSAGE = 1 << 28
+"""Bytes a message may have when its owner sets no limit (256 MiB: the default buckets' largest message,
+:func:`message_limit`, four times over)."""
+
+PER_PEER = 16
+"""Connections one peer id may hold open to this rank at once (a sender opens ``streams`` to a rank, 4 by
+default); one more ends its oldest (a connection of a sender that restarted, most likely)."""
 
 Buffer = bytes | bytearray | memoryview
+Handler = Callable[[str, str, bytearray, dict], bool]
 
 
 class TransportError(RuntimeError):
@@ -105,11 +85,8 @@ class TransportError(RuntimeError):
 
 
 class RefusedError(TransportError):
-    """The receiver refused the connection: the two sides hold different run keys, or encrypt differently."""
-
-
-class PunchFailed(ConnectionError):
-    """The receiver asked to dial back did, but the connection did not open through the two NATs."""
+    """The receiver refused the connection: the two sides hold different run keys, or encrypt differently, or one
+    could not prove its peer id."""
 
 
 class GoneError(TransportError):
@@ -134,10 +111,11 @@ def slot_of(endpoint: str) -> int:
     return int(slot) if slot else 0
 
 
-def _slot_address(host: str, port: int, slot: int) -> str:
-    """The Unix socket (abstract: nothing on disk) where the rank of ``slot`` takes connections handed over
-    by the rank that owns ``host:port``."""
-    return f"\0diloco-transport-{host}-{port}-{slot}"
+def message_limit(bucket_numel: int) -> int:
+    """The largest message a rank of a run cut into buckets of ``bucket_numel`` values should take: a joiner's
+    piece of a bucket (θ_global and the outer momentum, fp32: 8 bytes a value) is the largest a round or a state
+    download sends; twice that, plus 1 MiB, leaves room for headers and an entropy coding that grew."""
+    return 16 * bucket_numel + (1 << 20)
 
 
 @dataclass
@@ -153,172 +131,107 @@ class Stats:
     """Messages dropped on arrival because a record failed its seal (sent again by their sender)."""
     relayed: int = 0
     """Messages this rank passed on between two ranks that cannot be reached."""
+    forged: int = 0
+    """Messages passed on to this rank that were dropped because nothing proved their origin."""
 
 
-@dataclass
-class _Peer:
-    """One outgoing connection (made on first use, made again after a failure), or a lane from the peer."""
-
-    endpoint: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    link: Link | None = None
+def _swallow(key: str, sender: str, payload: bytearray, extra: dict) -> bool:
+    return True
 
 
 class Transport:
-    """This rank's endpoint for bulk bytes: listens on ``host:port`` (0: any free port), names itself
-    ``peer_id`` and accepts only callers holding ``run_key`` (empty: anyone).  ``advertise``: the host other
-    ranks reach it at (default: ``host``, or 127.0.0.1 when listening on all interfaces); ``encrypt``: seal
-    every byte after the handshake; ``reachable=False``: no other server can open a connection to it (see
-    the module's docstring); ``punch``: when it cannot be reached, take part in hole punching; ``slot``: this
-    rank's share of the port ``port`` its server's rank 0 owns (0: this rank owns ``port``); ``streams``:
-    connections at most to one rank, for messages in flight together."""
+    """This rank's endpoint for bulk bytes: listens on ``host:port`` (0: any free port), proves itself with
+    ``identity`` (its peer id is ``identity.peer_id``) and accepts only callers holding ``run_key`` (empty:
+    anyone) who prove theirs.  ``advertise``: the host other ranks reach it at (default: ``host``, or 127.0.0.1
+    when listening on all interfaces); ``max_message``: the largest payload it takes (:func:`message_limit`);
+    ``encrypt``: seal every byte after the handshake (False: authenticate only); ``reachable=False``: no other
+    server can open a connection to it (see :mod:`peers.wire.nat`); ``punch``: when it cannot be reached, take
+    part in hole punching; ``slot``: this rank's share of the port ``port`` its server's rank 0 owns (0: this rank
+    owns ``port``); ``streams``: connections at most to one rank, for messages in flight together."""
 
-    def __init__(self, peer_id: str, run_key: str = "", host: str = "127.0.0.1", port: int = 0,
-                 advertise: str = "", max_message: int = 1 << 34, inbox_ttl: float = 300.0, encrypt: bool = True,
+    def __init__(self, identity: Identity, run_key: str = "", host: str = "127.0.0.1", port: int = 0,
+                 advertise: str = "", max_message: int = MAX_MESSAGE, inbox_ttl: float = 300.0, encrypt: bool = True,
                  reachable: bool = True, slot: int = 0, streams: int = 4, punch: bool = True):
-        self.peer_id, self.key, self.max_message = peer_id, run_key.encode(), max_message
+        self.identity, self.peer_id = identity, identity.peer_id
+        self.key, self.max_message = run_key.encode(), max_message
         self.encrypt, self.reachable, self.streams = encrypt, reachable, max(1, streams)
         self.punch = punch and not reachable
+        self.host, self.slot = host, slot
         self.box = Inbox(inbox_ttl, max_keys=4096)
         self.stats = Stats()
-        self.handlers: dict[str, Callable[[str, str, bytearray, dict], bool]] = {}
+        self.handlers: dict[str, Handler] = {}
         """By key prefix: called (in the connection's reader thread) with (key, sender, payload, extra) for a
         message whose key starts with it (the longest prefix wins) before it goes to the inbox; returning True
-        keeps it out of the inbox (a request served at once, a message stored otherwise)."""
+        keeps it out of the inbox (a request served at once, a message stored otherwise).  ``sender`` is the
+        proven peer id; ``extra["_seen"]`` the address the message came from (passed on by a relay: as the relay
+        saw it, and ``extra["_via"]`` is the relay's peer id)."""
         self.callers: dict[str, str] = {}
-        """Peer id -> the endpoint it announced when it called this rank (checked by the handshake), or, behind
+        """Peer id -> the endpoint it announced when it called this rank (in its signed handshake), or, behind
         NAT, the endpoint of the reachable rank this rank opened a lane to: where to answer a rank that sent us
         something although we never learned of it from a group's metadata."""
         self.fault: Callable[[str], bool] | None = None
         """Tests: ``fault(key)`` True makes the next send of that key break its connection half-way."""
         self.tamper: Callable[[str], bool] | None = None
         """Tests: ``tamper(key)`` True flips one bit of that send's payload on the way out."""
-        self._peers: dict[str, list[_Peer]] = {}
-        self._turn = 0
-        self._peers_lock = threading.Lock()
-        self._lanes_in: dict[str, list[Link]] = {}
-        """Lanes opened to this rank by ranks that cannot be reached, by their endpoint, until a send takes one
-        (each such rank opens ``streams`` lanes, as many as this rank's connections to a reachable one)."""
-        self._lane_arrived = threading.Condition(self._peers_lock)
-        self._lanes_out: dict[str, float] = {}
-        """Reachable endpoints this rank keeps a lane to (when it cannot be reached), and when it last dealt
-        with each."""
-        self._lane_links: dict[tuple[str, int], Link] = {}
-        self._unpunched: dict[str, float] = {}
-        """Ranks behind NAT a punch failed to, and until when messages to them go through a reachable rank."""
-        self._punch_failures: dict[str, int] = {}
-        """Ranks behind NAT a punch failed to, and how many times (each failure doubles the wait)."""
-        self.handlers[PUNCH_KEY] = self._asked_to_punch
         self._closed = threading.Event()
-        self.host, self.slot = host, slot
-        self._handoff: dict[int, socket.socket] = {}
-        self._handoff_lock = threading.Lock()
-        if slot == 0:
-            # punching, the ranks of this server dial out from this port too
-            self._server = socket.create_server((host, port), reuse_port=self.punch, backlog=64,
-                                                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-            self.port = self._server.getsockname()[1]
-        else:
-            if not port:
-                raise ValueError("a transport that shares a port needs the port of the rank that owns it")
-            self.port = port
-            self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._server.bind(_slot_address(host, port, slot))
-            self._server.listen(16)
+        self._inbound: dict[str, list[Link]] = {}
+        """The connections each peer id holds open to this rank, oldest first (:data:`PER_PEER` at most)."""
+        self._inbound_lock = threading.Lock()
+        # punching, the ranks of this server dial out from this port too
+        self.listener = Listener(host, port, slot, self._greet, self._serve, reuse_port=self.punch)
+        self.port = self.listener.port
         if not advertise:
             advertise = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.address = f"{advertise}:{self.port}" + (f"/{slot}" if slot else "")
         """Where this rank is reached (directly, by the ranks of its own server)."""
         self.endpoint = self.address if reachable else (PUNCH_PREFIX if self.punch else LANE_PREFIX) + self.address
         """What other ranks send to."""
-        self._conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept if slot == 0 else self._accept_handed, name="transport-accept",
-                         daemon=True).start()
+        self.links = Links(lambda endpoint, deadline: self._dial(endpoint, deadline, FRAMES), self.streams)
+        self.lanes = Lanes(self.endpoint, self.streams, self._dial, self._read_frames, self.callers, self._closed)
+        self.relay = Relay(identity)
+        self.puncher = Puncher(host, self.port, self._ask_to_punch, lambda sock: self.listener.adopt(sock, True))
+        self.handlers[PUNCH_KEY] = self.puncher.asked if self.punch else _swallow
+        self.listener.start()
 
     # --------------------------------------------------------------------------------- receiving
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="transport-conn", daemon=True).start()
-
-    def _accept_handed(self) -> None:
-        """A rank that shares its server's port: take the connections the port's owner hands over."""
-        while not self._closed.is_set():
-            try:
-                owner, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._take_handed, args=(owner,), name="transport-handed", daemon=True).start()
-
-    def _take_handed(self, owner: socket.socket) -> None:
-        with owner:
-            while not self._closed.is_set():
-                try:
-                    msg, fds, _, _ = socket.recv_fds(owner, 1, 4)
-                except OSError:
-                    return
-                if not msg:
-                    return
-                for fd in fds:
-                    threading.Thread(target=self._serve, args=(socket.socket(fileno=fd), True),
-                                     name="transport-conn", daemon=True).start()
-
-    def _hand_over(self, conn: socket.socket, slot: int) -> None:
-        """Pass a connection for the rank of ``slot`` to its process (it does the handshake)."""
-        with self._handoff_lock:
-            for _ in range(2):  # a link to a rank that restarted fails once
-                link = self._handoff.get(slot)
-                try:
-                    if link is None:
-                        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        link.connect(_slot_address(self.host, self.port, slot))
-                        self._handoff[slot] = link
-                    socket.send_fds(link, [b"c"], [conn.fileno()])
-                    return
-                except OSError as e:
-                    log.debug("could not hand a connection to the rank of slot %d: %s", slot, e)
-                    if link is not None:
-                        link.close()
-                    self._handoff.pop(slot, None)
-
-    def _serve(self, conn: socket.socket, handed: bool = False) -> None:
-        self._conns.add(conn)
-        kept = False
+    def _greet(self, conn: socket.socket, deadline: float) -> Link | None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not handed:
-                conn.settimeout(HANDSHAKE_TIMEOUT)
-                head = bytearray(SLOT.size)
-                recv_exact(conn, memoryview(head))
-                (slot,) = SLOT.unpack(head)
-                if slot != self.slot:
-                    self._hand_over(conn, slot)
-                    return
+            return greet(conn, self.key, self.encrypt, self.identity, deadline)
+        except Refused as e:
+            log.warning("%s", e)
+            return None
+
+    def _serve(self, link: Link) -> bool:
+        """A connection that passed its handshake: a lane to keep (True: it stays open), or frames to read."""
+        if link.role == LANE:
+            return self.lanes.keep(link)
+        if link.endpoint:
+            self.callers[link.peer] = link.endpoint
+        link.sock.settimeout(IDLE)  # a connection that carries nothing for that long ends
+        with self._inbound_lock:
+            held = self._inbound.setdefault(link.peer, [])
+            held.append(link)
+            oldest = held.pop(0) if len(held) > PER_PEER else None
+        if oldest is not None:
+            log.info("ended the oldest connection from %s: it holds %d", link.peer, PER_PEER)
             try:
-                link = greet(conn, self.key, self.encrypt, self.peer_id)
-            except Refused as e:
-                log.warning("%s", e)
-                return
-            if link.role == LANE:
-                kept = self._keep_lane_in(link)
-                return
-            if link.endpoint:
-                self.callers[link.peer] = link.endpoint
+                oldest.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
             self._read_frames(link)
-        except OSError as e:
-            if not self._closed.is_set():
-                log.debug("transport connection ended: %s", e)
         finally:
-            self._conns.discard(conn)
-            if not kept:
-                conn.close()
+            with self._inbound_lock:
+                held = [other for other in self._inbound.get(link.peer, []) if other is not link]
+                if held:
+                    self._inbound[link.peer] = held
+                else:
+                    self._inbound.pop(link.peer, None)
+        return False
 
     def _read_frames(self, link: Link) -> None:
         """Read, acknowledge and deliver the frames of one connection until it ends."""
-        seen = link.sock.getpeername()[0]  # where its frames come from, as this end sees it (a relay tells its own)
+        seen = link.sock.getpeername()[0]  # where its frames come from, as this end sees it
         while not self._closed.is_set():
             try:
                 key, meta, payload = link.read_frame(self.max_message)
@@ -327,7 +240,10 @@ class Transport:
                 log.warning("dropped a message from %s: %s (its sender sends it again)", link.peer, e)
                 return
             except Malformed as e:
-                log.warning("refused a malformed message from %s: %s", link.peer, e)
+                log.warning("refused a message from %s: %s", link.peer, e)
+                return
+            except TimeoutError:
+                log.debug("ended the connection from %s: idle", link.peer)
                 return
             except ConnectionError:
                 return
@@ -338,129 +254,55 @@ class Transport:
                 return
             if not isinstance(extra, dict):
                 extra = {}
-            if "_from" not in extra:
-                extra["_seen"] = seen
-            relayed = "_relay" in extra
-            if relayed and not self._pass_on(key, payload, extra, link):
-                return  # not acknowledged: the sender tries again
-            link.write_ack()
-            if relayed:
+            own = {k: v for k, v in extra.items() if not k.startswith("_")}
+            if "_relay" in extra:
+                if not self._pass_on(key, payload, own, extra, link.peer, seen):
+                    return  # not acknowledged: the sender tries again
+                link.write_ack()
                 continue
-            sender = str(extra.pop("_from", link.peer))
+            link.write_ack()
+            sender, relayed = link.peer, extra.get("_relayed")
+            if relayed is not None:
+                relayed = relayed if isinstance(relayed, dict) else {}
+                origin = self.relay.origin(relayed.get("proof"), key, own, payload, self.endpoint)
+                if origin is None:
+                    self.stats.forged += 1
+                    log.warning("dropped %s, passed on by %s: nothing proves who sent it", key, link.peer)
+                    continue
+                sender, own["_via"], own["_seen"] = origin, link.peer, str(relayed.get("seen", ""))
+            else:
+                own["_seen"] = seen
             self.stats.received += len(payload)
             handler = self._handler(key)
-            if handler is not None and handler(key, sender, payload, extra):
+            if handler is not None and handler(key, sender, payload, own):
                 continue
-            self.box.put(key, sender, payload, extra.get("group", ()))
+            self.box.put(key, sender, payload, own.get("group", ()))
 
-    def _pass_on(self, key: str, payload: memoryview, extra: dict, link: Link) -> bool:
-        """A message between two ranks that cannot be reached: send it on over the receiver's lane, with where it
-        came from (its sender, and the address it came from, ``_seen``: the sender's NAT's, for a punch)."""
-        target = str(extra.pop("_relay"))
-        within = float(extra.pop("_within", 30.0))
+    def _pass_on(self, key: str, payload: memoryview, own: dict, extra: dict, origin: str, seen: str) -> bool:
+        """A message between two ranks that cannot be reached: send it on over the receiver's lane, with its
+        origin's proof and the address it came from (``seen``: the origin's NAT's, for a punch)."""
+        target, proof = extra.get("_relay"), extra.get("_proof")
+        if not isinstance(target, str) or not behind_nat(target) or not isinstance(proof, dict) \
+                or proof.get("from") != origin:
+            log.warning("refused to pass %s on from %s: it names no rank behind NAT, or no proof of its origin",
+                        key, origin)
+            return False
         try:
-            self.send(target, key, payload, time.monotonic() + max(0.05, within), {**extra, "_from": link.peer})
+            within = min(max(0.05, float(extra.get("_within", 30.0))), MAX_WITHIN)
+        except (TypeError, ValueError):
+            within = 30.0
+        try:
+            self._send(target, key, payload, time.monotonic() + within, own,
+                       {"_relayed": {"proof": proof, "seen": seen}})
         except TransportError as e:
             log.info("could not pass %s on to %s: %s", key, target, e)
             return False
         self.stats.relayed += 1
         return True
 
-    def _handler(self, key: str) -> Callable[[str, str, bytearray, dict], bool] | None:
+    def _handler(self, key: str) -> Handler | None:
         best = max((p for p in self.handlers if key.startswith(p)), key=len, default=None)
         return self.handlers.get(best) if best is not None else None
-
-    # ------------------------------------------------------------------------------------- lanes
-    def _keep_lane_in(self, link: Link) -> bool:
-        """A rank that cannot be reached opened a lane: keep it for the next send to its endpoint."""
-        if not behind_nat(link.endpoint):
-            log.warning("refused a lane from %s: it announces no lane endpoint", link.peer)
-            return False
-        link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        with self._lane_arrived:
-            waiting = self._lanes_in.setdefault(link.endpoint, [])
-            waiting.append(link)
-            # a lane opened again after it broke: the oldest waiting one is the broken one
-            stale = waiting[:-self.streams]
-            del waiting[:-self.streams]
-            self._lane_arrived.notify_all()
-        for old in stale:
-            old.sock.close()
-        return True
-
-    def _wait_lane(self, endpoint: str, deadline: float) -> Link:
-        with self._lane_arrived:
-            while not self._lanes_in.get(endpoint):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
-                    raise ConnectionError(f"{endpoint} opened no lane to this rank in time (it cannot be reached)")
-                self._lane_arrived.wait(min(left, 0.5))
-            return self._lanes_in[endpoint].pop(0)
-
-    def reach(self, endpoints: list[str]) -> None:
-        """This rank is about to deal with the ranks at ``endpoints``: when it cannot be reached, open (or keep)
-        a lane to each reachable one, so that they can send to it."""
-        if self.reachable:
-            return
-        now = time.monotonic()
-        for endpoint in endpoints:
-            if behind_nat(endpoint) or endpoint == self.endpoint:
-                continue
-            with self._peers_lock:
-                fresh = endpoint not in self._lanes_out
-                self._lanes_out[endpoint] = now
-            if fresh:  # as many lanes as the reachable rank's connections to a rank: it sends on all at once
-                for lane in range(self.streams):
-                    threading.Thread(target=self._hold_lane, args=(endpoint, lane), name="transport-lane",
-                                     daemon=True).start()
-
-    def _hold_lane(self, endpoint: str, lane: int) -> None:
-        """Keep lane number ``lane`` open to ``endpoint`` (again after it breaks) while this rank deals with it."""
-        wait = 0.1
-        while not self._closed.is_set():
-            with self._peers_lock:
-                if time.monotonic() - self._lanes_out.get(endpoint, 0.0) > LANE_IDLE:
-                    self._lanes_out.pop(endpoint, None)
-                    return
-            try:
-                link = self._dial(endpoint, time.monotonic() + HANDSHAKE_TIMEOUT, LANE)
-            except Refused as e:
-                log.warning("could not open a lane to %s: %s", endpoint, e)
-                with self._peers_lock:
-                    self._lanes_out.pop(endpoint, None)
-                return
-            except OSError as e:
-                log.debug("could not open a lane to %s yet: %s", endpoint, e)
-                self._closed.wait(wait)
-                wait = min(2.0, wait * 2)
-                continue
-            wait = 0.1
-            link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            if hasattr(socket, "TCP_KEEPIDLE"):
-                link.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
-            with self._peers_lock:
-                self._lane_links[endpoint, lane] = link
-            self.callers[link.peer] = endpoint  # what comes over the lane is answered where the lane goes
-            try:
-                self._read_frames(link)
-            except OSError as e:
-                log.debug("the lane to %s ended: %s", endpoint, e)
-            finally:
-                with self._peers_lock:
-                    self._lane_links.pop((endpoint, lane), None)
-                link.sock.close()
-
-    def _relay_for(self, deadline: float) -> str:
-        """A reachable rank this rank holds a lane to, to pass a message to a rank that cannot be reached."""
-        while True:
-            with self._peers_lock:
-                live = sorted({endpoint for endpoint, _ in self._lane_links})
-            if live:
-                return live[0]
-            if time.monotonic() >= deadline or self._closed.is_set():
-                raise ConnectionError("neither this rank nor its receiver can be reached, and no reachable rank "
-                                      "holds a lane to pass the message on")
-            time.sleep(0.05)
 
     # ----------------------------------------------------------------------------------- sending
     def _route(self, endpoint: str, key: str = "") -> str:
@@ -474,51 +316,40 @@ class Transport:
         if self.reachable:
             return endpoint
         punch = self.punch and punchable(endpoint) and key != PUNCH_KEY
-        return endpoint if punch and self._unpunched.get(endpoint, 0.0) <= time.monotonic() else ""
+        return endpoint if punch and self.puncher.may_punch(endpoint) else ""
 
     def send(self, endpoint: str, key: str, payload: Buffer, deadline: float, extra: dict | None = None) -> None:
         """Deliver one message to the rank at ``endpoint`` (acknowledged), sending it again on a new connection
-        if its connection fails, until ``deadline`` (``time.monotonic``); raises TransportError then."""
+        if its connection fails, until ``deadline`` (``time.monotonic``); raises TransportError then.  ``extra``:
+        a small JSON object that goes with it (its keys that start with ``_`` are the transport's: not sent)."""
+        own = {k: v for k, v in (extra or {}).items() if not str(k).startswith("_")}
+        self._send(endpoint, key, payload, deadline, own)
+
+    def _send(self, endpoint: str, key: str, payload: Buffer, deadline: float, extra: dict,
+              envelope: dict | None = None) -> None:
+        """:meth:`send`, with the transport's own fields ``envelope`` (a relay's) added on a direct hop."""
         if self._route(endpoint, key) == endpoint:
             self.reach([endpoint])
+        size = memoryview(payload).nbytes
         attempt = refused = 0
         while True:
             route = self._route(endpoint, key)  # a failed punch sends through a reachable rank from then on
-            hop, hop_extra = route, extra
             try:
-                if not hop:
-                    hop = self._relay_for(deadline)
-                    hop_extra = {**(extra or {}), "_relay": endpoint, "_within": deadline - time.monotonic()}
+                if route:
+                    hop, hop_extra = route, {**extra, **(envelope or {})}
+                else:
+                    hop = self.lanes.relay_for(deadline)
+                    within = deadline - time.monotonic()
+                    hop_extra = {**extra, "_relay": endpoint, "_within": within,
+                                 "_proof": self.relay.prove(key, extra, payload, endpoint, within)}
                 meta = json.dumps(hop_extra).encode() if hop_extra else b""
-                peer = self._take(hop)
-                try:
-                    link = peer.link or self._dial(hop, deadline, FRAMES)
-                    peer.link = link
-                    link.sock.settimeout(max(0.05, deadline - time.monotonic()))
-                    link.tamper = self.tamper
-                    link.write_frame(key, meta, payload, cut=self.fault is not None and self.fault(key))
-                    link.read_ack()
-                except OSError:
-                    # dropped before the lock is let go: a message queued behind this one on the same
-                    # connection opens a new one instead of failing on the dead one (and moving twice)
-                    if peer.link is not None:
-                        peer.link.sock.close()
-                        peer.link = None
-                    raise
-                finally:
-                    peer.lock.release()
-                self.stats.sent += memoryview(payload).nbytes
+                self.links.deliver(hop, key, meta, payload, deadline, self.fault, self.tamper)
+                self.stats.sent += size
                 return
             except Refused as e:
                 raise RefusedError(f"{endpoint}: {e}") from None
             except PunchFailed as e:
-                failures = self._punch_failures[endpoint] = self._punch_failures.get(endpoint, 0) + 1
-                wait = PUNCH_AGAIN * 2 ** (failures - 1)
-                self._unpunched[endpoint] = time.monotonic() + wait
-                log.warning("%s: passing the messages for it on through a reachable island, and averaging through "
-                            "the reachable islands from the next round; trying again in %.0f s "
-                            "(--averaging.hole_punch false on the islands behind such a NAT saves this first "
-                            "wait and the tries again)", e, wait)
+                self.puncher.failed(endpoint, e)
             except OSError as e:
                 attempt += 1
                 # through a relay, a refusal is the relay's, not the receiver's
@@ -529,119 +360,52 @@ class Transport:
                 if time.monotonic() >= deadline or self._closed.is_set():
                     raise TransportError(f"could not deliver {key} to {endpoint}: {e}") from None
                 self.stats.resent += 1
-                self.stats.resent_bytes += memoryview(payload).nbytes
+                self.stats.resent_bytes += size
                 log.info("sending %s to %s again (attempt %d): %s", key, endpoint, attempt + 1, e)
                 time.sleep(min(0.2 * attempt, max(0.0, deadline - time.monotonic())))
-
-    def _take(self, endpoint: str) -> _Peer:
-        """One of this rank's connections to ``endpoint``, its lock held: a free one (``streams`` at most, lanes
-        included), else the next in turn once it is free.  A message waits for its acknowledgement on its
-        connection, so several in flight to one rank need several connections; over a long round trip they
-        also fill more of the link than one TCP window does."""
-        n = self.streams
-        with self._peers_lock:
-            pool = self._peers.setdefault(endpoint, [_Peer(endpoint) for _ in range(n)])
-            self._turn += 1
-            turn = self._turn
-        for peer in pool:
-            if peer.lock.acquire(blocking=False):
-                return peer
-        peer = pool[turn % n]
-        peer.lock.acquire()
-        return peer
 
     def _dial(self, endpoint: str, deadline: float, role: int) -> Link:
         """A new connection to ``endpoint`` after its handshake (a rank behind NAT: the next lane it opens, or,
         from behind NAT, a punched connection)."""
         if behind_nat(endpoint):
             if self.reachable:
-                return self._wait_lane(endpoint, deadline)
-            sock = self._punch(endpoint, deadline)
+                return self.lanes.take(endpoint, deadline)
+            host, port = parse_endpoint(endpoint)
+            sock = self.puncher.punch(host, port, endpoint, deadline)
         else:
             sock = socket.create_connection(parse_endpoint(endpoint), timeout=max(0.05, min(
                 HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(SLOT.pack(slot_of(endpoint)))
-            return call(sock, self.key, self.encrypt, self.peer_id, self.endpoint, role)
+            return call(sock, self.key, self.encrypt, self.identity, self.endpoint, role,
+                        time.monotonic() + HANDSHAKE_TIMEOUT)
         except BaseException:
             sock.close()
             raise
 
-    # ------------------------------------------------------------------------------ hole punching
+    def _ask_to_punch(self, endpoint: str, deadline: float, port: int) -> None:
+        try:
+            self._send(endpoint, PUNCH_KEY, b"", deadline, {"port": port})
+        except TransportError as e:
+            raise ConnectionError(f"could not ask {endpoint} to dial back: {e}") from None
+
+    # ----------------------------------------------------------------------------------- the rest
+    def reach(self, endpoints: list[str]) -> None:
+        """This rank is about to deal with the ranks at ``endpoints``: when it cannot be reached, open (or keep)
+        a lane to each reachable one, so that they can send to it."""
+        if not self.reachable:
+            self.lanes.reach(endpoints)
+
     def punch_failed(self) -> bool:
-        """Whether messages from this rank go through a relay after a failed punch (for :data:`PUNCH_AGAIN` seconds,
-        doubled at each failure to the same rank): its island then has its groups average through the reachable
-        islands (:func:`peers.wire.encoded.part_owners`)."""
-        now = time.monotonic()
-        return any(until > now for until in list(self._unpunched.values()))
-
-    def _punch(self, endpoint: str, deadline: float) -> socket.socket:
-        """A connection to the rank behind NAT at ``endpoint``, opened by both ends at once (see the module's
-        docstring).  PunchFailed when the receiver dialed back but nothing got through; ConnectionError when
-        the request to dial back could not be delivered."""
-        host, port = parse_endpoint(endpoint)
-        now = time.monotonic()
-        until = min(deadline, now + PUNCH_WAIT)
-        cut_short = deadline < now + PUNCH_WAIT  # by the message's deadline: then no verdict on the NATs
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, 0))
-            sock.setblocking(False)
-            sock.connect_ex((host, port))  # our SYN: from now on our NAT lets in what comes from that port
-            try:
-                self.send(endpoint, PUNCH_KEY, b"", until, {"port": sock.getsockname()[1]})
-            except TransportError as e:
-                raise ConnectionError(f"could not ask {endpoint} to dial back: {e}") from None
-            opened = select.select([], [sock], [], max(0.0, until - time.monotonic()))[1]
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if opened else errno.ETIMEDOUT
-            if error == errno.ETIMEDOUT and cut_short:
-                raise ConnectionError(f"the connection to {endpoint} did not open before the message's deadline")
-            if error:
-                raise PunchFailed(f"could not open a connection to {endpoint} through both NATs "
-                                  f"({os.strerror(error)}): one of them gives each destination its own port, or "
-                                  "a firewall drops the connections")
-            sock.setblocking(True)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # keeps both NATs' mappings
-            if hasattr(socket, "TCP_KEEPIDLE"):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
-
-    def _asked_to_punch(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
-        """A rank behind NAT is opening a connection to this one: dial back to its port from this server's."""
-        seen, port = extra.get("_seen"), extra.get("port")
-        if self.punch and isinstance(seen, str) and isinstance(port, int) and 0 < port < 65536:
-            threading.Thread(target=self._dial_back, args=(seen, port), name="transport-punch", daemon=True).start()
-        return True
-
-    def _dial_back(self, host: str, port: int) -> None:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((self.host, self.port))
-            sock.settimeout(PUNCH_WAIT)
-            sock.connect((host, port))
-        except OSError as e:  # the caller's SYN may have come in on the listener instead: then all is well
-            log.debug("dialing back to %s:%d for a punch: %s", host, port, e)
-            sock.close()
-            return
-        self._serve(sock)
-
-    def _links(self) -> list[Link]:
-        """Every connection this rank made or holds a lane on (the caller holds ``_peers_lock``)."""
-        made = [p.link for pool in self._peers.values() for p in pool if p.link is not None]
-        return made + list(self._lane_links.values()) + [link for links in self._lanes_in.values() for link in links]
+        """Whether messages from this rank go through a relay after a failed punch (for
+        :data:`~peers.wire.nat.PUNCH_AGAIN` seconds, doubled at each failure to the same rank): its island then
+        has its groups average through the reachable islands (:func:`peers.wire.encoded.part_owners`)."""
+        return self.puncher.any_failed()
 
     def socket_inodes(self) -> set[int]:
         """Inodes of this transport's live connections (what :class:`peers.wire.counters.WireCounter` counts)."""
-        socks = list(self._conns)
-        with self._peers_lock:
-            socks += [link.sock for link in self._links()]
+        socks = self.listener.sockets() + [link.sock for link in self.links.links() + self.lanes.links()]
         out = set()
         for s in socks:
             try:
@@ -653,36 +417,9 @@ class Transport:
     def close(self) -> None:
         """Stop listening and drop every connection (messages in the inbox stay readable)."""
         self._closed.set()
-        try:  # a close alone leaves the socket listening while the accept thread still blocks in accept()
-            self._server.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self._server.close()
-        except OSError:
-            pass
-        for conn in list(self._conns):
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        with self._handoff_lock:
-            for link in self._handoff.values():
-                link.close()
-            self._handoff.clear()
-        with self._peers_lock:
-            links = self._links()
-            for pool in self._peers.values():
-                for peer in pool:
-                    peer.link = None
-            self._lanes_in.clear()
-            self._lane_arrived.notify_all()
-        for link in links:
-            try:
-                link.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            link.sock.close()
+        self.listener.close()
+        self.links.close()
+        self.lanes.close()
 
 
 def send_all(transport: Transport, messages: list[tuple[str, str, Buffer, dict | None]], deadline: float
@@ -734,4 +471,4 @@ def tensor_bytes(t: Any) -> memoryview:
 
 
 __all__ = ["Transport", "TransportError", "RefusedError", "GoneError", "Stats", "send_all", "parse_endpoint", "slot_of",
-           "refuses", "tensor_bytes"]
+           "refuses", "tensor_bytes", "message_limit", "MAX_MESSAGE", "Identity"]
