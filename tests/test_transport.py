@@ -653,7 +653,8 @@ def test_a_dial_back_dials_only_the_asker_s_address_and_tells_no_banner(transpor
         request = {"addresses": [own.address], "greeted": [own.address], "nonce": "00" * 16,
                    "reply": f"{REPLY}x", "reply_to": asker.endpoint}
         asker.send(responder.endpoint, f"{REQUEST}x", json.dumps(request).encode(), time.monotonic() + 10)
-        assert _until(lambda: replies, 15) and own.accepted == 1 and len(replies) == 1
+        # the kernel completes the dial-back's connection before the banner's thread counts it: wait for both
+        assert _until(lambda: replies and own.accepted, 15) and own.accepted == 1 and len(replies) == 1
         assert _Banner.TEXT not in replies[0] and _Banner.TEXT.hex().encode() not in replies[0], replies[0]
     finally:
         elsewhere.close()

@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import base58
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from google.protobuf.message import DecodeError
+from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 SHA2_256 = b"\x12\x20"
@@ -30,7 +30,7 @@ _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MA
 
 def peer_id_of(public: bytes) -> str:
     """The libp2p peer id (base58) of a public key in libp2p's protobuf encoding."""
-    return base58.b58encode(SHA2_256 + hashlib.sha256(public).digest()).decode()
+    return PeerID(SHA2_256 + hashlib.sha256(public).digest()).to_base58()
 
 
 class Identity:
