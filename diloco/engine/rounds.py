@@ -851,9 +851,11 @@ class OuterRounds:
         log.warning("round %d: %s; %s", rnd + 1, result.reason, why)
         first = result
         # the members left are known when the lost one simply never confirmed: their group forms at once
-        result, averaged = self.peers.averager.average(
+        # the round's pending handle becomes the retry's: a commit keeps what it left unsent and its members
+        f.pending = self.peers.averager.start(
             f.outgoing(), f.weight, f.meta, round_id=rid, on_stage=self._on_stage(f), matchmaking_timeout=timeout,
             buckets=self.schedule.buckets(f.fragment), expected_group_size=result.members_left or None)
+        result, averaged = self.peers.averager.finish(f.pending)
         for counted in ("seconds", "bytes_sent", "bytes_received", "island_bytes_sent", "parts_resent"):
             setattr(result, counted, getattr(result, counted) + getattr(first, counted))
         if not result.ok:

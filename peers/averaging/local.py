@@ -30,6 +30,8 @@ class LocalAverager:
     """
 
     peer_id = "local"
+    committed: list[str] = []
+    """Nobody else commits a round: the roster stays empty."""
 
     def __init__(self) -> None:
         self._out: dict[str, torch.Tensor] = {}
