@@ -660,6 +660,7 @@ class OuterRounds:
         it (None)."""
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
+            self.peers.averager.decline(round_id(f.rnd))
             self.stats.rounds_failed += 1
             self.stats.failures.append(f"round {f.rnd + 1}: behind the run, caught up from a peer")
             return RoundMetrics.skipped(self.stats, self.outer.lr, "behind the run; caught up from a peer")
@@ -722,6 +723,7 @@ class OuterRounds:
         """A stale member is left out, not the round: the others average without us; we take their result."""
         reason = "θ_global differed from the other islands'; left the round out and resynchronized"
         log.warning("round %d: %s", rnd + 1, reason)
+        self.peers.averager.decline(round_id(rnd))
         resynced = self.transfer.catch_up(force_download=True, wait_for_round=True, counted=1)
         self.stats.rounds_failed += 1
         reason = reason if resynced else f"{reason} (not yet)"

@@ -66,6 +66,9 @@ class LocalAverager:
         """The outcome of a round :meth:`start` ran."""
         return pending.outcome
 
+    def decline(self, round_id: str) -> None:
+        """Nobody takes it for a leader."""
+
     def set_state_priority(self, outer_step: int) -> None:
         """Nothing to advertise."""
 

@@ -42,6 +42,9 @@ class IslandAverager(Protocol):
     def commit(self, pending: Any) -> None:
         """The island applied the round: keep what its codec left unsent."""
 
+    def decline(self, round_id: str) -> None:
+        """The island takes no part in ``round_id``: islands that took it for the round's leader are sent on."""
+
     @property
     def committed(self) -> list[str]:
         """The run's committed roster as this island holds it: the islands that committed the last round it

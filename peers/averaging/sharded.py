@@ -176,6 +176,7 @@ class ShardedAverager:
         if self.decay is not None and settings.owner_feedback and not self.auto and is_dense(fixed) and fixed.lossy:
             self.carry = carry if carry is not None else {}
         self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
+        self._committed: tuple[str, ...] = ()
         self.drop: Callable[[int], bool] | None = None
         """Tests: buckets whose parts this rank does not send (a member lost in the middle of a bucket)."""
         self.exchange = self._island_exchange(local_tensors, specs, group, device, exchange)
@@ -574,8 +575,8 @@ class ShardedAverager:
         self.buffers.update(pending.feedback)
         if self.carry is not None:
             self.carry.update(pending.carry)
-        if self.matcher is not None and pending.result is not None and pending.result.peers:
-            self.matcher.commit(pending.result.peers)
+        if pending.result is not None and pending.result.peers:  # every rank learned the round's members
+            self.committed = pending.result.peers
 
     def state_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
                           ) -> list[float]:
@@ -594,16 +595,23 @@ class ShardedAverager:
             self.matcher.moved_past, self.matcher.stopping = moved_past, stopping
             self.matcher.company = company
 
+    def decline(self, round_id: str) -> None:
+        """The island takes no part in ``round_id`` (it leaves the round out, or is behind the run): islands that took
+        it for the round's leader are sent on (rank 0; nothing elsewhere)."""
+        if self.matcher is not None:
+            self.matcher.decline(round_id)
+
     @property
     def committed(self) -> list[str]:
-        """The run's committed roster as this island holds it (rank 0; [] on the other ranks): the islands that
-        committed the last round it committed or adopted (see :attr:`peers.group.averager.VerifiedAverager.committed`)."""
-        return list(self.matcher.committed) if self.matcher is not None else []
+        """The run's committed roster as this island holds it (every rank alike): the islands that committed the
+        last round it committed or adopted (see :attr:`peers.group.averager.VerifiedAverager.committed`)."""
+        return list(self._committed)
 
     @committed.setter
     def committed(self, islands: Collection[str]) -> None:
+        self._committed = tuple(sorted(str(i) for i in islands))
         if self.matcher is not None:
-            self.matcher.committed = tuple(sorted(str(i) for i in islands))
+            self.matcher.committed = self._committed
 
     def shutdown(self) -> None:
         """Stop the island's averager and the channel (the DHT, transport and process groups are the caller's,

@@ -327,9 +327,11 @@ class VerifiedAverager(MissedGroups):
         return RoundView.of(self.membership.snapshot(round_of(round_id), timeout=self.settings.matchmaking_time),
                             self.committed)
 
-    def commit(self, members: Sequence[str]) -> None:
-        """The island committed a round averaged by ``members``: they are the run's committed roster now."""
-        self.committed = tuple(sorted(members))
+    def decline(self, round_id: str) -> None:
+        """This island takes no part in ``round_id`` nor in its retry: islands that take it for their leader are sent
+        on to the next one."""
+        for rid in (round_id, f"{round_id}.retry"):
+            self.roster.decline(rid)
 
     def _give_up(self, round_id: str, started: float) -> RoundResult | None:
         """Asked about once a second while the roster forms: a result when the wait is pointless (a group listed

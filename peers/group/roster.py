@@ -61,6 +61,8 @@ CLOSED_ROUNDS = 64
 """Rosters a leader remembers after sending them, to answer joins that come later."""
 POLL = 1.0
 """Seconds between two looks, while a roster forms, at whether the leader or an expected island is gone."""
+PASS_BODY = b'{"pass": true}'
+"""What an island that takes no part in a round answers the joins that come to it: try the next leader."""
 
 
 def _order_key(round_id: str, island: str) -> bytes:
@@ -196,6 +198,18 @@ class RosterForming:
         self._lock = threading.Lock()
         transport.handlers[JOIN] = self._on_join
 
+    def decline(self, round_id: str) -> None:
+        """This island takes no part in ``round_id`` (it leaves the round out, or catches up past it): islands whose
+        join comes to it, taking it for the round's leader, are told to try the next one in the order."""
+        self._close(round_id, PASS_BODY)
+        key = JOIN + round_id
+        pending = self.transport.box.wait_for(key, lambda m: True, 0.0)
+        self.transport.box.release(key, drop=True)
+        for payload in pending.values():
+            joined = _read_join(payload, round_id)
+            if joined is not None:
+                threading.Thread(target=self._send_roster, args=(joined[1], round_id, PASS_BODY), daemon=True).start()
+
     def close(self) -> None:
         """Stop answering joins."""
         if self.transport.handlers.get(JOIN) == self._on_join:
@@ -244,7 +258,10 @@ class RosterForming:
                 log.info("round %s: could not reach its leader %s (%s); trying the next", round_id, leader[-8:],
                          "gone" if isinstance(e, GoneError) else e)
                 continue
-            return self._follow(round_id, leader, where, deadline, give_up, body, endpoint)
+            followed = self._follow(round_id, leader, where, deadline, give_up, body, endpoint)
+            if followed is not PASSED:
+                return followed
+            log.info("round %s: %s takes no part in it; trying the next leader", round_id, leader[-8:])
         return RoundResult(False, f"averaging failed: none of the {len(tried)} island(s) that could lead round "
                            f"{round_id} was reachable")
 
@@ -263,6 +280,8 @@ class RosterForming:
                 self._redirect_joins(round_id, leader, where)
                 if leader in got:
                     sent = got[leader]
+                    if bytes(sent) == PASS_BODY:
+                        return PASSED
                     turn = _read_redirect(sent)
                     if turn is not None and not redirected and turn[0] != self.island:
                         redirected = True
@@ -282,8 +301,8 @@ class RosterForming:
                         return RoundResult(False, f"averaging failed: the leader of round {round_id} sent a roster "
                                            f"that could not be read")
                     if self.island not in members:
-                        return RoundResult(False, "the other islands formed this round's group without this island "
-                                           "(it joined after the roster left)", left_behind=True)
+                        return RoundResult(False, "the other islands moved past this round without this island (it "
+                                           "joined after their roster left)", left_behind=True)
                     return members
                 if time.monotonic() >= deadline:
                     return RoundResult(False, "averaging failed: no roster came from the round's leader within "
@@ -369,6 +388,10 @@ class RosterForming:
             self._closed[round_id] = body
             while len(self._closed) > CLOSED_ROUNDS:
                 self._closed.popitem(last=False)
+
+
+PASSED = RoundResult(False, "the leader takes no part in the round")
+"""What :meth:`RosterForming._follow` returns when the leader we joined declined the round."""
 
 
 def _read_redirect(payload: bytes | bytearray | memoryview) -> tuple[str, str] | None:
