@@ -100,18 +100,22 @@ def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> b
 def majority_by_state(meta: dict[str, dict], me: str, rtol: float = 1e-5) -> tuple[list[str], bool]:
     """Split the group by agreeing ``state_fingerprint``; return (majority peers, am I outside it).
 
-    The majority is the largest subset whose fingerprints agree; ties go to the subset holding the
-    smallest peer id, so every member computes the same answer.  Members that sent no fingerprint
-    agree with everybody.
+    The majority is the largest subset whose fingerprints agree and who descend from the same rounds (their
+    ``lineage``, when they send one: the committed roster their θ_global came from); ties go to the subset holding
+    the smallest peer id, so every member computes the same answer.  Members that sent no fingerprint agree with
+    everybody.
     """
     peers = sorted(meta)
     prints = {p: meta[p].get("state_fingerprint") for p in peers}
+    lineages = {p: meta[p].get("lineage") for p in peers}
     clusters: list[list[str]] = []
     for p in peers:
         if prints[p] is None:
             continue
         for cluster in clusters:
-            if fingerprints_agree(prints[cluster[0]], prints[p], rtol):
+            first = cluster[0]
+            same_lineage = lineages[first] is None or lineages[p] is None or lineages[first] == lineages[p]
+            if same_lineage and fingerprints_agree(prints[first], prints[p], rtol):
                 cluster.append(p)
                 break
         else:

@@ -38,7 +38,6 @@ from peers.discovery.dht import (
 from peers.discovery.membership import Membership, reachable_islands
 from peers.discovery.run_key import check_run_key, key_check_key, new_run_key
 from peers.errors import PeerNetworkError, PortTakenError, RunKeyError
-from peers.group.averager import VerifiedAverager
 from peers.island.exchange import BucketExchange
 from peers.island.layout import CanonicalLayout
 from peers.island.ranks import IslandRanks
@@ -87,15 +86,14 @@ def round_of(rid: str) -> int:
 class PeerNode:
     """This rank's peer network handles (collective where it says so).
 
-    :meth:`start` starts the DHT node and the island's hivemind averager: both are processes forked from this
-    one, so they start before the model exists (a process forked later keeps a copy of every page this one
-    writes afterwards: the parameters, the optimizer states, θ_global, round after round).  :meth:`bind` gives
-    the shards this rank averages (``layout``, ``params``, ``specs``, ``exchange``), :meth:`serve` what it
-    serves to joiners, and :meth:`connect` wires the rest.  ``unsent``: the codec's error feedback dicts the
-    averager keeps (``feedback`` and ``carry``, updated in place); ``count(traffic)`` receives the island's traffic since the last
-    count (:meth:`count_bytes`);
-    ``resuming``: the island was started with ``--resume`` (it listens on its former ports and rejoins the
-    run it knew)."""
+    :meth:`start` starts the DHT node: a process forked from this one, so it starts before the model exists (a
+    process forked later keeps a copy of every page this one writes afterwards: the parameters, the optimizer
+    states, θ_global, round after round).  :meth:`bind` gives the shards this rank averages (``layout``,
+    ``params``, ``specs``, ``exchange``), :meth:`serve` what it serves to joiners, and :meth:`connect` wires the
+    rest.  ``unsent``: the codec's error feedback dicts the averager keeps (``feedback`` and ``carry``, updated in
+    place); ``count(traffic)`` receives the island's traffic since the last count (:meth:`count_bytes`);
+    ``resuming``: the island was started with ``--resume`` (it listens on its former ports and rejoins the run it
+    knew)."""
 
     def __init__(self, a: PeerSettings, rt: IslandRanks, run_dir: Path, name: str, *, resuming: bool,
                  unsent: FeedbackBuffers, count: Callable[[Traffic], None]):
@@ -106,8 +104,6 @@ class PeerNode:
         self.exchange: BucketExchange | None = None
         self.unsent, self.count = unsent, count
         self.run_key = ""
-        self.matcher: VerifiedAverager | None = None
-        """The island's hivemind averager (rank 0), started with the DHT; the averager takes it over."""
         self.dht: hivemind.DHT | None = None
         self.averager: IslandAverager | None = None
         """The island's averager once connected (None before :meth:`connect` and after :meth:`disconnect`)."""
@@ -143,8 +139,7 @@ class PeerNode:
 
     # ---------------------------------------------------------------------------------- connect
     def start(self, rejoin: list[str] | None = None) -> None:
-        """Collective: start this rank's DHT node and, on rank 0, the island's hivemind averager (the run key
-        resolved and checked first).  ``rejoin``: addresses of islands to reach (besides the initial peers)
+        """Collective: start this rank's DHT node (the run key resolved and checked first).  ``rejoin``: addresses of islands to reach (besides the initial peers)
         when this island, alone in the run, restarts its peer node (see :class:`AloneWatch`); each rank
         listens on its former port (``PORT``) whenever it rejoins or resumes."""
         a, rt = self.a, self.rt
@@ -179,8 +174,6 @@ class PeerNode:
                     self.dht.shutdown()
                     self.dht = None
                     raise RunKeyError(problem)
-            if rt.is_main:
-                self.matcher = VerifiedAverager(self.dht, [], a, self._scope())
         self.run_key = run_key
 
     def _scope(self) -> Scope:
@@ -206,18 +199,20 @@ class PeerNode:
             self.wire.extra = self.transport.socket_inodes
         ids = rt.gather_all(str(self.dht.peer_id) if self.dht is not None else f"{a.run_id}-island{rt.island_index}")
         backend = a.backend if self.fallback is not None or a.backend == "hivemind" else "hivemind"
-        matcher, self.matcher = self.matcher, None
+        membership = None
+        if self.dht is not None:
+            membership = Membership(self.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
+            membership.maddrs = [] if self._dht_client() else visible_maddrs(self.dht)
+            membership.endpoint = self.transport.endpoint
         self.averager = ShardedAverager(
             self.layout, self.params, self.specs, group, self.dht, a, self._scope(), backend=backend,
             fallback=self.fallback, transport=self.transport, island_id=ids[0],
             exchange=self.exchange if group is rt.group else None, feedback=self.unsent.feedback,
-            carry=self.unsent.carry, matcher=matcher)
-        if self.dht is None:
+            carry=self.unsent.carry, membership=membership)
+        if membership is None:
             return
         self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
-        self.membership = Membership(self.dht, a.run_id, ttl=a.member_ttl, island=ids[0], rank=rt.rank)
-        self.membership.maddrs = [] if self._dht_client() else visible_maddrs(self.dht)
-        self.membership.endpoint = self.transport.endpoint
+        self.membership = membership
         self.membership.start_heartbeat()
         if not self.transport.reachable:
             threading.Thread(target=self._hold_lanes, args=(self.membership, self.transport), name="lanes",
@@ -255,9 +250,6 @@ class PeerNode:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
-        if self.matcher is not None:
-            self.matcher.shutdown()
-            self.matcher = None
         if self._server is not None:
             self._server.close()
             self._server = None

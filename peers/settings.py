@@ -82,6 +82,16 @@ class AveragerSettings:
 
     min_group_size: int = 2
     """A round with fewer islands than this is rejected and the island keeps its own parameters."""
+    wait_for_islands: int = 0
+    """The islands a new run expects: before training, wait (up to matchmaking_timeout) until this many have
+    registered (0: don't), and let no round commit before a majority of them averaged it. Without it, the first
+    round counts the islands registered when it starts: set it when a run's islands start at once, so that a DHT
+    split at the very start (two halves that have not met yet) cannot start two runs."""
+    max_group_size: int = 16
+    """The most islands that average in one flat group: a round of more is split, the same way on every island, into
+    groups of near-equal size that average inside themselves and then across (each part of a bucket among one member
+    of each group), so that an island talks to about max_group_size + islands/max_group_size others, not to every
+    island (0: one flat group whatever the size)."""
     target_group_size: int = 0
     """Form a group as soon as this many islands are ready (0: as many as arrive in the matchmaking window)."""
     matchmaking_time: float = 5.0
@@ -146,8 +156,6 @@ class PeerSettings(NetworkSettings, AveragerSettings):
     max_norm_ratio: float = 10.0
     """Reject a round whose averaged pseudo-gradient norm exceeds this multiple of the median of recent
     committed rounds (0 disables the check); per million tokens under a `sync_every` budget other than steps, whose rounds differ in length."""
-    wait_for_islands: int = 0
-    """Before training, wait (up to matchmaking_timeout) until this many islands have registered (0: don't)."""
     member_ttl: float = 60.0
     """Seconds an island's registration lives without a heartbeat (refreshed every third of it, at least every 3 s: an island that missed a beat does not hold up a catch-up)."""
     rejoin_after: float = 30.0

@@ -639,7 +639,9 @@ def test_a_dial_back_dials_only_the_asker_s_address_and_tells_no_banner(transpor
 
     from peers.wire.dial_back import REPLY, REQUEST, ask_dial_back, serve_dial_back
 
-    responder = transports("responder", "k", host="127.0.0.1")
+    # the responder sits on another machine than the asker (127.0.0.2): it would dial a rank of its own machine
+    # straight instead of answering over the lane the asker opens
+    responder = transports("responder", "k", host="127.0.0.2")
     serve_dial_back(responder)
     elsewhere, own = _Banner("127.0.0.3"), _Banner("127.0.0.1")
     try:

@@ -130,22 +130,24 @@ def test_an_abstaining_member_counts_as_left_and_ends_the_vote(swarm):
     assert time.monotonic() - t0 < 30, "the voter waited out its timeout for the abstainer"
 
 
-def test_an_island_whose_matchmaking_missed_its_group_abstains_on_that_groups_vote(swarm):
-    """A group listed island x, but x's matchmaking never learned it (the leader's message was lost) and the
-    group averaged without x's part.  x is still looking for a group when the group's verdicts on its round
+def test_an_island_whose_roster_never_came_abstains_on_that_groups_vote(swarm):
+    """A group listed island x, but its roster never reached x (the leader's message was lost) and the
+    group averaged without x's part.  x is still waiting for a roster when the group's verdicts on its round
     reach it: it stops looking and abstains on that vote, so that the voters stop waiting for it (not after
     their vote timeout) and all three go round again at once.  b's verdict comes after a's has reached x (b
     was still in its all-reduce, seen in CI): x learns the whole group from a's verdict, so it counts b among
     the members left too, and its retry expects a group of three."""
     a, b, x = swarm(*[_settings(vote_timeout=60.0)] * 2, _settings(matchmaking_time=30.0, matchmaking_timeout=60.0))
     peers = sorted(p.peer_id for p in (a, b, x))
+    for other in (a, b):  # x expects them in round 5 (they are there, averaging without x)
+        other.membership.announce(5, averaging=True)
     out: list = []
     matching = threading.Event()
     looking = threading.Thread(target=lambda: out.append(x.average(
         [torch.ones(100)], 1.0, {}, "5", on_stage=lambda stage: stage == "matchmaking" and matching.set())))
     looking.start()
     assert matching.wait(30)
-    time.sleep(1.0)  # x is looking for its group (on a loaded machine too)
+    time.sleep(1.0)  # x is waiting for its roster (on a loaded machine too)
     t0 = time.monotonic()
     lost = "1 of 3 island(s) did not confirm the result (left or failed mid-round)"
     first = _vote_all_later([a], peers, [torch.ones(100)], "5")
@@ -160,18 +162,19 @@ def test_an_island_whose_matchmaking_missed_its_group_abstains_on_that_groups_vo
     assert result.retryable and (result.voters, result.members_left) == (2, 3)
 
 
-def test_an_island_whose_step_failed_as_a_group_averaged_without_it_abstains_on_that_groups_vote(swarm, monkeypatch):
-    """x's matchmaking gives up just as a group that listed it averages without it (seen in CI: the two then
-    waited for each other under different round ids, and the round was lost on both): the group's verdict
-    reaches x only after x's step failed.  x waits a moment for such messages before it reports the
+def test_an_island_that_gave_up_as_a_group_averaged_without_it_abstains_on_that_groups_vote(swarm, monkeypatch):
+    """x gives up waiting for its roster just as a group that listed it averages without it (seen in CI with
+    hivemind's matchmaking: the two then waited for each other under different round ids, and the round was lost
+    on both): the group's verdict reaches x only after x gave up.  x waits a moment for such messages before it reports the
     failure, and abstains on that vote, so that a counts it as alive and both go round again at once."""
     monkeypatch.setattr(missed_group, "MISSED_GRACE", 15.0)
     a, x = swarm(_settings(vote_timeout=20.0), _settings(matchmaking_time=1.0, matchmaking_timeout=1.5))
     peers = sorted([a.peer_id, x.peer_id])
+    a.membership.announce(8, averaging=True)
     out: list = []
     failing = threading.Thread(target=lambda: out.append(x.average([torch.ones(100)], 1.0, {}, "8")))
     failing.start()
-    time.sleep(4.0)  # alone, x's step failed after 1.5 s (or, on a loaded machine, x is still looking)
+    time.sleep(4.0)  # x gave up after 1.5 s (or, on a loaded machine, x is still waiting)
     assert not out, out[0][0].reason
     lost = "1 of 2 island(s) did not confirm the result (left or failed mid-round)"
     t0 = time.monotonic()
@@ -182,14 +185,16 @@ def test_an_island_whose_step_failed_as_a_group_averaged_without_it_abstains_on_
     assert "never learned" in result.reason and result.retryable and result.members_left == 2, result.reason
 
 
-def test_an_island_whose_matchmaking_missed_its_group_declines_that_groups_exchange(swarm):
+def test_an_island_whose_roster_never_came_declines_that_groups_exchange(swarm):
     """The same with a low-bit codec, one step earlier: the group's members send x their encoded parts and
-    wait for x's, which never comes (allreduce_timeout, 60 s here).  x, still looking for a group, declines
+    wait for x's, which never comes (allreduce_timeout, 60 s here).  x, still waiting for a roster, declines
     their exchange, so that they stop waiting at once, count x as alive, and all three go round again."""
     a, b, x = swarm(*[_settings(compression="topk")] * 2,
                     _settings(compression="topk", matchmaking_time=30.0, matchmaking_timeout=60.0))
     payload = a.codec.encode(torch.ones(100))
     peers = sorted(p.peer_id for p in (a, b, x))
+    for other in (a, b):
+        other.membership.announce(5, averaging=True)
     out: list = []
     matching = threading.Event()
     looking = threading.Thread(target=lambda: out.append(x.average(
@@ -208,7 +213,7 @@ def test_an_island_whose_matchmaking_missed_its_group_declines_that_groups_excha
     members = [threading.Thread(target=gather, args=(avg,)) for avg in (a, b)]
     members[0].start()  # b's parts come after a's reached x: x learns the whole group from a's
     assert wait_until(lambda: a.peer_id in x._parts.box.senders(parts_key(peers, "5")), 30)
-    time.sleep(missed_group.PARTS_GRACE + 1.0)  # x has stopped looking and declined by now
+    time.sleep(missed_group.PARTS_GRACE + 1.0)  # x has stopped waiting and declined by now
     members[1].start()
     for t in members:
         t.join(60)
@@ -261,8 +266,8 @@ def test_a_decliner_answers_the_parts_of_members_it_had_not_heard_from(swarm):
 
 
 def test_a_stopping_island_gives_up_looking_for_a_group_at_once(swarm):
-    """Ctrl-C on an island alone in its round: it stops looking for a group instead of waiting out
-    ``matchmaking_timeout``."""
+    """Ctrl-C on an island alone in its round (leading it, it waits for others to make a group of
+    ``min_group_size``): it stops looking for a group instead of waiting out ``matchmaking_timeout``."""
     alone, = swarm(_settings(matchmaking_time=30.0, matchmaking_timeout=60.0))
     asked = time.monotonic() + 1.0
     alone.stopping = lambda: time.monotonic() > asked

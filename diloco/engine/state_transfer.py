@@ -86,8 +86,10 @@ class StateTransfer:
         the outer step on without changing θ_global: the step served is the island's, the run's numbering."""
         if not self.serving:
             return None
+        averager = self.peers.averager
         meta = {"outer_step": self.stats.outer_step, "config_fingerprint": self.fingerprint,
-                "layout_fingerprint": self.layout.fingerprint(), "phase": self.schedule.phase()}
+                "layout_fingerprint": self.layout.fingerprint(), "phase": self.schedule.phase(),
+                "committed": averager.committed if averager is not None else []}
         return meta, self.outer.theta_global, dict(zip(self.outer.names, self.outer.momentum_buffers()))
 
     def _serve(self, on: bool) -> None:
@@ -295,7 +297,7 @@ class StateTransfer:
         donor = self.main_decides(self._donor)
         got: dict[int, Downloaded] = {}
         verdict: dict[int, int] = {}
-        foreign, phase = "", -1
+        foreign, phase, committed = "", -1, None
         if donor:
             self._downloads += 1
             buckets = {b: self.layout.buckets[b].numel for b in self.exchange.owned}
@@ -309,11 +311,16 @@ class StateTransfer:
                 foreign = foreign or problem
                 served = as_float(piece.meta.get("phase"))  # a peer's metadata: anything may come
                 phase = max(phase, int(served) if math.isfinite(served) else -1)
+                roster = piece.meta.get("committed")
+                if isinstance(roster, list) and all(isinstance(i, str) for i in roster):
+                    committed = roster if committed is None or committed == roster else []
         merged: dict[int, int] = {}
-        for part, why, p in self.rt.gather_all((verdict, foreign, phase)):
+        rosters = []
+        for part, why, p, roster in self.rt.gather_all((verdict, foreign, phase, committed)):
             merged.update(part)
             foreign = foreign or why
             phase = max(phase, p)
+            rosters.append(roster)
         if foreign:
             raise TrainingError(foreign)
         steps = set(merged.values())
@@ -322,7 +329,11 @@ class StateTransfer:
         theta = self.exchange.scatter({b: d.theta for b, d in got.items()})
         momentum = self.exchange.scatter({b: d.momentum for b, d in got.items()})
         names = self.outer.names
-        meta = {"outer_step": steps.pop(), "config_fingerprint": self.fingerprint, "phase": phase}
+        # the committed roster that θ_global comes with (the donor's ranks hold the same one; ranks that own no
+        # bucket saw none)
+        served = [r for r in rosters if r is not None]
+        meta = {"outer_step": steps.pop(), "config_fingerprint": self.fingerprint, "phase": phase,
+                "committed": served[0] if served and all(r == served[0] for r in served) else []}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
     def _donor(self) -> list[str]:
@@ -372,6 +383,8 @@ class StateTransfer:
             self.outer.set_momentum_buffers(tensors[n:])
             self.outer.step_count = int(meta.get("outer_step", 0))
             self.stats.outer_step = int(meta.get("outer_step", 0))
+        if self.peers.averager is not None:  # θ_global's lineage comes with it
+            self.peers.averager.committed = list(meta.get("committed") or [])
         # the inner steps since the last sync were dropped with the state; the round schedule is the server's
         phase = int(meta.get("phase", -1))
         if self._deferred is not None:

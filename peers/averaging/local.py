@@ -30,6 +30,8 @@ class LocalAverager:
     """
 
     peer_id = "local"
+    committed: list[str] = []
+    """Nobody else commits a round: the roster stays empty."""
 
     def __init__(self) -> None:
         self._out: dict[str, torch.Tensor] = {}
@@ -63,6 +65,9 @@ class LocalAverager:
     def finish(self, pending: Finished) -> tuple[RoundResult, dict[str, torch.Tensor] | None]:
         """The outcome of a round :meth:`start` ran."""
         return pending.outcome
+
+    def decline(self, round_id: str) -> None:
+        """Nobody takes it for a leader."""
 
     def set_state_priority(self, outer_step: int) -> None:
         """Nothing to advertise."""

@@ -42,8 +42,17 @@ class IslandAverager(Protocol):
     def commit(self, pending: Any) -> None:
         """The island applied the round: keep what its codec left unsent."""
 
-    def set_state_priority(self, outer_step: int) -> None:
-        """Advertise the outer step of the state this island serves."""
+    def decline(self, round_id: str) -> None:
+        """The island takes no part in ``round_id``: islands that took it for the round's leader are sent on."""
+
+    @property
+    def committed(self) -> list[str]:
+        """The run's committed roster as this island holds it: the islands that committed the last round it
+        committed or adopted (rank 0; [] elsewhere, and for an averager that averages with nobody)."""
+
+    @committed.setter
+    def committed(self, islands: Collection[str]) -> None:
+        """Adopt another island's committed roster (with its θ_global)."""
 
     def shutdown(self) -> None:
         """Stop the averager's threads and processes."""

@@ -75,7 +75,7 @@ from peers.averaging.bucket_round import (
     island_verdict,
     shared_fields,
 )
-from peers.discovery.membership import MemberCheck
+from peers.discovery.membership import MemberCheck, Membership
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
 from peers.group.averager import Exchange, VerifiedAverager
 from peers.result import RoundResult, as_float
@@ -132,6 +132,8 @@ class ShardedAverager:
     :class:`peers.averaging.fallback.HierarchicalAllReduce` whose island ranks are ``group``'s (required for
     ``backend="torch"``, optional for ``"auto"``); ``exchange``: the island's :class:`BucketExchange` if the
     caller built one already; ``feedback``: the error-feedback buffers by owned bucket (see :attr:`buffers`);
+    ``membership``: the island's registration in the run (rank 0 forms its rounds' rosters from it; without one
+    its averager registers itself);
     ``carry``: the owner feedback (see :attr:`carry`); ``matcher``: rank 0's island averager if the caller
     started it already (it is this averager's from then on).  Construction is collective over ``group``.
     """
@@ -141,7 +143,8 @@ class ShardedAverager:
                  scope: Scope = Scope(), *, backend: str = "hivemind", fallback: Any = None, transport: Transport | None = None,
                  island_id: str | None = None, device: torch.device | str | None = None,
                  exchange: BucketExchange | None = None, feedback: dict[int, torch.Tensor] | None = None,
-                 carry: dict[int, torch.Tensor] | None = None, matcher: VerifiedAverager | None = None):
+                 carry: dict[int, torch.Tensor] | None = None, matcher: VerifiedAverager | None = None,
+                 membership: Membership | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown averaging backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if backend == "torch" and fallback is None:
@@ -174,6 +177,7 @@ class ShardedAverager:
         if self.decay is not None and settings.owner_feedback and not self.auto and is_dense(fixed) and fixed.lossy:
             self.carry = carry if carry is not None else {}
         self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
+        self._committed: tuple[str, ...] = ()
         self.drop: Callable[[int], bool] | None = None
         """Tests: buckets whose parts this rank does not send (a member lost in the middle of a bucket)."""
         self.exchange = self._island_exchange(local_tensors, specs, group, device, exchange)
@@ -204,7 +208,8 @@ class ShardedAverager:
                 else:
                     self.channel = DirectChannel(self.transport, largest, entropy_coding=coding)
                 if self.rank == 0:
-                    self.matcher = self.matcher or VerifiedAverager(dht, [], settings, scope)
+                    self.matcher = self.matcher or VerifiedAverager(dht, [], settings, scope, self.transport,
+                                                                    membership)
                     self.matcher.parts = self.channel  # parts of a group that listed us arrive here
             except BaseException:
                 self.shutdown()
@@ -567,10 +572,13 @@ class ShardedAverager:
 
     # ---------------------------------------------------------------------------------- the rest
     def commit(self, pending: PendingRound) -> None:
-        """The island committed ``pending``'s round: what the codec dropped from it goes into the next one."""
+        """The island committed ``pending``'s round: what the codec dropped from it goes into the next one, and the
+        round's members are the run's committed roster."""
         self.buffers.update(pending.feedback)
         if self.carry is not None:
             self.carry.update(pending.carry)
+        if pending.result is not None and pending.result.peers:  # every rank learned the round's members
+            self.committed = pending.result.peers
 
     def state_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
                           ) -> list[float]:
@@ -582,12 +590,30 @@ class ShardedAverager:
     def watch_rounds(self, moved_past: Callable[[str], bool], stopping: Callable[[], bool],
                      company: Callable[[], int] | None = None) -> None:
         """Let the island's group formation stop once ``moved_past(round_id)`` says the other islands are done
-        with the round, or ``stopping()`` that this island is leaving, and wait without matchmaking while
+        with the round, or ``stopping()`` that this island is leaving, and wait without forming a group while
         ``company()`` counts no other live island (see :attr:`peers.group.averager.VerifiedAverager.moved_past`,
         ``stopping`` and ``company``)."""
         if self.matcher is not None:
             self.matcher.moved_past, self.matcher.stopping = moved_past, stopping
             self.matcher.company = company
+
+    def decline(self, round_id: str) -> None:
+        """The island takes no part in ``round_id`` (it leaves the round out, or is behind the run): islands that took
+        it for the round's leader are sent on (rank 0; nothing elsewhere)."""
+        if self.matcher is not None:
+            self.matcher.decline(round_id)
+
+    @property
+    def committed(self) -> list[str]:
+        """The run's committed roster as this island holds it (every rank alike): the islands that committed the
+        last round it committed or adopted (see :attr:`peers.group.averager.VerifiedAverager.committed`)."""
+        return list(self._committed)
+
+    @committed.setter
+    def committed(self, islands: Collection[str]) -> None:
+        self._committed = tuple(sorted(str(i) for i in islands))
+        if self.matcher is not None:
+            self.matcher.committed = self._committed
 
     def shutdown(self) -> None:
         """Stop the island's averager and the channel (the DHT, transport and process groups are the caller's,

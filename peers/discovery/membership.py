@@ -95,6 +95,22 @@ class Member:
         return not self.left and takes_connections(self.endpoint)
 
 
+@dataclass
+class Snapshot:
+    """One read of the registry, as an island enters round ``outer_step`` (see :meth:`Membership.snapshot`)."""
+
+    endpoints: dict[str, str]
+    """Island id → its rank 0's transport endpoint, for the live islands (this one included)."""
+    coming: set[str]
+    """Live islands that will come to this round: training towards it or averaging it, or still finishing the round
+    before (this one included)."""
+    absent: set[str]
+    """Islands known not to take part in this round: they left the run before it (a record that left at this
+    outer step or earlier), or nothing listens at their address any more and their record is not past it."""
+    seen: int
+    """Live islands (this one included)."""
+
+
 class Membership:
     """Registers this island (or one rank of it), keeps the registration alive, and lists the run's
     live islands.  ``island`` is the island's id (its rank 0's peer id; empty: this peer's id) and
@@ -187,12 +203,13 @@ class Membership:
         except Exception as e:
             log.debug("could not announce leaving: %s", e)
 
-    def members(self, strict: bool = False) -> dict[str, Member]:
+    def members(self, strict: bool = False, timeout: float | None = None) -> dict[str, Member]:
         """Registered peers (every rank of every island, including those that announced leaving), by peer id;
-        none when the DHT cannot answer (``strict``: raise :class:`DHTUnavailableError` then)."""
+        none when the DHT cannot answer within ``timeout`` (default: the ttl; ``strict``: raise
+        :class:`DHTUnavailableError` then)."""
         out: dict[str, Member] = {}
         try:
-            found = dht_get(self.dht, self.key, timeout=self.ttl)
+            found = dht_get(self.dht, self.key, timeout=self.ttl if timeout is None else timeout)
         except DHTUnavailableError as e:
             if strict:
                 raise
@@ -246,6 +263,35 @@ class Membership:
     def _is_gone(self, m: Member) -> bool:
         """Whether island ``m``'s address refused us and its record was not refreshed since."""
         return m.peer_id in self._gone and m.expires <= self._gone[m.peer_id]
+
+    def snapshot(self, outer_step: int, timeout: float | None = None) -> Snapshot:
+        """Read the registry once for round ``outer_step`` (waiting at most ``timeout`` seconds for the DHT; then
+        this island sees itself only): who is live and where, who comes to the round, and who is known not to
+        (see :class:`Snapshot`)."""
+        records = self.members(timeout=timeout)
+        live: dict[str, Member] = {}
+        absent: set[str] = set()
+        for m in records.values():
+            island = m.island or m.peer_id
+            if m.left:
+                if m.outer_step <= outer_step:
+                    absent.add(island)
+                continue
+            seen = live.get(island)
+            if seen is None or m.rank == 0:
+                live[island] = m
+        for island in [i for i in live if i in absent]:  # an island that left and came back: live again
+            absent.discard(island)
+        for island, m in list(live.items()):
+            if island != self.island and island in self._gone and m.expires <= self._gone[island]:
+                del live[island]
+                if m.outer_step <= outer_step:
+                    absent.add(island)
+        endpoints = {i: m.endpoint for i, m in live.items() if m.rank == 0 and m.endpoint}
+        # an island whose record still shows the round before is finishing it (or its record is not yet refreshed):
+        # islands that read the registry a moment apart then still count it alike
+        coming = {i for i, m in live.items() if outer_step - 1 <= m.outer_step <= outer_step} | {self.island}
+        return Snapshot(endpoints, coming, absent, max(1, len(live | {self.island: None})))
 
     def endpoints(self, island: str) -> list[str]:
         """The transport endpoints of ``island``'s live ranks, by rank ([] if a rank has none or is missing)."""

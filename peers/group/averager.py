@@ -1,24 +1,21 @@
-"""One island's verified rounds with the other islands: hivemind forms the group, an exchange moves the bytes,
-every member votes on what it got.
+"""One island's verified rounds with the other islands: a roster forms from the run's registry, an exchange moves
+the bytes, every member votes on what it got, and the round counts only for a majority of the run.
 
-hivemind's matchmaking forms each round's group (a step ends as the group forms, with every member's metadata:
-:class:`peers.group.matchmaking._PseudoGradientAverager`); the pseudo-gradient
-goes by an *exchange*: the island's own (:class:`peers.averaging.sharded.ShardedAverager`: every rank averages the
-buckets it owns with their owners on the other islands, over :mod:`peers.wire.transport`), or, for one tensor,
-:meth:`VerifiedAverager.average`'s.  hivemind's own all-reduce could report success while part of the vector
-kept local values (a peer that failed mid-round) and has no timeouts by default; it was also 18x slower than
-a gloo all-reduce of the same bytes.  Every timeout here is explicit, retries are off, and each round ends
-with a vote (:mod:`peers.group.vote`) in which every group member sends a fingerprint of what it received to the
-others.  A round counts only if the group is large enough, every member voted, and all fingerprints agree
-and are finite; otherwise the caller gets a failed :class:`RoundResult` and the averaged values are thrown
-away.
+The group of a round is its roster (:mod:`peers.group.roster`: one leader every island can name, one round trip
+to it); the pseudo-gradient goes by an *exchange*: the island's own (:class:`peers.averaging.sharded.ShardedAverager`:
+every rank averages the buckets it owns with their owners on the other islands, over :mod:`peers.wire.transport`),
+or, for one tensor, :meth:`VerifiedAverager.average`'s.  Every timeout here is explicit, and each round ends with a
+vote (:mod:`peers.group.vote`) in which every group member sends a fingerprint of what it received to the others.
+A round counts only if the group is large enough and holds a majority of the run (the islands that committed the
+round before), every member voted, and all fingerprints agree and are finite; otherwise the caller gets a failed
+:class:`RoundResult` and the averaged values are thrown away.  Members whose θ_global (or the lineage of rounds it
+descends from) differs from the group's majority take no part in the exchange: they resynchronize, the others go on.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -26,21 +23,19 @@ from typing import Any, Callable, Sequence
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage
-from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
 from outer_optim.compression import make_codec
 from outer_optim.tensors import all_finite
-from peers.discovery.membership import MemberCheck
+from peers.discovery.membership import MemberCheck, Membership
 from peers.fingerprints import (
     FINGERPRINT_CHUNKS,
     fingerprint,
     fingerprints_agree,
     majority_by_state,
 )
-from peers.group.matchmaking import _PseudoGradientAverager, cancel_step
 from peers.group.missed_group import PARTS_GRACE, MissedGroups
+from peers.group.roster import RosterForming, RoundView, lineage, quorum_problem
 from peers.group.vote import VoteChannel
 from peers.result import RoundResult, as_float, short_error
 from peers.settings import AveragerSettings, Scope
@@ -50,11 +45,11 @@ from peers.wire.encoded import (
     average_encoded,
     part_owners,
 )
-from peers.wire.round_keys import parts_key, round_bits, vote_key
 from peers.wire.identity import identity_of
+from peers.wire.round_keys import parts_key, vote_key
 from peers.wire.transport import Transport, message_limit
 
-__all__ = ["AveragerGoneError", "AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
+__all__ = ["AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
            "VerifiedAverager", "fingerprint", "fingerprints_agree", "majority_by_state"]
 
 log = logging.getLogger(__name__)
@@ -103,11 +98,6 @@ def check_group(meta: dict[str, dict], round_id: str, min_group_size: int) -> st
     return ""
 
 
-class AveragerGoneError(RuntimeError):
-    """hivemind's averaging process is no longer running."""
-
-
-
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
 
@@ -117,12 +107,14 @@ class VerifiedAverager(MissedGroups):
 
     ``template`` fixes the shapes of the tensors :meth:`average` averages (fp32, CPU; the same on every
     island of a run); an island whose exchange moves its bytes itself (:meth:`run_round`) passes none.
-    ``transport``: where this rank's exchange talks (:meth:`average` makes its own when none is given and
-    ``settings.transport`` is ``direct``).  Call :meth:`shutdown` at the end.
+    ``transport``: where this island's rosters, votes and (``settings.transport`` ``direct``) parts go (one of its
+    own on loopback when none is given).  ``membership``: the island's registration in the run's member registry,
+    which each round's roster is formed from; without one, the averager registers itself (under ``scope.prefix``,
+    with its own heartbeat) and announces each round it averages.  Call :meth:`shutdown` at the end.
     """
 
     def __init__(self, dht: hivemind.DHT, template: Sequence[torch.Tensor], settings: AveragerSettings,
-                 scope: Scope = Scope(), transport: Transport | None = None):
+                 scope: Scope = Scope(), transport: Transport | None = None, membership: Membership | None = None):
         self._numel = sum(t.numel() for t in template)
         self.codec = make_codec(settings.compression, topk_density=settings.topk_density,
                                 topk_bits=settings.topk_bits) if self._numel else None
@@ -146,30 +138,19 @@ class VerifiedAverager(MissedGroups):
         matchmaking, with the time left, once another island is live.  Asked once a second while it looks for a
         group too: once every other island is gone (all of them SIGKILLed), it stops looking instead of waiting
         out ``matchmaking_timeout``."""
-        # hivemind's start makes the calling process ignore SIGINT for good; keep that for its child
-        # process only and give the caller its own handler back
-        main = threading.current_thread() is threading.main_thread()
-        previous_sigint = signal.getsignal(signal.SIGINT) if main else None
+        self.committed: tuple[str, ...] = ()
+        """The islands that committed the last round this island committed or adopted (empty: none yet): a round
+        counts only for a group holding a majority of them (:func:`peers.group.roster.quorum_problem`).  Kept with
+        θ_global: checkpointed, served to joiners, replaced by what they adopt."""
         members = MemberCheck(dht, scope.registry) if scope.private else None
-        try:  # a start that fails (its process never ready) must not leave this process deaf to Ctrl-C either
-            self._averager = _PseudoGradientAverager(
-                [torch.zeros(1)], dht, start=True, prefix=scope.prefix,
-                target_group_size=settings.target_group_size or None, min_group_size=settings.min_group_size,
-                min_matchmaking_time=settings.matchmaking_time, request_timeout=settings.request_timeout,
-                allreduce_timeout=settings.allreduce_timeout, next_chunk_timeout=settings.next_chunk_timeout,
-                compression=NoCompression(), client_mode=scope.client_mode,
-                members=members, shutdown_timeout=5,
-            )
-        finally:
-            if main and previous_sigint is not None:
-                signal.signal(signal.SIGINT, previous_sigint)
-        self._target: int | None = settings.target_group_size or None
         self.peer_id = str(dht.peer_id)
-        self._votes = self._parts = None
+        self._votes = self._parts = self.roster = self._own_membership = None
         self._own_transport = None
         try:
             self._votes = VoteChannel(dht, scope.prefix, members, direct=scope.direct_votes,
                                       ttl=max(60.0, 4 * settings.vote_timeout), reachable=not scope.client_mode)
+            if transport is None:
+                transport = self._own_transport = Transport(identity_of(dht), max_message=message_limit(self._numel))
             if self._numel:
                 max_bytes = self.codec.nbytes(self._numel)
                 coding = settings.entropy_coding and self.codec.skewed
@@ -177,13 +158,17 @@ class VerifiedAverager(MissedGroups):
                     self._parts = EncodedChannel(dht, scope.prefix, max_bytes, members,
                                                  ttl=max(60.0, 4 * settings.allreduce_timeout), entropy_coding=coding)
                 else:
-                    if transport is None:
-                        transport = self._own_transport = Transport(identity_of(dht),
-                                                                    max_message=message_limit(self._numel))
                     self._parts = DirectChannel(transport, max_bytes, entropy_coding=coding)
                     self._votes.use_lanes(self._parts)
-            self.endpoint = transport.endpoint if transport is not None else ""
+            self.endpoint = transport.endpoint
             self.transport = transport
+            self.roster = RosterForming(transport, self.peer_id, settings.matchmaking_time, settings.request_timeout,
+                                        target=settings.target_group_size, min_group_size=settings.min_group_size)
+            if membership is None:
+                membership = self._own_membership = Membership(dht, scope.prefix, island=self.peer_id)
+                membership.endpoint = transport.endpoint
+                membership.start_heartbeat()
+            self.membership = membership
         except BaseException:
             self.shutdown()
             raise
@@ -248,16 +233,15 @@ class VerifiedAverager(MissedGroups):
                   exchange: Callable[[dict[str, dict], list[str], str], Exchange],
                   on_stage: Callable[[str], None] | None = None, matchmaking_timeout: float | None = None,
                   expected_group_size: int | None = None) -> tuple[RoundResult, Any]:
-        """One verified round: form the group, check it, ``exchange(metadata by member, members, round_id)``
-        the pseudo-gradient, vote on the fingerprint of the result.
+        """One verified round: form the roster, check it, ``exchange(metadata by member, members, round_id)`` the
+        pseudo-gradient among the members in the group's majority, check that they hold a majority of the run, vote
+        on the fingerprint of the result.
 
         ``on_stage`` is called with "matchmaking", "allreduce" and "vote" as the round moves on (fault
         injection, progress); ``matchmaking_timeout`` overrides the settings' (a retry among the members left
-        waits less).  ``expected_group_size``: how many islands (this one included) are expected in the
-        group, e.g. the live registered islands entering this round; with ``target_group_size`` 0 the group
-        then forms as soon as that many joined instead of after ``matchmaking_time`` (fewer: it forms after
-        ``matchmaking_time`` as before; more: the group is capped at that size).  Returns the result and, when
-        it succeeded, what the exchange averaged."""
+        waits less).  ``expected_group_size``: how many islands (this one included) a leader may close the roster
+        at (a retry: the members known to be left); by default it waits for every island the registry expects.
+        Returns the result and, when it succeeded, what the exchange averaged."""
         t0 = time.perf_counter()
         stage = on_stage or (lambda _: None)
         started = time.monotonic()
@@ -268,31 +252,50 @@ class VerifiedAverager(MissedGroups):
             if alone is not None:
                 alone.seconds = time.perf_counter() - t0
                 return alone, None
-            # islands at different rounds must never meet: each round matches in its own DHT bucket
-            self._averager.set_group_bits(round_bits(round_id))
-            self._set_target(expected_group_size)
-            control = self._averager.step(
-                gather=dict(metadata, round_id=round_id, weight=float(weight)), weight=float(weight),
-                timeout=max(1.0, started + timeout - time.monotonic()), allow_retries=False, wait=False)
-            outcome = self._await_step(control, round_id, started, stage)
-            if isinstance(outcome, RoundResult):
-                outcome.seconds = time.perf_counter() - t0
-                return outcome, None
-            gathered, t_allreduce = outcome
-        except Exception as e:  # hivemind raises several types when no group forms or a peer fails
+            view = self._round_view(round_id)
+            meta = dict(metadata, round_id=round_id, weight=float(weight), lineage=lineage(self.committed),
+                        out=sorted(view.out), seen=view.seen)
+            if expected_group_size:
+                self.roster.target = expected_group_size
+            formed = self.roster.form(round_id, meta, view, started + timeout, lambda: self._give_up(round_id, started),
+                                      lambda: self._round_view(round_id))
+            self.roster.target = self.settings.target_group_size
+        except Exception as e:  # the registry or the transport failed us: fail the round, never the island
             missed = self._listed_meanwhile(round_id, started)
             result = missed or RoundResult(False, f"averaging failed: {type(e).__name__}: {short_error(e)}")
             result.seconds = time.perf_counter() - t0
             return result, None
+        if isinstance(formed, RoundResult) or len(formed) < self.settings.min_group_size:
+            # no group: one that listed us anyway (we missed its roster) shows itself within moments, by its parts
+            # or its verdicts
+            failed = formed if isinstance(formed, RoundResult) else RoundResult(False, check_group(
+                formed, round_id, self.settings.min_group_size), group_size=len(formed), peers=sorted(formed))
+            missed = None if failed.left_behind or "stopping" in failed.reason else \
+                self._listed_meanwhile(round_id, started)
+            failed = missed or failed
+            failed.seconds = failed.matchmaking_seconds = time.perf_counter() - t0
+            return failed, None
         t1 = time.perf_counter()
-        if not gathered:
-            return RoundResult(False, "averaging returned no group", seconds=t1 - t0), None
-        peers = sorted(str(p) for p in gathered)
-        meta = {str(p): (m if isinstance(m, dict) else {}) for p, m in gathered.items()}
-        n = len(peers)
-        result = RoundResult(False, group_size=n, peers=peers, matchmaking_seconds=t1 - t0, gathered=meta,
-                             total_weight=float(sum(as_float(m.get("weight")) for m in meta.values())))
-        result.reason = check_group(meta, round_id, self.settings.min_group_size)
+        stage("allreduce")
+        t_allreduce = time.perf_counter()
+        gathered = {str(p): (m if isinstance(m, dict) else {}) for p, m in formed.items()}
+        result = RoundResult(False, matchmaking_seconds=t1 - t0, gathered=gathered)
+        result.majority_peers, result.in_minority = majority_by_state(gathered, self.peer_id)
+        peers = result.majority_peers
+        meta = {p: gathered[p] for p in peers}
+        result.peers, result.group_size = peers, len(peers)
+        result.total_weight = float(sum(as_float(m.get("weight")) for m in meta.values()))
+        if result.in_minority:
+            result.reason = (f"θ_global differs from the group's majority ({len(peers)} of {len(gathered)} hold "
+                             f"another one, or descend from other rounds); this island resynchronizes")
+        else:
+            if len(peers) < len(gathered):
+                log.warning("round %s: %d island(s) hold another θ_global; averaging without them (they "
+                            "resynchronize)", round_id, len(gathered) - len(peers))
+            result.reason = check_group(meta, round_id, self.settings.min_group_size) or quorum_problem(
+                peers, self.committed, {o for m in meta.values() for o in _strings(m.get("out"))},
+                max([int(as_float(m.get("seen"))) for m in meta.values() if as_float(m.get("seen")) >= 1]
+                    + [self.settings.wait_for_islands, 1]))
         out = None
         if not result.reason:
             t_exchange = time.perf_counter()
@@ -303,11 +306,7 @@ class VerifiedAverager(MissedGroups):
             if out.reason:
                 result.reason, result.members_left = out.reason, out.members_left
                 result.retryable = result.members_left >= self.settings.min_group_size
-        result.allreduce_seconds = time.perf_counter() - (t_allreduce or t1)
-        result.majority_peers, result.in_minority = majority_by_state(meta, self.peer_id)
-        if not result.reason and len(result.majority_peers) < n:
-            result.reason = (f"θ_global differs between islands ({n - len(result.majority_peers)} of {n} hold "
-                             f"another one); the minority resynchronizes from the majority")
+        result.allreduce_seconds = time.perf_counter() - t_allreduce
         if not result.reason and not out.finite:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
         t2 = time.perf_counter()
@@ -320,6 +319,37 @@ class VerifiedAverager(MissedGroups):
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
         return result, (out.averaged if result.ok else None)
+
+    def _round_view(self, round_id: str) -> RoundView:
+        """What this island knows of the run as it enters ``round_id`` (one read of the registry; an averager that
+        registered itself announces the round first)."""
+        if self._own_membership is not None:
+            self._own_membership.announce(round_of(round_id), averaging=True)
+        # a registry that does not answer soon leaves this island alone in the round, never stuck in it
+        return RoundView.of(self.membership.snapshot(round_of(round_id), timeout=self.settings.matchmaking_time),
+                            self.committed)
+
+    def decline(self, round_id: str) -> None:
+        """This island takes no part in ``round_id`` nor in its retry: islands that take it for their leader are sent
+        on to the next one."""
+        for rid in (round_id, f"{round_id}.retry"):
+            self.roster.decline(rid)
+
+    def _give_up(self, round_id: str, started: float) -> RoundResult | None:
+        """Asked about once a second while the roster forms: a result when the wait is pointless (a group listed
+        us that we missed, the island is stopping, the others moved past the round or are all gone)."""
+        missed = self._missed(round_id, started, PARTS_GRACE)
+        if missed is not None:
+            return missed
+        if self.stopping is not None and self.stopping():
+            return RoundResult(False, "this island is stopping: it gave up looking for a group")
+        if self.moved_past is not None and self.moved_past(round_id):
+            return RoundResult(False, "the other islands moved past this round without this island (it was late for "
+                               "their group)", left_behind=True)
+        if self.company is not None and self.settings.min_group_size >= 2 and self._others_live() == 0:
+            return RoundResult(False, "no other island is live in the run: the others are gone (nothing listens at "
+                               "their addresses); stopped looking for a group")
+        return None
 
     def _wait_for_company(self, deadline: float) -> RoundResult | None:
         """Wait (looking at the registry once a second) until another island is live: None then, or at once
@@ -343,59 +373,6 @@ class VerifiedAverager(MissedGroups):
         except Exception:  # the registry cannot tell (DHT down): look for a group the usual way
             return 1
 
-    def _await_step(self, control: Any, round_id: str, started: float, stage: Callable[[str], None]
-                    ) -> tuple[dict, float] | RoundResult:
-        """Wait for hivemind's step: (gathered metadata, when the group formed), or the failed result of a step
-        given up early: the island is stopping or the others moved past the round while we were still looking
-        for a group."""
-        t_allreduce = None
-        # hivemind's own timeouts end the step, unless its process is gone (SIGTERM to the whole
-        # process group, OOM killer): then nothing would ever end it
-        deadline = started + self.settings.matchmaking_timeout + self.settings.allreduce_timeout + 30.0
-        next_look = time.monotonic() + MOVED_PAST_POLL
-        while not control.done():
-            if not self._averager.is_alive():
-                raise AveragerGoneError("hivemind's averaging process exited (killed or crashed)")
-            if time.monotonic() > deadline:
-                cancel_step(control)
-                raise TimeoutError("the averaging step outlived --averaging.matchmaking_timeout + "
-                                   "--averaging.allreduce_timeout")
-            if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
-                t_allreduce = time.perf_counter()
-                stage("allreduce")
-            elif control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                missed = self._missed(round_id, started, PARTS_GRACE)
-                if missed is not None:
-                    cancel_step(control)
-                    return missed
-                if self.stopping is not None and self.stopping():
-                    cancel_step(control)
-                    return RoundResult(False, "this island is stopping: it gave up looking for a group")
-                if time.monotonic() >= next_look:
-                    next_look = time.monotonic() + MOVED_PAST_POLL
-                    if self.moved_past is not None and self.moved_past(round_id):
-                        cancel_step(control)
-                        return RoundResult(False, "the other islands moved past this round without this island "
-                                           "(it was late for their group)", left_behind=True)
-                    if self.company is not None and self.settings.min_group_size >= 2 and self._others_live() == 0:
-                        cancel_step(control)
-                        return RoundResult(False, "no other island is live in the run: the others are gone "
-                                           "(nothing listens at their addresses); stopped looking for a group")
-            time.sleep(0.005)
-        gathered = control.result()
-        if t_allreduce is None:  # the step ended within a poll of its group forming: the exchange starts now
-            t_allreduce = time.perf_counter()
-            stage("allreduce")
-        return gathered, t_allreduce
-
-    def _set_target(self, expected: int | None) -> None:
-        """The group size this step assembles at: the configured target, else the expected one."""
-        target = self.settings.target_group_size or (max(expected, self.settings.min_group_size)
-                                                      if expected else None)
-        if target != self._target:
-            self._averager.set_target_group_size(target)
-            self._target = target
-
     def _vote(self, mine: list[float] | None, peers: list[str], round_id: str, key: str | None = None
               ) -> tuple[str, int, int]:
         """Send our fingerprint of the result to the group (``mine`` None: abstain, we have none) and wait
@@ -415,11 +392,22 @@ class VerifiedAverager(MissedGroups):
         return tally.verdict(len(peers))
 
     def shutdown(self) -> None:
-        """Stop the channels, the averager process and a transport of its own (the DHT is the caller's)."""
-        for channel in (self._votes, self._parts):
+        """Stop the channels and a transport of its own (the DHT is the caller's)."""
+        for channel in (self._votes, self._parts, self.roster):
             if channel is not None:
                 channel.close()
+        if self._own_membership is not None:
+            self._own_membership.leave()
         if self._own_transport is not None:
             self._own_transport.close()
-        if getattr(self, "_averager", None) is not None and self._averager.is_alive():
-            self._averager.shutdown()
+
+
+def round_of(round_id: str) -> int:
+    """The outer step of a round id (``"<step>"`` or ``"<step>.retry"``; 0 for a label without one)."""
+    digits = round_id.split(".")[0]
+    return int(digits) if digits.isdigit() else 0
+
+
+def _strings(value: Any) -> list[str]:
+    """A member's list of island ids (anything else: none; a peer's metadata is untrusted)."""
+    return [str(v) for v in value] if isinstance(value, list) else []

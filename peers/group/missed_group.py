@@ -1,12 +1,11 @@
-"""What an island does about a group that listed it but that its matchmaking never learned of.
+"""What an island does about a group that listed it but whose roster it never received.
 
-hivemind's matchmaking can list a peer in a group whose leader's message that peer never got (lost, or
-its own matchmaking gave up at that moment): the group then averages without its part, and its members
-vote, or wait for the peer's encoded part.  The peer learns of it from those messages, which reach it
-while it is still looking for a group, or just after its own step failed.  It then abstains on the
-group's vote (or declines its exchange), so that the members count it as alive and all of them go round
-again at once under the retry's round id, instead of waiting for it until their timeouts and for each
-other under different round ids.
+A round's leader can list an island in its roster and send it to every member but that one (the message lost,
+or the island gave up waiting just then): the group then averages without its part, and its members vote, or
+wait for its encoded part.  The island learns of it from those messages, which reach it while it still waits for
+a roster, or just after it gave up.  It then abstains on the group's vote (or declines its exchange), so that
+the members count it as alive and all of them go round again at once under the retry's round id, instead of
+waiting for it until their timeouts and for each other under different round ids.
 """
 
 from __future__ import annotations
@@ -39,13 +38,14 @@ class MissedGroups:
     _vote: Callable[..., tuple[str, int, int]]
 
     def _missed_group(self, key: str, round_id: str) -> RoundResult:
-        """Verdicts on our round came while we were in no group: a group listed us, but our
-        matchmaking never learned it (the leader's message was lost), and it averaged without our part.
+        """Verdicts on our round came while we were in no group: a group listed us, but its roster never
+        reached us (the leader's message was lost), and it averaged without our part.
         Abstain on that group's vote so that its members stop waiting for us and all go round again."""
         peers = self._votes.box.group(key, self.peer_id)
-        log.info("a group averaged this round without this island (its matchmaking missed the group); abstaining")
-        return self._abstain(peers, round_id, "averaging failed: a group listed this island but its matchmaking "
-                             "never learned of it, and the group averaged without it; abstained", key)
+        log.info("a group averaged this round without this island (its roster never reached it); abstaining")
+        return self._abstain(peers, round_id, "averaging failed: a group listed this island but it never "
+                             "learned of it (its roster never came), and the group averaged without it; abstained",
+                             key)
 
     def _listed_meanwhile(self, round_id: str, since: float) -> RoundResult | None:
         """Our step failed (most often: no group formed).  If a group that listed us averaged this round
@@ -76,10 +76,11 @@ class MissedGroups:
         """As :meth:`_missed_group`, earlier: the group's members sent us their encoded parts and wait for
         ours, which would keep them ``allreduce_timeout``.  Decline, so that all of us go round again now."""
         peers = self._parts.box.group(key, self.peer_id)
-        log.info("a group listed this island but its matchmaking never learned of it; declining its exchange")
+        log.info("a group listed this island but it never learned of it (its roster never came); declining its "
+                 "exchange")
         self._parts.decline(key, [p for p in peers if p != self.peer_id], self.settings.request_timeout + 5.0)
-        return RoundResult(False, "averaging failed: a group listed this island but its matchmaking never learned "
-                           "of it; declined its exchange of encoded parts", group_size=len(peers), peers=peers,
+        return RoundResult(False, "averaging failed: a group listed this island but it never learned of it (its "
+                           "roster never came); declined its exchange of encoded parts", group_size=len(peers), peers=peers,
                            members_left=len(peers), retryable=len(peers) >= self.settings.min_group_size)
 
     def _abstain(self, peers: list[str], round_id: str, reason: str, key: str | None = None) -> RoundResult:

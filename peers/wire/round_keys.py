@@ -1,16 +1,10 @@
-"""The names a round goes by on the wire: its DHT matchmaking bucket, its group, its vote."""
+"""The names a round goes by on the wire: its group, its exchange, its vote."""
 
 from __future__ import annotations
 
 import hashlib
 
 _ROUND_TAG = ".round."
-
-
-def round_bits(round_id: str, nbits: int = 12) -> str:
-    """hivemind group bits of a round: islands at different rounds match in different DHT buckets."""
-    value = int(hashlib.sha1(round_id.encode()).hexdigest(), 16) % (1 << nbits)
-    return format(value, f"0{nbits}b")
 
 
 def group_key(peers: list[str], round_id: str) -> str:

@@ -140,7 +140,8 @@ def download(transport: Transport, donors: list[str], buckets: Mapping[int, int]
             metas = [p[0] for p in pieces]
             if any(m.get("refused") for m in metas):
                 return {}, "the donor island is replacing its own θ_global"
-            steps |= {json.dumps(m, sort_keys=True) for m in metas}
+            # where the donor stood in its round's inner steps moves on while it serves; the rest must not
+            steps |= {json.dumps({k: v for k, v in m.items() if k != "phase"}, sort_keys=True) for m in metas}
             theta, momentum = torch.full((numel,), float("nan")), torch.full((numel,), float("nan"))
             count = torch.zeros(numel, dtype=torch.int32)
             for _, segments, values in pieces:

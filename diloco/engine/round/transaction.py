@@ -75,6 +75,7 @@ class RoundTransaction:
         else take Δ of ``f``'s fragment from ``source`` and start averaging it (None)."""
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
+            self.peers.averager.decline(round_id(f.rnd))
             return RoundMetrics.left_out(f.rnd, self.outer.lr, "behind the run, caught up from a peer")
         rnd = f.rnd
         for h in self.hooks:
@@ -112,6 +113,7 @@ class RoundTransaction:
         """A stale member is left out, not the round: the others average without us; we take their result."""
         reason = "θ_global differed from the other islands'; left the round out and resynchronized"
         log.warning("round %d: %s", rnd + 1, reason)
+        self.peers.averager.decline(round_id(rnd))  # an island that takes it for the round's leader tries the next
         resynced = self.transfer.catch_up(force_download=True, wait_for_round=True, counted=1)
         reason = reason if resynced else f"{reason} (not yet)"
         for h in self.hooks:
@@ -175,9 +177,11 @@ class RoundTransaction:
         log.warning("round %d: %s; %s", rnd + 1, result.reason, why)
         first = result
         # the members left are known when the lost one simply never confirmed: their group forms at once
-        result, averaged = self.peers.averager.average(
+        # the round's pending handle becomes the retry's: a commit keeps what it left unsent and its members
+        f.pending = self.peers.averager.start(
             f.outgoing(), f.weight, f.meta, round_id=rid, on_stage=self._on_stage(f), matchmaking_timeout=timeout,
             buckets=self.schedule.buckets(f.fragment), expected_group_size=result.members_left or None)
+        result, averaged = self.peers.averager.finish(f.pending)
         for counted in ("seconds", "bytes_sent", "bytes_received", "island_bytes_sent", "parts_resent"):
             setattr(result, counted, getattr(result, counted) + getattr(first, counted))
         if not result.ok:
