@@ -69,6 +69,9 @@ class RoundResult:
     codec: str = ""
     """The codec the round's pseudo-gradient travelled in (``--averaging.compression auto`` picks one each
     round; '' when no exchange began)."""
+    groups: int = 1
+    """Groups the roster averaged in (1: one flat group; more when it was larger than ``max_group_size``, see
+    :func:`peers.group.roster.split_groups`)."""
     fallback_reason: str = ""
     """Why the hivemind attempt was abandoned for the torch fallback (``auto`` only)."""
 

@@ -78,6 +78,7 @@ from peers.averaging.bucket_round import (
 from peers.discovery.membership import MemberCheck, Membership
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
 from peers.group.averager import Exchange, VerifiedAverager
+from peers.group.roster import split_groups
 from peers.result import RoundResult, as_float
 from peers.settings import AveragerSettings, Scope, codec_backend_problem
 from peers.wire.encoded import (
@@ -432,6 +433,8 @@ class ShardedAverager:
             self.channel.endpoints.update(endpoints)
             self.transport.reach(list(endpoints.values()))
         weights = {p: as_float(group[p]["weight"]) for p in peers}
+        # a roster larger than max_group_size averages in groups, then across: the same groups on every member
+        islands = split_groups(peers, round_id, self.settings.max_group_size)
         resent_before = self.transport.stats.resent if self.transport is not None else 0
         # one process holding the whole model: the averages land in one buffer in the layout's order, which
         # the island's scatter hands out as views of its parameters (no copy)
@@ -440,6 +443,7 @@ class ShardedAverager:
         def one(b: int) -> tuple[int, Any]:
             owners = {self._owner(group[p]["ranks"], b): weights[p] for p in peers}
             members = sorted(owners)
+            groups = [[self._owner(group[p]["ranks"], b) for p in g] for g in islands] if len(islands) > 1 else None
             payload = self._encode(pending, b)
             if self.drop is not None and self.drop(b):
                 return b, None
@@ -452,7 +456,7 @@ class ShardedAverager:
                                   self.settings.allreduce_timeout, carry,
                                   flat[bucket.start:bucket.end] if flat is not None else None,
                                   pending.owned[b] if codec.lossy else None,
-                                  part_owners(members, endpoints, unpunched))
+                                  part_owners(members, endpoints, unpunched), groups)
             return b, out
 
         prints: dict[int, list[float]] = {}

@@ -35,7 +35,7 @@ from peers.fingerprints import (
     majority_by_state,
 )
 from peers.group.missed_group import PARTS_GRACE, MissedGroups
-from peers.group.roster import RosterForming, RoundView, lineage, quorum_problem
+from peers.group.roster import RosterForming, RoundView, lineage, quorum_problem, split_groups
 from peers.group.vote import VoteChannel
 from peers.result import RoundResult, as_float, short_error
 from peers.settings import AveragerSettings, Scope
@@ -212,9 +212,11 @@ class VerifiedAverager(MissedGroups):
             if isinstance(self._parts, DirectChannel):
                 self._parts.endpoints.update(endpoints)
             owners = part_owners(peers, endpoints, [p for p in peers if meta[p].get("unpunched")])
+            groups = split_groups(peers, rid, self.settings.max_group_size)
             out = average_encoded(self._parts, self.codec, parts_key(peers, rid), self.peer_id, peers,
                                   {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
-                                  self.settings.allreduce_timeout, carry, owners=owners)
+                                  self.settings.allreduce_timeout, carry, owners=owners,
+                                  groups=groups if len(groups) > 1 else None)
             if out.mean is None:
                 reason, left = out.failure(len(peers))
                 return Exchange(None, None, out.bytes_sent, out.bytes_received, reason, left, out.carry)
@@ -299,6 +301,7 @@ class VerifiedAverager(MissedGroups):
         out = None
         if not result.reason:
             t_exchange = time.perf_counter()
+            result.groups = len(split_groups(peers, round_id, self.settings.max_group_size))
             out = exchange(meta, peers, round_id)
             result.exchange_seconds = time.perf_counter() - t_exchange
             result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry

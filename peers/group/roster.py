@@ -342,10 +342,10 @@ class RosterForming:
                 ) -> dict[str, dict] | RoundResult:
         """Wait for the roster of the leader we joined (it may wait for islands still training).  Joins that reach
         this island meanwhile (their senders took it for the leader) are told whom it follows; told so in turn, we
-        join that leader instead, once."""
+        join that leader instead (up to :data:`REDIRECTS` times)."""
         box, key, here = self.transport.box, ROSTER + round_id, HERE + round_id
         box.hold(key)
-        redirected = False
+        redirected = 0
         try:
             while True:
                 got = box.wait_for(key, lambda m: leader in m, min(deadline, time.monotonic() + POLL))
@@ -365,8 +365,10 @@ class RosterForming:
                     turn = _read_redirect(sent)
                     if turn is not None and turn[0] == self.island:
                         return LEAD  # the island we joined follows us: we lead (its join waits in our inbox)
-                    if turn is not None and not redirected:
-                        redirected = True
+                    if turn is not None and redirected >= REDIRECTS:
+                        return UNREACHABLE
+                    if turn is not None:
+                        redirected += 1
                         box.release(key, drop=True)
                         box.hold(key)
                         leader, where = turn
@@ -381,7 +383,7 @@ class RosterForming:
                     members = unpack(sent)
                     if members is None:
                         return RoundResult(False, f"averaging failed: the leader of round {round_id} sent a roster "
-                                           f"that could not be read")
+                                           f"that could not be read ({bytes(sent)[:40]!r})")
                     if self.island not in members:
                         return RoundResult(False, "the other islands moved past this round without this island (it "
                                            "joined after their roster left)", left_behind=True)
@@ -508,6 +510,8 @@ UNREACHABLE = RoundResult(False, "the leader cannot be reached")
 HANDED_OFF = RoundResult(False, "this island handed its round over to a leader before it in the order")
 HANDOFFS = 2
 """How many times one island hands a round over before it gives the round up."""
+REDIRECTS = 4
+"""How many times a joiner follows a follower on to its leader before it tries the next island of the order."""
 """What :meth:`RosterForming._follow` returns when the leader we joined is still training towards the round."""
 
 

@@ -364,7 +364,8 @@ class EncodedAverage:
 def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str],
                     weights: dict[str, float], payload: bytes, numel: int, timeout: float,
                     carry: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    sent: torch.Tensor | None = None, owners: Collection[str] | None = None) -> EncodedAverage:
+                    sent: torch.Tensor | None = None, owners: Collection[str] | None = None,
+                    groups: Sequence[Sequence[str]] | None = None) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says.
 
@@ -375,7 +376,13 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     all-gather re-encodes nothing and hands ``carry`` back as it was.  ``out``: where to write the average
     (``numel`` values; a new tensor when None); ``sent``: what our ``payload`` decodes to, when the caller has
     it already (not decoded again); ``owners``: the members that own a part of a reduce-scatter (None: all; see
-    :func:`part_owners`): two members that own none exchange nothing."""
+    :func:`part_owners`): two members that own none exchange nothing; ``groups``: the members split into groups
+    (:func:`peers.group.roster.split_groups`), which average inside themselves and then across, a part among one
+    member of each group (:func:`_two_levels`; dense codecs, every member owning a part, no owner feedback)."""
+    if (groups is not None and len(groups) > 1 and reduce_scatters(codec, len(peers)) and carry is None
+            and (owners is None or set(owners) >= set(peers))):
+        return _two_levels(channel, codec, key, me, peers, [sorted(g) for g in groups], weights, payload, numel,
+                           timeout, out, sent)
     if not reduce_scatters(codec, len(peers)):
         gathered = channel.all_gather(key, me, peers, payload, timeout)
         result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.gone, gathered.bytes_sent,
@@ -480,4 +487,84 @@ def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peer
             if p != me and hi > lo:
                 mean[lo:hi].copy_(dec(gathered.got[p], hi - lo))
         result.mean = mean
+    return result
+
+
+def _two_levels(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str], groups: list[list[str]],
+                weights: dict[str, float], payload: bytes, numel: int, timeout: float,
+                out: torch.Tensor | None, sent: torch.Tensor | None) -> EncodedAverage:
+    """The average of a roster split into ``groups``, in three steps, so that a member talks to its own group and to
+    one member of each other group instead of to every member:
+
+    1. inside each group, a reduce-scatter: the bucket is cut into ``P`` parts (``P``: the smallest group's size),
+       and the group's ``j``-th member (sorted) takes every member's ``j``-th part and averages it (weighted);
+    2. across groups, the ``j``-th members of all groups average their parts (:func:`average_encoded` among them,
+       each weighing its group's total weight): every one of them then holds the same bits of part ``j`` of the
+       whole roster's average;
+    3. inside each group, an all-gather: the ``j``-th member sends its part, encoded, to the rest of its group.
+
+    Every member decodes the same bytes for every part (the ``j``-th members hold the same average and encode it
+    alike), so all hold the same bits.  Per member, about ``2c + 2c/P`` bytes each way for a payload of ``c``,
+    against ``2c`` for one flat group of every member: the same bytes, over ``|group| + |groups|`` peers instead of
+    every one.  A member that cannot do its part (a part missing) tells the members waiting for it at once (an
+    empty part), so that a failure ends every member's wait, not only its group's."""
+    group = next(g for g in groups if me in g)
+    holders = min(len(g) for g in groups)
+    mine = group.index(me)
+    cuts = part_bounds(numel, holders, codec.block)
+    mean = out if out is not None else torch.empty(numel)
+    values = sent if sent is not None else codec.decode(payload, numel)
+    result = EncodedAverage(None)
+
+    def enc(x: torch.Tensor) -> Payload:
+        return codec.encode(x) if x.numel() and all_finite(x) else b""
+
+    def take(step: Exchanged) -> None:
+        result.missing = sorted({*result.missing, *step.missing})
+        result.declined = sorted({*result.declined, *step.declined})
+        result.gone = sorted({*result.gone, *step.gone})
+        result.bytes_sent += step.bytes_sent
+        result.bytes_received += step.bytes_received
+
+    # 1. the group's parts to their holders
+    others = [p for p in group if p != me]
+    outgoing = {group[j]: enc(values[a:b]) for j, (a, b) in enumerate(cuts) if group[j] != me}
+    held = cuts[mine] if mine < holders else None
+    size = codec.nbytes(held[1] - held[0]) if held and held[1] > held[0] else 0
+    scattered = channel.exchange(f"g1.{key}", group, outgoing, {p: size for p in others} if held else {}, timeout)
+    take(scattered)
+    final: Payload = b""
+    if held is not None:
+        a, b = held
+        if not scattered.missing and b > a:
+            got = {p: codec.decode(scattered.got[p], b - a) for p in others}
+            got[me] = values[a:b]
+            # a buffer of its own: the fp32 "codec" sends it without a copy while the step across writes mean[a:b]
+            part = weighted_mean(got, {p: weights[p] for p in group})
+            # 2. across the groups, among the members holding the same part
+            across = sorted(g[mine] for g in groups)
+            totals = {g[mine]: float(sum(weights[p] for p in g)) for g in groups}
+            crossed = average_encoded(channel, codec, f"g2.{mine}.{key}", me, across, totals, enc(part), b - a,
+                                      timeout, out=mean[a:b])
+            take(Exchanged({}, crossed.missing, crossed.declined, crossed.gone, crossed.bytes_sent,
+                           crossed.bytes_received))
+            if crossed.mean is not None:
+                final = enc(crossed.mean)
+                if codec.lossy and len(final):  # what every member takes for the part: the average as encoded
+                    mean[a:b].copy_(codec.decode(final, b - a))
+        elif scattered.missing:
+            # the members of the other groups holding this part wait for ours: tell them at once
+            across = [g[mine] for g in groups if g[mine] != me]
+            for stage in ("", "rs."):  # the step across is an all-gather or a reduce-scatter (see average_encoded)
+                channel.decline(f"{stage}g2.{mine}.{key}", across, timeout)
+    # 3. every part to the whole group (an empty one when this member has none: its group stops waiting)
+    sizes = {group[j]: codec.nbytes(b - a) if b > a else 0 for j, (a, b) in enumerate(cuts) if group[j] != me}
+    gathered = channel.exchange(f"g3.{key}", group, {p: final for p in others} if held else {}, sizes, timeout)
+    take(gathered)
+    if result.missing:
+        return result
+    for j, (a, b) in enumerate(cuts):
+        if group[j] != me and b > a:
+            mean[a:b].copy_(codec.decode(gathered.got[group[j]], b - a))
+    result.mean = mean
     return result

@@ -73,6 +73,7 @@ class RoundMetrics:
             "exchange_seconds": float(r.exchange_seconds), "group_seconds": float(r.matchmaking_seconds),
             "vote_seconds": float(r.vote_seconds),
             "round_payload_bytes": int(r.island_bytes_sent), "parts_resent": int(r.parts_resent), "codec": r.codec,
+            "groups": int(r.groups),
         }
 
     @property

@@ -1,0 +1,160 @@
+"""Rounds formed from the run's registry (peers/group/roster.py): the quorum rule, the deterministic groups and
+leader order, and real rounds of averagers on loopback: one group of every member whatever the timing, two levels
+when the roster is larger than ``max_group_size``, and a lone island with ``min_group_size 1``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from peers.discovery.dht import start_dht, visible_maddrs
+from peers.group.averager import VerifiedAverager
+from peers.group.roster import GENESIS, leader_order, lineage, quorum_problem, split_groups
+from peers.settings import AveragerSettings, NetworkSettings, Scope
+
+FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=10.0, vote_timeout=4.0,
+            allreduce_timeout=10.0)
+ISLANDS = [f"island{i:02d}" for i in range(10)]
+
+
+# ------------------------------------------------------------------------------------------- the rule
+def test_a_group_commits_only_with_a_majority_of_the_last_committed_roster():
+    committed = ISLANDS[:8]
+    assert not quorum_problem(ISLANDS[:5], committed, (), 8)  # 5 of 8
+    assert "4 of the 8" in quorum_problem(ISLANDS[:4], committed, (), 8)  # 4 of 8: no majority
+    assert "3 of the 8" in quorum_problem(ISLANDS[5:8], committed, (), 8)
+    # islands known to have left before the round (or gone) are not counted: 3 of the 5 others is a majority
+    assert not quorum_problem(ISLANDS[5:8], committed, ISLANDS[:3], 8)
+    # newcomers count in the group but not towards the majority of those who committed
+    assert "2 of the 8" in quorum_problem(ISLANDS[6:10], committed, (), 10)
+    # before any round committed: a majority of the most islands any member saw registered
+    assert not quorum_problem(ISLANDS[:2], (), (), 3)
+    assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 4)
+
+
+def test_two_groups_without_a_common_member_never_both_hold_a_majority():
+    """The property the rule exists for, over every split of a committed roster of 1 to 8 islands, and every set of
+    islands known out of the round."""
+    import itertools
+
+    for n in range(1, 9):
+        committed = ISLANDS[:n]
+        for out_size in range(n):
+            for out in itertools.combinations(committed, out_size):
+                counted = [i for i in committed if i not in out]
+                for k in range(len(counted) + 1):
+                    for left in itertools.combinations(counted, k):
+                        right = [i for i in counted if i not in left]
+                        both = not quorum_problem(left, committed, out, n) and not quorum_problem(right, committed,
+                                                                                                   out, n)
+                        assert not both, (committed, out, left, right)
+
+
+def test_groups_and_leaders_are_the_same_on_every_island_and_change_every_round():
+    members = ISLANDS[:10]
+    assert split_groups(list(reversed(members)), "7", 4) == split_groups(members, "7", 4)
+    groups = split_groups(members, "7", 4)
+    assert len(groups) == 3 and sorted(len(g) for g in groups) == [3, 3, 4]
+    assert sorted(i for g in groups for i in g) == members
+    assert split_groups(members, "7", 16) == [members] and split_groups(members, "7", 0) == [members]
+    assert split_groups(members, "8", 4) != groups  # a slow island is not grouped with the same others every round
+    assert leader_order(members, "7") == leader_order(list(reversed(members)), "7")
+    assert len({leader_order(members, str(r))[0] for r in range(30)}) > 3  # the lead rotates
+    assert lineage(()) == GENESIS and lineage(["b", "a"]) == lineage(["a", "b"]) != lineage(["a"])
+
+
+# ---------------------------------------------------------------------------------------- real rounds
+@pytest.fixture
+def averagers(no_leaked_daemons):
+    made: list = []
+
+    def make(n: int, **settings) -> list[VerifiedAverager]:
+        first = start_dht(NetworkSettings())
+        dhts = [first] + [start_dht(NetworkSettings(initial_peers=visible_maddrs(first))) for _ in range(n - 1)]
+        made.extend(dhts)
+        avgs = [VerifiedAverager(d, [torch.zeros(4096)], AveragerSettings(**{**FAST, **settings}), Scope(prefix="r"))
+                for d in dhts]
+        made.extend(avgs)
+        return avgs
+
+    yield make
+    for obj in reversed(made):
+        obj.shutdown()
+
+
+def _round(avgs: list[VerifiedAverager], values: list[torch.Tensor], weights: list[float], round_id: str) -> list:
+    out: list = [None] * len(avgs)
+
+    def go(i: int) -> None:
+        out[i] = avgs[i].average([values[i]], weights[i], {"config_fingerprint": "c"}, round_id)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(avgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_roster_larger_than_max_group_size_averages_in_two_levels_to_the_same_bits_everywhere(averagers,
+                                                                                               compression):
+    """6 islands, groups of at most 3: two groups average inside themselves, then across; every island ends with the
+    same bits, the weighted average of the six (up to the codec), in one round."""
+    avgs = averagers(6, max_group_size=3, compression=compression)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(4096, generator=g) for _ in avgs]
+    weights = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    out = _round(avgs, values, weights, "0")
+    assert all(r.ok and r.group_size == 6 for r, _ in out), [r.reason for r, _ in out]
+    averaged = [a[0] for _, a in out]
+    for other in averaged[1:]:
+        assert torch.equal(other, averaged[0])
+    expected = sum(w * v for w, v in zip(weights, values)) / sum(weights)
+    tolerance = 1e-6 if compression == "none" else 0.05
+    assert (averaged[0] - expected).abs().max() < tolerance * expected.abs().max()
+
+
+def test_two_islands_with_min_group_size_1_average_together_every_round(averagers):
+    """Before, two islands that both saw each other registered formed a group of one each, every round, and the run
+    ended with two θ_global.  A group of one is for an island with nobody else there."""
+    avgs = averagers(2, min_group_size=1)
+    for r in range(3):
+        out = _round(avgs, [torch.full((4096,), 1.0), torch.full((4096,), 3.0)], [1.0, 1.0], str(r))
+        assert all(res.ok and res.group_size == 2 for res, _ in out), [res.reason for res, _ in out]
+        assert all(torch.equal(a[0], torch.full((4096,), 2.0)) for _, a in out)
+
+
+def test_a_lone_island_with_min_group_size_1_still_averages_alone(averagers):
+    alone, = averagers(1, min_group_size=1)
+    (result, averaged), = _round([alone], [torch.full((4096,), 5.0)], [1.0], "0")
+    assert result.ok and result.group_size == 1 and torch.equal(averaged[0], torch.full((4096,), 5.0))
+
+
+def test_six_islands_forced_into_two_groups_train_and_end_identical(tmp_path, no_leaked_daemons):
+    """Six islands (separate processes, forked warm) with groups of at most 3: every round averages in two levels,
+    every round commits on every island, and they end with one θ_global, bit for bit."""
+    from diloco.launch.simulate import simulate
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.max_group_size": 3,
+        "averaging.wait_for_islands": 6, "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0,
+        "averaging.matchmaking_time": 5.0, "diloco.outer_steps": 3, "diloco.inner_steps": 8, "checkpoint.every": 0,
+        "threads": 1})
+    result = simulate(cfg, 6)
+    islands = result["islands"]
+    assert len(islands) == 6
+    for s in islands:
+        assert s["rounds_ok"] == 3 and s["rounds_failed"] == 0, s["failures"]
+    assert len({s["theta_checksum"] for s in islands}) == 1
+    assert result["theta_global_max_abs_diff"] == 0.0
+    from diloco.engine.metrics import read_metrics
+
+    run_dirs = sorted(p.parent for p in tmp_path.glob("**/metrics.jsonl"))
+    assert len(run_dirs) == 6
+    for d in run_dirs:
+        rounds = [r for r in read_metrics(d) if "round_ok" in r]
+        assert [r["groups"] for r in rounds] == [2, 2, 2], rounds  # two levels, every round
