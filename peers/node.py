@@ -111,6 +111,8 @@ class PeerNode:
         self.fallback: HierarchicalAllReduce | None = None
         self.wire: WireCounter | None = None
         self.alone = AloneWatch(a.rejoin_after)
+        self._committed: list[str] = []
+        """The committed roster while no averager holds it (before :meth:`connect`, across reconnects)."""
         self.transport: Transport | None = None
         """Where this rank takes a round's bytes and requests for state (:mod:`peers.wire.transport`)."""
         self.behind_nat = False
@@ -209,6 +211,7 @@ class PeerNode:
             fallback=self.fallback, transport=self.transport, island_id=ids[0],
             exchange=self.exchange if group is rt.group else None, feedback=self.unsent.feedback,
             carry=self.unsent.carry, membership=membership)
+        self.averager.committed = self._committed
         if membership is None:
             return
         self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
@@ -242,12 +245,25 @@ class PeerNode:
                              if m.reachable() and m.island != membership.island])
             time.sleep(membership.period)
 
+    # -------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the peer node: the run's committed roster that θ_global descends from (a round
+        counts only for a majority of it, see :func:`peers.group.roster.quorum_problem`)."""
+        return {"committed": list(self.averager.committed if self.averager is not None else self._committed)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (an island resumed with the θ_global of its checkpoint takes its roster too)."""
+        self._committed = [str(i) for i in state.get("committed", [])]
+        if self.averager is not None:
+            self.averager.committed = self._committed
+
     def disconnect(self) -> None:
         """Announce leaving, stop the averagers and the DHT (idempotent)."""
         if self.membership is not None:
             self.membership.leave()
             self.membership = None
         if self.averager is not None:
+            self._committed = list(self.averager.committed)  # a reconnect goes on from the same roster
             self.averager.shutdown()
             self.averager = None
         if self._server is not None:

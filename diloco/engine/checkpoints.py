@@ -112,11 +112,14 @@ class CodecResiduals:
 
 def upgrade(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint written before the parts had names of their own (diloco up to 9ecef41: ``norm_history``,
-    ``overlap`` and the codec's ``error_feedback``/``owner_feedback`` at its top level) as the parts read it now;
-    later checkpoints as they are.  The other parts kept their names and their states."""
-    if "norm_guard" in state:
-        return state
+    ``overlap`` and the codec's ``error_feedback``/``owner_feedback`` at its top level), or before the peer node
+    kept state, as the parts read it now; later checkpoints as they are.  The other parts kept their names and their
+    states."""
     up = dict(state)
+    # before rounds formed from the registry a checkpoint kept no committed roster: the run's next round tells it
+    up.setdefault("peers", {"committed": []})
+    if "norm_guard" in state:
+        return up
     up["norm_guard"] = {"history": list(state.get("norm_history", []))}
     # before fragments the schedule kept one counter, outside ``overlap``
     up["schedule"] = state.get("overlap") or \

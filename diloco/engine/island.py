@@ -185,6 +185,7 @@ class Island:
             "norm_guard": ctx.guard,
             "schedule": self.schedule,
             "codec_residuals": CodecResiduals(self.unsent),
+            "peers": self.peers,
         }, clock=self.stats, resharding=Resharding(rt, self.params, self.specs, self.layout,
                                                    list(self.model.named_parameters()), core.inner_opt, self.outer,
                                                    cfg.inner.grad_accum),
