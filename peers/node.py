@@ -111,8 +111,9 @@ class PeerNode:
         self.fallback: HierarchicalAllReduce | None = None
         self.wire: WireCounter | None = None
         self.alone = AloneWatch(a.rejoin_after)
-        self._committed: list[str] = []
-        """The committed roster while no averager holds it (before :meth:`connect`, across reconnects)."""
+        self._committed: dict[str, Any] = {"committed": [], "strikes": {}}
+        """The committed roster and strikes while no averager holds them (before :meth:`connect`, across
+        reconnects)."""
         self.transport: Transport | None = None
         """Where this rank takes a round's bytes and requests for state (:mod:`peers.wire.transport`)."""
         self.behind_nat = False
@@ -211,7 +212,7 @@ class PeerNode:
             fallback=self.fallback, transport=self.transport, island_id=ids[0],
             exchange=self.exchange if group is rt.group else None, feedback=self.unsent.feedback,
             carry=self.unsent.carry, membership=membership)
-        self.averager.committed = self._committed
+        self.averager.committed, self.averager.strikes = self._committed["committed"], self._committed["strikes"]
         if membership is None:
             return
         self._server = StateServer(self.transport, self.averager.exchange, self._provide, self._lock)
@@ -248,14 +249,18 @@ class PeerNode:
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the peer node: the run's committed roster that θ_global descends from (a round
-        counts only for a majority of it, see :func:`peers.group.roster.quorum_problem`)."""
-        return {"committed": list(self.averager.committed if self.averager is not None else self._committed)}
+        counts only for a majority of it, see :func:`peers.group.roster.quorum_problem`) and the strikes it holds
+        against members."""
+        if self.averager is None:
+            return {"committed": list(self._committed["committed"]), "strikes": dict(self._committed["strikes"])}
+        return {"committed": list(self.averager.committed), "strikes": dict(self.averager.strikes)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (an island resumed with the θ_global of its checkpoint takes its roster too)."""
-        self._committed = [str(i) for i in state.get("committed", [])]
+        self._committed = {"committed": [str(i) for i in state.get("committed", [])],
+                           "strikes": {str(i): int(n) for i, n in dict(state.get("strikes", {})).items()}}
         if self.averager is not None:
-            self.averager.committed = self._committed
+            self.averager.committed, self.averager.strikes = self._committed["committed"], self._committed["strikes"]
 
     def disconnect(self) -> None:
         """Announce leaving, stop the averagers and the DHT (idempotent)."""
@@ -263,7 +268,7 @@ class PeerNode:
             self.membership.leave()
             self.membership = None
         if self.averager is not None:
-            self._committed = list(self.averager.committed)  # a reconnect goes on from the same roster
+            self._committed = self.state_dict()  # a reconnect goes on from the same roster and strikes
             self.averager.shutdown()
             self.averager = None
         if self._server is not None:

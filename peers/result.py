@@ -69,6 +69,9 @@ class RoundResult:
     codec: str = ""
     """The codec the round's pseudo-gradient travelled in (``--averaging.compression auto`` picks one each
     round; '' when no exchange began)."""
+    rejected: list[str] = field(default_factory=list)
+    """Members (island ids) whose pseudo-gradient, or a part of it, failed the member check and counted for nothing
+    (see :func:`peers.wire.encoded.aggregate_checked`)."""
     groups: int = 1
     """Groups the roster averaged in (1: one flat group; more when it was larger than ``max_group_size``, see
     :func:`peers.group.roster.split_groups`)."""

@@ -93,13 +93,16 @@ class AveragerSettings:
     of each group), so that an island talks to about max_group_size + islands/max_group_size others, not to every
     island (0: one flat group whatever the size)."""
     target_group_size: int = 0
-    """Form a group as soon as this many islands are ready (0: as many as arrive in the matchmaking window)."""
+    """A round's leader closes its roster as soon as this many islands joined (0: when every island the registry
+    expects at the round joined, or a majority of the run did and `matchmaking_time` passed)."""
     matchmaking_time: float = 5.0
-    """Seconds an island waits for others to gather before averaging."""
+    """Seconds a round's leader that holds a majority of the run waits for the islands still expected (late or
+    dead ones do not hold a run up longer than this)."""
     matchmaking_timeout: float = 60.0
-    """Give up forming a group after this many seconds (must exceed matchmaking_time)."""
+    """Give up forming a round's group after this many seconds (must exceed matchmaking_time)."""
     request_timeout: float = 3.0
-    """Timeout of a single matchmaking request (must be below matchmaking_time)."""
+    """Seconds a join may take to reach a round's leader before the next island of the order is tried (must be
+    below matchmaking_time)."""
     allreduce_timeout: float = 120.0
     """Seconds to wait for the other members' parts of Δ in each stage of a round's exchange (reduce-scatter,
     then all-gather); a part not there by then fails the round (retried among the members left)."""
@@ -128,6 +131,25 @@ class AveragerSettings:
     """With error feedback on `int8`, `int4` or `sign` among 3 islands or more (a reduce-scatter): the owner of each averaged part carries what re-encoding that average dropped into the part's next average (checkpointed, reset with the error feedback). Off by default, as in hivemind's own butterfly: over 12 rounds it left `int4` unchanged and made `sign` worse (+6.0% against +4.4% without)."""
     entropy_coding: bool = True
     """With `int8` or `int4`: Huffman-code each payload on the wire, losslessly (a payload that would not shrink goes as it is). It takes back what the codes' skewed distribution leaves: measured on a real Δ, `int4` payloads shrink to 0.846 of the codec's size, `int8` to 0.926 (`sign` and `topk` would hardly shrink, 0.99, and are never coded). It costs about 8 ms of one core per MB of payload to code, less to decode: with blocking rounds on links faster than about 150 Mbit/s per island, coding takes longer than the bytes it saves; turn it off there."""
+    aggregate: str = "mean"
+    """How a group's pseudo-gradients become one: `mean` (weighted by `weighting`), or a rule robust to a member
+    that lies: `clipped` (each Δ cut to twice the median norm), `centered-clip` (BTARD's CenteredClip) or
+    `trimmed-mean` (per value, the extremes dropped). With a robust rule every member computes the whole aggregate
+    itself from every member's payload, so that no member's share of the work is taken on trust: (n − 1)·c bytes
+    each way instead of 2(n − 1)/n·c (a low-bit codec pays for it). Every island of a run must use the same rule."""
+    weighting: str = "auto"
+    """What a member's Δ weighs in the `mean`: `equal` (every member alike: a declared weight is a claim nobody can
+    check), `tokens` (the tokens it declares it trained on, capped at 8× the group's median claim) or `auto`
+    (`equal` when rounds fall due by inner steps, where honest islands train the same tokens; `tokens` under a
+    `--diloco.sync_every` budget of time or tokens, whose islands of unequal speed train unequal tokens). Either way
+    the group's token count that scales a Δ sent per million tokens back is the capped one."""
+    member_check: float = 10.0
+    """A member's Δ counts for nothing in a round (and, with a robust `aggregate`, earns a strike) when it is not
+    finite or its norm is above this many times the group's median member norm (0: only the finiteness check).
+    Under `mean`, each part's owner checks the part it averages."""
+    strikes: int = 2
+    """With a robust `aggregate`: after this many rounds whose committed result rejected its Δ, a member is left
+    out of the run's rounds (the log and the metrics name it). 0: never."""
     transport: str = "direct"
     """How a round's bytes travel between islands: `direct` (TCP between the ranks, sealed with AES-GCM unless --averaging.encrypt false: as fast as a gloo all-reduce; the run key authenticates every connection) or `p2p` (hivemind's daemon: encrypted, several times slower)."""
 

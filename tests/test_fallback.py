@@ -58,7 +58,8 @@ def run_cases(out_dir: str) -> None:
         har = HierarchicalAllReduce(layout, deltas, me.specs, ISLANDS, min_group_size=2)
         group = har.island_group
         # time enough to meet on a loaded machine (two test workers on 2 cores); a group that forms is at once
-        two = AveragerSettings(min_group_size=2, target_group_size=2, **{**FAST, "matchmaking_timeout": 15.0})
+        two = AveragerSettings(min_group_size=2, target_group_size=2, weighting="tokens",
+                               **{**FAST, "matchmaking_timeout": 15.0})
         auto = ShardedAverager(layout, deltas, me.specs, group, me.dht, two, Scope(prefix="fb"), backend="auto",
                                fallback=har)
         made.append(auto)
@@ -75,7 +76,8 @@ def run_cases(out_dir: str) -> None:
             bad["wo"][0, 0] = float("nan")
         run("nan", har, "2", deltas=bad)
         # hivemind cannot form a group of 3 from 2 islands: auto falls back to torch for this round
-        three = AveragerSettings(min_group_size=3, target_group_size=3, **{**FAST, "matchmaking_timeout": 3.0})
+        three = AveragerSettings(min_group_size=3, target_group_size=3, weighting="tokens",
+                                 **{**FAST, "matchmaking_timeout": 3.0})
         auto3 = ShardedAverager(layout, deltas, me.specs, group, me.dht, three, Scope(prefix="fbthree"),
                                 backend="auto", fallback=har)
         made.append(auto3)
@@ -128,7 +130,8 @@ def test_auto_falls_back_to_torch_when_hivemind_forms_no_group(runs):
     for r in ranks:
         assert r["ok"], r["reason"]
         assert r["backend"] == "torch"
-        assert "could not find a group" in r["fallback_reason"] or "below" in r["fallback_reason"], r["fallback_reason"]
+        why = r["fallback_reason"]
+        assert any(s in why for s in ("no roster came", "below", "could lead")), why
     a, b = full_results(ranks)
     for n, _ in PARAMS:
         torch.testing.assert_close(a[n], expected[n], rtol=1e-5, atol=1e-6)

@@ -103,7 +103,7 @@ def test_a_roster_larger_than_max_group_size_averages_in_two_levels_to_the_same_
                                                                                                compression):
     """6 islands, groups of at most 3: two groups average inside themselves, then across; every island ends with the
     same bits, the weighted average of the six (up to the codec), in one round."""
-    avgs = averagers(6, max_group_size=3, compression=compression)
+    avgs = averagers(6, max_group_size=3, compression=compression, weighting="tokens")
     g = torch.Generator().manual_seed(0)
     values = [torch.randn(4096, generator=g) for _ in avgs]
     weights = [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]

@@ -85,7 +85,7 @@ def test_a_part_whose_connection_fails_is_sent_again_alone_and_the_round_stays_e
     numel, per_bucket = 40_000, 10_000
     layout = CanonicalLayout.build([("w", (numel,))], per_bucket)
     avgs = [ShardedAverager(layout, {"w": torch.zeros(numel)}, {"w": (0, 0, numel)}, None, d,
-                            AveragerSettings(**FAST), Scope(prefix="retry")) for d in dhts]
+                            AveragerSettings(**FAST, weighting="tokens"), Scope(prefix="retry")) for d in dhts]
     made.extend(avgs)
     broken = []
 

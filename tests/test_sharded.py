@@ -171,7 +171,7 @@ def run_cases(cases: list[dict], out_dir: str) -> None:
     layout = CanonicalLayout.build(PARAMS, BUCKET)
     avg = None
     try:
-        settings = AveragerSettings(min_group_size=2, target_group_size=2, **FAST)
+        settings = AveragerSettings(min_group_size=2, target_group_size=2, weighting="tokens", **FAST)
         deltas0 = local_delta(me.island, me.island_rank, "0")
         avg = ShardedAverager(layout, deltas0, me.specs, me.group, me.dht, settings, Scope(prefix="sharded"))
         # the same θ held by differently shaped islands has the same canonical fingerprint

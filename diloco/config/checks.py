@@ -110,6 +110,12 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"--averaging.wait_for_islands must be 0 or more, got {a.wait_for_islands}")
     if a.max_norm_ratio < 0:
         p.append(f"--averaging.max_norm_ratio must be 0 (off) or positive, got {a.max_norm_ratio}")
+    if a.member_check < 0:
+        p.append(f"--averaging.member_check must be 0 (only the finiteness check) or positive, got {a.member_check}")
+    if a.strikes < 0:
+        p.append(f"--averaging.strikes must be 0 (never leave a member out) or more, got {a.strikes}")
+    if a.max_group_size < 0 or a.max_group_size == 1:
+        p.append(f"--averaging.max_group_size must be 0 (one flat group) or at least 2, got {a.max_group_size}")
     for name in ("allreduce_timeout", "next_chunk_timeout", "startup_timeout", "state_download_timeout",
                  "vote_timeout", "member_ttl", "rejoin_after"):
         if getattr(a, name) <= 0:

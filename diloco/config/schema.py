@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outer_optim.compression import COMPRESSIONS
-from peers import PeerSettings
+from peers import AGGREGATES, WEIGHTINGS, PeerSettings
 from pipeline.settings import ParallelSettings
 
 
@@ -240,6 +240,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "diloco.master_device": ("cpu", "cuda"),
     "averaging.backend": ("hivemind", "local", "torch", "auto"),
     "averaging.compression": COMPRESSIONS,
+    "averaging.aggregate": AGGREGATES,
+    "averaging.weighting": ("auto", *WEIGHTINGS),
     "wandb.mode": ("online", "offline", "disabled"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved-1f1b"),
     "parallel.balance": ("params", "layers", "profile"),
@@ -300,7 +302,12 @@ def resolve_model(model: ModelConfig) -> None:
 FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.outer_lr", "diloco.outer_momentum",
                         "diloco.fragments",
                         "averaging.compression", "averaging.topk_density", "averaging.topk_bits", "averaging.auto_codecs",
-                        "averaging.run_id")
+                        "averaging.run_id", "averaging.aggregate", "averaging.weighting", "averaging.member_check",
+                        "averaging.strikes")
+ROBUSTNESS_DEFAULTS = {"averaging.aggregate": "mean", "averaging.weighting": "auto", "averaging.member_check": 10.0,
+                       "averaging.strikes": 2}
+"""Keys islands must share that joined the fingerprint later: at these values they stay out of it, so that the
+fingerprints of runs from before them stay as they were."""
 
 
 def config_fingerprint(cfg: Config, tokenizer: str = "") -> str:
@@ -312,6 +319,9 @@ def config_fingerprint(cfg: Config, tokenizer: str = "") -> str:
     shared = {k: v for k, v in flatten(cfg).items() if k.startswith(FINGERPRINT_PREFIXES)}
     if shared["averaging.compression"] != "auto":  # (fingerprints of runs from before auto stay as they were)
         del shared["averaging.auto_codecs"]
+    for key, default in ROBUSTNESS_DEFAULTS.items():
+        if shared[key] == default:
+            del shared[key]
     if tokenizer:
         shared["tokenizer"] = tokenizer
     return hashlib.sha1(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]

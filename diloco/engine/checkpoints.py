@@ -117,7 +117,7 @@ def upgrade(state: dict[str, Any]) -> dict[str, Any]:
     states."""
     up = dict(state)
     # before rounds formed from the registry a checkpoint kept no committed roster: the run's next round tells it
-    up.setdefault("peers", {"committed": []})
+    up.setdefault("peers", {"committed": [], "strikes": {}})
     if "norm_guard" in state:
         return up
     up["norm_guard"] = {"history": list(state.get("norm_history", []))}

@@ -89,7 +89,8 @@ class StateTransfer:
         averager = self.peers.averager
         meta = {"outer_step": self.stats.outer_step, "config_fingerprint": self.fingerprint,
                 "layout_fingerprint": self.layout.fingerprint(), "phase": self.schedule.phase(),
-                "committed": averager.committed if averager is not None else []}
+                "committed": averager.committed if averager is not None else [],
+                "strikes": averager.strikes if averager is not None else {}}
         return meta, self.outer.theta_global, dict(zip(self.outer.names, self.outer.momentum_buffers()))
 
     def _serve(self, on: bool) -> None:
@@ -311,9 +312,9 @@ class StateTransfer:
                 foreign = foreign or problem
                 served = as_float(piece.meta.get("phase"))  # a peer's metadata: anything may come
                 phase = max(phase, int(served) if math.isfinite(served) else -1)
-                roster = piece.meta.get("committed")
-                if isinstance(roster, list) and all(isinstance(i, str) for i in roster):
-                    committed = roster if committed is None or committed == roster else []
+                roster = [piece.meta.get("committed"), piece.meta.get("strikes")]
+                if _committed_state(roster):
+                    committed = roster if committed is None or committed == roster else [[], {}]
         merged: dict[int, int] = {}
         rosters = []
         for part, why, p, roster in self.rt.gather_all((verdict, foreign, phase, committed)):
@@ -332,8 +333,9 @@ class StateTransfer:
         # the committed roster that θ_global comes with (the donor's ranks hold the same one; ranks that own no
         # bucket saw none)
         served = [r for r in rosters if r is not None]
+        roster, strikes = served[0] if served and all(r == served[0] for r in served) else ([], {})
         meta = {"outer_step": steps.pop(), "config_fingerprint": self.fingerprint, "phase": phase,
-                "committed": served[0] if served and all(r == served[0] for r in served) else []}
+                "committed": roster, "strikes": strikes}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
     def _donor(self) -> list[str]:
@@ -385,6 +387,7 @@ class StateTransfer:
             self.stats.outer_step = int(meta.get("outer_step", 0))
         if self.peers.averager is not None:  # θ_global's lineage comes with it
             self.peers.averager.committed = list(meta.get("committed") or [])
+            self.peers.averager.strikes = dict(meta.get("strikes") or {})
         # the inner steps since the last sync were dropped with the state; the round schedule is the server's
         phase = int(meta.get("phase", -1))
         if self._deferred is not None:
@@ -394,3 +397,10 @@ class StateTransfer:
             self.schedule.adopted(phase if phase >= 0 else None)
         if self.forget_unsent():  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
+
+
+def _committed_state(served: list) -> bool:
+    """Whether a donor's ``[committed roster, strikes]`` is well formed (a peer's metadata: anything may come)."""
+    roster, strikes = served
+    return (isinstance(roster, list) and all(isinstance(i, str) for i in roster) and isinstance(strikes, dict)
+            and all(isinstance(i, str) and isinstance(n, int) for i, n in strikes.items()))

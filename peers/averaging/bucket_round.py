@@ -16,7 +16,7 @@ from peers.settings import AveragerSettings
 
 SHARED = ("ok", "reason", "group_size", "total_weight", "peers", "gathered", "majority_peers", "in_minority",
           "retryable", "members_left", "left_behind", "exchange_seconds", "matchmaking_seconds", "allreduce_seconds",
-          "vote_seconds", "codec", "groups")
+          "vote_seconds", "codec", "groups", "rejected")
 """The fields of a round's result that the island's rank 0 tells its other ranks (the rest is per rank)."""
 
 

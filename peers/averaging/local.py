@@ -32,6 +32,8 @@ class LocalAverager:
     peer_id = "local"
     committed: list[str] = []
     """Nobody else commits a round: the roster stays empty."""
+    strikes: dict[str, int] = {}
+    """Nobody to strike."""
 
     def __init__(self) -> None:
         self._out: dict[str, torch.Tensor] = {}

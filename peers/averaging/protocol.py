@@ -54,5 +54,14 @@ class IslandAverager(Protocol):
     def committed(self, islands: Collection[str]) -> None:
         """Adopt another island's committed roster (with its θ_global)."""
 
+    @property
+    def strikes(self) -> dict[str, int]:
+        """The strikes the run holds against members (island id → rejected committed rounds), kept like
+        :attr:`committed`."""
+
+    @strikes.setter
+    def strikes(self, strikes: Mapping[str, int]) -> None:
+        """Adopt another island's strikes (with its θ_global)."""
+
     def shutdown(self) -> None:
         """Stop the averager's threads and processes."""

@@ -179,6 +179,7 @@ class ShardedAverager:
             self.carry = carry if carry is not None else {}
         self.layout, self.settings, self.backend, self.fallback = layout, settings, backend, fallback
         self._committed: tuple[str, ...] = ()
+        self._strikes: dict[str, int] = {}
         self.drop: Callable[[int], bool] | None = None
         """Tests: buckets whose parts this rank does not send (a member lost in the middle of a bucket)."""
         self.exchange = self._island_exchange(local_tensors, specs, group, device, exchange)
@@ -456,11 +457,14 @@ class ShardedAverager:
                                   self.settings.allreduce_timeout, carry,
                                   flat[bucket.start:bucket.end] if flat is not None else None,
                                   pending.owned[b] if codec.lossy else None,
-                                  part_owners(members, endpoints, unpunched), groups)
+                                  part_owners(members, endpoints, unpunched), groups, self.settings.aggregate,
+                                  self.settings.member_check)
             return b, out
 
         prints: dict[int, list[float]] = {}
         failures: list[tuple[int, str, int]] = []
+        rejected: set[str] = set()
+        island_of = {str(peer): p for p in peers for peer, _ in group[p]["ranks"]}
         finite = True
         with ThreadPoolExecutor(max_workers=max(1, min(BUCKET_THREADS, len(pending.mine)))) as pool:
             for b, out in pool.map(one, pending.mine):
@@ -473,6 +477,7 @@ class ShardedAverager:
                     reason, left = out.failure(len(peers))
                     failures.append((b, reason, left))
                     continue
+                rejected |= {island_of.get(r, r) for r in out.rejected}
                 if out.carry is not None:
                     pending.carry[b] = out.carry
                 pending.averaged[b] = out.mean
@@ -481,6 +486,7 @@ class ShardedAverager:
         resent = (self.transport.stats.resent - resent_before) if self.transport is not None else 0
         pending.parts_resent += resent
         return {"prints": {str(b): v for b, v in prints.items()}, "failures": failures, "finite": finite,
+                "rejected": sorted(rejected),
                 "sent": pending.bytes_sent, "received": pending.bytes_received, "resent": resent,
                 "seconds": time.perf_counter() - t0}
 
@@ -504,7 +510,7 @@ class ShardedAverager:
         prints = {int(b): v for rep in reports for b, v in rep["prints"].items()}
         ordered = [x for b in sorted(prints) for x in prints[b]]
         return Exchange(ordered, None, sent, received, "", 0, None, finite=all(rep["finite"] for rep in reports),
-                        parts_resent=resent)
+                        parts_resent=resent, rejected=sorted({r for rep in reports for r in rep["rejected"]}))
 
     @staticmethod
     def _owner(ranks: list[list[str]], b: int) -> str:
@@ -583,6 +589,14 @@ class ShardedAverager:
             self.carry.update(pending.carry)
         if pending.result is not None and pending.result.peers:  # every rank learned the round's members
             self.committed = pending.result.peers
+            # strikes need evidence every member saw alike: every member checked every member's whole Δ
+            if self.settings.aggregate != "mean" and self.settings.strikes and pending.result.rejected:
+                strikes = dict(self._strikes)
+                for island in pending.result.rejected:
+                    strikes[island] = strikes.get(island, 0) + 1
+                    log.warning("island %s gets a strike (%d of %d): the round rejected its pseudo-gradient",
+                                island[-8:], strikes[island], self.settings.strikes)
+                self.strikes = strikes
 
     def state_fingerprint(self, local_tensors: Mapping[str, torch.Tensor], chunks_per_bucket: int = 4
                           ) -> list[float]:
@@ -618,6 +632,18 @@ class ShardedAverager:
         self._committed = tuple(sorted(str(i) for i in islands))
         if self.matcher is not None:
             self.matcher.committed = self._committed
+
+    @property
+    def strikes(self) -> dict[str, int]:
+        """The strikes the run holds against members (island id → rounds whose committed result rejected its Δ),
+        as this island holds them, every rank alike (see :attr:`peers.group.averager.VerifiedAverager.strikes`)."""
+        return dict(self._strikes)
+
+    @strikes.setter
+    def strikes(self, strikes: Mapping[str, int]) -> None:
+        self._strikes = {str(i): int(n) for i, n in strikes.items()}
+        if self.matcher is not None:
+            self.matcher.strikes = dict(self._strikes)
 
     def shutdown(self) -> None:
         """Stop the island's averager and the channel (the DHT, transport and process groups are the caller's,

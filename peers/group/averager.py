@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import hivemind
@@ -28,6 +28,7 @@ from hivemind.utils import get_dht_time
 from outer_optim.compression import make_codec
 from outer_optim.tensors import all_finite
 from peers.discovery.membership import MemberCheck, Membership
+from peers.aggregation import bound_weights, low_median
 from peers.fingerprints import (
     FINGERPRINT_CHUNKS,
     fingerprint,
@@ -78,6 +79,8 @@ class Exchange:
     finite: bool = True
     parts_resent: int = 0
     """Parts sent again alone after their connection failed (the round went on)."""
+    rejected: list[str] = field(default_factory=list)
+    """Members (island ids) whose Δ, or a part of it, failed the member check and counted for nothing."""
 
 
 def check_group(meta: dict[str, dict], round_id: str, min_group_size: int) -> str:
@@ -93,11 +96,16 @@ def check_group(meta: dict[str, dict], round_id: str, min_group_size: int) -> st
     if len({m.get("config_fingerprint") for m in meta.values()}) > 1:
         return "islands in the group run different model or training configs (config fingerprints differ)"
     weights = [as_float(m.get("weight")) for m in meta.values()]
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        return f"a peer declared an invalid weight ({weights}); weights must be positive token counts"
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(w > 0 for w in weights):
+        return f"a peer declared an invalid weight ({weights}); weights must be token counts, some positive"
     return ""
 
 
+TOKEN_CAP = 8.0
+"""Under ``--averaging.weighting tokens``: a member counts with at most this many times the group's median claim of
+tokens.  Islands of unequal speed under a budget of time train unequal tokens (6× apart in tests/test_round_budget.py),
+so the cap is generous: it stops a claim of 1e30 from owning the average, not a liar from weighing 8 islands; a run
+among strangers weighs members equally (``weighting equal``, what ``auto`` gives rounds by steps)."""
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
 
@@ -138,6 +146,9 @@ class VerifiedAverager(MissedGroups):
         matchmaking, with the time left, once another island is live.  Asked once a second while it looks for a
         group too: once every other island is gone (all of them SIGKILLed), it stops looking instead of waiting
         out ``matchmaking_timeout``."""
+        self.strikes: dict[str, int] = {}
+        """Island id → the committed rounds whose result rejected its pseudo-gradient (see :attr:`banned`); kept with
+        θ_global like :attr:`committed`."""
         self.committed: tuple[str, ...] = ()
         """The islands that committed the last round this island committed or adopted (empty: none yet): a round
         counts only for a group holding a majority of them (:func:`peers.group.roster.quorum_problem`).  Kept with
@@ -216,13 +227,14 @@ class VerifiedAverager(MissedGroups):
             out = average_encoded(self._parts, self.codec, parts_key(peers, rid), self.peer_id, peers,
                                   {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
                                   self.settings.allreduce_timeout, carry, owners=owners,
-                                  groups=groups if len(groups) > 1 else None)
+                                  groups=groups if len(groups) > 1 else None, rule=self.settings.aggregate,
+                                  check=self.settings.member_check)
             if out.mean is None:
                 reason, left = out.failure(len(peers))
                 return Exchange(None, None, out.bytes_sent, out.bytes_received, reason, left, out.carry)
             averaged = [a.view(s) for a, s in zip(out.mean.split([math.prod(s) for s in shapes]), shapes)]
             return Exchange(fingerprint(averaged), averaged, out.bytes_sent, out.bytes_received, "", 0, out.carry,
-                            finite=all(all_finite(a) for a in averaged))
+                            finite=all(all_finite(a) for a in averaged), rejected=out.rejected)
 
         meta = dict(metadata, endpoint=self.endpoint) if self.endpoint else metadata
         if self.transport is not None and self.transport.punch_failed():
@@ -255,8 +267,8 @@ class VerifiedAverager(MissedGroups):
                 alone.seconds = time.perf_counter() - t0
                 return alone, None
             view = self._round_view(round_id)
-            meta = dict(metadata, round_id=round_id, weight=float(weight), lineage=lineage(self.committed),
-                        out=sorted(view.out), seen=view.seen)
+            meta = dict(metadata, round_id=round_id, weight=float(weight),
+                        lineage=lineage(self.committed, self.strikes), out=sorted(view.out), seen=view.seen)
             if expected_group_size:
                 self.roster.target = expected_group_size
             formed = self.roster.form(round_id, meta, view, started + timeout, lambda: self._give_up(round_id, started),
@@ -282,11 +294,16 @@ class VerifiedAverager(MissedGroups):
         t_allreduce = time.perf_counter()
         gathered = {str(p): (m if isinstance(m, dict) else {}) for p, m in formed.items()}
         result = RoundResult(False, matchmaking_seconds=t1 - t0, gathered=gathered)
-        result.majority_peers, result.in_minority = majority_by_state(gathered, self.peer_id)
+        if self.peer_id in self.banned:
+            result.reason = (f"this island is left out of the run's rounds: the run rejected its pseudo-gradient in "
+                             f"{self.strikes[self.peer_id]} committed rounds (--averaging.strikes)")
+            result.seconds = time.perf_counter() - t0
+            return result, None
+        result.majority_peers, result.in_minority = majority_by_state(
+            {p: m for p, m in gathered.items() if p not in self.banned}, self.peer_id)
         peers = result.majority_peers
-        meta = {p: gathered[p] for p in peers}
+        meta = self._weighed({p: gathered[p] for p in peers}, result)
         result.peers, result.group_size = peers, len(peers)
-        result.total_weight = float(sum(as_float(m.get("weight")) for m in meta.values()))
         if result.in_minority:
             result.reason = (f"θ_global differs from the group's majority ({len(peers)} of {len(gathered)} hold "
                              f"another one, or descend from other rounds); this island resynchronizes")
@@ -305,7 +322,7 @@ class VerifiedAverager(MissedGroups):
             out = exchange(meta, peers, round_id)
             result.exchange_seconds = time.perf_counter() - t_exchange
             result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
-            result.parts_resent = out.parts_resent
+            result.parts_resent, result.rejected = out.parts_resent, out.rejected
             if out.reason:
                 result.reason, result.members_left = out.reason, out.members_left
                 result.retryable = result.members_left >= self.settings.min_group_size
@@ -322,6 +339,32 @@ class VerifiedAverager(MissedGroups):
         result.seconds = time.perf_counter() - t0
         result.ok = not result.reason
         return result, (out.averaged if result.ok else None)
+
+    def _weighed(self, meta: dict[str, dict], result: RoundResult) -> dict[str, dict]:
+        """The members' metadata with the weight each counts with in the exchange: 1 each (``weighting equal``),
+        or the tokens each declared, capped at :data:`TOKEN_CAP` × the group's median claim (``tokens``; ``auto``:
+        tokens when the members send Δ per million tokens, their metadata's ``per_tokens``); the
+        group's token count, capped so, goes to ``result.total_weight`` (what scales a Δ sent per million tokens
+        back).  A declared weight is a claim nobody can check: uncapped, a member declaring 1e30 owned the
+        average."""
+        declared = {p: as_float(m.get("weight")) for p, m in meta.items()}
+        claims = [w for w in declared.values() if math.isfinite(w) and w > 0]
+        cap = TOKEN_CAP * low_median(claims) if claims else 1.0
+        tokens = bound_weights(declared, "tokens", cap)
+        result.total_weight = float(sum(tokens.values()))
+        mode = self.settings.weighting
+        if mode == "auto":  # islands that send Δ per million tokens trained unequal tokens (a budget of time)
+            mode = "tokens" if any(m.get("per_tokens") for m in meta.values()) else "equal"
+        counted = tokens if mode == "tokens" else bound_weights(declared, "equal", cap)
+        return {p: dict(m, weight=counted[p]) for p, m in meta.items()}
+
+    @property
+    def banned(self) -> set[str]:
+        """Islands left out of the run's rounds: the committed results of ``settings.strikes`` rounds rejected their
+        pseudo-gradients (robust aggregation only: every member then checks every member's whole Δ, so all reach
+        the same strikes)."""
+        limit = self.settings.strikes
+        return {i for i, n in self.strikes.items() if limit and n >= limit}
 
     def _round_view(self, round_id: str) -> RoundView:
         """What this island knows of the run as it enters ``round_id`` (one read of the registry; an averager that

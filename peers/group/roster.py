@@ -98,12 +98,14 @@ def split_groups(members: Sequence[str], round_id: str, max_group_size: int) -> 
     return sorted((sorted(order[j::k]) for j in range(k)), key=lambda g: g[0])
 
 
-def lineage(committed: Collection[str]) -> str:
-    """A short name for the committed roster an island's θ_global descends from (:data:`GENESIS` before any
-    round committed): islands that agree on θ_global but not on it belong to different lineages."""
-    if not committed:
+def lineage(committed: Collection[str], strikes: Mapping[str, int] | None = None) -> str:
+    """A short name for the committed roster an island's θ_global descends from, and the strikes the run holds
+    against members (:data:`GENESIS` before any round committed): islands that agree on θ_global but not on these
+    belong to different lineages."""
+    if not committed and not strikes:
         return GENESIS
-    return hashlib.sha256("|".join(sorted(committed)).encode()).hexdigest()[:16]
+    told = "|".join(sorted(committed)) + "#" + "|".join(f"{i}={n}" for i, n in sorted((strikes or {}).items()))
+    return hashlib.sha256(told.encode()).hexdigest()[:16]
 
 
 def quorum_problem(members: Collection[str], committed: Collection[str], out: Collection[str], seen: int) -> str:

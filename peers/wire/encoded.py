@@ -54,7 +54,7 @@ from hivemind.p2p import P2PContext, PeerID
 from outer_optim.compression import Payload, reduce_scatters
 from outer_optim.compression.entropy import pack, unpack, unpack_at_most
 from outer_optim.tensors import all_finite
-from peers.aggregation import weighted_mean
+from peers.aggregation import aggregate, member_norm_check, member_norms
 from peers.discovery.membership import MemberCheck, punchable, takes_connections
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -349,6 +349,9 @@ class EncodedAverage:
     bytes_received: int = 0
     carry: torch.Tensor | None = None
     """The owner's error feedback after this exchange (see :func:`average_encoded`); None without one."""
+    rejected: list[str] = field(default_factory=list)
+    """Members whose Δ (or, in a reduce-scatter, whose part this member owned) failed the member check and counted
+    for nothing (see :func:`aggregate_checked`)."""
 
     def failure(self, group_size: int) -> tuple[str, int]:
         """Why a group of ``group_size`` got no :attr:`mean`, and how many members are left alive (those whose
@@ -365,7 +368,8 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
                     weights: dict[str, float], payload: bytes, numel: int, timeout: float,
                     carry: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     sent: torch.Tensor | None = None, owners: Collection[str] | None = None,
-                    groups: Sequence[Sequence[str]] | None = None) -> EncodedAverage:
+                    groups: Sequence[Sequence[str]] | None = None, rule: str = "mean",
+                    check: float = 0.0) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says.
 
@@ -378,18 +382,24 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     it already (not decoded again); ``owners``: the members that own a part of a reduce-scatter (None: all; see
     :func:`part_owners`): two members that own none exchange nothing; ``groups``: the members split into groups
     (:func:`peers.group.roster.split_groups`), which average inside themselves and then across, a part among one
-    member of each group (:func:`_two_levels`; dense codecs, every member owning a part, no owner feedback)."""
-    if (groups is not None and len(groups) > 1 and reduce_scatters(codec, len(peers)) and carry is None
-            and (owners is None or set(owners) >= set(peers))):
+    member of each group (:func:`_two_levels`; dense codecs, every member owning a part, no owner feedback).
+
+    ``rule`` (:data:`peers.aggregation.AGGREGATES`): ``mean``, or a robust rule, which every member computes over
+    every member's whole Δ (an all-gather: no member's share of the work is taken on trust); ``check``: a member
+    whose Δ (or part) is not finite or of a norm above ``check`` × the median counts for nothing (0: only the
+    finiteness check), see :func:`aggregate_checked`."""
+    robust = rule != "mean"
+    if (not robust and groups is not None and len(groups) > 1 and reduce_scatters(codec, len(peers))
+            and carry is None and (owners is None or set(owners) >= set(peers))):
         return _two_levels(channel, codec, key, me, peers, [sorted(g) for g in groups], weights, payload, numel,
-                           timeout, out, sent)
-    if not reduce_scatters(codec, len(peers)):
+                           timeout, out, sent, check)
+    if robust or not reduce_scatters(codec, len(peers)):
         gathered = channel.all_gather(key, me, peers, payload, timeout)
         result = EncodedAverage(None, gathered.missing, gathered.declined, gathered.gone, gathered.bytes_sent,
                                 gathered.bytes_received, carry)
         if not result.missing:
             values = {p: sent if p == me and sent is not None else codec.decode(gathered.got[p], numel) for p in peers}
-            result.mean = weighted_mean(values, weights, out)
+            result.mean, result.rejected = aggregate_checked(values, weights, rule, check, out)
         return result
 
     mean = out if out is not None else torch.empty(numel)
@@ -407,20 +417,21 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
               if hi > lo]
     if len(ranges) == 1:
         return _reduce_scatter(channel, codec, key, me, peers, holders, weights, values, numel, timeout, carry,
-                               mean)
+                               mean, check)
     width = 1 if codec.lossy else len(values) // numel
 
     def piece(i: int) -> EncodedAverage:
         lo, hi = ranges[i]
         return _reduce_scatter(channel, codec, f"{i}.{key}", me, peers, holders, weights,
                                values[lo * width:hi * width], hi - lo, timeout,
-                               carry[lo:hi] if carry is not None else None, mean[lo:hi])
+                               carry[lo:hi] if carry is not None else None, mean[lo:hi], check)
 
     with ThreadPoolExecutor(max_workers=len(ranges)) as pool:
         done = list(pool.map(piece, range(len(ranges))))
     result = EncodedAverage(mean, sorted({p for d in done for p in d.missing}),
                             sorted({p for d in done for p in d.declined}), sorted({p for d in done for p in d.gone}),
-                            sum(d.bytes_sent for d in done), sum(d.bytes_received for d in done))
+                            sum(d.bytes_sent for d in done), sum(d.bytes_received for d in done),
+                            rejected=sorted({p for d in done for p in d.rejected}))
     if result.missing or any(d.mean is None for d in done):
         result.mean = None
     if carry is not None and all(d.carry is not None for d in done):
@@ -430,7 +441,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
 
 def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str], holders: list[str],
                     weights: dict[str, float], values: torch.Tensor | memoryview, numel: int, timeout: float,
-                    carry: torch.Tensor | None, mean: torch.Tensor) -> EncodedAverage:
+                    carry: torch.Tensor | None, mean: torch.Tensor, check: float = 0.0) -> EncodedAverage:
     """The reduce-scatter of :func:`average_encoded` over ``numel`` values (``values``: ours, decoded for a
     lossy codec, else the payload's bytes), the parts owned by ``holders``; the average lands in ``mean``."""
 
@@ -468,11 +479,12 @@ def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     if carry is not None:
         result.carry = torch.zeros(numel)
     if b > a:
-        part = weighted_mean({p: dec(got[p], b - a) for p in peers}, weights, mean[a:b])
-        if carry is not None:
+        part, result.rejected = aggregate_checked({p: dec(got[p], b - a) for p in peers}, weights, "mean", check,
+                                                  mean[a:b], exact=False)
+        if part is not None and carry is not None:
             part += carry[a:b]
-        mine = enc(part)
-        if codec.lossy and len(mine):  # what every member takes for this part: the average as encoded
+        mine = enc(part) if part is not None else b""
+        if part is not None and codec.lossy and len(mine):  # what every member takes: the average as encoded
             decoded = dec(mine, b - a)
             if result.carry is not None:
                 result.carry[a:b] = part - decoded
@@ -492,7 +504,7 @@ def _reduce_scatter(channel: EncodedChannel, codec: Any, key: str, me: str, peer
 
 def _two_levels(channel: EncodedChannel, codec: Any, key: str, me: str, peers: list[str], groups: list[list[str]],
                 weights: dict[str, float], payload: bytes, numel: int, timeout: float,
-                out: torch.Tensor | None, sent: torch.Tensor | None) -> EncodedAverage:
+                out: torch.Tensor | None, sent: torch.Tensor | None, check: float = 0.0) -> EncodedAverage:
     """The average of a roster split into ``groups``, in three steps, so that a member talks to its own group and to
     one member of each other group instead of to every member:
 
@@ -540,12 +552,13 @@ def _two_levels(channel: EncodedChannel, codec: Any, key: str, me: str, peers: l
             got = {p: codec.decode(scattered.got[p], b - a) for p in others}
             got[me] = values[a:b]
             # a buffer of its own: the fp32 "codec" sends it without a copy while the step across writes mean[a:b]
-            part = weighted_mean(got, {p: weights[p] for p in group})
+            part, result.rejected = aggregate_checked(got, {p: weights[p] for p in group}, "mean", check,
+                                                      exact=False)
             # 2. across the groups, among the members holding the same part
             across = sorted(g[mine] for g in groups)
             totals = {g[mine]: float(sum(weights[p] for p in g)) for g in groups}
-            crossed = average_encoded(channel, codec, f"g2.{mine}.{key}", me, across, totals, enc(part), b - a,
-                                      timeout, out=mean[a:b])
+            crossed = average_encoded(channel, codec, f"g2.{mine}.{key}", me, across, totals,
+                                      enc(part) if part is not None else b"", b - a, timeout, out=mean[a:b])
             take(Exchanged({}, crossed.missing, crossed.declined, crossed.gone, crossed.bytes_sent,
                            crossed.bytes_received))
             if crossed.mean is not None:
@@ -568,3 +581,22 @@ def _two_levels(channel: EncodedChannel, codec: Any, key: str, me: str, peers: l
             mean[a:b].copy_(codec.decode(gathered.got[group[j]], b - a))
     result.mean = mean
     return result
+
+
+def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float], rule: str, check: float,
+                      out: torch.Tensor | None = None, exact: bool = True) -> tuple[torch.Tensor | None, list[str]]:
+    """``rule``'s aggregate of the members' ``values`` once the member check has run: a member whose values are not
+    finite, or whose norm is above ``check`` × the group's median (0: no bound), counts for nothing
+    (:func:`peers.aggregation.member_norm_check`).  Returns (the aggregate, or None when no member is left; the
+    members rejected).  The same bits on every member that checks and aggregates the same values; ``exact`` False
+    (one member alone decides, a part's owner) takes torch's norms, several times faster, whose last bits depend on
+    the thread count."""
+    norms = member_norms(values) if exact else {p: float(torch.linalg.vector_norm(v)) for p, v in values.items()}
+    rejected = member_norm_check(norms, check)
+    counted = {p: 0.0 if p in rejected else weights[p] for p in values}
+    if not any(w > 0 for w in counted.values()):
+        return None, rejected
+    if rejected:
+        log.warning("left out the pseudo-gradient of %s: not finite, or its norm above %g times the group's median",
+                    ", ".join(p[-8:] for p in rejected), check)
+    return aggregate(values, counted, rule, out), rejected

@@ -74,6 +74,8 @@ class RoundMetrics:
             "vote_seconds": float(r.vote_seconds),
             "round_payload_bytes": int(r.island_bytes_sent), "parts_resent": int(r.parts_resent), "codec": r.codec,
             "groups": int(r.groups),
+            # the members whose Δ the member check left out (island ids, comma-separated: dashboards take strings)
+            "rejected": ",".join(r.rejected),
         }
 
     @property

@@ -67,9 +67,12 @@ class OuterRounds:
         ctx.peers.rejoin_if_alone(ctx.transfer.main_decides)
         fragment = sched.fragment_of(s.outer_step)
         weight = float(s.tokens - sched.tokens_at_sync[fragment])
+        scale = sched.send_scale(weight)
+        # per_tokens: Δ travels per million tokens (a budget of time or tokens), and the group weighs it by tokens
+        meta = {"outer_step": s.outer_step, "config_fingerprint": ctx.fingerprint, "per_tokens": scale != 1.0,
+                **sched.report()}
         f = self._new_flight(rnd=s.outer_step, fragment=fragment, names=sched.fragment_names[fragment], weight=weight,
-                             meta={"outer_step": s.outer_step, "config_fingerprint": ctx.fingerprint, **sched.report()},
-                             sent_at=s.inner_step, tokens_at_send=s.tokens, t_sent=t0, scale=sched.send_scale(weight))
+                             meta=meta, sent_at=s.inner_step, tokens_at_send=s.tokens, t_sent=t0, scale=scale)
         if not self.background:
             with ctx.transfer.deferring() as adopted:
                 skipped = self.transaction.open(f, self.params)
