@@ -48,7 +48,8 @@ def test_a_chosen_key_is_stretched_to_the_same_key_whichever_way_it_is_given(tmp
         return obtain_run_key(given, key_file, tmp_path / where / "run.key", run_id, read_default=False, first=False)
 
     on_command_line = obtain(given=chosen, where="a")
-    assert "ps" in caplog.text and "--averaging.run_key_file" in caplog.text and "DILOCO_RUN_KEY" in caplog.text
+    assert "lists this server's processes (ps)" in caplog.text and "--averaging.run_key_file" in caplog.text
+    assert "DILOCO_RUN_KEY" in caplog.text
     assert "stretched with scrypt" in caplog.text
     from_file = obtain(key_file=str(by_hand), where="b")
     monkeypatch.setenv("DILOCO_RUN_KEY", chosen)
