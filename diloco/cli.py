@@ -181,6 +181,7 @@ def cmd_probe(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `diloco` console command."""
     argv = sys.argv[1:] if argv is None else argv
+    sys.argv[:] = config_mod.redact_argv(sys.argv)  # what W&B and error reports record of the command line
     _stacks_on_sigusr1()
     if argv and argv[0] in ("generate", "eval", "export"):
         from diloco.inference.commands import COMMANDS

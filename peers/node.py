@@ -36,7 +36,7 @@ from peers.discovery.dht import (
     visible_maddrs,
 )
 from peers.discovery.membership import Membership, reachable_islands
-from peers.discovery.run_key import check_run_key, key_check_key, new_run_key
+from peers.discovery.run_key import RunKey, check_run_key, key_check_key, obtain_run_key
 from peers.errors import PeerNetworkError, PortTakenError, RunKeyError
 from peers.island.exchange import BucketExchange
 from peers.island.layout import CanonicalLayout
@@ -61,8 +61,10 @@ PORT = "port"
 """In the run dir, ``port.rank<r>``: the TCP port rank ``r`` listened on when configured with port 0; an
 island resumed with ``--resume`` listens there again (a free port if it is taken)."""
 RUN_KEY = "run.key"
-"""In the run dir (mode 600): the run key, so that the first island of a private run, restarted with
-its original command plus ``--resume``, rejoins its own run instead of starting a new one."""
+"""In the run dir (mode 600), unless ``--averaging.run_key_file`` says where: the run key, generated there by the
+first island of a private run, or kept there when given on the command line or in the environment, so that an
+island restarted with its original command plus ``--resume`` rejoins its own run (see
+:func:`peers.discovery.run_key.obtain_run_key`); the join line names the file to copy to other servers."""
 MAX_KNOWN_PEERS = 64
 
 
@@ -103,7 +105,8 @@ class PeerNode:
         self.specs: Mapping[str, Any] = {}
         self.exchange: BucketExchange | None = None
         self.unsent, self.count = unsent, count
-        self.run_key = ""
+        self.run_key: RunKey | None = None
+        """This island's run key and its file, once :meth:`start` found it (None in a public or local run)."""
         self.dht: hivemind.DHT | None = None
         self.averager: IslandAverager | None = None
         """The island's averager once connected (None before :meth:`connect` and after :meth:`disconnect`)."""
@@ -151,24 +154,21 @@ class PeerNode:
         resuming = self.resuming or rejoin is not None
         if rt.is_main and not resuming:
             (self.run_dir / KNOWN_PEERS).unlink(missing_ok=True)  # addresses of an earlier run, not this one
-        if resuming and not a.run_key and not a.public:
-            a = dataclasses.replace(a, run_key=remembered(self.run_dir, RUN_KEY).strip())
-        run_key = resolve_run_key(a, lambda: rt.bcast(new_run_key() if rt.global_rank == 0 else None, world=True))
-        if rt.is_main and not a.public:
-            remember(self.run_dir, RUN_KEY, run_key + "\n", private=True)
+        if self.run_key is None and not a.public:
+            self.run_key = self._obtain_run_key(resuming)
+        run_key = self.run_key.key if self.run_key is not None else ""
         if a.backend != "torch":
             known = rejoin if rejoin is not None else remembered(self.run_dir, KNOWN_PEERS).split() if resuming else []
             port_file = f"{PORT}.rank{_local_rank(rt)}"
             former = int(remembered(self.run_dir, port_file) or 0) if resuming else 0
             # a resuming island whose peers are all down (restarting too) starts alone and keeps trying them
-            key = "" if a.public else run_key
             try:
-                self.dht = self._start_dht(key, known, alone_ok=resuming, port=former)
+                self.dht = self._start_dht(run_key, known, alone_ok=resuming, port=former)
             except PortTakenError:
                 if not former:
                     raise
                 log.warning("could not listen on port %d as before; listening on a free port", former)
-                self.dht = self._start_dht(key, known, alone_ok=resuming)
+                self.dht = self._start_dht(run_key, known, alone_ok=resuming)
             remember(self.run_dir, port_file, f"{tcp_port(self.dht)}\n")
             self.wire = WireCounter(root=self.dht.pid)
             if not a.public:
@@ -177,7 +177,24 @@ class PeerNode:
                     self.dht.shutdown()
                     self.dht = None
                     raise RunKeyError(problem)
-        self.run_key = run_key
+
+    def _obtain_run_key(self, resuming: bool) -> RunKey:
+        """Collective over the world: the run key, found (or, on the first island of a run, generated) once by the
+        world's rank 0 and handed to every rank (see :func:`peers.discovery.run_key.obtain_run_key`), so that its
+        file is read, its warnings logged and a weak key stretched once.  ``resuming``: also read the key this
+        island kept in its run dir."""
+        a, rt = self.a, self.rt
+        found, error = None, ""
+        if rt.global_rank == 0:
+            try:
+                found = obtain_run_key(a.run_key, a.run_key_file, self.run_dir / RUN_KEY, a.run_id,
+                                       read_default=resuming, first=not a.initial_peers)
+            except RunKeyError as e:
+                error = str(e)
+        found, error = rt.bcast((found, error), world=True)
+        if error:
+            raise RunKeyError(error)
+        return found
 
     def _scope(self) -> Scope:
         a = self.a
@@ -191,14 +208,14 @@ class PeerNode:
             self.averager = LocalAverager()
             return
         self.start(rejoin)
-        run_key = self.run_key
+        run_key = self.run_key.key if self.run_key is not None else ""
         group = rt.group
         if a.backend in ("torch", "auto") and rt.n_islands > 1:
             self.fallback = HierarchicalAllReduce(self.layout, self.params, self.specs, rt.island_ranks(),
                                                   min_group_size=a.min_group_size)
             group = self.fallback.island_group
         if self.dht is not None:
-            self.transport = self._start_transport("" if a.public else run_key)
+            self.transport = self._start_transport(run_key)
             self.wire.extra = self.transport.socket_inodes
         ids = rt.gather_all(str(self.dht.peer_id) if self.dht is not None else f"{a.run_id}-island{rt.island_index}")
         backend = a.backend if self.fallback is not None or a.backend == "hivemind" else "hivemind"
@@ -226,7 +243,7 @@ class PeerNode:
                                    self.membership.company)
         self._connected()
         if rt.is_main:
-            announce_join(self.name, self.dht, a, run_key, reachable=self.transport.reachable)
+            announce_join(self.name, self.dht, a, self.run_key, reachable=self.transport.reachable)
 
     def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any]) -> None:
         """Collective: an island alone in the run although it knew live islands restarts its peer node
@@ -509,24 +526,14 @@ class AloneWatch:
         return answering
 
 
-def resolve_run_key(a: PeerSettings, generate: Callable[[], str]) -> str:
-    """The run key this island uses: the configured one, or (first island of a private run) ``generate()``.
-
-    An island joining a private run without the key cannot be let in: say how to get it.
-    """
-    if a.public or a.run_key:
-        return a.run_key
-    if a.initial_peers:
-        raise RunKeyError("this run is private: pass --averaging.run_key KEY as printed by the island "
-                            "that started it (or --averaging.public true if the run is public)")
-    return generate()
-
-
-def announce_join(name: str, dht: Any, a: PeerSettings, run_key: str, reachable: bool = True) -> None:
-    """Print the line other islands join with (behind NAT, that they join through a reachable island instead);
-    write the addresses to ``maddr_file`` (atomically) if set."""
+def announce_join(name: str, dht: Any, a: PeerSettings, run_key: RunKey | None, reachable: bool = True) -> None:
+    """Print the line other islands join with (behind NAT, that they join through a reachable island instead): the
+    addresses, and in a private run the file that holds the run key (never the key: the line lands in logs and
+    terminals); write the addresses to ``maddr_file`` (atomically) if set."""
     maddrs = visible_maddrs(dht)
-    key = "" if a.public else f" --averaging.run_key {run_key}"
+    key = "" if run_key is None else (
+        f" --averaging.run_key_file FILE, FILE a copy of {run_key.file.resolve()} from this server (the run key: "
+        f"copy it as you would an ssh key, and keep it mode 600)")
     if reachable:
         print(f"[{name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
     else:
@@ -538,14 +545,12 @@ def announce_join(name: str, dht: Any, a: PeerSettings, run_key: str, reachable:
         os.replace(tmp, a.maddr_file)
 
 
-def remember(run_dir: Path, name: str, text: str, private: bool = False) -> None:
-    """Write ``text`` to ``name`` in the run dir atomically (readable by its owner only if ``private``)."""
+def remember(run_dir: Path, name: str, text: str) -> None:
+    """Write ``text`` to ``name`` in the run dir atomically."""
     path = run_dir / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
-    if private:
-        os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 
 

@@ -7,9 +7,19 @@ Plain data without hivemind, so that the trainer's config section ``averaging`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 
 from outer_optim.compression import AUTO_CODECS, TOPK_DEFAULT_BITS, TOPK_DEFAULT_DENSITY, may_drop
+
+
+SECRET = {"secret": True}
+"""The metadata of a setting that must never leave the process (:func:`is_secret`): it is left out of every
+config the trainer writes or logs, and of the settings' ``repr``."""
+
+
+def is_secret(setting: Field) -> bool:
+    """Whether a dataclass field of the settings is a secret (declared with ``metadata=SECRET``)."""
+    return bool(setting.metadata.get("secret"))
 
 
 @dataclass
@@ -48,9 +58,16 @@ class NetworkSettings:
     connection); false sends them in the clear after the authenticated handshake, each record still tagged
     (GMAC), so that bytes changed on the way are refused: only privacy is given up. Every island of a run
     must agree."""
-    run_key: str = ""
-    """Shared secret of the run: only islands holding it can join, average or download state. Empty on
-    the first island: a key is generated and printed; islands joining a private run must pass it."""
+    run_key: str = field(default="", repr=False, metadata=SECRET)
+    """Shared secret of the run, given as is: only islands holding it can join, average or download state. On
+    the command line `ps` and the shell history show it (the island warns): prefer `run_key_file` or the
+    DILOCO_RUN_KEY environment variable. Never written anywhere (config files, checkpoints, W&B, logs); a key
+    estimated below 128 bits of entropy is stretched with scrypt, salted with the run id."""
+    run_key_file: str = ""
+    """File holding the run key (one line, mode 600; empty: `<run dir>/run.key`). The first island of a
+    private run writes a fresh key there when there is none, and its join line names the file: the other
+    islands of the run get a copy of it (or its content in DILOCO_RUN_KEY). A key given in DILOCO_RUN_KEY or
+    as `run_key` is kept in `<run dir>/run.key`, stretched if weak, for an island restarted with --resume."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from diloco.config.schema import (
     flatten,
     is_section,
     resolve_model,
+    to_dict,
 )
 
 
@@ -196,10 +197,11 @@ def load_given(config_file: str | None = None, overrides: list[str] | dict[str, 
 
 
 def describe(cfg: Config) -> str:
-    """The effective config as TOML, each key preceded by its docstring as a comment."""
+    """The effective config as TOML, each key preceded by its docstring as a comment; the values are
+    :func:`~diloco.config.schema.to_dict`'s, so that a secret is never shown."""
     lines: list[str] = []
 
-    def emit(section: Any, name: str | None) -> None:
+    def emit(section: Any, values: dict[str, Any], name: str | None) -> None:
         docs = field_docs(type(section))
         if name:
             lines.append(f"\n[{name}]")
@@ -207,15 +209,15 @@ def describe(cfg: Config) -> str:
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             if is_section(value):
-                subsections.append((value, f.name if not name else f"{name}.{f.name}"))
+                subsections.append((value, values[f.name], f.name if not name else f"{name}.{f.name}"))
                 continue
             if f.name in docs:
                 lines.append(f"# {docs[f.name]}")
-            lines.append(f"{f.name} = {_toml_value(value)}")
-        for value, sub in subsections:
-            emit(value, sub)
+            lines.append(f"{f.name} = {_toml_value(values[f.name])}")
+        for value, sub_values, sub in subsections:
+            emit(value, sub_values, sub)
 
-    emit(cfg, None)
+    emit(cfg, to_dict(cfg), None)
     return "\n".join(lines).lstrip() + "\n"
 
 

@@ -9,6 +9,7 @@ every problem as one line.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import textwrap
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outer_optim.compression import COMPRESSIONS
-from peers import AGGREGATES, WEIGHTINGS, PeerSettings
+from peers import AGGREGATES, WEIGHTINGS, PeerSettings, is_secret
 from pipeline.settings import ParallelSettings
 
 
@@ -284,8 +285,50 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The tree as nested plain dicts (for TOML, checkpoints and W&B)."""
-    return dataclasses.asdict(cfg)
+    """The tree as nested plain dicts, for everything that leaves the process (TOML files, checkpoints, W&B,
+    result files, ``diloco config show``): its secrets (the run key) left at their defaults, so that none is
+    ever written or logged; an island given its key another way reads it from its file (or environment)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_section(value):
+            out[f.name] = to_dict(value)
+        else:
+            out[f.name] = f.default if is_secret(f) else copy.deepcopy(value)
+    return out
+
+
+def secret_keys() -> list[str]:
+    """The dotted keys of the settings that never leave the process (declared with
+    :data:`peers.settings.SECRET`), e.g. ``averaging.run_key``."""
+    out = []
+
+    def walk(section: Any, prefix: str) -> None:
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if is_section(value):
+                walk(value, f"{prefix}{f.name}.")
+            elif is_secret(f):
+                out.append(prefix + f.name)
+
+    walk(Config(), "")
+    return out
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """``argv`` with the value of every secret setting given on it (``--averaging.run_key KEY`` or
+    ``--averaging.run_key=KEY``) replaced by ``***``: the command line as W&B and error reports may record it."""
+    secret = {f"--{k}" for k in secret_keys()}
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        name, eq, _ = arg.partition("=")
+        name = "--" + name[2:].replace("-", "_") if name.startswith("--") else name
+        if name in secret:
+            if eq:
+                out[i] = f"{arg.split('=', 1)[0]}=***"
+            elif i + 1 < len(argv):
+                out[i + 1] = "***"
+    return out
 
 
 def resolve_model(model: ModelConfig) -> None:
@@ -330,5 +373,5 @@ def config_fingerprint(cfg: Config, tokenizer: str = "") -> str:
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "DataConfig", "InnerOptimConfig", "DilocoConfig",
     "AveragingConfig", "ParallelConfig", "CheckpointConfig", "WandbConfig", "LoggingConfig", "MODEL_PRESETS",
-    "CHOICES", "flatten", "to_dict", "field_docs", "resolve_model", "config_fingerprint",
+    "CHOICES", "flatten", "to_dict", "secret_keys", "redact_argv", "field_docs", "resolve_model", "config_fingerprint",
 ]

@@ -28,7 +28,7 @@ import torch
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import read_metrics
 from diloco.launch import tail, warm
-from peers import IDENTITY, descendants, new_run_key, peer_id_of, process_table, socket_files
+from peers import IDENTITY, RUN_KEY, descendants, obtain_run_key, peer_id_of, process_table, socket_files
 
 Wrap = Callable[[list[str], int], list[str]]
 """Turns an island's command line into the one to run (e.g. inside island i's network namespace)."""
@@ -39,14 +39,19 @@ class SimulationError(RuntimeError):
 
 
 def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None) -> list[dict[str, Any]]:
-    """Per-island config dicts: disjoint data shards, own run directory, a shared run key.
+    """Per-island config dicts: disjoint data shards, own run directory, a shared run key file.
 
-    ``host_addresses`` gives each island the IP it listens on (default 127.0.0.1).
+    ``host_addresses`` gives each island the IP it listens on (default 127.0.0.1).  The run key is found (or
+    generated) here, as the first island of a run would find it, and every island reads it from one file
+    (``<run dir>/run.key``, or ``--averaging.run_key_file``): the configs hold its path, never the key.
     """
     base = Path(cfg.logging.run_dir)
     ranks = n * cfg.parallel.processes
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // ranks)
-    run_key = cfg.averaging.run_key or ("" if cfg.averaging.public else new_run_key())
+    net = cfg.averaging
+    key_file = "" if net.public or net.backend == "local" else str(obtain_run_key(
+        net.run_key, net.run_key_file, base / RUN_KEY, net.run_id, read_default=bool(cfg.checkpoint.resume),
+        first=not net.initial_peers).file)
     out = []
     for i in range(n):
         d = to_dict(cfg)
@@ -61,7 +66,7 @@ def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None)
         a["target_group_size"] = a["target_group_size"] or n
         a["wait_for_islands"] = a["wait_for_islands"] or n
         a["maddr_file"] = str(base / f"island{i}" / "maddrs.txt")
-        a["run_key"] = run_key
+        a["run_key_file"] = key_file
         out.append(d)
     return out
 

@@ -1,6 +1,6 @@
 """Who is in the run: starting and joining hivemind's DHT (:mod:`.dht`), reads and writes of it that cannot
-hang (:mod:`.calls`), the run key that signs a private run's records (:mod:`.run_key`), and the member
-registry with its heartbeats (:mod:`.membership`).
+hang (:mod:`.calls`), the run key that signs a private run's records, where an island finds it and how it is
+stretched when weak (:mod:`.run_key`), and the member registry with its heartbeats (:mod:`.membership`).
 
-May import: :mod:`peers.settings`, :mod:`peers.fingerprints`, hivemind.
+May import: :mod:`peers.settings`, :mod:`peers.errors`, :mod:`peers.fingerprints`, hivemind.
 """

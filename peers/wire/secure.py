@@ -328,7 +328,8 @@ def call(sock: socket.socket, run_key: bytes, encrypt: bool, me: Identity, endpo
     _send(sock, mine + _mac(run_key, CALLER, transcript) + _field(me.sign(CALLER + transcript)), deadline)
     answer = _recv(sock, 1, deadline)
     if answer == REFUSED:
-        raise Refused("refused this island: it holds another run key (pass the run's --averaging.run_key)")
+        raise Refused("refused this island: it holds another run key (use a copy of the run's key file, "
+                      "--averaging.run_key_file)")
     if answer == MISMATCHED:
         mode = "encrypts" if their_flags & ENCRYPTED else "does not encrypt"
         raise Refused(f"refused this island: the other island {mode} its bytes; set --averaging.encrypt alike "
