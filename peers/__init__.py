@@ -40,7 +40,8 @@ from typing import Any
 _EXPORTS = {  # name -> the module that defines it (a module itself where the name is the module's)
     # the peer node and what it is told
     "PeerNode": "peers.node", "round_id": "peers.node", "is_peer_file": "peers.node", "IDENTITY": "peers.node",
-    "PeerSettings": "peers.settings", "codec_backend_problem": "peers.settings", "IslandRanks": "peers.island.ranks",
+    "PeerSettings": "peers.settings", "codec_backend_problem": "peers.settings",
+    "port_problems": "peers.settings", "IslandRanks": "peers.island.ranks",
     "new_run_key": "peers.discovery.run_key", "peer_id_of": "peers.discovery.dht",
     "mute_shutdown_noise": "peers.discovery.dht", "wait_until": "peers.discovery.membership",
     # errors that end an island's start with one line
