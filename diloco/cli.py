@@ -50,7 +50,7 @@ commands:
 shortcuts: --initial-peers ADDR[,ADDR] = --averaging.initial_peers, --resume = --checkpoint.resume latest
 examples:
   diloco simulate --islands 2
-  diloco train --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337
+  diloco train --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337    # takes TCP ports 31337 and 31338
   diloco train --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...
 """
 

@@ -29,6 +29,10 @@ says which SYNs it lets in after all:
 - ``"symmetric"``: a NAT that gives every destination its own port, so that no peer ever learns the port a SYN
   would have to reach: no inbound SYN passes.
 
+A host with a **firewall** (``open_ports``) is reached by a new TCP connection only on the ports listed (a SYN
+without ACK for any other port is dropped); its own connections and their replies pass, as through a stateful
+firewall that accepts inbound connections on those ports only.
+
 A NAT also translates addresses, as real ones do: a host behind it has a private address on its own TUN device
 (``private``), which no other host can reach (a packet for it is unroutable), and the forwarder rewrites it to the
 host's public ``address`` on the way out and back on the way in (ports are kept, as Linux's masquerading keeps
@@ -97,6 +101,7 @@ class Endpoint:
     down_bits: float  # downlink rate, bits/s
     nat: bool = False  # behind NAT: accepts no inbound TCP connection (but see nat_kind)
     private: str = ""  # behind NAT: the address on its own TUN device, which its NAT rewrites to ``address``
+    open_ports: tuple[int, ...] | None = None  # behind a firewall: the only ports new TCP connections reach (None: any)
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,8 @@ class DelayLineConfig:
     def from_json(text: str) -> DelayLineConfig:
         """The config written by :meth:`to_json`."""
         raw = json.loads(text)
-        raw["hosts"] = tuple(Endpoint(**h) for h in raw["hosts"])
+        raw["hosts"] = tuple(Endpoint(**dict(h, open_ports=None if h.get("open_ports") is None else
+                                             tuple(h["open_ports"]))) for h in raw["hosts"])
         return DelayLineConfig(**raw)
 
 
@@ -211,7 +217,8 @@ class Forwarder:
         self.cfg = cfg
         self.fds = fds
         self.rng = random.Random(cfg.seed)
-        self.counts = {"forwarded": 0, "lost": 0, "queue_drops": 0, "nat_drops": 0, "unroutable": 0}
+        self.counts = {"forwarded": 0, "lost": 0, "queue_drops": 0, "nat_drops": 0, "firewall_drops": 0,
+                       "unroutable": 0}
 
     def run(self, parent: int | None = None) -> None:
         """Forward packets until the process ``parent`` is gone (forever when ``None``)."""
@@ -222,6 +229,9 @@ class Forwarder:
         public = [socket.inet_aton(h.address) for h in cfg.hosts]
         private = [socket.inet_aton(h.private) if h.private else None for h in cfg.hosts]
         cone = cfg.nat_kind == "cone"
+        # the destination ports (as on the wire) each host's firewall lets new connections in on; None: every one
+        firewall = [None if h.open_ports is None else {p.to_bytes(2, "big") for p in h.open_ports}
+                    for h in cfg.hosts]
         # (host behind a cone NAT, its port, remote address, remote port) -> when it last sent a SYN there
         opened: dict[tuple[int, bytes, bytes, bytes], float] = {}
         up_bytes_s = [h.up_bits / 8 for h in cfg.hosts]
@@ -295,10 +305,14 @@ class Forwarder:
                         continue
                     if private[src] is not None and pkt[12:16] == private[src]:  # out through its NAT
                         pkt = translate(pkt, 12, public[src])
-                    if (nat[dst] or nat[src] and cone) and pkt[9] == 6 and not (pkt[6] & 0x1F or pkt[7]):
+                    if (nat[dst] or nat[src] and cone or firewall[dst] is not None) and pkt[9] == 6 and not (
+                            pkt[6] & 0x1F or pkt[7]):
                         ihl = (pkt[0] & 0x0F) * 4  # TCP, first fragment
                         if len(pkt) > ihl + 13 and pkt[ihl + 13] & 0x02:  # a SYN
                             ports = pkt[ihl:ihl + 2], pkt[ihl + 2:ihl + 4]
+                            if firewall[dst] is not None and not pkt[ihl + 13] & 0x10 and ports[1] not in firewall[dst]:
+                                counts["firewall_drops"] += 1  # a new connection to a port the firewall keeps shut
+                                continue
                             if nat[src] and cone:
                                 opened[src, ports[0], pkt[16:20], ports[1]] = now
                                 if len(opened) > 4096:

@@ -501,7 +501,8 @@ class EmulatedNetwork:
     is lost; the hosts whose indices are in ``nat`` accept no inbound TCP connection, except, behind a ``"cone"``
     NAT (``nat_kind``), one from where they just sent a SYN (hole punching; ``"symmetric"``: none at all); they
     listen on a private address (``Host.local_address``, in ``10.78.*``) that their NAT rewrites to their public
-    one (``Host.address``) and that no other host can reach.
+    one (``Host.address``) and that no other host can reach. ``firewall`` maps host indices to the only TCP ports
+    new connections reach on that host (a stateful firewall: its own connections and their replies pass).
     ``latency_ms`` is the deprecated one-way spelling of ``rtt_ms / 2``. ``delay_line``: None
     picks the path (the delay line unless only a rate, or a rate and latency on a kernel with
     netem, is asked), True or False forces it. ``tun_mtu`` is the delay line's MTU.
@@ -524,6 +525,7 @@ class EmulatedNetwork:
         loss: float = 0.0,
         nat: tuple[int, ...] | list[int] = (),
         nat_kind: str = "cone",
+        firewall: dict[int, tuple[int, ...]] | None = None,
         delay_line: bool | None = None,
         tun_mtu: int = DEFAULT_MTU,
         prefix: str = DEFAULT_PREFIX,
@@ -543,13 +545,19 @@ class EmulatedNetwork:
         _check_link(rtt_ms, jitter_ms, loss, names=("rtt_ms", "jitter_ms", "loss"))
         if isinstance(nat, (str, bytes)) or not all(isinstance(i, int) and 0 <= i < n_hosts for i in nat):
             raise ValueError(f"nat must list host indices in 0..{n_hosts - 1}, got {nat!r}")
+        firewall = dict(firewall or {})
+        if not all(isinstance(i, int) and 0 <= i < n_hosts for i in firewall):
+            raise ValueError(f"firewall must map host indices in 0..{n_hosts - 1} to ports, got {firewall!r}")
+        if not all(isinstance(p, int) and 0 < p < 65536 for ports in firewall.values() for p in ports):
+            raise ValueError(f"firewall must list TCP ports in 1..65535, got {firewall!r}")
         if nat_kind not in NAT_KINDS:
             raise ValueError(f"nat_kind must be one of {', '.join(NAT_KINDS)}, got {nat_kind!r}")
         if not isinstance(tun_mtu, int) or not 576 <= tun_mtu <= 65535:
             raise ValueError(f"tun_mtu must be an int in 576..65535, got {tun_mtu!r}")
-        beyond_netem = bool(jitter_ms or loss or nat)  # what only the delay line emulates
+        beyond_netem = bool(jitter_ms or loss or nat or firewall)  # what only the delay line emulates
         if delay_line is False and beyond_netem:
-            raise ValueError("jitter, loss and NAT need the delay line: leave delay_line unset or set it True")
+            raise ValueError("jitter, loss, NAT and firewalls need the delay line: leave delay_line unset or set it "
+                             "True")
         if run_id is None:
             run_id = secrets.token_hex(3)
         if not re.fullmatch(r"[A-Za-z0-9_.]{1,40}", run_id):
@@ -566,6 +574,7 @@ class EmulatedNetwork:
         self.loss = float(loss)
         self.nat = tuple(sorted(set(nat)))
         self.nat_kind = nat_kind
+        self.firewall = {i: tuple(sorted(set(ports))) for i, ports in sorted(firewall.items())}
         self.tun_mtu = tun_mtu
         if delay_line is None:
             delay_line = beyond_netem or (self.rtt_ms > 0 and not _available(_NETEM)[0])
@@ -666,7 +675,7 @@ class EmulatedNetwork:
         cfg = DelayLineConfig(
             hub=self.hub,
             hosts=tuple(Endpoint(h.namespace, h.address, self.rate_bits, self.rate_bits, h.index in self.nat,
-                                 h.private) for h in self.hosts),
+                                 h.private, self.firewall.get(h.index)) for h in self.hosts),
             rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss, queue_ms=self.queue_ms, mtu=self.tun_mtu,
             nat_kind=self.nat_kind)
         try:
@@ -783,6 +792,8 @@ class EmulatedNetwork:
         if self.nat:
             parts.append(f"host{'s' if len(self.nat) > 1 else ''} {', '.join(map(str, self.nat))} behind "
                          + ("NAT" if self.nat_kind == "cone" else f"{self.nat_kind} NAT"))
+        for i, ports in self.firewall.items():
+            parts.append(f"host {i} behind a firewall open on TCP {', '.join(map(str, ports)) or 'no port'}")
         return ", ".join(parts)
 
     def host(self, host: int) -> Host:

@@ -780,9 +780,12 @@ def command_lines(inputs: Inputs, c: Candidate) -> list[str]:
              + (f" --diloco.fragments {c.fragments}" if c.fragments > 1 else "")
              + (" --diloco.master_device cuda" if c.outer_on_gpu else "")
              + f" --data.num_shards {s.count}")
-    lines = [f"# server 0\n{launcher} {flags} --data.shard_index 0 --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337"]
+    ports = "TCP ports 31337-31338 open to the other servers"  # the DHT's and the next, the transport's
+    lines = [f"# server 0 ({ports})\n{launcher} {flags} --data.shard_index 0 --averaging.host_maddrs "
+             f"/ip4/0.0.0.0/tcp/31337"]
     nat = "" if inputs.link.joiners_accept else " --averaging.client_mode true"
-    why = "" if inputs.link.joiners_accept else "; behind NAT by diloco probe: it opens every connection itself"
+    why = (f"; {ports}" if inputs.link.joiners_accept
+           else "; behind NAT by diloco probe: it opens every connection itself")
     for i in range(1, s.count):
         lines.append(f"# server {i} (ADDR: the multiaddr server 0 prints{why})\n{launcher} {flags} "
                      f"--data.shard_index {i} --averaging.host_maddrs /ip4/0.0.0.0/tcp/31337{nat} --initial-peers ADDR")

@@ -41,8 +41,8 @@ _EXPORTS = {  # name -> the module that defines it (a module itself where the na
     # the peer node and what it is told
     "PeerNode": "peers.node", "round_id": "peers.node", "is_peer_file": "peers.node", "IDENTITY": "peers.node",
     "RUN_KEY": "peers.node",
-    "PeerSettings": "peers.settings", "codec_backend_problem": "peers.settings", "IslandRanks": "peers.island.ranks",
-    "AGGREGATES": "peers.aggregation", "WEIGHTINGS": "peers.aggregation",
+    "PeerSettings": "peers.settings", "codec_backend_problem": "peers.settings", "port_problems": "peers.settings",
+    "IslandRanks": "peers.island.ranks", "AGGREGATES": "peers.aggregation", "WEIGHTINGS": "peers.aggregation",
     "is_secret": "peers.settings", "obtain_run_key": "peers.discovery.run_key", "peer_id_of": "peers.discovery.dht",
     "mute_shutdown_noise": "peers.discovery.dht", "wait_until": "peers.discovery.membership",
     # errors that end an island's start with one line

@@ -41,7 +41,7 @@ from peers.errors import PeerNetworkError, PortTakenError, RunKeyError
 from peers.island.exchange import BucketExchange
 from peers.island.layout import CanonicalLayout
 from peers.island.ranks import IslandRanks
-from peers.settings import NetworkSettings, PeerSettings, Scope
+from peers.settings import PORTS_PER_RANK, NetworkSettings, PeerSettings, Scope, transport_port
 from peers.wire.counters import Traffic, WireCounter
 from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
 from peers.wire.identity import identity_of
@@ -243,7 +243,8 @@ class PeerNode:
                                    self.membership.company)
         self._connected()
         if rt.is_main:
-            announce_join(self.name, self.dht, a, self.run_key, reachable=self.transport.reachable)
+            announce_join(self.name, self.dht, a, self.run_key, reachable=self.transport.reachable,
+                          round_port=self.transport.port)
 
     def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any]) -> None:
         """Collective: an island alone in the run although it knew live islands restarts its peer node
@@ -335,8 +336,9 @@ class PeerNode:
 
     def _start_transport(self, run_key: str) -> Transport:
         """Collective: this island's transports, one port for the server: rank 0 listens on the address the DHT
-        listens on, at ``transport_port`` (0: a free port), announced at the announced address when there is
-        one; the other ranks take the connections for them from rank 0 (see :mod:`peers.wire.transport`)."""
+        listens on, at :func:`transport_port` (the DHT's port + 1 unless ``transport_port`` says otherwise),
+        announced at the announced address when there is one; the other ranks take the connections for them
+        from rank 0 (see :mod:`peers.wire.transport`)."""
         a, rt = self.a, self.rt
         host = _listen_ip(a)
         transport, advertise, error = None, "", ""
@@ -344,13 +346,15 @@ class PeerNode:
             # behind NAT, hole punching aims at the announced address: the NAT's, as the dial-back saw it
             advertise = (self.seen_ip if a.client_mode and not _ip_of(a.announce_maddrs) else ""
                          ) or _advertised_ip(a, self.dht)
+            port = transport_port(a, _local_rank(rt))
             try:
-                transport = Transport(identity_of(self.dht), run_key, host=host, port=a.transport_port,
+                transport = Transport(identity_of(self.dht), run_key, host=host, port=port,
                                       advertise=advertise, encrypt=a.encrypt, reachable=not a.client_mode,
                                       punch=a.hole_punch, max_message=message_limit(a.bucket_numel))
             except OSError as e:
-                error = (f"could not listen for round bytes on {host}:{a.transport_port} ({e.strerror or e}); free "
-                         f"the port or pick another with --averaging.transport_port")
+                derived = " (the port after the DHT's)" if port and not a.transport_port else ""
+                error = (f"could not listen for round bytes on {host}:{port}{derived} ({e.strerror or e}); free the "
+                         f"port or pick another with --averaging.transport_port")
         port, advertise, error = rt.bcast((transport.port if transport is not None else 0, advertise, error))
         if error:
             raise PeerNetworkError(error)
@@ -375,10 +379,10 @@ class PeerNode:
         """One DHT per rank (collective over the world): rank 0 joins the run's initial peers and the
         islands it ``remembered`` from before a restart (if none answers: alone, when it has no initial
         peers or ``alone_ok``), the other ranks bootstrap from it (and from the initial peers).  An island's first
-        rank listens on the configured port (+ its local rank when several islands share a server; port 0
-        stays 0, unless ``port`` says which one it listened on before); the island's other ranks run client
-        nodes on loopback (see :meth:`_dht_client`).  Rank ``r`` keeps its identity in
-        ``<identity_path>.rank<r>``."""
+        rank listens on the configured port (+ 2 per local rank when several islands share a server:
+        :data:`PORTS_PER_RANK`; port 0 stays 0, unless ``port`` says which one it listened on before); the
+        island's other ranks run client nodes on loopback (see :meth:`_dht_client`).  Rank ``r`` keeps its
+        identity in ``<identity_path>.rank<r>``."""
         a, rt = self.a, self.rt
         local_rank = _local_rank(rt)
         key = a.identity_path or str(self.run_dir / IDENTITY)
@@ -389,9 +393,10 @@ class PeerNode:
                 return dataclasses.replace(a, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                            announce_maddrs=[], identity_path=identity, run_key=run_key,
                                            client_mode=True)
+            shift = PORTS_PER_RANK * local_rank
             return dataclasses.replace(
-                a, initial_peers=initial, host_maddrs=[_shift_port(m, local_rank, port) for m in a.host_maddrs],
-                announce_maddrs=[_shift_port(m, local_rank) for m in a.announce_maddrs], identity_path=identity,
+                a, initial_peers=initial, host_maddrs=[_shift_port(m, shift, port) for m in a.host_maddrs],
+                announce_maddrs=[_shift_port(m, shift) for m in a.announce_maddrs], identity_path=identity,
                 run_key=run_key)
 
         open_keys = (key_check_key(a.run_id),)
@@ -488,7 +493,7 @@ class PeerNode:
         announced = next((e for e in map(tcp_endpoint, a.announce_maddrs) if e), None)
         dht_address = f"{announced[0]}:{announced[1]}" if announced else f"{advertise}:{tcp_port(dht)}"
         return ask_dial_back(identity_of(dht), run_key, a.encrypt, responders, _listen_ip(a),
-                             a.transport_port, advertise, [dht_address], dial=dial)
+                             transport_port(a, _local_rank(self.rt)), advertise, [dht_address], dial=dial)
 
 
 class AloneWatch:
@@ -526,16 +531,21 @@ class AloneWatch:
         return answering
 
 
-def announce_join(name: str, dht: Any, a: PeerSettings, run_key: RunKey | None, reachable: bool = True) -> None:
-    """Print the line other islands join with (behind NAT, that they join through a reachable island instead): the
-    addresses, and in a private run the file that holds the run key (never the key: the line lands in logs and
-    terminals); write the addresses to ``maddr_file`` (atomically) if set."""
+def announce_join(name: str, dht: Any, a: PeerSettings, run_key: RunKey | None, reachable: bool = True,
+                  round_port: int = 0) -> None:
+    """Print the line other islands join with, naming the TCP ports they connect to (the DHT's, as announced,
+    and the transport's, ``round_port``: what a firewall in front of this server must let in), and in a private
+    run the file that holds the run key (never the key: the line lands in logs and terminals); behind NAT, that
+    they join through a reachable island instead.  Write the addresses to ``maddr_file`` (atomically) if set."""
     maddrs = visible_maddrs(dht)
     key = "" if run_key is None else (
         f" --averaging.run_key_file FILE, FILE a copy of {run_key.file.resolve()} from this server (the run key: "
         f"copy it as you would an ssh key, and keep it mode 600)")
     if reachable:
-        print(f"[{name}] other islands can join with --initial-peers {','.join(maddrs)}{key}", flush=True)
+        dht_ports = sorted({e[1] for e in map(tcp_endpoint, maddrs) if e})
+        named = [f"{p} (DHT)" for p in dht_ports] + ([f"{round_port} (transport)"] if round_port else [])
+        print(f"[{name}] other islands connect to TCP port{'s' if len(named) > 1 else ''} {' and '.join(named)} "
+              f"here and join with --initial-peers {','.join(maddrs)}{key}", flush=True)
     else:
         print(f"[{name}] this island is behind NAT and accepts no connection: other islands join the run through a "
               f"reachable island's --initial-peers{key}", flush=True)

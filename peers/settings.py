@@ -7,6 +7,7 @@ Plain data without hivemind, so that the trainer's config section ``averaging`` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import Field, dataclass, field
 
 from outer_optim.compression import AUTO_CODECS, TOPK_DEFAULT_BITS, TOPK_DEFAULT_DENSITY, may_drop
@@ -29,7 +30,8 @@ class NetworkSettings:
     initial_peers: list[str] = field(default_factory=list)
     """Multiaddrs of running islands or bootstrap nodes (ending in /p2p/PEER_ID); empty starts a new run."""
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    """Multiaddrs this island listens on; use /ip4/0.0.0.0/tcp/PORT to accept peers from other servers."""
+    """Multiaddrs this island's DHT listens on; use /ip4/0.0.0.0/tcp/PORT to accept peers from other servers (its
+    transport takes the next port, `transport_port`)."""
     announce_maddrs: list[str] = field(default_factory=list)
     """Multiaddrs to advertise to peers (your public IP and forwarded port), if not the listening ones."""
     identity_path: str = ""
@@ -51,8 +53,9 @@ class NetworkSettings:
     """Seconds to connect to initial peers before giving up with an error."""
     transport_port: int = 0
     """TCP port this island takes a round's bytes and requests for state on, for all its ranks (rank 0 hands
-    each connection to the rank it is for); 0 picks a free port. Open it next to the DHT's port on a server
-    other islands reach: those two are all the ports an island needs."""
+    each connection to the rank it is for); 0: the port after the DHT's (`host_maddrs`), or a free one when the
+    DHT's is 0. A server other islands reach opens the DHT's port and this one: with the default, one range,
+    e.g. 31337-31338. Islands sharing a server (one torchrun world) each take 2 ports more than the one before."""
     encrypt: bool = True
     """Seal every byte islands send each other over the direct transport (AES-256-GCM, fresh keys per
     connection); false sends them in the clear after the authenticated handshake, each record still tagged
@@ -213,3 +216,46 @@ def codec_backend_problem(compression: str, backend: str) -> str:
         return (f"--averaging.compression {compression} travels over hivemind: use --averaging.backend hivemind "
                 f"or auto (got {backend})")
     return ""
+
+
+PORTS_PER_RANK = 2
+"""TCP ports a server's local rank ``r`` takes from a configured port P: its DHT's, P + 2r, and its transport's, the
+next one, so that islands sharing a server (one torchrun world, each shifted by its first rank's local rank) never
+reach into each other's ports, and a server with one island opens one range of two ports, P and P + 1."""
+_TCP_PORT = re.compile(r"^/(?:ip4|ip6|dns|dns4|dns6)/[^/]+/tcp/(\d+)")
+
+
+def dht_port(a: NetworkSettings) -> int:
+    """The TCP port the DHT of local rank 0 is configured to listen on: the first of ``host_maddrs`` (0 if none,
+    or any free port)."""
+    return next((int(m[1]) for m in map(_TCP_PORT.match, a.host_maddrs) if m), 0)
+
+
+def transport_port(a: NetworkSettings, local_rank: int = 0) -> int:
+    """The TCP port the transport of the island whose first rank has ``local_rank`` on its server listens on:
+    ``transport_port`` when set, else the port after its DHT's (:data:`PORTS_PER_RANK`), so that a server behind
+    a firewall opens one range of two ports; 0, a free port, when the DHT's is 0 too (tests, one machine).
+
+    It cannot be the DHT's own port: hivemind's libp2p daemon owns that listener.  The daemon lets a second
+    listener bind the port (SO_REUSEPORT), but the kernel then deals each new connection to one of the two at
+    random, when its first packet arrives and before any byte says which it is for, and the daemon cannot be
+    handed a connection accepted elsewhere (see "Ports" in docs/averaging.md)."""
+    if a.transport_port:
+        return a.transport_port + PORTS_PER_RANK * local_rank
+    port = dht_port(a)
+    return port + PORTS_PER_RANK * local_rank + 1 if port else 0
+
+
+def port_problems(a: NetworkSettings) -> list[str]:
+    """One sentence per port setting that cannot work (the transport's port out of range or on the DHT's)."""
+    if not 0 <= a.transport_port <= 65535:
+        return [f"--averaging.transport_port must be a TCP port (1-65535, or 0 for the port after the DHT's), got "
+                f"{a.transport_port}"]
+    taken = {int(m[1]) for m in map(_TCP_PORT.match, a.host_maddrs) if m}
+    if a.transport_port and a.transport_port in taken:
+        return [f"--averaging.transport_port {a.transport_port} is the DHT's port (--averaging.host_maddrs): the "
+                f"transport needs a port of its own; leave it 0 for the next one, {a.transport_port + 1}"]
+    if not a.transport_port and dht_port(a) == 65535:
+        return ["--averaging.host_maddrs takes port 65535, which leaves no next port for the transport: pick a "
+                "lower port or set --averaging.transport_port"]
+    return []

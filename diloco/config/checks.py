@@ -9,7 +9,7 @@ import re
 from diloco.config.budget import parse_budget
 from diloco.config.schema import CHOICES, Config, DilocoConfig, flatten
 from outer_optim.compression import AUTO, CODECS, decay_problem, may_drop, topk_problems
-from peers import codec_backend_problem
+from peers import codec_backend_problem, port_problems
 
 WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 """What W&B accepts in ``WANDB_MODE`` (an empty variable counts as unset)."""
@@ -131,6 +131,7 @@ def validate(cfg: Config) -> list[str]:
     for addr in a.host_maddrs + a.announce_maddrs:
         if not addr.startswith("/ip4/") and not addr.startswith("/ip6/") and not addr.startswith("/dns"):
             p.append(f"multiaddr {addr!r} must look like /ip4/ADDRESS/tcp/PORT")
+    p += port_problems(a)
     if a.bucket_numel < 1:
         p.append(f"--averaging.bucket_numel must be at least 1, got {a.bucket_numel}")
     p += codec_problems(cfg)

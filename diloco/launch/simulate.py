@@ -10,6 +10,7 @@ islands with it, experiments wrap each island in a network namespace with ``wrap
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -69,6 +70,24 @@ def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None)
         a["run_key_file"] = key_file
         out.append(d)
     return out
+
+
+def free_port_pair(host: str, tries: int = 20) -> int | None:
+    """A TCP port of ``host`` free now together with the next one (an island's DHT port and its transport's,
+    ``peers.settings.transport_port``); None when ``host`` is not an address of this machine or none was found."""
+    for _ in range(tries):
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind((host, 0))
+                port = first.getsockname()[1]
+                if port == 65535:
+                    continue
+                second.bind((host, port + 1))
+                return port
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return None
+    return None
 
 
 def visible_gpus() -> list[str]:
@@ -199,16 +218,14 @@ class Cluster:
                 self.start(i)
 
     def _first_address(self) -> str | None:
-        """Island 0's full multiaddr, fixed in its config before it starts (None where its IP is not local)."""
+        """Island 0's full multiaddr, fixed in its config before it starts (None where its IP is not local): a port
+        free with the next one, which its transport takes."""
         a = self.configs[0]["averaging"]
         m = re.fullmatch(r"/ip4/([\d.]+)/tcp/0", a["host_maddrs"][0]) if len(a["host_maddrs"]) == 1 else None
         if m is None or self.n == 1:
             return None
-        try:
-            with socket.socket() as s:
-                s.bind((m[1], 0))
-                port = s.getsockname()[1]
-        except OSError:
+        port = free_port_pair(m[1])
+        if port is None:
             return None
         peer_id = peer_id_of(a.get("identity_path") or str(self.run_dirs[0] / IDENTITY))
         a["host_maddrs"] = [f"/ip4/{m[1]}/tcp/{port}"]

@@ -184,6 +184,11 @@ class _Listener:
                     pass
 
     def close(self) -> None:
+        """Stop listening, so that the transport can listen on the port next."""
+        try:  # a close alone leaves the socket listening while the accept thread still blocks in accept()
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
 
 

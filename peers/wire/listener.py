@@ -40,12 +40,27 @@ def slot_address(host: str, port: int, slot: int) -> str:
     return f"\0diloco-transport-{host}-{port}-{slot}"
 
 
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (0: a free port); ``reuse_port``: one that lets others bind the port
+    too (SO_REUSEPORT).
+
+    Such a socket would also share a port that another listener holds, if that one allows sharing, as hivemind's
+    libp2p daemon does with the DHT's port: the kernel would then deal each new connection to one of them at
+    random.  So a port asked for by number is first taken without sharing, which fails (EADDRINUSE) while any
+    other socket listens there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if reuse_port and port:
+        socket.create_server((host, port), family=family).close()
+    return socket.create_server((host, port), reuse_port=reuse_port, backlog=64, family=family)
+
+
 class Listener:
     """Takes this rank's connections: on ``host:port`` (0: any free port) when ``slot`` is 0, else handed over by
     the rank that owns ``port`` on this server.  Each gets its handshake from ``greet(sock, deadline)`` (a
     :class:`~peers.wire.secure.Link`, or None when refused), then goes to ``serve(link)`` in its own thread, which
     returns whether it keeps the connection open past its return (a lane, held for later sends).
-    ``reuse_port``: others may bind the port too (hole punching dials out from it)."""
+    ``reuse_port``: others may bind the port too (hole punching dials out from it); the port must still be free
+    when the listener takes it (:func:`listen`)."""
 
     def __init__(self, host: str, port: int, slot: int, greet: Callable[[socket.socket, float], Link | None],
                  serve: Callable[[Link], bool], reuse_port: bool = False):
@@ -59,8 +74,7 @@ class Listener:
         self._handoff: dict[int, socket.socket] = {}
         self._handoff_lock = threading.Lock()
         if slot == 0:
-            self.server = socket.create_server((host, port), reuse_port=reuse_port, backlog=64,
-                                               family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self.server = listen(host, port, reuse_port)
             self.port = self.server.getsockname()[1]
         else:
             if not port:
@@ -189,4 +203,4 @@ class Listener:
             self._handoff.clear()
 
 
-__all__ = ["Listener", "HANDSHAKES", "SLOT", "slot_address"]
+__all__ = ["Listener", "HANDSHAKES", "SLOT", "listen", "slot_address"]
