@@ -67,7 +67,7 @@ def test_members_decode_the_same_average_of_what_each_sent(dhts, compression):
     reduce-scatter (each sends 2 of 3 parts, then its averaged part to 2: about 4/3 of a payload, not 2),
     re-encoding each averaged part once at its owner.  Every member ends with the same bits."""
     make, made = dhts
-    settings = AveragerSettings(compression=compression, target_group_size=3, **FAST)
+    settings = AveragerSettings(compression=compression, target_group_size=3, weighting="tokens", **FAST)
     avgs = [VerifiedAverager(d, [torch.zeros(NUMEL)], settings, Scope(prefix="c")) for d in make(3)]
     made.extend(avgs)
     # entropy coding (on by default) runs for the codecs whose bytes it shrinks, and only for them

@@ -133,7 +133,7 @@ def _every_file(root: Path, skip: Path) -> list[Path]:
 
 
 def _join_line(log: Path) -> str:
-    lines = [line for line in log.read_text().splitlines() if "other islands can join with" in line]
+    lines = [line for line in log.read_text().splitlines() if "here and join with --initial-peers" in line]
     assert lines, log.read_text()[-3000:]
     return lines[0]
 

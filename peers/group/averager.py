@@ -146,6 +146,8 @@ class VerifiedAverager(MissedGroups):
         matchmaking, with the time left, once another island is live.  Asked once a second while it looks for a
         group too: once every other island is gone (all of them SIGKILLed), it stops looking instead of waiting
         out ``matchmaking_timeout``."""
+        self.outvoted: list[str] = []
+        """The members the last vote outvoted (a robust rule's majority stood against their verdicts)."""
         self.strikes: dict[str, int] = {}
         """Island id → the committed rounds whose result rejected its pseudo-gradient (see :attr:`banned`); kept with
         θ_global like :attr:`committed`."""
@@ -332,7 +334,9 @@ class VerifiedAverager(MissedGroups):
         t2 = time.perf_counter()
         stage("vote")
         if not result.reason:
+            self.outvoted = []
             result.reason, result.voters, result.members_left = self._vote(out.fingerprint, peers, round_id)
+            result.rejected = sorted({*result.rejected, *self.outvoted})
             result.retryable = (bool(result.reason) and
                                 max(result.voters, result.members_left) >= self.settings.min_group_size)
         result.vote_seconds = time.perf_counter() - t2
@@ -430,12 +434,20 @@ class VerifiedAverager(MissedGroups):
             return "the vote on the result could not be held: the DHT process exited", 0, 0
         key = key or vote_key(self.scope.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
+        # with a robust rule every member computed the result itself: a member voting otherwise is outvoted, and
+        # struck, instead of failing the round for everyone
+        majority = self.settings.aggregate != "mean" and bool(mine)
         tally = self._votes.hold(key, self.peer_id, peers, list(mine or []),
                                  lambda a, b: fingerprints_agree(a, b, VOTE_RTOL), self.settings.vote_timeout,
-                                 expiration)
+                                 expiration, majority=majority)
         if tally.missing and not self.dht.is_alive():
             return "the vote on the result could not be held: the DHT process exited", 0, 0
-        return tally.verdict(len(peers))
+        verdict = tally.verdict(len(peers), majority)
+        if majority and not verdict[0] and tally.differ:
+            log.warning("round %s: %d member(s) voted for another result than the majority's (%s): outvoted",
+                        round_id, len(tally.differ), ", ".join(p[-8:] for p in tally.differ))
+            self.outvoted = list(tally.differ)
+        return verdict
 
     def shutdown(self) -> None:
         """Stop the channels and a transport of its own (the DHT is the caller's)."""

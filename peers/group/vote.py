@@ -73,9 +73,14 @@ class Tally:
     abstained: list[str] = field(default_factory=list)
     """Members alive but without a result (their all-reduce failed), us included when we abstain."""
 
-    def verdict(self, group_size: int) -> tuple[str, int, int]:
-        """('' if the round stands, else why not; how many members voted; how many are left when only
-        missing verdicts are wrong: the voters and the members alive without a result, else 0)."""
+    def verdict(self, group_size: int, majority: bool = False) -> tuple[str, int, int]:
+        """('' if the round stands, else why not; how many members voted; how many are left when only missing
+        verdicts are wrong: the voters and the members alive without a result, else 0).  ``majority``: the round
+        stands when the members agreeing with us are more than half the group, whatever the others say (every
+        member computed the result itself from the same bytes: one that votes otherwise is wrong, and
+        :attr:`differ` names it)."""
+        if majority and self.differ and 2 * (len(self.votes) - len(self.differ)) > group_size:
+            return "", len(self.votes), 0
         if not all(math.isfinite(x) for v in self.votes.values() for x in v):
             return "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)", 0, 0
         voters = len(self.votes)
@@ -87,8 +92,10 @@ class Tally:
         return "", voters, 0
 
 
-def _decided(t: Tally) -> bool:
-    return len(t.missing) == len(t.unreachable) + len(t.abstained) or bool(t.differ)
+def _decided(t: Tally, majority: bool = False) -> bool:
+    """Whether the vote can end: every verdict is in (or known not to come), or, unless the majority decides, one
+    differs from ours."""
+    return len(t.missing) == len(t.unreachable) + len(t.abstained) or (bool(t.differ) and not majority)
 
 
 class VoteChannel:
@@ -145,10 +152,12 @@ class VoteChannel:
         self._send_later(sender, abstention, me, expiration, SEND_TIMEOUT)
 
     def hold(self, key: str, me: str, peers: Sequence[str], mine: list[float],
-             agree: Callable[[list[float], list[float]], bool], timeout: float, expiration: float) -> Tally:
+             agree: Callable[[list[float], list[float]], bool], timeout: float, expiration: float,
+             majority: bool = False) -> Tally:
         """Vote ``mine`` on ``key`` among ``peers`` (``me`` included) for at most ``timeout`` seconds: ends as
         soon as every member's verdict is in or one disagrees with ours.  ``expiration``: DHT time the
-        fallback record expires at.  A member that cannot be reached and whose verdict is not in the DHT
+        fallback record expires at; ``majority``: wait for every verdict even once one differs (see
+        :meth:`Tally.verdict`).  A member that cannot be reached and whose verdict is not in the DHT
         record either (``GONE_AFTER``) is not waited for: it counts as missing at once.  ``mine`` empty:
         abstain (we have no result), telling the others not to wait for us, and learn who is left."""
         deadline = time.monotonic() + timeout
@@ -168,7 +177,7 @@ class VoteChannel:
                          [p for p in missing if (p == me and not mine) or (p != me and received.get(p) == [])])
 
         try:
-            return tally(self.box.wait_for(key, lambda received: _decided(tally(received)), deadline))
+            return tally(self.box.wait_for(key, lambda received: _decided(tally(received), majority), deadline))
         finally:
             fallback.cancel()  # stops the polling; sends in flight finish on their own
             self.box.release(key)
