@@ -150,6 +150,8 @@ def count_result(n: int, rounds: int, run_dirs: list[Path], exit_codes: dict[int
         "theta_distinct": len(checksums), "theta_factions": sorted(checksums.values(), reverse=True),
         "islands_without_summary": missing,
         "wire_bytes_per_island_round": sent / max(island_rounds_done, 1),
+        # what the protocol sends by the clock (registry reads, heartbeats) grows with slow rounds, not with rounds
+        "wire_bytes_per_island_second": sent / max(len(run_dirs), 1) / wall_seconds if wall_seconds > 0 else float("nan"),
         "received_bytes_per_island_round": received / max(island_rounds_done, 1),
         "payload_bytes_per_island_round": payload / max(island_rounds_done, 1),
         "round_seconds": _spread(round_seconds),
@@ -212,6 +214,9 @@ def markdown(results: list[dict[str, Any]], command: str, notes: list[str]) -> s
     for r in results:
         lines += ["", f"## {r['islands']} islands", "",
                   f"- islands committing each round: {r['committed_by']} (largest group: {r['largest_group']})",
+                  f"- on the wire: {format_bytes(r['wire_bytes_per_island_round'])} per island per round, "
+                  f"{format_bytes(r['wire_bytes_per_island_second'])} per island per second of the count; received "
+                  f"{format_bytes(r['received_bytes_per_island_round'])} per island per round",
                   f"- island-rounds: {r['island_rounds']} recorded, {r['island_rounds_failed']} not committed, "
                   f"{r['island_rounds_left_out']} left out (caught up from the run instead)",
                   f"- θ_global: {theta_text(r)} distinct; {r['islands_without_summary']} island(s) without a summary",
@@ -375,8 +380,10 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cores: 
         "round s: seconds between the ends of consecutive rounds, as the last island to record each saw them "
         "(compute included); outside compute: each island's seconds of a round not spent training (stall); "
         "group: seconds forming the round's group",
-        "PSS / island: the proportional set size of every process of the run at its peak (islands, their DHT "
-        "processes and p2pd daemons, the warm fork server), divided by the islands",
+        "PSS / island: the proportional set size of every process of the run at its peak (shared pages counted once), "
+        "divided by the islands; by process: island = the islands' training processes, python3 = their DHT "
+        "processes and the warm fork server, p2pd = hivemind's daemons, torch_shm_manag = torch's shared-memory "
+        "manager (one for all islands forked warm, one per island started cold)",
         f"islands {'forked from a warm interpreter' if started_warm else 'started cold (DILOCO_WARM_ISLANDS=0)'}",
     ]
     (out / "results.md").write_text(markdown(results, command, notes))

@@ -139,7 +139,7 @@ def test_the_memory_sampler_follows_each_tree_and_counts_shared_pages_once():
     trees = sampler.peak_island
     assert set(trees) == {0, 1}
     for t in trees.values():
-        assert t.processes == 2
+        assert t.processes == 2 and "island" in t.pss_by_name_kb and len(t.pss_by_name_kb) == 2  # the root, its child
         assert t.pss_kb >= 2 * 20 * 1024  # each process wrote its 20 MB
         assert t.pss_kb < t.rss_kb
     total = sampler.peak_total

@@ -46,7 +46,8 @@ class TreeMemory:
     pss_kb: int = 0
     processes: int = 0
     pss_by_name_kb: dict[str, int] = field(default_factory=dict)
-    """PSS summed by process name (``python3``, ``p2pd``, ...): where the tree's memory sits."""
+    """PSS summed by process name, an island's root process as ``island`` and the others by their command name
+    (``python3`` for the DHT processes and the fork server, ``p2pd``, ...): where the memory sits."""
 
     def add(self, name: str, rss: int, pss: int) -> None:
         self.rss_kb += rss
@@ -107,17 +108,20 @@ class MemorySampler:
         children: dict[int, list[int]] = {}
         for pid, stat in table.items():
             children.setdefault(stat.parent, []).append(pid)
+        roots = self.roots()
+        name = {pid: table[pid].name for pid in table}
+        name.update({root: "island" for root in roots.values()})
         memory = {pid: rss_pss_kb(pid) for pid in tree_pids(self.launcher, children) if pid != self.launcher}
         total = TreeMemory()
         for pid, (rss, pss) in memory.items():
-            total.add(table[pid].name, rss, pss)
+            total.add(name[pid], rss, pss)
         if total.pss_kb > self.peak_total.pss_kb:
             self.peak_total = total
-        for island, root in self.roots().items():
+        for island, root in roots.items():
             tree = TreeMemory()
             for pid in tree_pids(root, children):
                 if pid in table:
-                    tree.add(table[pid].name, *memory.get(pid) or rss_pss_kb(pid))
+                    tree.add(name[pid], *memory.get(pid) or rss_pss_kb(pid))
             if tree.pss_kb > self.peak_island.get(island, TreeMemory()).pss_kb:
                 self.peak_island[island] = tree
         self.samples += 1

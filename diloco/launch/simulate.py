@@ -339,8 +339,9 @@ def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: 
              quiet: bool = False, share_gpus: bool = False) -> dict[str, Any]:
     """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread.
 
-    Islands on the CPU are forked from a warm interpreter (:mod:`diloco.launch.warm`): they share its imports,
-    which lets 64 ``tiny`` islands fit where about half as many started cold would."""
+    Islands on the CPU are forked from a warm interpreter (:mod:`diloco.launch.warm`): they share its imports
+    (measured with ``diloco experiment islands``: a ``tiny`` island's processes held 294 MB of PSS at 8 islands
+    forked warm against 525 MB started cold, 349 MB against 528 MB at 16)."""
     if cfg.averaging.backend == "torch":
         size = cfg.parallel.processes
         raise SimulationError(f"simulate starts every island as its own job; --averaging.backend torch needs them "
