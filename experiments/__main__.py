@@ -17,6 +17,7 @@ commands:
   auto-codec  --averaging.compression auto against fixed codecs over a link that slows down (... auto-codec --help)
   frontier  held-out loss against bytes per inner optimizer and codec, over seeds, vs DDP (... frontier --help)
   scale-sim  simulated rounds at 100-1,000+ islands: roster rounds vs flat all-reduce vs gossip (... scale-sim --help)
+  islands   8 to 64 islands on this machine: rounds committed, distinct θ_global, bytes, round time (... islands --help)
 """
 
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.frontier import main as run
     elif command == "scale-sim":
         from experiments.scale_sim import main as run
+    elif command == "islands":
+        from experiments.many_islands import main as run
     else:
         print(f"error: unknown experiment {command!r}; `diloco experiment --help` lists them", file=sys.stderr)
         return 2

@@ -133,7 +133,10 @@ class Cluster:
     """Island processes of one run on this machine."""
 
     def __init__(self, cfg: Config, n: int, *, wrap: Wrap | None = None, host_addresses: list[str] | None = None,
-                 env: dict[int, dict[str, str]] | None = None, share_gpus: bool = False):
+                 env: dict[int, dict[str, str]] | None = None, share_gpus: bool = False, fork_warm: bool = False):
+        """``fork_warm``: fork the islands that run on the CPU from the warm interpreter
+        (:mod:`diloco.launch.warm`) unless ``DILOCO_WARM_ISLANDS=0``; without it they start cold unless
+        ``DILOCO_WARM_ISLANDS=1``.  Wrapped islands always start cold."""
         if n < 1:
             raise SimulationError(f"--islands must be at least 1, got {n}")
         self.cfg, self.n = cfg, n
@@ -142,6 +145,7 @@ class Cluster:
         self.logs = [d / "train.log" for d in self.run_dirs]
         self.wrap = wrap
         self.env = env or {}
+        self.fork_warm = fork_warm
         self.procs: dict[int, subprocess.Popen | warm.WarmProcess] = {}
         self.restarts = 0
         self.gpus = gpu_assignment([self.island_size(i) for i in range(n)],
@@ -152,8 +156,7 @@ class Cluster:
 
     def start(self, i: int, extra_args: list[str] = (), env: dict[str, str] | None = None,
               append_log: bool = False) -> subprocess.Popen | warm.WarmProcess:
-        """Start island ``i`` (its config is written next to its log); forked warm where
-        :func:`diloco.launch.warm.enabled` and its command line is not wrapped."""
+        """Start island ``i`` (its config is written next to its log); forked warm where :meth:`forks_warm`."""
         d = self.configs[i]
         self.run_dirs[i].mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dirs[i] / "config.toml"
@@ -171,7 +174,7 @@ class Cluster:
             cmd = self.wrap(cmd, i)
         full_env = {**os.environ, "OMP_NUM_THREADS": str(d["threads"]), "PYTHONUNBUFFERED": "1", **parallel_env,
                     **self.env.get(i, {}), **(env or {})}
-        if warm.enabled() and self.wrap is None:
+        if self.forks_warm(i):
             argv = ["train", "--config", str(cfg_path), *extra_args]
             self.procs[i] = (warm.start(argv, full_env, self.logs[i], append_log) if size == 1 else
                              warm.start_group(argv, size, full_env, self.logs[i], append_log))
@@ -181,6 +184,12 @@ class Cluster:
                                          start_new_session=True)
         log.close()
         return self.procs[i]
+
+    def forks_warm(self, i: int) -> bool:
+        """Whether island ``i`` is forked from the warm interpreter: never when its command line is wrapped, else as
+        ``DILOCO_WARM_ISLANDS`` says, else when the cluster was asked to and the island runs on the CPU (a GPU
+        island's imports are a small part of its start, and CUDA is safest in a process that never forked)."""
+        return self.wrap is None and warm.enabled(default=self.fork_warm and self.gpus[i] is None)
 
     def island_size(self, i: int) -> int:
         """Processes of island ``i`` (``dp * pp * tp`` of its config)."""
@@ -350,14 +359,19 @@ class Cluster:
 def simulate(cfg: Config, islands: int, startup_timeout: float = 90.0, *, wrap: Wrap | None = None,
              host_addresses: list[str] | None = None, env: dict[int, dict[str, str]] | None = None,
              quiet: bool = False, share_gpus: bool = False) -> dict[str, Any]:
-    """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread."""
+    """Run ``islands`` islands to completion; return the per-island summaries and θ_global spread.
+
+    Islands on the CPU are forked from a warm interpreter (:mod:`diloco.launch.warm`): they share its imports
+    (measured with ``diloco experiment islands``: a ``tiny`` island's processes held 294 MB of PSS at 8 islands
+    forked warm against 525 MB started cold, 349 MB against 528 MB at 16)."""
     if cfg.averaging.backend == "torch":
         size = cfg.parallel.processes
         raise SimulationError(f"simulate starts every island as its own job; --averaging.backend torch needs them "
                               f"in one torchrun world: torchrun --standalone --nproc-per-node {islands * size} -m "
                               f"diloco.cli train --averaging.backend torch ... (or use --averaging.backend hivemind "
                               f"or auto here)")
-    cluster = Cluster(cfg, islands, wrap=wrap, host_addresses=host_addresses, env=env, share_gpus=share_gpus)
+    cluster = Cluster(cfg, islands, wrap=wrap, host_addresses=host_addresses, env=env, share_gpus=share_gpus,
+                      fork_warm=True)
     t0 = time.time()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
