@@ -16,6 +16,7 @@ commands:
   horizon   the gap of overlapped rounds and codecs to blocking DiLoCo over a longer run (... horizon --help)
   auto-codec  --averaging.compression auto against fixed codecs over a link that slows down (... auto-codec --help)
   frontier  held-out loss against bytes per inner optimizer and codec, over seeds, vs DDP (... frontier --help)
+  partition  a run cut in two by a network partition and healed: one side commits, then one θ_global (... partition --help)
   scale-sim  simulated rounds at 100-1,000+ islands: roster rounds vs flat all-reduce vs gossip (... scale-sim --help)
   islands   8 to 64 islands on this machine: rounds committed, distinct θ_global, bytes, round time (... islands --help)
 """
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.auto_codec import main as run
     elif command == "frontier":
         from experiments.frontier import main as run
+    elif command == "partition":
+        from experiments.partition import main as run
     elif command == "scale-sim":
         from experiments.scale_sim import main as run
     elif command == "islands":

@@ -24,6 +24,10 @@ exists, a network with latency alone keeps the veth/bridge/tbf path and netem
 adds a quarter of ``rtt_ms`` at each of the two egress points of a path and
 direction. ``delay_line=True`` or ``False`` picks the path explicitly.
 
+``partition(sides)`` cuts the running network in two or more sides: packets from one side to another vanish on
+the sender's interface (connections time out, nothing is refused), as in a real network partition; ``heal()``
+joins them again.
+
 Typical use::
 
     ok, why = available()
@@ -79,6 +83,7 @@ _HANDLED_SIGNALS = tuple(
     s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
 )
 _CMD_TIMEOUT = 15.0
+_CUT_DEVICE = "cut0"  # in a host of a partitioned network: where the packets beyond the cut vanish
 
 
 class NetworkSetupError(RuntimeError):
@@ -599,6 +604,9 @@ class EmulatedNetwork:
         self._closed = False
         self._old_handlers: dict[int, object] = {}
         self._owner_pid = os.getpid()  # forked children inherit handlers but must not tear down
+        self.sides: list[list[int]] = []  # the partition in force (see partition(); empty: the network is whole)
+        self._cut_hosts: set[int] = set()  # hosts whose interface drops what it sends beyond the cut
+        self._blackholes: set[int] = set()  # hosts that hold the device the cut packets go into
 
         if self.delay_line or self.rtt_ms > 0:
             ok, why = _available(_TUN if self.delay_line else _NETEM)
@@ -821,6 +829,54 @@ class EmulatedNetwork:
     def measure_rate(self, src: int, dst: int, seconds: float = 2) -> float:
         """Achieved TCP goodput in bits/s from host ``src`` to host ``dst`` (:func:`experiments.netns.measure_rate`)."""
         return measure_rate(self, src, dst, seconds)
+
+    def partition(self, sides: list[list[int]] | tuple[tuple[int, ...], ...]) -> None:
+        """Cut the network into ``sides`` (disjoint lists of host indices): from now on every packet a host of one side
+        sends to a host of another vanishes, as in a real partition (connections time out; nothing is refused, no
+        ICMP comes back).  A host named in no side keeps reaching every host.  Replaces any cut made before; the
+        links' rates stay as they are.  :meth:`heal` joins the sides again.
+
+        Each host drops on its own egress what it addresses to the other sides: a clsact qdisc on its interface
+        (beside the rate cap) with one u32 filter per address beyond the cut, which redirects the packet into a
+        device of its own whose qdisc is ``blackhole`` (this machine's kernel has tc's ``mirred`` action but not
+        ``gact``'s ``drop``)."""
+        named = [h for side in sides for h in side]
+        if len(sides) < 2 or any(not side for side in sides):
+            raise ValueError(f"a partition needs at least two non-empty sides, got {sides!r}")
+        for h in named:
+            self.host(h)
+        if len(set(named)) != len(named):
+            raise ValueError(f"the sides of a partition must not share a host, got {sides!r}")
+        with self._lock:
+            self.heal()
+            for j, side in enumerate(sides):
+                beyond = [self.hosts[h].address for k, other in enumerate(sides) if k != j for h in other]
+                for h in side:
+                    self._cut(self.hosts[h], beyond)
+            self.sides = [list(side) for side in sides]
+
+    def heal(self) -> None:
+        """Join the sides of :meth:`partition` again (nothing happens when the network is whole)."""
+        with self._lock:
+            for h in self.hosts:
+                if h.index in self._cut_hosts:
+                    _run(["tc", "-n", h.namespace, "qdisc", "del", "dev", h.interface, "clsact"])
+            self._cut_hosts.clear()
+            self.sides = []
+
+    def _cut(self, h: Host, addresses: list[str]) -> None:
+        """Drop every IPv4 packet host ``h`` sends to ``addresses``."""
+        if h.index not in self._blackholes:
+            _run(["ip", "-n", h.namespace, "link", "add", _CUT_DEVICE, "type", "veth", "peer", "name", f"{_CUT_DEVICE}p"])
+            _run(["ip", "-n", h.namespace, "link", "set", _CUT_DEVICE, "up"])
+            _run(["tc", "-n", h.namespace, "qdisc", "add", "dev", _CUT_DEVICE, "root", "blackhole"])
+            self._blackholes.add(h.index)
+        _run(["tc", "-n", h.namespace, "qdisc", "add", "dev", h.interface, "clsact"])
+        self._cut_hosts.add(h.index)
+        for address in addresses:
+            _run(["tc", "-n", h.namespace, "filter", "add", "dev", h.interface, "egress", "protocol", "ip", "prio", "1",
+                  "u32", "match", "ip", "dst", f"{address}/32", "action", "mirred", "egress", "redirect", "dev",
+                  _CUT_DEVICE])
 
     def reap(self, p: subprocess.Popen) -> None:
         """Stop a process started with :meth:`popen` and forget it."""

@@ -107,6 +107,46 @@ def test_two_hosts_rate_reach_and_cleanup(netns_ok):
     net.close()  # idempotent
 
 
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=float(sys.argv[2]))
+    print("connected")
+except ConnectionRefusedError:
+    print("refused")
+except TimeoutError:
+    print("timed out")
+"""
+
+
+def _connect_to_closed_port(net: EmulatedNetwork, src: int, dst: int, timeout: float = 2.0) -> str:
+    """What a TCP connection from ``src`` to a port nobody listens on at ``dst`` meets."""
+    return subprocess.run(net.wrap([sys.executable, "-c", _CONNECT, net.hosts[dst].address, str(timeout)], src),
+                          capture_output=True, text=True, timeout=timeout + 20).stdout.strip()
+
+
+def test_partition_cuts_the_sides_apart_silently_and_heal_joins_them(netns_ok):
+    with EmulatedNetwork(3, rate="20mbit", run_id=_run_id()) as net:
+        with pytest.raises(ValueError):
+            net.partition([[0, 1], [1, 2]])  # a host on both sides
+        with pytest.raises(ValueError):
+            net.partition([[0, 1, 2]])  # one side is no partition
+        net.partition([[0], [1, 2]])
+        assert net.sides == [[0], [1, 2]]
+        assert not net.can_reach(0, 1) and not net.can_reach(2, 0)
+        assert net.can_reach(1, 2) and net.can_reach(2, 1)
+        # packets vanish: a closed port beyond the cut does not refuse, the connection times out
+        assert _connect_to_closed_port(net, 0, 1) == "timed out"
+        assert _connect_to_closed_port(net, 1, 2) == "refused"
+        net.partition([[0, 1], [2]])  # a new cut replaces the old one
+        assert net.can_reach(0, 1) and not net.can_reach(1, 2)
+        net.heal()
+        assert net.sides == []
+        assert net.can_reach(0, 1) and net.can_reach(1, 0) and net.can_reach(2, 0) and net.can_reach(1, 2)
+        assert _connect_to_closed_port(net, 0, 2) == "refused"
+        net.heal()  # healing a whole network does nothing
+
+
 def test_close_on_exception(netns_ok):
     rid = _run_id()
     with pytest.raises(RuntimeError, match="boom"):
