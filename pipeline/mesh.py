@@ -69,9 +69,10 @@ def timed_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
     a rank that waits longer than the run allows for (a peer writing a checkpoint, a hivemind round) would be
     ended by NCCL's watchdog.  A dimension that spans the whole world is the default group itself (its timeout
     is the run's already; overriding it would make a second communicator of every rank)."""
-    world = dist.get_world_size()
-    backend = backend_for(device_type)
-    override = {name: (backend, timeout_options(backend, timeout_s)) for name, n in zip(names, shape) if n != world}
+    world, backend = dist.get_world_size(), dist.get_backend()
+    # the options alone: each group keeps the default group's backend (NCCL on GPUs; a fake one in a dry run)
+    override = {name: timeout_options(backend, timeout_s) for name, n in zip(names, shape) if n != world} \
+        if backend in ("gloo", "nccl") else {}
     return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
 
 

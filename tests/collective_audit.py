@@ -38,6 +38,7 @@ compiles), and the ``torch.ops._c10d_functional`` ops DTensor calls without goin
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import json
 import os
@@ -73,7 +74,7 @@ FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_t
 P2P_KIND = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 IN_PLACE = ("all_reduce", "broadcast")
 """Collectives whose stand-in tensors the audit carries through the host and back."""
-OURS = (os.sep + "torch" + os.sep, "collective_audit.py", "audited_rank.py", os.sep + "threading.py")
+NOT_THE_CALLER = {"collective_audit.py", "audited_rank.py", "threading.py", "runpy.py"}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -86,9 +87,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _where() -> str:
     """The innermost frame of the caller's code (not torch's, not the audit's): where the collective was issued."""
+    torch_dir = os.path.dirname(torch.__file__)
     for frame in reversed(traceback.extract_stack()):
-        if not any(part in frame.filename for part in OURS):
-            return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
+        name = frame.filename
+        if not (name.startswith(("<", torch_dir)) or os.path.basename(name) in NOT_THE_CALLER):
+            return f"{os.path.relpath(name)}:{frame.lineno} ({frame.name})"
     return "?"
 
 
@@ -145,7 +148,7 @@ class Recorder:
             info = self.groups[name] = {
                 "backend": self.production_backend(group), "real": c10d.get_backend(group),
                 "ranks": c10d.get_process_group_ranks(group), "timeout_s": timeout and timeout.total_seconds(),
-                "threads": {}, "calls": 0}
+                "threads": {}, "calls": 0, "inside": {}}
             if info["backend"] != "fake" and timeout is not None and run is not None and timeout != run:
                 self._violate("timeout", name, f"group {name} (ranks {info['ranks']}, {info['backend']} in production) "
                               f"has a timeout of {timeout.total_seconds():g} s, the run's is {run.total_seconds():g} s")
@@ -160,20 +163,26 @@ class Recorder:
 
     # ------------------------------------------------------------------------------ recording
     def record(self, name: str, group: Any, tensors: list[torch.Tensor], p2p: list[tuple[str, int, int, str, int]],
-               torch_places: bool = False) -> Any:
+               torch_places: bool = False) -> dict[str, Any]:
         """One collective (or a batch of point-to-point operations) about to be issued on ``group``; returns
-        the group."""
+        what is known of the group (pass it to :meth:`_inside` to issue the call)."""
         group, info = self._group(group)
         thread = threading.current_thread()
+        key = str(thread.ident)
+        if key not in info["threads"]:
+            info["threads"][key] = f"{thread.name} (first at {_where()})"
         with self._lock:
             self.calls += 1
             info["calls"] += 1
-            info["threads"].setdefault(str(thread.ident), thread.name)
             threads = dict(info["threads"])
-        if len(threads) > 1:
+            others = [t for t in info["inside"] if t != key]
+        # NCCL: one communicator, one thread; a gloo group may change hands, but two threads in it at once would
+        # issue their collectives in an order the other ranks need not share
+        if len(threads) > 1 and (info["backend"] == "nccl" or others):
+            at_once = "" if info["backend"] == "nccl" else " at once"
             self._violate("threads", group.group_name,
-                          f"group {group.group_name} (ranks {info['ranks']}) is used by {len(threads)} threads: "
-                          f"{sorted(threads.values())}")
+                          f"group {group.group_name} (ranks {info['ranks']}, {info['backend']} in production) is used "
+                          f"by {len(threads)} threads{at_once}: {'; '.join(sorted(threads.values()))}")
         if info["backend"] == "nccl" and self.stand_in is not None and not torch_places:
             for t in tensors:
                 if t.device.type != self.stand_in.type:
@@ -183,7 +192,7 @@ class Recorder:
         for kind, peer, numel, dtype, tag in p2p:
             with self._lock:
                 self.p2p.setdefault(f"{group.group_name}|{kind}|{peer}", []).append([numel, dtype, tag])
-        return group
+        return info
 
     # ------------------------------------------------------------------------------- wrapping
     def _wrap(self, module: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -199,12 +208,21 @@ class Recorder:
         """Whether this call is the caller's own, not one torch makes inside another collective."""
         return getattr(self._depth, "n", 0) == 0 and not torch.compiler.is_compiling()
 
-    def _inside(self, fn: Callable[[], Any]) -> Any:
+    def _inside(self, fn: Callable[[], Any], info: dict[str, Any]) -> Any:
+        """Issue a recorded call: the thread is inside the group meanwhile, and torch's own calls are not the
+        caller's."""
+        key = str(threading.get_ident())
+        with self._lock:
+            info["inside"][key] = info["inside"].get(key, 0) + 1
         self._depth.n = getattr(self._depth, "n", 0) + 1
         try:
             return fn()
         finally:
             self._depth.n -= 1
+            with self._lock:
+                info["inside"][key] -= 1
+                if not info["inside"][key]:
+                    del info["inside"][key]
 
     def _collective(self, name: str, original: Callable[..., Any], signature: inspect.Signature,
                     torch_places: bool) -> Callable[..., Any]:
@@ -224,10 +242,10 @@ class Recorder:
                     peer = c10d.get_global_rank(group_for_peer, local) if local is not None else -1
                 t = tensors[0]
                 p2p.append((P2P_KIND[name], int(peer), t.numel(), str(t.dtype), int(values.get("tag", 0) or 0)))
-            self.record(name, group, tensors, p2p, torch_places)
+            info = self.record(name, group, tensors, p2p, torch_places)
             if self.stand_in is not None and any(t.device.type == self.stand_in.type for t in tensors):
-                return self._inside(lambda: self._carry(name, original, bound))
-            return self._inside(lambda: original(*args, **kwargs))
+                return self._inside(lambda: self._carry(name, original, bound), info)
+            return self._inside(lambda: original(*args, **kwargs), info)
         return wrapper
 
     def _carry(self, name: str, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
@@ -254,7 +272,7 @@ class Recorder:
             group = ops[0].group
             records = [("send" if op.op in (dist.isend, sends) else "recv", int(op.peer), op.tensor.numel(),
                         str(op.tensor.dtype), int(op.tag or 0)) for op in ops]
-            self.record("batch_isend_irecv", group, [op.tensor for op in ops], records)
+            info = self.record("batch_isend_irecv", group, [op.tensor for op in ops], records)
             if self.stand_in is not None and any(op.tensor.device.type == self.stand_in.type for op in ops):
                 # gloo does not coalesce: torch's batch posts the operations one by one, as here
                 def carried() -> list[Any]:
@@ -265,8 +283,8 @@ class Recorder:
                         bound = signature.bind(op.tensor, op.peer, op.group, op.tag)
                         works.append(self._carry("isend" if kind == "send" else "irecv", fn, bound))
                     return works
-                return self._inside(carried)
-            return self._inside(lambda: original(ops))
+                return self._inside(carried, info)
+            return self._inside(lambda: original(ops), info)
         return wrapper
 
     def _functional(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -281,8 +299,8 @@ class Recorder:
             except Exception:  # a form of group the audit cannot resolve: let torch say what is wrong
                 return original(*args, **kwargs)
             tensors = [t for k, v in values.items() if k != "group" for t in _tensors(v)]
-            self.record(f"functional {name}", group, tensors, [])
-            return self._inside(lambda: original(*args, **kwargs))
+            info = self.record(f"functional {name}", group, tensors, [])
+            return self._inside(lambda: original(*args, **kwargs), info)
         return wrapper
 
     def _new_group(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -333,11 +351,9 @@ class Recorder:
 
     def _stand_in(self) -> None:
         """Answer the code's question "where do this group's tensors go?" as a CUDA island would."""
-        import torch._lazy.ts_backend
-
         import peers.island.exchange as exchange
 
-        torch._lazy.ts_backend.init()
+        lazy_device()
         exchange.backend_of = self.production_backend
         exchange.accelerator = lambda: self.stand_in
 
@@ -354,6 +370,15 @@ class Recorder:
 
 
 _recorder: Recorder | None = None
+
+
+@functools.cache
+def lazy_device() -> torch.device:
+    """torch's lazy device, the stand-in for a GPU (its backend can be started once per process)."""
+    import torch._lazy.ts_backend
+
+    torch._lazy.ts_backend.init()
+    return torch.device("lazy")
 
 
 def install() -> Recorder | None:
