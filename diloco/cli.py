@@ -26,6 +26,8 @@ USAGE = """diloco COMMAND [--config FILE] [--section.key VALUE ...]
 
 commands:
   train                 run one island (prints the multiaddrs other islands join with)
+  train --dry-run       the memory each of the island's GPUs needs and the largest batch that fits, on this
+                        machine, without GPUs (--memory-gb N per GPU, default 80)
   simulate --islands N  run N islands on this machine over loopback, then print a summary table
                         (--share-gpus: several islands' processes on one GPU when there are too few)
   baseline --workers K  synchronous data parallelism (DDP, gradients all-reduced every step) on K workers
@@ -65,6 +67,8 @@ def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--workers", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--initial-peers", "--initial_peers", dest="initial_peers")
+    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true")
+    parser.add_argument("--memory-gb", "--memory_gb", dest="memory_gb", type=float, default=80.0)
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(argv)
 
@@ -103,6 +107,17 @@ def cmd_train(cfg: config_mod.Config) -> int:
         if summary.get("out_of_sync"):
             print(f"error: {summary['out_of_sync']}", file=sys.stderr)
             return 3
+    return 0
+
+
+def cmd_dry_run(cfg: config_mod.Config, memory_gb: float) -> int:
+    """``diloco train --dry-run``: the island's memory per rank on its GPUs, measured on this machine with a fake
+    process group and fake tensors (:mod:`diloco.launch.dry_run`)."""
+    from diloco.launch.dry_run import dry_run
+
+    result = dry_run(cfg, memory_gb)
+    print("\n".join(result.lines()))
+    print(json.dumps(result.record()), flush=True)
     return 0
 
 
@@ -215,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         cfg = load_config(ns, rest)
         command = ns.command
-        if command in (["train"], ["simulate"], ["baseline"]) and (problems := device_problems(cfg)):
+        if command in (["train"], ["simulate"], ["baseline"]) and not ns.dry_run and (problems := device_problems(cfg)):
             raise ConfigError(problems)
+        if command == ["train"] and ns.dry_run:
+            return cmd_dry_run(cfg, ns.memory_gb)
         if command == ["train"]:
             return cmd_train(cfg)
         if command == ["simulate"]:

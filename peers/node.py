@@ -11,6 +11,7 @@ the run restarts its node through the addresses it remembers), so that its users
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import random
@@ -212,7 +213,8 @@ class PeerNode:
         group = rt.group
         if a.backend in ("torch", "auto") and rt.n_islands > 1:
             self.fallback = HierarchicalAllReduce(self.layout, self.params, self.specs, rt.island_ranks(),
-                                                  min_group_size=a.min_group_size)
+                                                  min_group_size=a.min_group_size, control=rt.world_ctrl,
+                                                  timeout=datetime.timedelta(seconds=rt.timeout_s))
             group = self.fallback.island_group
         if self.dht is not None:
             self.transport = self._start_transport(run_key)

@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ MESH_DIMS = ("dp", "pp", "tp")
 def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: float = 600.0,
                      dp: int = 1) -> DeviceMesh:
     """Initialise the default process group if needed (from torchrun's env vars) and return the
-    ``("dp", "pp", "tp")`` mesh of this island.
+    ``("dp", "pp", "tp")`` mesh of this island, every group of it with the timeout ``timeout_s``.
 
     Uses gloo on CPU and NCCL on CUDA (setting this process's GPU from ``LOCAL_RANK``).  Raises
     ValueError when the world size is not ``dp * pp * tp``.
@@ -58,7 +59,41 @@ def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: floa
     if world != size:
         raise ValueError(f"the island has {world} processes but --parallel.dp * --parallel.pp * --parallel.tp = "
                          f"{size}; launch it with torchrun --nproc-per-node {size}")
-    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+    return timed_mesh(device_type, (dp, pp, tp), MESH_DIMS, timeout_s)
+
+
+def timed_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout_s: float) -> DeviceMesh:
+    """``init_device_mesh`` over the initialised world whose every group takes the timeout ``timeout_s``.
+
+    torch gives a mesh's subgroups their backend's default timeout (10 minutes on NCCL), not the default group's:
+    a rank that waits longer than the run allows for (a peer writing a checkpoint, a hivemind round) would be
+    ended by NCCL's watchdog.  A dimension that spans the whole world is the default group itself (its timeout
+    is the run's already; overriding it would make a second communicator of every rank)."""
+    world, backend = dist.get_world_size(), dist.get_backend()
+    # the options alone: each group keeps the default group's backend (NCCL on GPUs; a fake one in a dry run)
+    override = {name: timeout_options(backend, timeout_s) for name, n in zip(names, shape) if n != world} \
+        if backend in ("gloo", "nccl") else {}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
+
+
+def timeout_options(backend: str, timeout_s: float) -> Any:
+    """The options of a ``backend`` process group that carry a timeout (what ``init_device_mesh`` takes per
+    dimension)."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return options
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The timeout ``group`` (None: the default group, whose timeout is the run's) was made with, as its backend
+    keeps it; None where torch does not say (a fake backend)."""
+    group = dist.distributed_c10d._get_default_group() if group is None else group
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 def free_port() -> int:
@@ -72,7 +107,8 @@ def init_hsdp_mesh(replicas: int, dp: int, device_type: str = "cpu") -> DeviceMe
     """The ``("replicate", "dp", "pp", "tp")`` mesh of an initialised world of ``replicas`` servers of ``dp``
     ranks each (consecutive ranks share a server), no TP or PP: HSDP, FSDP over ``dp`` inside each server and
     replicas across servers (the synchronous baseline's)."""
-    return init_device_mesh(device_type, (replicas, dp, 1, 1), mesh_dim_names=("replicate", *MESH_DIMS))
+    return timed_mesh(device_type, (replicas, dp, 1, 1), ("replicate", *MESH_DIMS),
+                      group_timeout().total_seconds())
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

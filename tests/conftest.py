@@ -114,6 +114,77 @@ def real_failures(summary: dict) -> list[str]:
     return [f for f in summary["failures"] if PART_LOST not in f]
 
 
+# ------------------------------------------------------------------------------------- the collective audit
+AUDITED = str(Path(__file__).with_name("audited_rank.py"))
+"""The program every audited rank runs first (it installs :mod:`tests.collective_audit`, then runs the rank's own)."""
+AUDIT_OFF = "DILOCO_COLLECTIVE_AUDIT_OFF"
+"""``1``: run the multi-rank tests without the collective audit."""
+_audit_dirs: list[Path] = []
+_audit_checked: set[Path] = set()
+_start_group = None
+
+
+def audit_env(where: Path, stand_in: str = "") -> dict[str, str]:
+    """The environment that makes the ranks of one launch record into a fresh folder under ``where`` (empty with the
+    audit off); ``stand_in``: see :data:`tests.collective_audit.STAND_IN_ENV`."""
+    from tests import collective_audit as audit
+
+    if os.environ.get(AUDIT_OFF) == "1":
+        return {}
+    folder = Path(where) / f"audit-{uuid.uuid4().hex[:8]}"
+    _audit_dirs.append(folder)
+    env = {audit.ENV: str(folder)}
+    if stand_in:
+        env[audit.STAND_IN_ENV] = stand_in
+    if os.environ.get(audit.DETAIL_ENV) == "1":
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    return env
+
+
+def audit_problems() -> list[str]:
+    """The rules the launches since the last call broke (each launch's folder is read once its ranks ended)."""
+    from tests import collective_audit as audit
+
+    problems = []
+    for folder in _audit_dirs:
+        if folder not in _audit_checked:
+            _audit_checked.add(folder)
+            problems += audit.check(folder)
+    return problems
+
+
+def _audited_start_group(argv: list[str], nproc: int, env: dict[str, str], log: Path, append_log: bool = False, *,
+                         program: str = "diloco.cli", **kw):
+    """``warm.start_group`` with the audit in front of each rank's program (whoever starts the group: the launchers
+    below, ``simulate``'s clusters, a test)."""
+    extra = {} if env.get("DILOCO_COLLECTIVE_AUDIT") else audit_env(Path(log).parent)
+    if not extra and not env.get("DILOCO_COLLECTIVE_AUDIT"):
+        return _start_group(argv, nproc, env, log, append_log, program=program, **kw)
+    return _start_group([program, *argv], nproc, {**env, **extra}, log, append_log, program=AUDITED, **kw)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def collective_audit_on():
+    """Every torchrun group the session starts warm runs under the collective audit (:mod:`tests.collective_audit`),
+    module-scoped fixtures' groups included; :func:`collective_audit` reads what they recorded."""
+    global _start_group
+    from diloco.launch import warm
+
+    _start_group = warm.start_group
+    warm.start_group = _audited_start_group
+    yield
+    warm.start_group = _start_group
+
+
+@pytest.fixture(autouse=True)
+def collective_audit(collective_audit_on):
+    """Fail the test when a multi-rank launch of it (or of a fixture it uses) broke one of NCCL's rules."""
+    audit_problems()  # launches of earlier tests were read by them
+    yield
+    problems = audit_problems()
+    assert not problems, "the collective audit found:\n" + "\n".join(problems[:20])
+
+
 def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0) -> Path:
     """Run ``diloco train`` with ``cfg`` under torchrun, or its warm stand-in (``nproc`` gloo processes, one thread
     each), and return its log; the whole process tree is killed if it outlives ``timeout``.  Fails with the log's
@@ -134,10 +205,13 @@ def torchrun_train(cfg: Config, nproc: int, where: Path, timeout: float = 240.0)
     if warm.enabled():
         proc = warm.start_group(["train", "--config", str(path)], nproc, env, log)
     else:
+        audit = audit_env(where)
+        program = [AUDITED, "diloco.cli"] if audit else ["-m", "diloco.cli"]
         with open(log, "w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                                     "--nproc-per-node", str(nproc), "-m", "diloco.cli", "train", "--config",
-                                     str(path)], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                     "--nproc-per-node", str(nproc), *program, "train", "--config", str(path)],
+                                    stdout=out, stderr=subprocess.STDOUT, env=dict(env, **audit),
+                                    start_new_session=True)
     try:
         proc.wait(timeout=timeout)
     finally:
@@ -167,11 +241,13 @@ def kill_seen(processes: dict[int, str]) -> None:
             pass
 
 
-def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeout_s: float) -> None:
+def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeout_s: float,
+                 stand_in: str = "") -> None:
     """Run ``script args`` as ``world`` gloo ranks (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` set, one
-    thread each, the repository on the path): forked warm as one group, or started cold, one process a rank.
-    If one rank fails or time runs out, end them all with whatever they started (DHTs, p2pd daemons) and fail
-    with their logs."""
+    thread each, the repository on the path) under the collective audit: forked warm as one group, or started
+    cold, one process a rank.  If one rank fails or time runs out, end them all with whatever they started (DHTs,
+    p2pd daemons) and fail with their logs; fail too when the audit found a rule broken.  ``stand_in``: see
+    :data:`tests.collective_audit.STAND_IN_ENV`."""
     import signal
     import sys
 
@@ -179,12 +255,15 @@ def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeou
     from peers.proctable import descendants
     from pipeline.mesh import free_port
 
+    audit = audit_env(out_dir, stand_in)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **audit)
     if warm.enabled():
         logs = [out_dir / "ranks.log"]
         procs = [warm.start_group(args, world, env, logs[0], program=script)]
     else:
+        if audit:
+            script, args = AUDITED, [script, *args]
         port = free_port()
         procs, logs = [], []
         for rank in range(world):
@@ -221,6 +300,8 @@ def launch_ranks(script: str, args: list[str], world: int, out_dir: Path, timeou
     if any(p.returncode != 0 for p in procs):
         raise AssertionError(f"ranks failed (exit codes {[p.returncode for p in procs]}):\n"
                              + "\n----\n".join(log.read_text()[-4000:] for log in logs))
+    problems = audit_problems()
+    assert not problems, "the collective audit found:\n" + "\n".join(problems[:20])
 
 
 @pytest.fixture

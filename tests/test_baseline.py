@@ -148,3 +148,16 @@ def test_the_baseline_and_an_island_record_evaluations_and_summaries_alike(tmp_p
                                   "losses", "comm_method", "hsdp_shard", "launcher_wall_seconds"}
     assert set(island) - shared == {"behind_nat", "behind_nat_found_by_dial_back", "transport_relayed", "out_of_sync"}
     assert base["eval_loss_start"] == pytest.approx(island["eval_loss_start"], rel=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "auto"])
+def test_a_gpu_worker_gets_its_own_gpu_by_index(tmp_path, monkeypatch, spec):
+    """``torch.cuda.set_device`` refuses ``cuda`` without an index: worker 3 on a server of 2 GPUs takes GPU 1."""
+    from diloco.launch.baseline import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = tiny_config(tmp_path, device=spec)
+    assert device_for(cfg, 3) == torch.device("cuda", 1)
+    assert device_for(cfg, 0) == torch.device("cuda", 0)
+    assert device_for(tiny_config(tmp_path, device="cuda:1"), 0) == torch.device("cuda", 1)

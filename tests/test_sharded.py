@@ -77,9 +77,11 @@ def reassemble(parts: list[tuple[dict, dict]]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------- launcher
-def launch(script: str, cases: list[dict], out_dir: Path, world: int = 3, timeout_s: float = PROC_TIMEOUT_S) -> None:
-    """Run ``script`` as ``world`` gloo ranks with ``cases``; all ranks end as soon as one fails."""
-    launch_ranks(script, [json.dumps(cases), str(out_dir)], world, out_dir, timeout_s)
+def launch(script: str, cases: list[dict], out_dir: Path, world: int = 3, timeout_s: float = PROC_TIMEOUT_S,
+           stand_in: str = "") -> None:
+    """Run ``script`` as ``world`` gloo ranks with ``cases``; all ranks end as soon as one fails (``stand_in``: see
+    :func:`tests.conftest.launch_ranks`)."""
+    launch_ranks(script, [json.dumps(cases), str(out_dir)], world, out_dir, timeout_s, stand_in)
 
 
 def descendant_p2pd(root: int) -> list[int]:
@@ -121,11 +123,12 @@ class Rank:
         from peers.settings import NetworkSettings
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        self.timeout = timeout = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", timeout=timeout)
         self.rank = dist.get_rank()
         self.island = "A" if self.rank < 2 else "B"
         self.island_rank = self.rank if self.island == "A" else 0
-        self.group_a = dist.new_group([0, 1])
+        self.group_a = dist.new_group([0, 1], timeout=timeout)
         self.group = self.group_a if self.island == "A" else None
         self.dht = None
         addrs = [None]

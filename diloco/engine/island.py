@@ -403,6 +403,9 @@ class Island:
         else:
             theta, _ = self.theta_global()
             rows = self.sampler.rows(theta, step) if self.sampler is not None and theta is not None else None
+            # the other ranks wait for the main one's CPU model on the host, in the gloo control group: a stage's
+            # next send or receive would wait on the GPU, where NCCL's watchdog ends the island if it waits too long
+            self.rt.bcast(None)
         if self.is_main and rows is not None:
             self.metrics.log_samples(rows, self.stats.tokens)
 

@@ -40,12 +40,13 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
         return False
 
 
-def pick_device(spec: str) -> torch.device:
-    """`auto` → CUDA if available, else CPU; `auto` and `cuda` take the local rank's GPU under torchrun."""
+def pick_device(spec: str, local_rank: int | None = None) -> torch.device:
+    """`auto` → CUDA if available, else CPU; `auto` and `cuda` take GPU ``local_rank`` (None: torchrun's
+    ``LOCAL_RANK``), always with an index (``torch.cuda.set_device`` refuses a CUDA device without one)."""
     if spec == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
     if spec in ("auto", "cuda"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank)
     return torch.device(spec)
 
 
@@ -164,24 +165,28 @@ class Runtime:
             if n == 1:
                 rt.mesh = init_island_mesh(tp, pp, device.type, rt.timeout_s, dp=dp)
             else:
-                from torch.distributed.device_mesh import init_device_mesh
+                from pipeline.mesh import MESH_DIMS, timed_mesh
 
-                from pipeline.mesh import MESH_DIMS
-
-                rt.mesh = init_device_mesh(device.type, (n, dp, pp, tp), mesh_dim_names=("island", *MESH_DIMS))[MESH_DIMS]
-        gloo_ctrl = device.type == "cuda"
+                rt.mesh = timed_mesh(device.type, (n, dp, pp, tp), ("island", *MESH_DIMS), rt.timeout_s)[MESH_DIMS]
+        # the control groups are gloo on every device, so that a CPU run lays out its groups as a GPU run does (the
+        # collective audit of the tests checks a CPU run against NCCL's rules)
         if n == 1:
             rt.group = dist.group.WORLD if size > 1 else None
-            rt.ctrl = (dist.new_group(backend="gloo") if gloo_ctrl else rt.group) if size > 1 else None
+            rt.ctrl = rt.new_group(backend="gloo") if size > 1 else None
             rt.world_ctrl = rt.ctrl
         else:
             for k, ranks in enumerate(rt.island_ranks()):  # every rank creates every group, in the same order
-                group = dist.new_group(ranks) if size > 1 else None
-                ctrl = dist.new_group(ranks, backend="gloo") if size > 1 and gloo_ctrl else group
+                group = rt.new_group(ranks) if size > 1 else None
+                ctrl = rt.new_group(ranks, backend="gloo") if size > 1 else None
                 if k == rt.island_index:
                     rt.group, rt.ctrl = group, ctrl
-            rt.world_ctrl = dist.new_group(backend="gloo") if gloo_ctrl else dist.group.WORLD
+            rt.world_ctrl = rt.new_group(backend="gloo")
         return rt
+
+    def new_group(self, ranks: list[int] | None = None, backend: str | None = None) -> dist.ProcessGroup:
+        """Collective over the world: a process group of ``ranks`` (None: all) with the run's timeout (torch would
+        give it its backend's default, 10 minutes on NCCL, whatever the default group's)."""
+        return dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=self.timeout_s))
 
     # ---------------------------------------------------------------------- control collectives
     def gather_all(self, obj: Any, world: bool = False) -> list[Any]:
@@ -235,7 +240,7 @@ class Runtime:
         thread), share this runtime."""
         if self.size == 1 or self.lockstep:
             return self
-        group = dist.new_group(backend="gloo")
+        group = self.new_group(backend="gloo")
         return dataclasses.replace(self, group=group, ctrl=group, world_ctrl=group, owns_process_group=False)
 
     def close(self) -> None:

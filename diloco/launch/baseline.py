@@ -55,7 +55,7 @@ import torch.distributed as dist
 from diloco.command import run_command
 from diloco.config import Config, to_dict
 from diloco.engine.metrics import MetricsLogger, NullMetrics, RunStats
-from diloco.engine.runtime import use_device
+from diloco.engine.runtime import pick_device, use_device
 from diloco.engine.trainer import TrainerCore, run_summary
 from diloco.launch import tail, warm
 from outer_optim import checksum
@@ -133,12 +133,10 @@ class TimedDDP(GradientSync):
         return max(0.0, time.perf_counter() - self.last_ready)
 
 
-def _device_for(cfg: Config, rank: int) -> torch.device:
-    if cfg.device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", rank % torch.cuda.device_count())
-        return torch.device("cpu")
-    return torch.device(cfg.device)
+def device_for(cfg: Config, rank: int) -> torch.device:
+    """The device of worker ``rank``: with ``auto`` or ``cuda``, GPU ``rank`` modulo the GPUs this machine has
+    (consecutive workers share a server)."""
+    return pick_device(cfg.device, rank % max(torch.cuda.device_count(), 1))
 
 
 def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -148,7 +146,7 @@ def train_worker(cfg: Config, rank: int, workers: int, master: str, timeout_s: f
     same builders, inner step, evaluation, records and summary; only the sync differs."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = _device_for(cfg, rank)
+    device = device_for(cfg, rank)
     use_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=workers,

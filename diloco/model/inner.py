@@ -13,6 +13,7 @@ import torch.distributed as dist
 from diloco.config import InnerOptimConfig
 from diloco.data.batches import ShardedBatches
 from pipeline import ModelParts
+from pipeline.mesh import group_timeout
 from pipeline.shards import is_dtensor, local_tensor, shard_spec_of
 
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
@@ -159,10 +160,10 @@ _GROUPS: dict[tuple[object, tuple[int, ...]], dist.ProcessGroup] = {}
 
 def _group_of(ranks: list[int]) -> dist.ProcessGroup:
     """One process group of all ``ranks`` (a mesh of any shape, flattened), made once per world by its members
-    alone."""
+    alone, with the run's timeout (the default group's)."""
     key = (dist.group.WORLD, tuple(ranks))
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(ranks, timeout=group_timeout(), use_local_synchronization=True)
     return _GROUPS[key]
 
 

@@ -17,10 +17,20 @@ fingerprints by majority); every island computes the same verdict from the same 
 
 An island that cannot send this round (its Δ is not finite) still takes part with weight 0, so the
 collectives never wait for it; it rolls back while the others average without it.
+
+Devices and groups, as NCCL needs them: each collective's tensors go where the group that carries it wants them
+(:func:`~peers.island.exchange.collective_device`): the owners' buckets on the GPU for the world's backend (NCCL)
+even when an island is a single process (it has no group of its own, and its exchange stays on the host); the
+metadata and the round's agreement over ``control`` (a gloo group of the whole world on GPUs: small host
+messages, and a failure there raises instead of aborting).  Every group made here takes the run's ``timeout``.
+A bucket all-reduce that fails or times out on gloo raises and the round rolls back; on NCCL the wait blocks the
+host for at most ``timeout`` too, but NCCL's watchdog ends the process when a collective times out (its default
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``): there a lost rank ends the torchrun world, not the round.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -34,7 +44,7 @@ from peers.fingerprints import majority_by_state
 from peers.group.averager import check_group
 from peers.result import RoundResult
 from peers.wire.counters import ring_allreduce_bytes
-from peers.island.exchange import BucketExchange
+from peers.island.exchange import BucketExchange, collective_device
 from peers.island.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
@@ -48,12 +58,16 @@ class HierarchicalAllReduce:
     order of the island's own process group.  The default process group must contain exactly the
     ranks of all islands.  Construction is collective over the whole world: every rank calls it
     with its own local shapes and specs.  A round with fewer than ``min_group_size`` islands able to
-    send (finite Δ, positive weight) is rejected by all.
+    send (finite Δ, positive weight) is rejected by all.  ``control``: a group of the whole world for the
+    metadata and the agreement (the default group when None; on GPUs, pass a gloo one); ``timeout``: the run's
+    process-group timeout, given to every group made here (torch's default when None: 10 minutes on NCCL);
+    ``device``: where the buckets travel (None: where the world's backend wants them).
     """
 
     def __init__(self, layout: CanonicalLayout, local_tensors: Mapping[str, Any], specs: Mapping[str, Any],
                  island_ranks: Sequence[Sequence[int]], *, min_group_size: int = 1,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, control: dist.ProcessGroup | None = None,
+                 timeout: datetime.timedelta | None = None):
         if not dist.is_initialized():
             raise RuntimeError("HierarchicalAllReduce needs an initialised torch.distributed world")
         world, me = dist.get_world_size(), dist.get_rank()
@@ -65,17 +79,21 @@ class HierarchicalAllReduce:
         self.layout, self.islands, self.min_group_size = layout, islands, int(min_group_size)
         self.island_index = next(i for i, ranks in enumerate(islands) if me in ranks)
         self.n_islands = len(islands)
+        self.control = control if control is not None else dist.group.WORLD
+        self.timeout = timeout
         prints: list[Any] = [None] * world
-        dist.all_gather_object(prints, layout.fingerprint())
+        dist.all_gather_object(prints, layout.fingerprint(), group=self.control)
         if len(set(prints)) > 1:
             raise ValueError("the islands of this world use different canonical layouts (model or bucket size differ)")
         self.island_group: dist.ProcessGroup | None = None
         for ranks in islands:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if me in ranks:
                 self.island_group = group
         self.exchange = BucketExchange(layout, local_tensors, specs, self.island_group, device)
-        self.device = self.exchange.device
+        # the bucket groups below are made with the world's backend: ask the world, never the island (an island of
+        # one process has no group, and its exchange stays on the host)
+        self.device = collective_device(dist.group.WORLD) if device is None else torch.device(device)
         self._bucket_group: dict[int, dist.ProcessGroup] = {}
         if self.n_islands > 1:
             sets: dict[tuple[int, ...], list[int]] = {}
@@ -83,7 +101,7 @@ class HierarchicalAllReduce:
                 owners = tuple(sorted(ranks[layout.owner_of(b.index, len(ranks))] for ranks in islands))
                 sets.setdefault(owners, []).append(b.index)
             for owners, buckets in sets.items():
-                group = dist.new_group(list(owners))
+                group = dist.new_group(list(owners), timeout=timeout)
                 if me in owners:
                     for b in buckets:
                         self._bucket_group[b] = group
@@ -96,8 +114,9 @@ class HierarchicalAllReduce:
     def agree(self, needs_fallback: bool, veto: bool) -> bool:
         """Collective over the world: run the torch path this round?  Yes when some island needs it and
         no island saw a hivemind group reject the round (a NaN or a disagreement is never retried)."""
-        t = torch.tensor([float(needs_fallback), float(veto)], dtype=torch.float32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([float(needs_fallback), float(veto)], dtype=torch.float32,
+                         device=collective_device(self.control))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         needs, vetoed = t.cpu().tolist()
         return needs > 0 and vetoed == 0
 
@@ -133,7 +152,7 @@ class HierarchicalAllReduce:
         island_key = str(metadata.get("island_id", f"island{self.island_index}"))
         try:
             every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, (island_key, meta) if me == 0 else None)
+            dist.all_gather_object(every, (island_key, meta) if me == 0 else None, group=self.control)
             gathered = {k: m for item in every if item is not None for k, m in [item] if m.get("participate")}
             result.peers = sorted(gathered)
             result.gathered = gathered
@@ -159,8 +178,8 @@ class HierarchicalAllReduce:
             averaged: dict[int, torch.Tensor] = {}
             nbytes = 0
             for b, t, work in pending:
-                if work is not None:
-                    work.wait()
+                if work is not None:  # with a timeout, NCCL's wait blocks the host too (without, only the stream)
+                    work.wait(self.timeout) if self.timeout is not None else work.wait()
                 averaged[b] = t.cpu() / result.total_weight
                 nbytes += ring_allreduce_bytes(t.numel() * 4, self.n_islands)
             finite = all(all_finite(v) for v in averaged.values())

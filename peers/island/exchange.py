@@ -14,6 +14,28 @@ from outer_optim.tensors import all_finite
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprints
 from peers.island.layout import CanonicalLayout, Segment, spec_tuple
 
+HOST = torch.device("cpu")
+
+
+def backend_of(group: dist.ProcessGroup) -> str:
+    """The backend of ``group`` as torch names it (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``); the collective audit
+    of the tests answers with the backend the group would have on a CUDA island (tests/collective_audit.py)."""
+    return dist.get_backend(group)
+
+
+def accelerator() -> torch.device:
+    """This process's GPU (the collective audit of the tests answers with a stand-in device)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the tensors of a collective on ``group`` must be: on this process's GPU for a group NCCL serves (it takes
+    no host tensor), on the host for a gloo group, and on the host without a group (a process alone sends nothing).
+    Ask the group that carries the collective: the island's group says nothing about the world's."""
+    if group is None or "nccl" not in backend_of(group):
+        return HOST
+    return accelerator()
+
 
 class BucketExchange:
     """Moves bucket pieces between the ranks of one island (point-to-point, any backend).
@@ -28,10 +50,7 @@ class BucketExchange:
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self._global = [0] if group is None else [dist.get_global_rank(group, r) for r in range(self.size)]
-        if device is None:
-            nccl = group is not None and dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = collective_device(group) if device is None else torch.device(device)
         self.local_shapes = {n: tuple(shape_of(t)) for n, t in local_tensors.items()}
         missing = sorted(set(self.local_shapes) ^ set(specs))
         if missing:
@@ -116,12 +135,13 @@ class BucketExchange:
         """Run ``(kind "send"/"recv", tensor, island rank, tag)`` operations and wait for all of them.
 
         Every operation is posted before any is waited on, so the order across peers cannot
-        deadlock.  NCCL gets one ``batch_isend_irecv`` (grouped, as its point-to-point needs);
-        gloo gets plain ``isend``/``irecv`` with tags.
+        deadlock.  A group on a GPU (NCCL) gets one ``batch_isend_irecv`` (grouped, as its point-to-point
+        needs; NCCL ignores the tags and matches the operations between two ranks in the order they are
+        posted: both sides post them in bucket order); a host group (gloo) gets plain ``isend``/``irecv`` with tags.
         """
         if not ops:
             return
-        if self.device.type == "cuda":
+        if self.device != HOST:
             p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self._global[peer], self.group, tag)
                    for kind, t, peer, tag in ops]
             reqs = dist.batch_isend_irecv(p2p)

@@ -18,6 +18,10 @@ class IslandRanks(Protocol):
     """Islands in the torchrun world (1 unless islands average with torch.distributed)."""
     group: Any
     """The island's process group (None for one process)."""
+    world_ctrl: Any
+    """A process group of the whole world for small host messages (gloo on GPUs; None for one process)."""
+    timeout_s: float
+    """The run's process-group timeout: every group made for the run takes it."""
 
     @property
     def rank(self) -> int:

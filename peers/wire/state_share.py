@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.island.exchange import BucketExchange
+from peers.island.exchange import HOST, BucketExchange
+from peers.island.layout import Segment
 from peers.wire.inbox import GONE
 from peers.wire.transport import GoneError, Transport, TransportError
 
@@ -62,15 +63,18 @@ class StateServer:
     def _serve(self, bucket: int, reply: str, to: str) -> None:
         with self._slots:
             with self.lock:
-                provided = self.provide()
-                if provided is None:
-                    meta, values, segments = {"refused": True}, torch.zeros(0), []
-                else:
-                    meta, theta, momentum = provided
-                    segments = self.exchange.contribution(bucket)
-                    values = torch.cat([torch.cat([s.local_view(src[s.name].detach().reshape(-1)).reshape(-1)
-                                                   for s in segments]) if segments else torch.zeros(0)
-                                        for src in (theta, momentum)]).float()
+                try:
+                    provided = self.provide()
+                    if provided is None:
+                        meta, values, segments = {"refused": True}, torch.zeros(0), []
+                    else:
+                        meta, theta, momentum = provided
+                        segments = self.exchange.contribution(bucket)
+                        values = torch.cat([on_host(src, segments) for src in (theta, momentum)])
+                except Exception as e:  # the joiner hears why at once, instead of waiting out its download
+                    log.exception("could not read the state to serve bucket %d", bucket)
+                    meta, values, segments = {"refused": True, "error": f"{type(e).__name__}: {e}"[:300]}, \
+                        torch.zeros(0), []
             extra = {"meta": meta, "segments": [[s.bucket_offset, s.rows, s.row_len, s.row_stride] for s in segments]}
             try:
                 self.transport.send(to, reply, memoryview(values.numpy()).cast("B"), time.monotonic() + 60.0, extra)
@@ -80,6 +84,18 @@ class StateServer:
     def close(self) -> None:
         """Stop serving (the transport is the caller's)."""
         self.transport.handlers.pop(REQUEST, None)
+
+
+def on_host(tensors: Mapping[str, torch.Tensor], segments: list[Segment]) -> torch.Tensor:
+    """The elements of ``tensors`` at ``segments``, as one fp32 tensor on the host, wherever the tensors are (θ_global
+    on a GPU with ``--diloco.master_device cuda``, the momentum's zeros on the host before the first outer step):
+    cut where they are, then copied to the host once."""
+    if not segments:
+        return torch.zeros(0)
+    pieces = [s.local_view(tensors[s.name].detach().reshape(-1)).reshape(-1) for s in segments]
+    if len({p.device for p in pieces}) > 1:
+        pieces = [p.to(HOST) for p in pieces]
+    return torch.cat(pieces).to(HOST, torch.float32)
 
 
 def keep_replies(transport: Transport) -> None:
@@ -138,6 +154,9 @@ def download(transport: Transport, donors: list[str], buckets: Mapping[int, int]
             if any(p is None for p in pieces):
                 return {}, "a donor rank sent a malformed piece of state"
             metas = [p[0] for p in pieces]
+            errors = [m["error"] for m in metas if m.get("error")]
+            if errors:
+                return {}, f"a donor rank could not read its state: {errors[0]}"
             if any(m.get("refused") for m in metas):
                 return {}, "the donor island is replacing its own θ_global"
             # where the donor stood in its round's inner steps moves on while it serves; the rest must not
