@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from peers.discovery.dht import start_dht, visible_maddrs
+from peers.discovery.membership import run_moved_past
 from peers.group.averager import VerifiedAverager
 from peers.group.roster import GENESIS, leader_order, lineage, quorum_problem, split_groups
 from peers.settings import AveragerSettings, NetworkSettings, Scope
@@ -32,6 +33,18 @@ def test_a_group_commits_only_with_a_majority_of_the_last_committed_roster():
     # before any round committed: a majority of the most islands any member saw registered
     assert not quorum_problem(ISLANDS[:2], (), (), 3)
     assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 4)
+
+
+def test_an_island_is_behind_once_half_the_run_moved_past_its_round():
+    """Whoever is past the round, the rest can no longer commit it: a healed minority catches up at once, and of
+    two equal sides the one whose numbering fell behind takes the other's; a round still open stays open."""
+    assert run_moved_past([3], 2)  # of 2 islands, the other moved on
+    assert not run_moved_past([2], 2) and not run_moved_past([], 2)  # nobody else, or at the same round
+    assert run_moved_past([5] * 5 + [2] * 2, 2)  # a healed 3 of 8 behind 5: catch up
+    assert not run_moved_past([2] * 2 + [5] * 5, 5) and not run_moved_past([5] * 4 + [2] * 3, 5)  # the 5 go on
+    assert run_moved_past([6] * 4 + [5] * 3, 5) and not run_moved_past([5] * 4 + [6] * 3, 6)  # 4/4, numbers apart
+    assert not run_moved_past([3, 2], 2)  # of 3 islands, 2 at the round can still hold a majority
+    assert not run_moved_past([3] * 3 + [2] * 4, 2)  # 3 of 8 past: the 5 left still can
 
 
 def test_two_groups_without_a_common_member_never_both_hold_a_majority():
@@ -158,3 +171,32 @@ def test_six_islands_forced_into_two_groups_train_and_end_identical(tmp_path, no
     for d in run_dirs:
         rounds = [r for r in read_metrics(d) if "round_ok" in r]
         assert [r["groups"] for r in rounds] == [2, 2, 2], rounds  # two levels, every round
+
+
+def test_a_robust_rule_leaves_a_scaled_member_out_on_every_island_alike(averagers):
+    """Four islands under centered-clip, one sending its Δ × 1000: every island checks every member's whole Δ (an
+    all-gather), so all reject the same member, name it alike (the evidence a strike needs) and commit the same
+    bits, the honest islands' average."""
+    # the roster waits for all 4 (a member late on a loaded machine would miss the round, and the test its point)
+    avgs = averagers(4, aggregate="centered-clip", target_group_size=4, matchmaking_time=5.0)
+    g = torch.Generator().manual_seed(1)
+    honest = [torch.randn(4096, generator=g) for _ in range(3)]
+    out: list = [None] * 4
+    hostile = avgs[3]
+    payload = hostile.codec.encode(torch.randn(4096, generator=g) * 1000)
+
+    def go(i: int) -> None:
+        delta = honest[i] if i < 3 else torch.zeros(4096)
+        out[i] = avgs[i].average([delta], 1.0, {"config_fingerprint": "c"}, "0",
+                                 encoded=payload if i == 3 else None)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for result, averaged in out:
+        assert result.ok and result.rejected == [hostile.peer_id], (result.reason, result.rejected)
+        assert torch.equal(averaged[0], out[0][1][0])
+    expected = sum(honest) / 3
+    assert (out[0][1][0] - expected).abs().max() < 1e-5

@@ -111,6 +111,16 @@ class Snapshot:
     """Live islands (this one included)."""
 
 
+def run_moved_past(others: list[int], outer_step: int) -> bool:
+    """Whether an island at ``outer_step`` is behind the run, given the outer steps ``others`` that the other live
+    islands announced: at least half of the run's live islands (this one counted) are past it, so the islands left
+    can no longer hold a majority of the run in that round, and the run's θ_global (or its round numbering, when
+    rounds rolled back) is ahead of this island's.  After a partition heals, the side behind learns so within a
+    look instead of waiting out the matchmaking timeout, and catches up rather than forming a group of its own;
+    of two equal sides, the one whose numbering is behind takes the other's."""
+    return bool(others) and 2 * sum(step > outer_step for step in others) >= len(others) + 1
+
+
 class Membership:
     """Registers this island (or one rank of it), keeps the registration alive, and lists the run's
     live islands.  ``island`` is the island's id (its rank 0's peer id; empty: this peer's id) and
@@ -392,11 +402,10 @@ class Membership:
         return max(steps) if steps else None
 
     def moved_past(self, outer_step: int) -> bool:
-        """True when at least one other island is live and every one announced a later outer step than
-        ``outer_step``: none of them will average that round any more.  Answers from the registry as a
-        background look-up read it (about once a second while asked), so a slow DHT never blocks the caller."""
-        steps = self._looked()
-        return bool(steps) and min(steps) > outer_step
+        """Whether the run moved past round ``outer_step`` (see :func:`run_moved_past`), from the outer steps the
+        other live islands announced.  Answers from the registry as a background look-up read it (about once a
+        second while asked), so a slow DHT never blocks the caller."""
+        return run_moved_past(self._looked() or [], outer_step)
 
     def company(self) -> int:
         """How many other islands are live and not gone: registered, and their rank 0's address (when it takes
