@@ -76,6 +76,9 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
     attacker = summaries[-1] if attack != "clean" else None
     left_out = [int(m) for f in (attacker or {}).get("failures", []) if LEFT_OUT in f
                 for m in re.findall(r"^round (\d+)", f)]
+    failed = [i for i, c in sorted(codes.items()) if c != 0 and (attack == "clean" or i < len(run_dirs) - 1)]
+    if failed and not error:
+        error = f"honest island(s) {', '.join(map(str, failed))} exited with an error (see their train.log)"
     curve = [(int(r["outer_step"]), float(r["eval/loss"])) for r in read_metrics(run_dirs[0]) if "eval/loss" in r]
     return {
         "arm": name, "attack": attack, "aggregate": rule, "wall_seconds": wall, "error": error,
@@ -162,7 +165,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             xs, ys = zip(*r["curve"])
             ax.plot(xs, ys, styles.get(r["aggregate"], "-"), color=colours.get(r["attack"], "grey"), label=r["arm"])
     ax.set_xlabel("round")
-    ax.set_ylabel("held-out loss (an honest island)")
+    ax.set_yscale("log")  # a diverged arm ends 25x above the others
+    ax.set_ylabel("held-out loss (an honest island, log scale)")
     ax.set_title("one attacking island: held-out loss per arm")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -184,7 +188,9 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         "rounds (as island 0 recorded them) whose result counted its Δ for nothing; strikes: the most the honest "
         "islands' logs gave it (strikes are kept under robust rules only); left out from: the first round it "
         "was refused as struck out",
-        "one seed, one run per arm on a shared 2-core machine: a ratio within about 1% of 1 is noise",
+        "one seed, one run per arm on a shared 2-core machine: arms whose attacker counts for nothing still average "
+        "other vectors (one fewer member, or another rule) and end a few percent apart; a ratio within a few "
+        "percent of 1 is noise, a ratio of 3 or 25 is not",
     ]
     (out / "results.md").write_text(markdown(results, command, notes))
     (out / "results.json").write_text(json.dumps(json_safe({"command": command, "notes": notes, "results": results}),

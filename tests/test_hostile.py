@@ -30,7 +30,7 @@ def test_an_attacker_is_rejected_struck_and_left_out_while_the_honest_islands_co
     cluster = Cluster(cfg, 3, env={ATTACKER: {"DILOCO_FAULTS": "scale@send:2-4"}})
     try:
         cluster.start_all()
-        cluster.wait(timeout=180)
+        cluster.wait(timeout=180, allow_failures=True)  # the struck attacker may exit 3: asserted below
     finally:
         cluster.stop_all()
     codes = [cluster.procs[i].returncode for i in range(3)]
