@@ -45,6 +45,7 @@ commands:
   experiment frontier   held-out loss against bytes per inner optimizer and codec, over seeds, vs DDP
   experiment scale-sim  simulated rounds at 100-1,000+ islands: roster rounds vs flat all-reduce vs gossip
   experiment islands    8 to 64 islands on this machine: rounds committed, distinct θ_global, bytes, round time
+  experiment hostile    an attacking island, per attack and aggregation rule: honest loss against a clean run
   tokenizer train --data.path P --tokenizer.vocab_size N --out FILE   learn a byte-level BPE (--data.tokenizer FILE)
   data prepare --data.path P [--data.tokenizer FILE] --out DIR   tokenize once; train with --data.path DIR
   config show           print the effective configuration (TOML, with a comment per key)

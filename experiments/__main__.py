@@ -19,6 +19,7 @@ commands:
   partition  a run cut in two by a network partition and healed: one side commits, then one θ_global (... partition --help)
   scale-sim  simulated rounds at 100-1,000+ islands: roster rounds vs flat all-reduce vs gossip (... scale-sim --help)
   islands   8 to 64 islands on this machine: rounds committed, distinct θ_global, bytes, round time (... islands --help)
+  hostile   an attacking island, per attack and aggregation rule: honest loss against a clean run, strikes (... hostile --help)
 """
 
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.scale_sim import main as run
     elif command == "islands":
         from experiments.many_islands import main as run
+    elif command == "hostile":
+        from experiments.hostile import main as run
     else:
         print(f"error: unknown experiment {command!r}; `diloco experiment --help` lists them", file=sys.stderr)
         return 2

@@ -299,3 +299,19 @@ def test_sigterm_and_ctrl_c_end_islands_cleanly_with_a_checkpoint(tmp_path, no_l
         assert "Traceback" not in cluster.logs[0].read_text()[before[0]:], "Ctrl-C printed a traceback"
     finally:
         cluster.stop_all()
+
+
+def test_faults_span_rounds_and_a_mistyped_entry_says_what_is_wrong():
+    """``ACTION@PHASE:FIRST-LAST`` covers every round of the span; an entry that cannot work is refused in one
+    sentence naming it (the island turns it into one line and exit 1 before any peer hears of it)."""
+    from diloco.engine.faults import FaultPlan, parse_faults
+
+    plan = FaultPlan(parse_faults("flip@send:2-4, claim@send:3,kill@vote:1"))
+    assert [r for r in range(1, 7) if plan.has("flip", "send", r)] == [2, 3, 4]
+    assert [r for r in range(1, 7) if plan.has("claim", "send", r)] == [3]
+    assert plan.has("kill", "vote", 1) and not plan.has("kill", "vote", 2) and not plan.has("scale", "send", 3)
+    for spec, says in [("nan@send:2", "the action must be one of"), ("scale@inner:2", "scale happens in phase send"),
+                       ("scale@send:5-2", "FIRST <= LAST"), ("scale@send:0", "rounds count from 1"),
+                       ("scale@send:x", "must look like kill@allreduce:2")]:
+        with pytest.raises(ValueError, match=says):
+            parse_faults(spec)

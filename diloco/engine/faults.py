@@ -10,7 +10,14 @@ progress lines and every message):
   group's vote puts it in the minority and it resynchronizes from the majority);
 - ``stall@allreduce:1``: freeze this process (SIGSTOP) once round 1's all-reduce starts;
 - ``late@send:3``: hold round 3 back for ``matchmaking_time`` + 3 s before sending it (a slow island that
-  reaches the group after it formed).
+  reaches the group after it formed);
+- ``flip@send:3``: send the pseudo-gradient of round 3 multiplied by −4 (:data:`FLIP`: an attacker that stays
+  under the member check's 10× the median norm and pulls a mean the other way);
+- ``claim@send:3``: declare :data:`CLAIM` times this island's tokens as the weight of round 3's pseudo-gradient
+  (a lie about weight: it matters under ``--averaging.weighting tokens``, where the group caps it).
+
+``ROUND`` may be a span of rounds, ``FIRST-LAST`` (``scale@send:2-6``: every round from 2 to 6).  An attacker is
+several faults of one island: ``claim@send:2-6,flip@send:2-6`` lies about its weight and sends −4 Δ.
 """
 
 from __future__ import annotations
@@ -19,29 +26,55 @@ import os
 import signal
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "scale", "stall", "drift", "late")
-PHASES = ("inner", "matchmaking", "allreduce", "vote", "send", "theta")
+_STAGES = ("inner", "matchmaking", "allreduce", "vote")
+PHASES_OF = {"kill": _STAGES, "stall": _STAGES, "scale": ("send",), "flip": ("send",), "claim": ("send",),
+             "late": ("send",), "drift": ("theta",)}
+"""Each action and the phases it can happen in."""
+ACTIONS = tuple(PHASES_OF)
+PHASES = (*_STAGES, "send", "theta")
+
+SCALE = 1e6
+"""What ``scale`` multiplies Δ by: a norm far above any member check."""
+FLIP = -4.0
+"""What ``flip`` multiplies Δ by: within the member check's default 10× the median norm, and against the others."""
+CLAIM = 1e6
+"""What ``claim`` multiplies the declared weight (this island's tokens) by."""
 
 
 @dataclass(frozen=True)
 class Fault:
     action: str
     phase: str
-    round: int
+    first: int
+    """The first round it happens in (counted from 1)."""
+    last: int
+    """The last one (``first`` for a single round)."""
+
+    def covers(self, action: str, phase: str, rnd: int) -> bool:
+        return self.action == action and self.phase == phase and self.first <= rnd <= self.last
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse ``ACTION@PHASE:ROUND[,...]``; raise ValueError with the accepted forms."""
+    """Parse ``ACTION@PHASE:ROUND[,...]`` (``ROUND``: a round or a span ``FIRST-LAST``); raise ValueError with
+    one sentence naming the entry and the accepted forms."""
     faults = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         try:
             action, rest = item.split("@")
-            phase, rnd = rest.split(":")
-            fault = Fault(action, phase, int(rnd))
+            phase, rounds = rest.split(":")
+            first, _, last = rounds.partition("-")
+            fault = Fault(action, phase, int(first), int(last or first))
         except ValueError:
-            raise ValueError(f"DILOCO_FAULTS entry {item!r} must look like kill@allreduce:2") from None
-        if action not in ACTIONS or phase not in PHASES:
-            raise ValueError(f"DILOCO_FAULTS entry {item!r}: action must be one of {ACTIONS}, phase one of {PHASES}")
+            raise ValueError(f"DILOCO_FAULTS entry {item!r} must look like kill@allreduce:2 or scale@send:2-6"
+                             ) from None
+        if action not in ACTIONS:
+            raise ValueError(f"DILOCO_FAULTS entry {item!r}: the action must be one of {', '.join(ACTIONS)}")
+        if phase not in PHASES_OF[action]:
+            raise ValueError(f"DILOCO_FAULTS entry {item!r}: {action} happens in phase "
+                             f"{' or '.join(PHASES_OF[action])}, not {phase}")
+        if not 1 <= fault.first <= fault.last:
+            raise ValueError(f"DILOCO_FAULTS entry {item!r}: rounds count from 1, and a span FIRST-LAST needs "
+                             "FIRST <= LAST")
         faults.append(fault)
     return faults
 
@@ -57,7 +90,7 @@ class FaultPlan:
         return cls(parse_faults(os.environ.get("DILOCO_FAULTS", "")))
 
     def has(self, action: str, phase: str, rnd: int) -> bool:
-        return Fault(action, phase, rnd) in self.faults
+        return any(f.covers(action, phase, rnd) for f in self.faults)
 
     def at(self, phase: str, rnd: int) -> None:
         """Inject the kill or stall scripted for this phase of this round, if any."""

@@ -121,6 +121,10 @@ class Island:
             raise TrainingError(f"cannot create --logging.run_dir {self.run_dir} ({e.strerror}); "
                                 f"pass a directory you can write to") from None
         self.name = f"{cfg.averaging.run_id}-island{cfg.data.shard_index}"
+        try:  # a mistyped DILOCO_FAULTS, before any peer hears of us
+            self.faults = FaultPlan.from_env()
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = rt.device
@@ -160,7 +164,6 @@ class Island:
         self.outer = OuterOptimizer.from_config(self.params, d.outer_optimizer, d.outer_lr, d.outer_momentum,
                                                 device=d.master_device)
         self.exchange = BucketExchange(self.layout, self.params, self.specs, round_rt.group)
-        self.faults = FaultPlan.from_env()
         ctx = RoundContext(d, a, rt=rt, round_rt=round_rt, stats=self.stats, layout=self.layout, specs=self.specs,
                           outer=self.outer, params=self.params, exchange=self.exchange, peers=self.peers,
                           unsent=self.unsent, fingerprint=self.fingerprint, faults=self.faults)

@@ -235,6 +235,9 @@ class StateTransfer:
                 log.warning("stopping with θ_global unconfirmed: %s", doubt)
                 return ""
             return doubt
+        # an island struck out of the run (--averaging.strikes) ends on a θ_global of its own: no sign of a split
+        limit, strikes = self.a.strikes, getattr(self.peers.averager, "strikes", None) or {}
+        differ = [d for d in differ if not (limit and strikes.get(d, 0) >= limit)]
         if not differ:
             return ""
         return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "

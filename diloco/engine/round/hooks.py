@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from diloco.engine.faults import FaultPlan
+from diloco.engine.faults import CLAIM, FLIP, SCALE, FaultPlan
 from outer_optim import OuterOptimizer
 from peers import PeerNode
 
@@ -28,6 +28,10 @@ class RoundHook:
         """The pseudo-gradient about to be sent (a hook may replace it)."""
         return delta
 
+    def claimed(self, rnd: int, weight: float) -> float:
+        """The weight declared for the pseudo-gradient about to be sent (a hook may replace it)."""
+        return weight
+
     def stage(self, rnd: int, phase: str) -> None:
         """The averager entered ``phase`` (matchmaking, allreduce, vote)."""
 
@@ -36,7 +40,7 @@ class RoundHook:
 
 
 class FaultHook(RoundHook):
-    """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ, kills and stalls in a phase.
+    """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ and weights, kills and stalls in a phase.
     Hooks see the 0-based outer step; faults, like every message, count rounds from 1."""
 
     def __init__(self, plan: FaultPlan, outer: OuterOptimizer, late_seconds: float):
@@ -51,9 +55,12 @@ class FaultHook(RoundHook):
                     m.add_(1e-3)
 
     def outgoing(self, rnd: int, delta: Delta) -> Delta:
-        if self.plan.has("scale", "send", rnd + 1):
-            return {n: d * 1e6 for n, d in delta.items()}
-        return delta
+        factor = (SCALE if self.plan.has("scale", "send", rnd + 1) else 1.0) * \
+            (FLIP if self.plan.has("flip", "send", rnd + 1) else 1.0)
+        return delta if factor == 1.0 else {n: d * factor for n, d in delta.items()}
+
+    def claimed(self, rnd: int, weight: float) -> float:
+        return weight * CLAIM if self.plan.has("claim", "send", rnd + 1) else weight
 
     def stage(self, rnd: int, phase: str) -> None:
         self.plan.at(phase, rnd + 1)

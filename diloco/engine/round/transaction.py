@@ -86,14 +86,15 @@ class RoundTransaction:
         if self.transfer.outvoted(rnd, state, wait=self.ctx.blocking):
             return self._leave_out(rnd)
         f.delta = self.outer.pseudo_gradient(source, f.names, out=self._delta_views)
+        weight = f.weight
         for h in self.hooks:
-            f.delta = h.outgoing(rnd, f.delta)
+            f.delta, weight = h.outgoing(rnd, f.delta), h.claimed(rnd, weight)
         f.meta["state_fingerprint"] = state
         # a group forms as soon as every island the registry expects in this round has joined, not after the
         # whole matchmaking window
         expected = self.transfer.main_decides(lambda: self.peers.membership.round_size(rnd)) \
             if self.peers.membership is not None and not self.rt.lockstep else None
-        f.pending = self.peers.averager.start(f.outgoing(), f.weight, f.meta, round_id=round_id(rnd),
+        f.pending = self.peers.averager.start(f.outgoing(), weight, f.meta, round_id=round_id(rnd),
                                               on_stage=self._on_stage(f), buckets=self.schedule.buckets(f.fragment),
                                               expected_group_size=expected)
         f.opened(self.outer)

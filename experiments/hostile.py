@@ -1,0 +1,265 @@
+"""An island of the run that attacks it: how far does it move the honest islands, under each aggregation rule?
+
+    diloco experiment hostile [--islands 4] [--attacks scale,flip,claim] [--aggregates mean,centered-clip,trimmed-mean]
+                              [--out DIR] [--timeout S] [--section.key VALUE ...]
+
+One run per arm, an arm being (attack × aggregate), each of ``--islands`` islands of the ``tiny`` model over
+hivemind on loopback (H = 20, 10 rounds unless ``--diloco.*`` says otherwise), on the embedded text corpus.  The
+last island holds the run key and attacks from round 2 to the last (``DILOCO_FAULTS``,
+:mod:`diloco.engine.faults`):
+
+- ``clean``: nobody attacks (the reference of every ratio is the clean arm under ``mean``);
+- ``scale``: its Δ × 1e6 (a norm the member check rejects);
+- ``flip``: its Δ × −4 (within the member check's 10× the median norm: it pulls a mean the other way);
+- ``claim``: its Δ × −4 declared with a million times its tokens as weight (capped at 8× the median claim).
+
+Every arm weighs by tokens (``--averaging.weighting tokens``: honest islands all declare the same tokens, so the
+clean arm is what equal weights give, and a claim counts up to its cap), keeps the member check at its default
+(10× the median norm) and strikes at 2.  Per arm it reports the honest islands' held-out loss at the end against
+the clean arm's (a ratio), the rounds they committed, the distinct θ_global among them, the committed rounds that
+rejected the attacker's Δ, the strikes the run held against it, the round from which it was left out, and its exit
+code.  It writes ``results.md``, ``results.json`` and ``hostile.png`` (held-out loss of an honest island per round,
+every arm) to ``--out`` after every arm; each arm's islands keep their logs in ``runs/<arm>/island<i>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco.command import ArgumentParser, run_command
+from diloco.config import Config, ConfigError
+from diloco.config import loader as config_load
+from diloco.engine.metrics import read_metrics
+from diloco.files import writable_folder
+from experiments.report import json_safe, markdown_table
+
+DEFAULT_OUT = Path("experiments/results/hostile")
+ATTACKS = {"clean": "", "scale": "scale@send:{span}", "flip": "flip@send:{span}",
+           "claim": "claim@send:{span},flip@send:{span}"}
+"""Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last)."""
+AGGREGATES = ("mean", "centered-clip", "trimmed-mean")
+DEFAULTS: dict[str, Any] = {
+    "model.preset": "tiny", "diloco.inner_steps": 20, "diloco.outer_steps": 10, "inner.warmup_steps": 5,
+    "logging.eval_batches": 8, "logging.samples": 0, "checkpoint.every": 0, "wandb.mode": "disabled",
+    "data.max_bytes": 4_000_000, "averaging.backend": "hivemind", "averaging.weighting": "tokens",
+    "averaging.strikes": 2, "averaging.min_group_size": 2, "averaging.matchmaking_time": 2.0,
+    "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 20.0, "averaging.vote_timeout": 8.0,
+    "averaging.allreduce_timeout": 20.0, "averaging.next_chunk_timeout": 5.0, "threads": 1,
+}
+"""What each arm runs unless the command line says otherwise: small rounds, fast timeouts on loopback, no W&B."""
+STRIKE = re.compile(r"gets a strike \((\d+) of \d+\)")
+LEFT_OUT = "this island is left out of the run's rounds"
+
+
+def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: dict[int, int | None],
+               wall: float, error: str = "") -> dict[str, Any]:
+    """One arm's figures from what its islands wrote (the attacker is the last island; in the clean arm it is honest
+    like the others, and counted with them)."""
+    honest = run_dirs if attack == "clean" else run_dirs[:-1]
+    summaries = []
+    for d in run_dirs:
+        try:
+            summaries.append(json.loads((d / "summary.json").read_text()))
+        except (OSError, ValueError):
+            summaries.append(None)
+    hs = [s for s in summaries[:len(honest)] if s is not None]
+    records = [[r for r in read_metrics(d) if "round_ok" in r] for d in honest]
+    rejected = [r for r in records[0] if r.get("round_ok") == 1 and r.get("rejected")] if records else []
+    strikes = [int(n) for d in honest for n in STRIKE.findall((d / "train.log").read_text(errors="replace"))] \
+        if honest else []
+    attacker = summaries[-1] if attack != "clean" else None
+    left_out = [int(m) for f in (attacker or {}).get("failures", []) if LEFT_OUT in f
+                for m in re.findall(r"^round (\d+)", f)]
+    failed = [i for i, c in sorted(codes.items()) if c != 0 and (attack == "clean" or i < len(run_dirs) - 1)]
+    if failed and not error:
+        error = f"honest island(s) {', '.join(map(str, failed))} exited with an error (see their train.log)"
+    curve = [(int(r["outer_step"]), float(r["eval/loss"])) for r in read_metrics(run_dirs[0]) if "eval/loss" in r]
+    return {
+        "arm": name, "attack": attack, "aggregate": rule, "wall_seconds": wall, "error": error,
+        "exit_codes": {str(i): c for i, c in sorted(codes.items())},
+        "honest_islands": len(honest), "honest_summaries": len(hs),
+        "eval_loss_end": sum(s["eval_loss_end"] for s in hs) / len(hs) if hs else float("nan"),
+        "rounds_committed": [s["rounds_ok"] for s in hs],
+        "theta_distinct": len({s["theta_checksum"] for s in hs}),
+        "rejected_rounds": len(rejected), "rejected_ids": sorted({p for r in rejected for p in r["rejected"].split(",")}),
+        "strikes": max(strikes, default=0), "left_out_from": min(left_out, default=None),
+        "attacker_exit": codes.get(len(run_dirs) - 1) if attack != "clean" else None,
+        "attacker_rounds_ok": attacker["rounds_ok"] if attacker else None, "curve": curve,
+    }
+
+
+def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: float) -> dict[str, Any]:
+    """Run one arm's ``n`` islands to the end (or ``timeout``) and return :func:`arm_result`."""
+    from diloco.launch.simulate import Cluster, SimulationError
+
+    name = f"{attack}-{rule}"
+    cfg.logging.run_dir, cfg.averaging.run_id, cfg.averaging.aggregate = str(out / "runs" / name), name, rule
+    faults = ATTACKS[attack].format(span=f"2-{cfg.diloco.outer_steps}")
+    cluster = Cluster(cfg, n, env={n - 1: {"DILOCO_FAULTS": faults}} if faults else None, fork_warm=True)
+    t0, error = time.time(), ""
+    try:
+        cluster.start_all()
+        cluster.wait(timeout=timeout, allow_failures=True)
+    except SimulationError as e:
+        error = str(e).splitlines()[0]
+    finally:
+        cluster.stop_all()
+    codes = {i: p.returncode for i, p in cluster.procs.items()}
+    return arm_result(name, attack, rule, cluster.run_dirs, codes, time.time() - t0, error)
+
+
+def _ratio(x: float, ref: float) -> str:
+    return f"{x / ref:.3f}" if ref == ref and ref > 0 and x == x else "–"
+
+
+HEADERS = ["attack", "aggregate", "honest loss end", "vs clean mean", "rounds committed (honest)",
+           "distinct θ_global (honest)", "attacker's Δ rejected (rounds)", "strikes", "left out from round",
+           "attacker exit", "wall s"]
+
+
+def row(r: dict[str, Any], ref: float) -> list[Any]:
+    committed = r["rounds_committed"]
+    span = f"{min(committed)}–{max(committed)}" if committed and min(committed) != max(committed) else \
+        (str(committed[0]) if committed else "–")
+    clean = r["attack"] == "clean"
+    return [r["attack"], r["aggregate"], f"{r['eval_loss_end']:.4f}", _ratio(r["eval_loss_end"], ref),
+            f"{span} of {r['rounds']}", r["theta_distinct"], "–" if clean else r["rejected_rounds"],
+            "–" if clean else r["strikes"], "–" if clean or r["left_out_from"] is None else r["left_out_from"],
+            "–" if clean else r["attacker_exit"], f"{r['wall_seconds']:.0f}"]
+
+
+def reference(results: list[dict[str, Any]]) -> float:
+    return next((r["eval_loss_end"] for r in results if r["attack"] == "clean" and r["aggregate"] == "mean"),
+                float("nan"))
+
+
+def markdown(results: list[dict[str, Any]], command: str, notes: list[str]) -> str:
+    ref = reference(results)
+    lines = ["# An island of the run that attacks it", "", f"`{command}`", "",
+             markdown_table(HEADERS, [row(r, ref) for r in results]), "", "![held-out loss per arm](hostile.png)", ""]
+    lines += [f"- {n}" for n in notes]
+    problems = [f"{r['arm']}: {r['error']}" for r in results if r["error"]]
+    if problems:
+        lines += ["", "Problems:", ""] + [f"- {p}" for p in problems]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Held-out loss of island 0 (honest in every arm) per round: a colour per attack, a line style per rule."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange")))
+    styles = dict(zip(AGGREGATES, ("-", "--", ":")))
+    for r in results:
+        if r["curve"]:
+            xs, ys = zip(*r["curve"])
+            ax.plot(xs, ys, styles.get(r["aggregate"], "-"), color=colours.get(r["attack"], "grey"), label=r["arm"])
+    ax.set_xlabel("round")
+    ax.set_yscale("log")  # a diverged arm ends 25x above the others
+    ax.set_ylabel("held-out loss (an honest island, log scale)")
+    ax.set_title("one attacking island: held-out loss per arm")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Config, n: int) -> None:
+    """``results.md``, ``results.json`` and ``hostile.png`` for the arms run so far (``n`` islands an arm)."""
+    rounds = cfg.diloco.outer_steps
+    notes = [
+        f"{n} islands of `{cfg.model.preset}` (H = {cfg.diloco.inner_steps}, {rounds} rounds) over hivemind on "
+        f"loopback, the embedded text corpus; island {n - 1} attacks from round 2 to {rounds} (the clean arms: "
+        "nobody does)",
+        "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; every arm weighs "
+        "by tokens (capped at 8× the median claim), member check 10× the median norm, strikes 2",
+        "honest loss end: the honest islands' mean held-out loss after the last round; vs clean mean: against the "
+        "clean arm under `mean`; rounds committed: per honest island (min–max); attacker's Δ rejected: committed "
+        "rounds (as island 0 recorded them) whose result counted its Δ for nothing; strikes: the most the honest "
+        "islands' logs gave it (strikes are kept under robust rules only); left out from: the first round it "
+        "was refused as struck out",
+        "one seed, one run per arm on a shared 2-core machine: arms whose attacker counts for nothing still average "
+        "other vectors (one fewer member, or another rule) and end a few percent apart; a ratio within a few "
+        "percent of 1 is noise, a ratio of 3 or 25 is not",
+    ]
+    (out / "results.md").write_text(markdown(results, command, notes))
+    (out / "results.json").write_text(json.dumps(json_safe({"command": command, "notes": notes, "results": results}),
+                                                 indent=1) + "\n")
+    plot(results, out / "hostile.png")
+
+
+def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    """``a,b`` → [a, b], each one of ``allowed``; ConfigError naming the flag otherwise."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ConfigError([f"{flag} takes some of {', '.join(allowed)} separated by commas, got {text!r}"])
+    return items
+
+
+def run_hostile(config_file: str | None, overrides: list[str], islands: int, attacks: list[str],
+                aggregates: list[str], out: Path, timeout: float, command: str) -> list[dict[str, Any]]:
+    """Every arm in turn (the clean arm under ``mean`` first: the reference); the report rewritten after each."""
+    cfg = config_load.load(config_file, overrides, defaults=DEFAULTS)  # checked before the first arm runs
+    arms = [("clean", "mean")] + [(a, r) for a in ["clean", *attacks] for r in aggregates
+                                  if (a, r) != ("clean", "mean")]
+    results: list[dict[str, Any]] = []
+    for attack, rule in arms:
+        arm = config_load.load(config_file, overrides, defaults=DEFAULTS)
+        print(f"== {attack} under {rule}: {islands} islands, {arm.diloco.outer_steps} rounds; logs in "
+              f"{out / 'runs' / f'{attack}-{rule}'}/island<i>/train.log", flush=True)
+        r = run_arm(arm, islands, attack, rule, out, timeout)
+        r["rounds"] = arm.diloco.outer_steps
+        results.append(r)
+        ref = reference(results)
+        print("   " + " | ".join(str(c) for c in row(r, ref)), flush=True)
+        write_report(results, out, command, cfg, islands)
+    ref = reference(results)
+    print(markdown_table(HEADERS, [row(r, ref) for r in results]), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``diloco experiment hostile [--islands 4] [--attacks ...] [--aggregates ...] [--out DIR]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = ArgumentParser(prog="diloco experiment hostile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--islands", type=int, default=4, help="islands per arm, the last one the attacker "
+                                                               "(default 4)")
+    parser.add_argument("--attacks", default="scale,flip,claim",
+                        help=f"attacks besides clean, of {', '.join(a for a in ATTACKS if a != 'clean')}")
+    parser.add_argument("--aggregates", default=",".join(AGGREGATES), help="aggregation rules, each an arm per attack")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds an arm may run (default 600)")
+    parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
+    args, rest = parser.parse_known_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def body() -> int:
+        attacks = parse_list(args.attacks, tuple(a for a in ATTACKS if a != "clean"), "--attacks")
+        aggregates = parse_list(args.aggregates, AGGREGATES, "--aggregates")
+        if args.islands < 3 or args.timeout <= 0:
+            raise ConfigError([f"--islands must be at least 3 (a majority of honest islands) and --timeout above 0, "
+                               f"got {args.islands} and {args.timeout:g}"])
+        out = writable_folder(args.out)
+        results = run_hostile(args.config, rest, args.islands, attacks, aggregates, out, args.timeout,
+                              "diloco experiment hostile " + " ".join(argv))
+        print(f"report: {out / 'results.md'}", flush=True)
+        return 0 if not any(r["error"] for r in results) else 1
+
+    from diloco.launch.simulate import SimulationError
+
+    return run_command(body, (SimulationError,), "interrupted: every island was stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""An island of the run that attacks it, with real island processes over hivemind on loopback (issue #63).
+
+Three islands of the tiny model average with ``--averaging.aggregate centered-clip`` and ``--averaging.strikes 2``;
+island 2 holds the run key and sends a pseudo-gradient scaled by 1e6 in rounds 2 to 4 (``DILOCO_FAULTS``).  The
+member check rejects its Δ in every round it takes part in, every member alike (a robust rule checks every member's
+whole Δ), so the strikes the run holds are the same on every island; after two committed rounds that rejected it, it
+is left out of the run's rounds.  The two honest islands commit every round and end with one θ_global."""
+
+from __future__ import annotations
+
+import math
+
+from diloco.engine.metrics import read_metrics
+from diloco.launch.simulate import Cluster
+from tests.conftest import tiny_config
+
+ROUNDS = 6
+ATTACKER = 2
+BANNED = "this island is left out of the run's rounds: the run rejected its pseudo-gradient in 2 committed rounds"
+
+
+def test_an_attacker_is_rejected_struck_and_left_out_while_the_honest_islands_commit_every_round(
+        tmp_path, no_leaked_daemons):
+    cfg = tiny_config(tmp_path, **{
+        "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.matchmaking_time": 2.0,
+        "averaging.request_timeout": 0.5, "averaging.matchmaking_timeout": 12.0, "averaging.vote_timeout": 4.0,
+        "averaging.allreduce_timeout": 10.0, "averaging.next_chunk_timeout": 3.0, "averaging.member_ttl": 20.0,
+        "averaging.aggregate": "centered-clip", "averaging.strikes": 2, "diloco.outer_steps": ROUNDS,
+        "diloco.inner_steps": 20})
+    cluster = Cluster(cfg, 3, env={ATTACKER: {"DILOCO_FAULTS": "scale@send:2-4"}})
+    try:
+        cluster.start_all()
+        cluster.wait(timeout=180, allow_failures=True)  # the struck attacker may exit 3: asserted below
+    finally:
+        cluster.stop_all()
+    codes = [cluster.procs[i].returncode for i in range(3)]
+    summaries = cluster.summaries()
+    honest = [summaries[i] for i in range(3) if i != ATTACKER]
+    for s in honest:
+        assert s["outer_step"] == ROUNDS and s["rounds_ok"] == ROUNDS, s["failures"]
+        assert math.isfinite(s["eval_loss_end"]) and s["eval_loss_end"] < s["eval_loss_start"], s
+    assert honest[0]["theta_checksum"] == honest[1]["theta_checksum"]
+    rounds = {i: {r["outer_step"]: r for r in read_metrics(cluster.run_dirs[i]) if "round_ok" in r} for i in range(3)}
+    attacker_id = None
+    for i in (0, 1):
+        # the attacker's Δ counted for nothing in every committed round it took part in after it started (2, 3), and
+        # never again once struck twice: rounds 4 to 6 average the two honest islands alone
+        rejected = {n: r["rejected"] for n, r in rounds[i].items() if r["rejected"]}
+        assert sorted(rejected) == [2, 3], rejected
+        ids = {p for ps in rejected.values() for p in ps.split(",")}
+        assert len(ids) == 1, rejected
+        attacker_id = attacker_id or ids.pop()
+        assert all(rounds[i][n]["num_peers"] == 2 for n in range(4, ROUNDS + 1)), rounds[i]
+        log = cluster.logs[i].read_text()
+        assert "gets a strike (1 of 2)" in log and "gets a strike (2 of 2)" in log, log[-3000:]
+    # the attacker: its rounds from 4 on fail with the one line that says why.  It trains on, alone; whether it ends
+    # holding the run's θ_global depends on timing: a round it fails while the others move past it ends in taking
+    # their state (it then ends in sync, exit 0); a last round refused as struck out leaves it with its own θ_global,
+    # which it says in one line, exit 3 (as any island that ends out of sync)
+    assert codes[:2] == [0, 0], codes
+    left_out = [f for f in summaries[ATTACKER]["failures"] if BANNED in f]
+    assert left_out and all(int(f.split(":")[0].split()[1]) >= 4 for f in left_out), summaries[ATTACKER]["failures"]
+    assert codes[ATTACKER] in (0, 3), codes
+    out_of_sync = summaries[ATTACKER].get("out_of_sync", "")
+    assert (codes[ATTACKER] == 3) == bool(out_of_sync), (codes, out_of_sync)
+    if codes[ATTACKER] == 3:
+        assert out_of_sync.startswith("the run ended out of sync: θ_global of 2 other island(s) differs"), out_of_sync
+        assert f"error: {out_of_sync}" in cluster.logs[ATTACKER].read_text()
+    else:
+        assert summaries[ATTACKER]["theta_checksum"] == honest[0]["theta_checksum"]
