@@ -57,6 +57,9 @@ DEFAULTS: dict[str, Any] = {
     "averaging.matchmaking_time": 5.0, "averaging.request_timeout": 3.0, "averaging.matchmaking_timeout": 30.0,
     "averaging.vote_timeout": 30.0, "averaging.allreduce_timeout": 120.0, "averaging.next_chunk_timeout": 60.0,
     "averaging.state_download_timeout": 60.0,
+    # how often an island apart from part of its committed roster looks whether the other side answers again:
+    # a third of the default, for rounds a tenth of a real run's
+    "averaging.rejoin_after": 10.0,
 }
 QUORUM = "no majority of the run"
 """How a round that failed the quorum rule begins its reason (:func:`peers.group.roster.quorum_problem`)."""

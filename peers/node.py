@@ -18,7 +18,8 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -249,9 +250,11 @@ class PeerNode:
                           round_port=self.transport.port)
 
     def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any]) -> None:
-        """Collective: an island alone in the run although it knew live islands restarts its peer node
-        through their addresses, from time to time (see :class:`AloneWatch`)."""
-        known = main_decides(lambda: self.alone.due(self.membership, remembered(self.run_dir, KNOWN_PEERS).split()))
+        """Collective: an island cut off from live islands it knew (alone, or apart from islands of its committed
+        roster) restarts its peer node through their addresses, from time to time (see :class:`AloneWatch`)."""
+        committed = self.averager.committed if self.averager is not None else []
+        known = main_decides(lambda: self.alone.due(self.membership, remembered(self.run_dir, KNOWN_PEERS).split(),
+                                                    committed))
         if known:
             self.count_bytes(0, 0, through_torch=False)  # the daemon's counts go with it
             self.disconnect()
@@ -499,37 +502,49 @@ class PeerNode:
 
 
 class AloneWatch:
-    """Notices when an island is alone in the run although it knew live islands (it restarted while none
-    of them answered, or the network split: two halves that never meet again) and says when to restart
-    its peer node through their addresses: after ``rejoin_after`` seconds alone, then at doubling
-    intervals (up to ten times that, with jitter so that two lonely islands do not retry in step)."""
+    """Notices when an island is cut off from islands it knew live, and says when to restart its peer node through
+    their addresses: after ``rejoin_after`` seconds, then at doubling intervals (up to ten times that, with jitter so
+    that two lonely islands do not retry in step).  Cut off means alone in the run (it restarted while none of them
+    answered, or the network split), or apart from islands of the committed roster whose records stopped
+    refreshing here: a partition healed, but each side's DHT lost the other side's nodes from its routing tables
+    and, having company of its own, would never look for them again.  Only addresses that answer are used (a dead
+    island's does not; while the partition lasts, the other side's do not either)."""
 
     def __init__(self, rejoin_after: float):
         self.first = rejoin_after
         self.since: float | None = None
         self.wait = rejoin_after
 
-    def due(self, membership: Membership | None, known: list[str]) -> list[str]:
-        """On rank 0: the addresses of ``known`` to reach now ([] if the island is not alone or it is not
-        yet time)."""
-        if membership is None or not known or membership.others():
+    def due(self, membership: Membership | None, known: list[str], committed: Collection[str] = ()) -> list[str]:
+        """On rank 0: the addresses of ``known`` to reach now ([] if the island is not cut off or it is not yet
+        time); ``committed``: the run's committed roster as this island holds it."""
+        others = membership.others() if membership is not None else []
+        heard = {m.island for m in others if not membership.silent(m)}
+        apart = {i for i in committed if i != getattr(membership, "island", "") and i not in heard}
+        wanted = known if not others else [k for k in known if k.rsplit("/p2p/", 1)[-1] in apart]
+        if membership is None or not wanted:
             self.since, self.wait = None, self.first
             return []
+        alone = "alone in the run" if not others else f"apart from {len(apart)} island(s) of the committed roster"
         now = time.monotonic()
         if self.since is None:
             self.since = now
-            log.warning("alone in the run although %d peer address(es) of other islands were live before; "
-                        "trying to reach them again in %.0f s", len(known), self.wait)
+            log.warning("%s although %d peer address(es) of them were live before; trying to reach them again in "
+                        "%.0f s", alone, len(wanted), self.wait)
         if now - self.since < self.wait:
             return []
-        self.since, self.wait = now, min(2 * self.wait, 10 * self.first) * random.uniform(0.8, 1.2)
-        answering = [k for k in known if listens(k)]
+        # alone, back off (a restart costs seconds); apart, look again as often (a look costs one connect
+        # timeout, the addresses tried at once): the run stays split until the look succeeds
+        self.since, self.wait = now, (self.first if others else min(2 * self.wait, 10 * self.first)) * \
+            random.uniform(0.8, 1.2)
+        with ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
+            answering = [k for k, ok in zip(wanted, pool.map(listens, wanted)) if ok]
         if not answering:
-            log.warning("still alone in the run: none of the %d known peer address(es) answers; trying again "
-                        "in %.0f s", len(known), self.wait)
+            log.warning("still %s: none of the %d known peer address(es) answers; trying again in %.0f s", alone,
+                        len(wanted), self.wait)
             return []
-        log.warning("still alone in the run: restarting the peer node through %d known peer address(es) that "
-                    "answer", len(answering))
+        log.warning("still %s: restarting the peer node through %d known peer address(es) that answer", alone,
+                    len(answering))
         return answering
 
 

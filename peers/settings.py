@@ -203,7 +203,9 @@ class PeerSettings(NetworkSettings, AveragerSettings):
     rejoin_after: float = 30.0
     """Seconds an island alone in the run, although it knew live islands (it restarted while none of them
     answered, or the network split), waits before it restarts its peer node through their addresses;
-    the wait doubles after each try, up to ten times this."""
+    the wait doubles after each try, up to ten times this.  Also how often an island apart from islands of its
+    committed roster (their records stopped refreshing: a partition, or its DHT half after one healed) looks
+    whether their addresses answer, and restarts its peer node through them once they do."""
     bucket_numel: int = 4_000_000
     """Elements per bucket of the pseudo-gradient (the unit one island rank averages with the other islands,
     each bucket over its own hivemind averager); must be the same on every island of a run."""

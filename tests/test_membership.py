@@ -130,7 +130,9 @@ def test_known_peers_keep_islands_that_are_restarting(tmp_path):
 
 def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answer(tmp_path, monkeypatch):
     """AloneWatch: nothing while other islands are live; once alone, wait ``rejoin_after``, then offer only
-    the remembered addresses that accept connections, and back off (doubling) when none does."""
+    the remembered addresses that accept connections, and back off (doubling) when none does.  With company,
+    it does the same for the islands of the committed roster whose records stopped refreshing (a healed
+    partition whose two DHT halves never look for each other again), and only for their addresses."""
     import socket
     from types import SimpleNamespace
 
@@ -143,11 +145,12 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
     closed.close()
     live = f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/QmA"
     dead = f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/QmB"
-    (tmp_path / KNOWN_PEERS).write_text(f"{dead}\n{live}\n")
+    company = f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/QmC"
+    (tmp_path / KNOWN_PEERS).write_text(f"{dead}\n{live}\n{company}\n")
     now = [100.0]
     monkeypatch.setattr(peer_setup.time, "monotonic", lambda: now[0])
-    others: list = ["someone"]
-    membership = SimpleNamespace(others=lambda: others)
+    others: list = [SimpleNamespace(island="QmA", beats=True)]
+    membership = SimpleNamespace(island="me", others=lambda: others, silent=lambda m: not m.beats)
     known = (tmp_path / KNOWN_PEERS).read_text().split()
     watch = AloneWatch(rejoin_after=3.0)
     try:
@@ -157,13 +160,25 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
         now[0] += 2.9
         assert watch.due(membership, known) == []
         now[0] += 0.2
-        assert watch.due(membership, known) == [live]  # the dead address is left out
+        assert watch.due(membership, known) == [live, company]  # the dead address is left out
         assert 2 * 3.0 * 0.8 <= watch.wait <= 2 * 3.0 * 1.2
+        # with company (QmC), apart from QmA of the committed roster, whose record stopped refreshing here
+        others[:] = [SimpleNamespace(island="QmC", beats=True), SimpleNamespace(island="QmA", beats=False)]
+        committed = ["me", "QmA", "QmC"]
+        assert watch.due(membership, known, ["me", "QmC"]) == [] and watch.since is None  # nothing apart
+        assert watch.due(membership, known, committed) == []  # the clock starts
+        now[0] += 3.1
+        assert watch.due(membership, known, committed) == [live]  # QmA's address only, not the company's
+        others[1].beats = True  # its refreshes reach us again
+        assert watch.due(membership, known, committed) == [] and watch.since is None
+        others.clear()
+        now[0] += 0.1
+        assert watch.due(membership, known) == []
         server.close()
-        now[0] += watch.wait + 0.1
+        now[0] += 3.1
         assert watch.due(membership, known) == []  # nothing answers: try again later, for longer
-        assert watch.wait <= 10 * 3.0 * 1.2 and watch.wait >= 2 * 2 * 3.0 * 0.8 * 0.8
-        others.append("back")
+        assert watch.wait <= 10 * 3.0 * 1.2 and watch.wait >= 2 * 3.0 * 0.8
+        others.append(SimpleNamespace(island="back", beats=True))
         assert watch.due(membership, known) == [] and watch.since is None and watch.wait == 3.0
     finally:
         server.close()
@@ -193,10 +208,10 @@ def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(two_regis
     assert wait_until(lambda: [m.outer_step for m in watcher.others()] == [4], 5.0)
     assert watcher.beating(watcher.others()[0])
     killed._stop.set()  # its heartbeat stops as a SIGKILL would stop it: no leave announced
-    assert watcher.furthest_step(beating_only=True) == 4
+    assert watcher.furthest(beating_only=True) == (0, 4)  # (rounds committed, outer step)
     assert wait_until(lambda: any(not watcher.beating(m) for m in watcher.others()), 10.0)
     # the step it announced no longer counts as the run's furthest for a catch-up (soak seed 7)
-    assert watcher.furthest_step() == 4 and watcher.furthest_step(beating_only=True) == -1
+    assert watcher.furthest() == (0, 4) and watcher.furthest(beating_only=True) == (-1, -1)
 
 
 def test_a_late_island_learns_that_the_run_ended(two_registries):

@@ -202,8 +202,8 @@ def test_membership_counts_islands_not_ranks():
     assert registry["A1"]["island"] == "A0" and registry["A1"]["rank"] == 1
     assert a0.live_count() == b.live_count() == 2
     assert [(m.peer_id, m.outer_step, m.averaging) for m in b.others()] == [("A0", 4, True)]
-    assert [m.peer_id for m in a1.others()] == ["B"] and a1.furthest_step() == 2
-    assert b.furthest_step() == 4 and b.averaging_round(4)
+    assert [m.peer_id for m in a1.others()] == ["B"] and a1.furthest() == (0, 2)
+    assert b.furthest() == (0, 4) and b.averaging_round(4)
     a1.leave()
     a0.leave()
     assert b.live_count() == 1 and b.others() == []
@@ -265,40 +265,50 @@ def test_a_run_that_ends_out_of_sync_says_so():
 
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     """The decisions of a catch-up (narrow unit test of the logic; the downloads are tested end to end
-    above): a state that a commit overtook during its download is downloaded again, never adopted."""
-    from diloco.engine.state_transfer import StateTransfer
+    above): a state that a commit overtook during its download is downloaded again, never adopted.  States are
+    compared by position, (rounds committed, outer step): here every round committed, so both are the step."""
+    from diloco.engine.state_transfer import NOWHERE, StateTransfer
 
-    run = SimpleNamespace(furthest=4, averaging={}, dead=0)  # outer step -> how many other islands average it
+    def at(step: int) -> tuple[int, int]:
+        return step, step
+
+    run = SimpleNamespace(furthest=at(4), averaging={}, dead=0)  # outer step -> how many other islands average it
     membership = SimpleNamespace(
-        furthest_step=lambda beating_only=False: run.furthest, averaging_round=lambda s: run.averaging.get(s, 0) > 0,
+        furthest=lambda beating_only=False: run.furthest, averaging_round=lambda s: run.averaging.get(s, 0) > 0,
         others=lambda: [SimpleNamespace(averaging=True, outer_step=s, alive=i >= run.dead)
                         for s, n in run.averaging.items() for i in range(n)],
         beating=lambda m: m.alive)
     from diloco.engine.metrics import RunStats
 
+    outer = SimpleNamespace(step_count=2)
     transfer = StateTransfer(SimpleNamespace(min_group_size=2), stats=RunStats(outer_step=2),
-                             peers=SimpleNamespace(membership=membership), rt=None, outer=None, params={},
+                             peers=SimpleNamespace(membership=membership), rt=None, outer=outer, params={},
                              exchange=SimpleNamespace(layout=None), schedule=None, forget_unsent=lambda: False,
                              fingerprint="")
     later = time.monotonic() + 60
-    assert transfer._verdict(3, 3, later, False) == "moving"  # round 4 committed while we downloaded step 3
-    assert transfer._verdict(4, 3, later, False) == "adopt"
+    assert transfer._verdict(at(3), at(3), later, False) == "moving"  # round 4 committed while we downloaded step 3
+    assert transfer._verdict(at(4), at(3), later, False) == "adopt"
     run.averaging = {4: 2}
-    assert transfer._verdict(4, 4, later, False) == "moving"  # the round of that state is in flight: wait for it
-    assert transfer._verdict(4, 3, later, False) == "adopt"  # ...but only for the round in flight when we looked
+    assert transfer._verdict(at(4), at(4), later, False) == "moving"  # the round of that state is in flight: wait
+    assert transfer._verdict(at(4), at(3), later, False) == "adopt"  # ...but only for the round in flight then
     run.averaging = {4: 1}  # a lone island averaging cannot commit without partners: take its state and join it
-    assert transfer._verdict(4, 4, later, False) == "adopt"
+    assert transfer._verdict(at(4), at(4), later, False) == "adopt"
     run.averaging, run.dead = {4: 2}, 1  # one of the two was killed mid-round: its record still says averaging
-    assert transfer._verdict(4, 4, later, False) == "adopt"
+    assert transfer._verdict(at(4), at(4), later, False) == "adopt"
     run.dead = 0
-    assert transfer._verdict(2, None, later, False) == "keep"  # not ahead of us
-    assert transfer._verdict(-1, None, later, False) == "unreachable"  # others are ahead: ask again
+    assert transfer._verdict(at(2), None, later, False) == "keep"  # not ahead of us
+    assert transfer._verdict(NOWHERE, None, later, False) == "unreachable"  # others are ahead: ask again
     # an island that left round 2 out waits for the others to finish it, then takes their result
-    run.furthest, run.averaging = 2, {2: 2}
-    assert transfer._verdict(2, None, later, True) == "moving"
-    run.furthest, run.averaging = 3, {}
-    assert transfer._verdict(3, 3, later, True) == "adopt"
-    assert transfer._verdict(3, 3, time.monotonic() - 1, False) == "adopt"  # past the deadline: the freshest
+    run.furthest, run.averaging = at(2), {2: 2}
+    assert transfer._verdict(at(2), None, later, True) == "moving"
+    run.furthest, run.averaging = at(3), {}
+    assert transfer._verdict(at(3), at(3), later, True) == "adopt"
+    assert transfer._verdict(at(3), at(3), time.monotonic() - 1, False) == "adopt"  # past the deadline: the freshest
+    # cut off from the run's majority, this island rolled back rounds 3 to 7 while the majority committed 3 to 5:
+    # the majority's state is ahead though its outer step is lower, and a state of as few rounds committed is not
+    transfer.stats.outer_step, run.furthest = 7, (5, 5)
+    assert transfer._verdict((5, 5), (5, 5), later, False) == "adopt"
+    assert transfer._verdict((2, 6), None, later, False) == "keep"
 
 
 def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round():

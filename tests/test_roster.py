@@ -35,16 +35,20 @@ def test_a_group_commits_only_with_a_majority_of_the_last_committed_roster():
     assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 4)
 
 
-def test_an_island_is_behind_once_half_the_run_moved_past_its_round():
-    """Whoever is past the round, the rest can no longer commit it: a healed minority catches up at once, and of
-    two equal sides the one whose numbering fell behind takes the other's; a round still open stays open."""
-    assert run_moved_past([3], 2)  # of 2 islands, the other moved on
-    assert not run_moved_past([2], 2) and not run_moved_past([], 2)  # nobody else, or at the same round
-    assert run_moved_past([5] * 5 + [2] * 2, 2)  # a healed 3 of 8 behind 5: catch up
-    assert not run_moved_past([2] * 2 + [5] * 5, 5) and not run_moved_past([5] * 4 + [2] * 3, 5)  # the 5 go on
-    assert run_moved_past([6] * 4 + [5] * 3, 5) and not run_moved_past([5] * 4 + [6] * 3, 6)  # 4/4, numbers apart
-    assert not run_moved_past([3, 2], 2)  # of 3 islands, 2 at the round can still hold a majority
-    assert not run_moved_past([3] * 3 + [2] * 4, 2)  # 3 of 8 past: the 5 left still can
+def test_an_island_is_behind_once_half_the_run_is_further_along():
+    """Positions are (rounds committed, outer step).  Once half the run is further along, the rest can no longer
+    commit the round: a healed minority catches up at once, even when its failed rounds numbered further, and of
+    two equal sides that committed nothing the one whose numbering fell behind takes the other's."""
+    assert run_moved_past([(3, 3)], (2, 2))  # of 2 islands, the other moved on
+    assert not run_moved_past([(2, 2)], (2, 2)) and not run_moved_past([], (2, 2))
+    # 5/3 healed: the 5 committed 3 rounds during the cut, the 3 rolled back 5 (numbering further)
+    assert run_moved_past([(5, 5)] * 5 + [(2, 7)] * 2, (2, 7))
+    assert not run_moved_past([(2, 7)] * 3 + [(5, 5)] * 4, (5, 5))  # the 5 go on
+    # 4/4 healed, nothing committed on either side, numbering 6 and 5: the side at 5 takes the other's
+    assert run_moved_past([(2, 6)] * 4 + [(2, 5)] * 3, (2, 5)) and not run_moved_past([(2, 5)] * 4 + [(2, 6)] * 3,
+                                                                                   (2, 6))
+    assert not run_moved_past([(3, 3), (2, 2)], (2, 2))  # of 3 islands, 2 at the round can still hold a majority
+    assert not run_moved_past([(3, 3)] * 3 + [(2, 2)] * 4, (2, 2))  # 3 of 8 past: the 5 left still can
 
 
 def test_two_groups_without_a_common_member_never_both_hold_a_majority():
@@ -200,3 +204,21 @@ def test_a_robust_rule_leaves_a_scaled_member_out_on_every_island_alike(averager
         assert torch.equal(averaged[0], out[0][1][0])
     expected = sum(honest) / 3
     assert (out[0][1][0] - expected).abs().max() < 1e-5
+
+
+def test_under_a_robust_rule_a_lie_about_tokens_buys_no_more_than_the_median_weight(averagers):
+    """Weighed by tokens under centered-clip, one member of four claims a million times the others' tokens with
+    a Δ of −4 × theirs (inside the member check's 10× the median norm).  Capped at 8× the median claim it would
+    hold 8/11 of the weight, a majority CenteredClip centres on; capped at the median, the honest three hold the
+    aggregate near their mean."""
+    avgs = averagers(4, aggregate="centered-clip", weighting="tokens", target_group_size=4, matchmaking_time=5.0)
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(4096, generator=g)
+    honest = [base + 0.1 * torch.randn(4096, generator=g) for _ in range(3)]
+    values = honest + [-4 * base]
+    results = _round(avgs, values, [100.0, 100.0, 100.0, 1e8], "0")
+    honest_mean = sum(honest) / 3
+    for result, averaged in results:
+        assert result.ok, result.reason
+        assert torch.equal(averaged[0], results[0][1][0])
+        assert (averaged[0] - honest_mean).norm() < 0.5 * honest_mean.norm()

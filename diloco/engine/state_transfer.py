@@ -29,6 +29,7 @@ from peers import (
     BucketExchange,
     Downloaded,
     PeerNode,
+    Position,
     as_float,
     download_state,
     fingerprint,
@@ -37,6 +38,8 @@ from peers import (
 )
 
 log = logging.getLogger("diloco")
+NOWHERE: Position = (-1, -1)
+"""The position of no state (none came, or it cannot be used)."""
 
 State = tuple[dict, list[torch.Tensor]]
 """(metadata, θ_global shards followed by the outer momentum shards, in the outer optimizer's order)."""
@@ -87,7 +90,8 @@ class StateTransfer:
         if not self.serving:
             return None
         averager = self.peers.averager
-        meta = {"outer_step": self.stats.outer_step, "config_fingerprint": self.fingerprint,
+        meta = {"outer_step": self.stats.outer_step, "committed_rounds": self.outer.step_count,
+                "config_fingerprint": self.fingerprint,
                 "layout_fingerprint": self.layout.fingerprint(), "phase": self.schedule.phase(),
                 "committed": averager.committed if averager is not None else [],
                 "strikes": averager.strikes if averager is not None else {}}
@@ -101,8 +105,15 @@ class StateTransfer:
             self.peers.membership.announce()
 
     def connected(self) -> None:
-        """After every (re)connection of the peer node: serve θ_global."""
+        """After every (re)connection of the peer node: serve θ_global, and announce with the outer step the rounds
+        its lineage committed (the island's position in the run)."""
+        if self.peers.membership is not None:
+            self.peers.membership.committed_rounds = lambda: self.outer.step_count
         self._serve(True)
+
+    def position(self) -> Position:
+        """How far along the run this island is (see :data:`peers.discovery.membership.Position`)."""
+        return self.outer.step_count, self.stats.outer_step
 
     def after_commit(self) -> None:
         """θ_global moved (served live: nothing to refresh)."""
@@ -160,7 +171,7 @@ class StateTransfer:
         """
         if not self.can_download():
             return False
-        if not self.main_decides(lambda: force_download or self.peers.membership.furthest_step() > self.stats.outer_step):
+        if not self.main_decides(lambda: force_download or self.peers.membership.furthest() > self.position()):
             return False
         a = self.a
         deadline = time.monotonic() + a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
@@ -169,11 +180,11 @@ class StateTransfer:
             self._serve(False)  # nobody should download the state we are replacing
         while True:
             state = self.download()
-            step = int(state[0].get("outer_step", 0)) if state is not None else -1
-            first = step if first is None and step > self.stats.outer_step else first
+            step = _position(state[0]) if state is not None else NOWHERE
+            first = step if first is None and step > self.position() else first
             verdict = self.main_decides(lambda: self._verdict(step, first, deadline, wait_for_round))
             if verdict == "keep":
-                if step < 0:
+                if step == NOWHERE:
                     log.info("no peer served its state; keeping ours (outer step %d)", self.stats.outer_step)
                 self._serve(True)
                 return False
@@ -190,23 +201,24 @@ class StateTransfer:
                  if self.schedule.by_steps_now() else "")
         return True
 
-    def _verdict(self, step: int, first: int | None, deadline: float, wait_for_round: bool) -> str:
-        """What to do with a state of outer step ``step`` (-1: none came), decided on rank 0 only:
+    def _verdict(self, step: Position, first: Position | None, deadline: float, wait_for_round: bool) -> str:
+        """What to do with a state at position ``step`` (:data:`NOWHERE`: none came), decided on rank 0 only:
         ``adopt`` it; ``keep`` ours; ask again because the peers are ``unreachable`` or ``moving``
         (a round committed while we downloaded, or the round that state belongs to is in flight)."""
+        here = self.position()
         if time.monotonic() > deadline:
-            return "adopt" if step > self.stats.outer_step else "keep"
-        furthest = self.peers.membership.furthest_step(beating_only=True)
-        if step < 0:
-            return "unreachable" if furthest > self.stats.outer_step or wait_for_round else "keep"
-        if step <= self.stats.outer_step:
+            return "adopt" if step > here else "keep"
+        furthest = self.peers.membership.furthest(beating_only=True)
+        if step == NOWHERE:
+            return "unreachable" if furthest > here or wait_for_round else "keep"
+        if step <= here:
             return "moving" if wait_for_round and self.peers.membership.averaging_round(self.stats.outer_step) else "keep"
         if furthest > step:
             return "moving"  # the run committed a round while we downloaded: the state is stale already
         # wait for the round in flight when we first looked (committed or failed), not for later ones, and
         # only if it can commit without us: a lone island averaging waits for partners, and we can be one;
         # an island killed while averaging still reads "averaging" until its record expires: count the live
-        averaging = sum(m.averaging and m.outer_step == step and self.peers.membership.beating(m)
+        averaging = sum(m.averaging and m.outer_step == step[1] and self.peers.membership.beating(m)
                         for m in self.peers.membership.others())
         return "moving" if step == first and averaging >= self.a.min_group_size else "adopt"
 
@@ -328,7 +340,7 @@ class StateTransfer:
         if foreign:
             raise TrainingError(foreign)
         steps = set(merged.values())
-        if len(merged) != len(self.layout.buckets) or len(steps) != 1 or min(steps) < 0:
+        if len(merged) != len(self.layout.buckets) or len(steps) != 1 or NOWHERE in steps:
             return None
         theta = self.exchange.scatter({b: d.theta for b, d in got.items()})
         momentum = self.exchange.scatter({b: d.momentum for b, d in got.items()})
@@ -337,8 +349,9 @@ class StateTransfer:
         # bucket saw none)
         served = [r for r in rosters if r is not None]
         roster, strikes = served[0] if served and all(r == served[0] for r in served) else ([], {})
-        meta = {"outer_step": steps.pop(), "config_fingerprint": self.fingerprint, "phase": phase,
-                "committed": roster, "strikes": strikes}
+        committed_rounds, outer_step = steps.pop()
+        meta = {"outer_step": outer_step, "committed_rounds": committed_rounds, "config_fingerprint": self.fingerprint,
+                "phase": phase, "committed": roster, "strikes": strikes}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
     def _donor(self) -> list[str]:
@@ -346,31 +359,31 @@ class StateTransfer:
         the highest outer step that serves; [] if none)."""
         membership = self.peers.membership
         live = [m for m in membership.others() if membership.beating(m) and m.serving]
-        for m in sorted(live, key=lambda m: (-m.outer_step, m.averaging, m.peer_id)):
+        for m in sorted(live, key=lambda m: (-m.committed, -m.outer_step, m.averaging, m.peer_id)):
             endpoints = membership.endpoints(m.peer_id)
             if endpoints:
                 return endpoints
         return []
 
-    def _check_bucket(self, b: int, piece: Downloaded, target: list[float] | None) -> tuple[int, str]:
-        """(outer step of a downloaded bucket, or -1 if unusable; a reason to stop, if any)."""
+    def _check_bucket(self, b: int, piece: Downloaded, target: list[float] | None) -> tuple[Position, str]:
+        """(the position of a downloaded bucket's state, or :data:`NOWHERE` if unusable; a reason to stop, if
+        any)."""
         meta = piece.meta
         if meta.get("config_fingerprint") != self.fingerprint:
-            return -1, (f"the run you joined uses a different model or outer-optimizer config (fingerprint "
+            return NOWHERE, (f"the run you joined uses a different model or outer-optimizer config (fingerprint "
                         f"{meta.get('config_fingerprint')} vs ours {self.fingerprint}); use the same --model.*, --seed "
                         f"and --diloco.outer_* settings as the other islands")
         if meta.get("layout_fingerprint") != self.layout.fingerprint():
-            return -1, ("the run you joined cuts the model into other buckets; use the same --averaging.bucket_numel "
+            return NOWHERE, ("the run you joined cuts the model into other buckets; use the same --averaging.bucket_numel "
                         "as the other islands")
         if not (all_finite(piece.theta) and all_finite(piece.momentum)):
-            return -1, ""
+            return NOWHERE, ""
         if target is not None:
             per_bucket = len(target) // len(self.layout.buckets)
             mine = fingerprint([piece.theta], per_bucket // STATS)
             if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
-                return -1, ""
-        step = as_float(meta.get("outer_step", -1))
-        return (int(step) if math.isfinite(step) else -1), ""
+                return NOWHERE, ""
+        return _position(meta), ""
 
     def adopt(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective) and
@@ -386,8 +399,7 @@ class StateTransfer:
             for t, m in zip(tensors[:n], self.outer.theta_global.values()):
                 m.copy_(t)
             self.outer.set_momentum_buffers(tensors[n:])
-            self.outer.step_count = int(meta.get("outer_step", 0))
-            self.stats.outer_step = int(meta.get("outer_step", 0))
+            self.outer.step_count, self.stats.outer_step = _position(meta)
         if self.peers.averager is not None:  # θ_global's lineage comes with it
             self.peers.averager.committed = list(meta.get("committed") or [])
             self.peers.averager.strikes = dict(meta.get("strikes") or {})
@@ -400,6 +412,15 @@ class StateTransfer:
             self.schedule.adopted(phase if phase >= 0 else None)
         if self.forget_unsent():  # what our codec dropped belongs to our own past, not to the adopted state
             log.info("error feedback reset: adopted another island's θ_global")
+
+
+def _position(meta: dict) -> Position:
+    """The position of a served state (:data:`NOWHERE` when its metadata names none: a peer's metadata is
+    untrusted); a donor that does not say how many rounds its lineage committed is taken at its outer step."""
+    step, committed = as_float(meta.get("outer_step", -1)), as_float(meta.get("committed_rounds", math.nan))
+    if not math.isfinite(step) or step < 0:
+        return NOWHERE
+    return (int(committed) if math.isfinite(committed) and committed >= 0 else int(step)), int(step)
 
 
 def _committed_state(served: list) -> bool:

@@ -6,7 +6,7 @@ registry before letting a peer join a group, send parts or download state.
 
 An island of several processes (tensor/pipeline parallel) registers every rank's peer id, each
 record naming its island (the peer id of the island's rank 0) and rank; the island-level queries
-(:meth:`Membership.others`, :meth:`~Membership.live_count`, :meth:`~Membership.furthest_step`) count
+(:meth:`Membership.others`, :meth:`~Membership.live_count`, :meth:`~Membership.furthest`) count
 distinct islands, not processes.
 """
 
@@ -23,6 +23,11 @@ from hivemind.utils import get_dht_time
 
 from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
 from peers.fingerprints import fingerprints_agree, majority_by_state
+
+Position = tuple[int, int]
+"""How far along the run an island is: (rounds its θ_global's lineage committed, its outer step), compared in that
+order.  Rounds that roll back advance the outer step alone, so an island cut off from the run's majority may number
+its rounds further than the majority while its θ_global is older: the rounds committed decide first."""
 
 LANE_PREFIX = "lane:"
 """What a rank that cannot be reached puts before its ``HOST:PORT`` (see :mod:`peers.wire.transport`)."""
@@ -88,6 +93,14 @@ class Member:
     """Where this peer's transport takes a round's bytes and requests for state (``host:port``)."""
     serving: bool = True
     """Whether the island serves its θ_global now (not while it replaces it with another island's)."""
+    committed: int = 0
+    """Rounds the lineage of its θ_global committed (its outer optimizer's steps): with ``outer_step``, its
+    :attr:`position` in the run."""
+
+    @property
+    def position(self) -> Position:
+        """How far along the run the island is (see :data:`Position`)."""
+        return self.committed, self.outer_step
 
     def reachable(self) -> bool:
         """Whether this live peer takes incoming connections: its transport endpoint is not a lane (see
@@ -111,14 +124,20 @@ class Snapshot:
     """Live islands (this one included)."""
 
 
-def run_moved_past(others: list[int], outer_step: int) -> bool:
-    """Whether an island at ``outer_step`` is behind the run, given the outer steps ``others`` that the other live
-    islands announced: at least half of the run's live islands (this one counted) are past it, so the islands left
-    can no longer hold a majority of the run in that round, and the run's θ_global (or its round numbering, when
-    rounds rolled back) is ahead of this island's.  After a partition heals, the side behind learns so within a
-    look instead of waiting out the matchmaking timeout, and catches up rather than forming a group of its own;
-    of two equal sides, the one whose numbering is behind takes the other's."""
-    return bool(others) and 2 * sum(step > outer_step for step in others) >= len(others) + 1
+def _count(value: Any) -> int:
+    """A count from a peer's record (anything else: 0; a peer's record is untrusted)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def run_moved_past(others: list[Position], mine: Position) -> bool:
+    """Whether an island at position ``mine`` is behind the run, given the positions ``others`` of the other live
+    islands: at least half of the run's live islands (this one counted) are ahead of it, so the islands left can
+    no longer hold a majority of the run in its round, and the run's θ_global is ahead of this island's (more
+    rounds committed) or its round numbering is (as many committed, more rolled back).  After a partition heals,
+    the side that could not commit learns so within a look, instead of waiting out the matchmaking timeout, and
+    catches up rather than forming a group of its own, even when its rounds that failed numbered further; of two
+    sides that both committed nothing, the one whose numbering is behind takes the other's."""
+    return bool(others) and 2 * sum(other > mine for other in others) >= len(others) + 1
 
 
 class Membership:
@@ -152,13 +171,17 @@ class Membership:
         self._gone: dict[str, float] = {}  # island id -> its record's expiry when its address refused us
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._steps: list[int] | None = None  # the other live islands' outer steps, read in the background
+        self.committed_rounds: Callable[[], int] = lambda: 0
+        """Rounds the lineage of this island's θ_global committed (its outer optimizer's steps), announced with the
+        outer step: the island's :data:`Position`.  The island sets it once it holds an outer optimizer."""
+        self._steps: list[Position] | None = None  # the other live islands' positions, read in the background
         self._steps_wanted = 0.0
         self._steps_lock = threading.Lock()
         self._steps_thread: threading.Thread | None = None
 
     def _value(self, **extra: object) -> dict:
-        value: dict = {"outer_step": self.outer_step, "averaging": self.averaging, "left": False}
+        value: dict = {"outer_step": self.outer_step, "committed": self.committed_rounds(), "averaging": self.averaging,
+                       "left": False}
         if self.island != self.peer_id or self.rank:
             value.update(island=self.island, rank=self.rank)
         if self.maddrs:
@@ -241,7 +264,8 @@ class Membership:
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
                                   value.get("state"), value.get("final"),
                                   float(getattr(item, "expiration_time", 0.0) or 0.0),
-                                  str(value.get("endpoint", "")), bool(value.get("serving", True)))
+                                  str(value.get("endpoint", "")), bool(value.get("serving", True)),
+                                  _count(value.get("committed")))
         return out
 
     def islands(self, strict: bool = False) -> dict[str, Member]:
@@ -258,11 +282,12 @@ class Membership:
             seen = out.get(island)
             if seen is None:
                 out[island] = seen = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
-                                            expires=m.expires, serving=m.serving)
+                                            expires=m.expires, serving=m.serving, committed=m.committed)
             else:
                 if m.outer_step > seen.outer_step or (m.outer_step == seen.outer_step and seen.state is None):
                     seen.state = m.state
                 seen.outer_step = max(seen.outer_step, m.outer_step)
+                seen.committed = max(seen.committed, m.committed)
                 seen.averaging = seen.averaging or m.averaging
                 seen.expires = max(seen.expires, m.expires)
                 seen.serving = seen.serving and m.serving
@@ -328,11 +353,16 @@ class Membership:
         until the ttl runs out."""
         return m.expires - get_dht_time() > self.ttl - self.period - min(2.0, self.period / 2)
 
-    def furthest_step(self, beating_only: bool = False) -> int:
-        """The highest outer step announced by another live island (-1 if none); ``beating_only``: among
-        those still beating (a killed island's record, at a step nobody else reached, lives on until the
+    def silent(self, m: Member) -> bool:
+        """Whether ``m`` missed two heartbeats: unlike a record merely late (a loaded machine, a slow DHT), one
+        whose refreshes no longer reach this island's DHT (the island died, or a partition keeps them away)."""
+        return m.expires - get_dht_time() < self.ttl - 2 * self.period - min(2.0, self.period / 2)
+
+    def furthest(self, beating_only: bool = False) -> Position:
+        """The furthest :data:`Position` announced by another live island ((-1, -1) if none); ``beating_only``:
+        among those still beating (a killed island's record, at a step nobody else reached, lives on until the
         ttl runs out, and nobody can serve that step)."""
-        return max((m.outer_step for m in self.others() if not beating_only or self.beating(m)), default=-1)
+        return max((m.position for m in self.others() if not beating_only or self.beating(m)), default=(-1, -1))
 
     def averaging_round(self, outer_step: int) -> bool:
         """True if another live island announced it is averaging round ``outer_step`` right now."""
@@ -402,10 +432,10 @@ class Membership:
         return max(steps) if steps else None
 
     def moved_past(self, outer_step: int) -> bool:
-        """Whether the run moved past round ``outer_step`` (see :func:`run_moved_past`), from the outer steps the
-        other live islands announced.  Answers from the registry as a background look-up read it (about once a
+        """Whether the run moved past this island's round ``outer_step`` (see :func:`run_moved_past`), from the
+        positions the other live islands announced.  Answers from the registry as a background look-up read it (about once a
         second while asked), so a slow DHT never blocks the caller."""
-        return run_moved_past(self._looked() or [], outer_step)
+        return run_moved_past(self._looked() or [], (self.committed_rounds(), outer_step))
 
     def company(self) -> int:
         """How many other islands are live and not gone: registered, and their rank 0's address (when it takes
@@ -419,8 +449,8 @@ class Membership:
             return len(self.others())
         return len(steps)
 
-    def _looked(self) -> list[int] | None:
-        """The outer steps of the other live islands that are not gone, as the background look-up last read
+    def _looked(self) -> list[Position] | None:
+        """The positions of the other live islands that are not gone, as the background look-up last read
         them (None before its first look), and keep it looking for 5 s more."""
         with self._steps_lock:
             self._steps_wanted = time.monotonic()
@@ -443,7 +473,7 @@ class Membership:
                             log.info("island %s is gone: nothing listens at its address %s", m.peer_id[-8:],
                                      m.endpoint)
                             self._gone[m.peer_id] = m.expires
-                steps = [m.outer_step for m in others if not self._is_gone(m)]
+                steps = [m.position for m in others if not self._is_gone(m)]
                 with self._steps_lock:
                     self._steps = steps
             self._stop.wait(1.0)

@@ -105,7 +105,15 @@ TOKEN_CAP = 8.0
 """Under ``--averaging.weighting tokens``: a member counts with at most this many times the group's median claim of
 tokens.  Islands of unequal speed under a budget of time train unequal tokens (6× apart in tests/test_round_budget.py),
 so the cap is generous: it stops a claim of 1e30 from owning the average, not a liar from weighing 8 islands; a run
-among strangers weighs members equally (``weighting equal``, what ``auto`` gives rounds by steps)."""
+among strangers weighs members equally (``weighting equal``, what ``auto`` gives rounds by steps).  Under a robust
+rule the cap is :data:`ROBUST_TOKEN_CAP` instead."""
+ROBUST_TOKEN_CAP = 1.0
+"""Under a robust ``--averaging.aggregate`` and ``weighting tokens``: a member counts with at most the group's median
+claim.  The clipped rules bound a member's pull by its share of the weights (``peers.aggregation``): at 8× the
+median, one liar of four holds 8/11 of them, a weighted majority that CenteredClip centres on (measured by
+``diloco experiment hostile``: a claim with a flipped Δ raised the honest islands' loss 25×).  At the median,
+no member counts more than the median member; honest islands that trained more tokens than the median count as if
+they trained the median."""
 MOVED_PAST_POLL = 1.0
 """Seconds between two looks at whether the other islands moved past the round being matched."""
 
@@ -346,14 +354,16 @@ class VerifiedAverager(MissedGroups):
 
     def _weighed(self, meta: dict[str, dict], result: RoundResult) -> dict[str, dict]:
         """The members' metadata with the weight each counts with in the exchange: 1 each (``weighting equal``),
-        or the tokens each declared, capped at :data:`TOKEN_CAP` × the group's median claim (``tokens``; ``auto``:
+        or the tokens each declared, capped at :data:`TOKEN_CAP` × the group's median claim (:data:`ROBUST_TOKEN_CAP`
+        × under a robust rule) (``tokens``; ``auto``:
         tokens when the members send Δ per million tokens, their metadata's ``per_tokens``); the
         group's token count, capped so, goes to ``result.total_weight`` (what scales a Δ sent per million tokens
         back).  A declared weight is a claim nobody can check: uncapped, a member declaring 1e30 owned the
         average."""
         declared = {p: as_float(m.get("weight")) for p, m in meta.items()}
         claims = [w for w in declared.values() if math.isfinite(w) and w > 0]
-        cap = TOKEN_CAP * low_median(claims) if claims else 1.0
+        cap = (TOKEN_CAP if self.settings.aggregate == "mean" else ROBUST_TOKEN_CAP) * low_median(claims) if claims \
+            else 1.0
         tokens = bound_weights(declared, "tokens", cap)
         result.total_weight = float(sum(tokens.values()))
         mode = self.settings.weighting
