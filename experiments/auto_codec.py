@@ -26,7 +26,7 @@ from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
 from experiments.islands import CompareError, launch_islands, variant
-from experiments.nat import round_records
+from experiments.nat import round_records, round_records_so_far
 from experiments.report import markdown_table, save_results
 
 DEFAULTS: dict[str, Any] = {
@@ -45,7 +45,7 @@ def change_rate_after(network: netns.EmulatedNetwork, run_dir: Path, changes: li
     for each ``(rounds, rate)`` of ``changes`` in turn."""
     def watch() -> None:
         for rounds, rate in changes:
-            while sum(bool(r.get("round_ok")) for r in _records(run_dir / "island0")) < rounds:
+            while sum(bool(r.get("round_ok")) for r in round_records_so_far(run_dir / "island0")) < rounds:
                 if done.wait(0.2):
                     return
             network.set_rate(rate)
@@ -54,13 +54,6 @@ def change_rate_after(network: netns.EmulatedNetwork, run_dir: Path, changes: li
     thread = threading.Thread(target=watch, name="link-rate", daemon=True)
     thread.start()
     return thread
-
-
-def _records(island: Path) -> list[dict[str, Any]]:
-    try:
-        return round_records(island)
-    except (OSError, ValueError):  # not written yet, or a line half written
-        return []
 
 
 def utilization(records: list[dict[str, Any]]) -> float:

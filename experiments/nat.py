@@ -55,6 +55,15 @@ def round_records(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir) if "round_ok" in r]
 
 
+def round_records_so_far(run_dir: Path) -> list[dict[str, Any]]:
+    """:func:`round_records` of an island still running: none while its file is not written yet, or a line of it
+    is half written."""
+    try:
+        return round_records(run_dir)
+    except (OSError, ValueError):
+        return []
+
+
 def round_seconds(rounds: list[list[dict[str, Any]]]) -> list[float]:
     """Each committed round's time as the last island to arrive sees it (the smallest ``allreduce_seconds`` of
     its islands: the others' also count their wait for it), in round order; ``rounds``: each island's records."""

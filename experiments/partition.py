@@ -42,7 +42,7 @@ from diloco.launch.simulate import SimulationError
 from diloco.model import checkpoint
 from experiments import netns
 from experiments.islands import CompareError, launch_islands, variant
-from experiments.nat import round_records
+from experiments.nat import round_records_so_far
 from experiments.report import markdown_table, save_results
 from experiments.soak import log_lines
 from outer_optim import checksum
@@ -85,13 +85,6 @@ class Cut:
         return max(self.sides, key=len)
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        return round_records(run_dir)
-    except (OSError, ValueError):  # not written yet, or a line half written
-        return []
-
-
 def _last_step(records: list[dict[str, Any]]) -> int:
     return max((int(r["outer_step"]) for r in records), default=0)
 
@@ -119,7 +112,7 @@ def cut_and_heal(network: netns.EmulatedNetwork, run_dirs: list[Path], cut: Cut,
     ``cut.split_at`` or a later one (so that the run holds a committed roster), and heals it when :func:`heal_reason`
     says so (filling in ``cut``'s times)."""
     def committed(d: Path) -> int:
-        return max((int(r["outer_step"]) for r in _records(d) if r["round_ok"]), default=0)
+        return max((int(r["outer_step"]) for r in round_records_so_far(d) if r["round_ok"]), default=0)
 
     def watch() -> None:
         while min(committed(d) for d in run_dirs) < cut.split_at:
@@ -127,15 +120,15 @@ def cut_and_heal(network: netns.EmulatedNetwork, run_dirs: list[Path], cut: Cut,
                 return
         network.partition(cut.sides)
         cut.split_time = time.time()
-        cut.steps_at_split = [_last_step(_records(d)) for d in run_dirs]
+        cut.steps_at_split = [_last_step(round_records_so_far(d)) for d in run_dirs]
         print(f"   network cut: islands {cut.sides[0]} | {cut.sides[1]} (rounds recorded: {cut.steps_at_split})",
               flush=True)
-        while not (reason := heal_reason(cut, [_records(d) for d in run_dirs], time.time())):
+        while not (reason := heal_reason(cut, [round_records_so_far(d) for d in run_dirs], time.time())):
             if done.wait(0.5):
                 return
         network.heal()
         cut.heal_time, cut.healed_because = time.time(), reason
-        cut.steps_at_heal = [_last_step(_records(d)) for d in run_dirs]
+        cut.steps_at_heal = [_last_step(round_records_so_far(d)) for d in run_dirs]
         print(f"   network healed after {cut.heal_time - cut.split_time:.0f} s: {reason} (rounds recorded: "
               f"{cut.steps_at_heal})", flush=True)
 
@@ -340,7 +333,7 @@ def write_report(out: Path, cut: Cut, t0: float, wall: float, failure: str, comm
     run_dirs = sorted((out / "runs").glob("island*"), key=lambda d: int(d.name.removeprefix("island")))
     summaries = [json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
                  for d in run_dirs]
-    records = [_records(d) for d in run_dirs]
+    records = [round_records_so_far(d) for d in run_dirs]
     thetas = [theta_by_round(d) for d in run_dirs]
     rows = island_rows(cut, records, thetas, summaries)
     logged = [logged_during(d / "train.log", cut.split_time, cut.heal_time or time.time(), t0)
