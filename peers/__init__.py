@@ -45,7 +45,7 @@ _EXPORTS = {  # name -> the module that defines it (a module itself where the na
     "IslandRanks": "peers.island.ranks", "AGGREGATES": "peers.aggregation", "WEIGHTINGS": "peers.aggregation",
     "is_secret": "peers.settings", "obtain_run_key": "peers.discovery.run_key", "peer_id_of": "peers.discovery.dht",
     "mute_shutdown_noise": "peers.discovery.dht", "wait_until": "peers.discovery.membership",
-    "Position": "peers.discovery.membership",
+    "Position": "peers.discovery.membership", "confirmed_position": "peers.discovery.membership",
     # errors that end an island's start with one line
     "PeerNetworkError": "peers.errors", "PortTakenError": "peers.errors", "RunKeyError": "peers.errors",
     # what the trainer hands over and reads back

@@ -311,6 +311,26 @@ def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():
     assert transfer._verdict((2, 6), None, later, False) == "keep"
 
 
+def test_a_catch_up_downloads_from_an_island_at_the_runs_position_not_from_one_that_claims_more():
+    """A member that announces a position nobody else holds is not the donor: θ_global comes from an island at the
+    furthest position at least half the run reached (narrow unit test of the choice)."""
+    from diloco.engine.state_transfer import StateTransfer
+
+    def member(pid: str, position: tuple[int, int]) -> SimpleNamespace:
+        return SimpleNamespace(peer_id=pid, committed=position[0], outer_step=position[1], position=position,
+                               averaging=False, serving=True)
+
+    others = [member("liar", (10**9, 10**9)), member("b", (5, 5)), member("c", (5, 5)), member("d", (4, 4))]
+    membership = SimpleNamespace(others=lambda: others, beating=lambda m: True,
+                                 endpoints=lambda pid: [f"{pid}:1"])
+    transfer = StateTransfer(SimpleNamespace(), stats=None, peers=SimpleNamespace(membership=membership), rt=None,
+                             outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
+                             forget_unsent=lambda: False, fingerprint="")
+    assert transfer._donor() == ["b:1"]
+    others[1:3] = [member("b", (10**9, 10**9)), member("c", (10**9, 10**9))]  # now a majority is there: it counts
+    assert transfer._donor() == ["b:1"]
+
+
 def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round():
     """Rank 1 of island A has not stored its new record yet: it still shows round 2 and the state it entered
     round 2 with.  Island A is entering round 3 with rank 0's state, whatever order the DHT lists them in (a

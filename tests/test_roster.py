@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peers.discovery.dht import start_dht, visible_maddrs
-from peers.discovery.membership import run_moved_past
+from peers.discovery.membership import confirmed_position, run_moved_past
 from peers.group.averager import VerifiedAverager
 from peers.group.roster import GENESIS, leader_order, lineage, quorum_problem, split_groups
 from peers.settings import AveragerSettings, NetworkSettings, Scope
@@ -49,6 +49,16 @@ def test_an_island_is_behind_once_half_the_run_is_further_along():
                                                                                    (2, 6))
     assert not run_moved_past([(3, 3), (2, 2)], (2, 2))  # of 3 islands, 2 at the round can still hold a majority
     assert not run_moved_past([(3, 3)] * 3 + [(2, 2)] * 4, (2, 2))  # 3 of 8 past: the 5 left still can
+
+
+def test_a_position_counts_once_half_the_run_reached_it():
+    """One island announcing a position nobody else holds draws no catch-up, whatever it claims; what the run
+    reached (a majority of it) does."""
+    assert confirmed_position([]) == (-1, -1)
+    assert confirmed_position([(9, 9)]) == (9, 9)  # of 2 islands, the other is half the run
+    assert confirmed_position([(10**9, 10**9), (5, 5)]) == (5, 5)  # of 3, a liar alone counts for nothing
+    assert confirmed_position([(10**9, 10**9)] + [(5, 5)] * 4 + [(4, 4)] * 2) == (5, 5)
+    assert confirmed_position([(6, 6)] * 3 + [(5, 5)] * 4) == (5, 5)  # 3 of 8 at round 6: not yet the run's
 
 
 def test_two_groups_without_a_common_member_never_both_hold_a_majority():

@@ -31,6 +31,7 @@ from peers import (
     PeerNode,
     Position,
     as_float,
+    confirmed_position,
     download_state,
     fingerprint,
     fingerprints_agree,
@@ -355,11 +356,13 @@ class StateTransfer:
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
     def _donor(self) -> list[str]:
-        """On rank 0: the transport endpoints of the ranks of the island to download from (the live island at
-        the highest outer step that serves; [] if none)."""
+        """On rank 0: the transport endpoints of the ranks of the island to download from ([] if none): of the
+        live islands that serve, one at the furthest position the run confirms, not beyond it (an island announcing
+        a position no majority holds would serve its own θ_global)."""
         membership = self.peers.membership
         live = [m for m in membership.others() if membership.beating(m) and m.serving]
-        for m in sorted(live, key=lambda m: (-m.committed, -m.outer_step, m.averaging, m.peer_id)):
+        floor = confirmed_position([m.position for m in live])
+        for m in sorted((m for m in live if m.position >= floor), key=lambda m: (m.position, m.averaging, m.peer_id)):
             endpoints = membership.endpoints(m.peer_id)
             if endpoints:
                 return endpoints

@@ -129,15 +129,26 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+def confirmed_position(others: list[Position]) -> Position:
+    """The furthest position that at least half of the run's live islands reached, given the positions ``others``
+    of the other live islands (this island counted among those not there; (-1, -1) if none is live).  One island
+    alone cannot move it: a member that announces a position it does not hold (the registry takes any record from
+    a holder of the run key) draws no catch-up, while a position the run really reached always has a majority
+    behind it (a round commits only for one)."""
+    need = (len(others) + 2) // 2  # the fewest islands that are at least half of len(others) + 1
+    ranked = sorted(others, reverse=True)
+    return ranked[need - 1] if others else (-1, -1)
+
+
 def run_moved_past(others: list[Position], mine: Position) -> bool:
     """Whether an island at position ``mine`` is behind the run, given the positions ``others`` of the other live
-    islands: at least half of the run's live islands (this one counted) are ahead of it, so the islands left can
-    no longer hold a majority of the run in its round, and the run's θ_global is ahead of this island's (more
-    rounds committed) or its round numbering is (as many committed, more rolled back).  After a partition heals,
-    the side that could not commit learns so within a look, instead of waiting out the matchmaking timeout, and
-    catches up rather than forming a group of its own, even when its rounds that failed numbered further; of two
-    sides that both committed nothing, the one whose numbering is behind takes the other's."""
-    return bool(others) and 2 * sum(other > mine for other in others) >= len(others) + 1
+    islands: at least half of the run's live islands (this one counted) are ahead of it (:func:`confirmed_position`),
+    so the islands left can no longer hold a majority of the run in its round, and the run's θ_global is ahead of
+    this island's (more rounds committed) or its round numbering is (as many committed, more rolled back).  After a
+    partition heals, the side that could not commit learns so within a look, instead of waiting out the matchmaking
+    timeout, and catches up rather than forming a group of its own, even when its rounds that failed numbered
+    further; of two sides that both committed nothing, the one whose numbering is behind takes the other's."""
+    return confirmed_position(others) > mine
 
 
 class Membership:
@@ -359,10 +370,10 @@ class Membership:
         return m.expires - get_dht_time() < self.ttl - 2 * self.period - min(2.0, self.period / 2)
 
     def furthest(self, beating_only: bool = False) -> Position:
-        """The furthest :data:`Position` announced by another live island ((-1, -1) if none); ``beating_only``:
-        among those still beating (a killed island's record, at a step nobody else reached, lives on until the
-        ttl runs out, and nobody can serve that step)."""
-        return max((m.position for m in self.others() if not beating_only or self.beating(m)), default=(-1, -1))
+        """The furthest :data:`Position` the run confirms (:func:`confirmed_position`) from the other live islands'
+        records ((-1, -1) if none); ``beating_only``: among those still beating (a killed island's record, at a
+        step nobody else reached, lives on until the ttl runs out, and nobody can serve that step)."""
+        return confirmed_position([m.position for m in self.others() if not beating_only or self.beating(m)])
 
     def averaging_round(self, outer_step: int) -> bool:
         """True if another live island announced it is averaging round ``outer_step`` right now."""
