@@ -249,10 +249,13 @@ class PeerNode:
             announce_join(self.name, self.dht, a, self.run_key, reachable=self.transport.reachable,
                           round_port=self.transport.port)
 
-    def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any]) -> None:
-        """Collective: an island cut off from live islands it knew (alone, or apart from islands of its committed
-        roster) restarts its peer node through their addresses, from time to time (see :class:`AloneWatch`)."""
-        committed = self.averager.committed if self.averager is not None else []
+    def rejoin_if_alone(self, main_decides: Callable[[Callable[[], Any]], Any], stuck: bool = False) -> None:
+        """Collective: an island cut off from live islands it knew restarts its peer node through their addresses,
+        from time to time (see :class:`AloneWatch`): alone, or, while its rounds keep failing (``stuck``), apart
+        from islands of its committed roster.  Only a stuck island looks for the missing part of the run: one
+        whose rounds commit has its majority, and on a loaded machine records can fall silent for a while without
+        any split (restarting then would only make it worse)."""
+        committed = self.averager.committed if self.averager is not None and stuck else []
         known = main_decides(lambda: self.alone.due(self.membership, remembered(self.run_dir, KNOWN_PEERS).split(),
                                                     committed))
         if known:

@@ -185,6 +185,8 @@ class RunStats:
     eval_loss_start: float = float("nan")
     eval_loss_end: float = float("nan")
     failures: list[str] = field(default_factory=list)
+    failed_in_a_row: int = 0
+    """Rounds failed since the last one this island committed (caught-up rounds leave it as it is)."""
     behind: bool = False
     """The other islands averaged this island's latest round without it (it was late for their group)
     and it has not taken their θ_global since: a run that ends so may end out of sync."""
@@ -194,8 +196,10 @@ class RunStats:
         took and those it kept the island from training."""
         if m.ok:
             self.rounds_ok += 1
+            self.failed_in_a_row = 0
         else:
             self.rounds_failed += 1
+            self.failed_in_a_row += 1
             self.failures.append(f"round {m.rnd + 1}: {m.failure}")
         self.comm_seconds += m.result.seconds
         self.stall_seconds += m.stall_seconds

@@ -14,6 +14,10 @@ from diloco.engine.round.record import RoundMetrics
 from diloco.engine.round.transaction import RoundTransaction, Settled
 from diloco.engine.state_transfer import Adoption
 
+STUCK_AFTER = 2
+"""Rounds failed in a row after which an island apart from part of its committed roster looks for it (see
+:meth:`peers.node.PeerNode.rejoin_if_alone`)."""
+
 
 class OuterRounds:
     """The island's outer rounds: sends them when due, holds the one in flight, applies it as a transaction.
@@ -64,7 +68,7 @@ class OuterRounds:
         t0 = time.perf_counter()
         ctx, s, sched = self.ctx, self.stats, self.schedule
         # hivemind starts its averager from the main thread only: a lonely island's new peer node starts here
-        ctx.peers.rejoin_if_alone(ctx.transfer.main_decides)
+        ctx.peers.rejoin_if_alone(ctx.transfer.main_decides, stuck=s.failed_in_a_row >= STUCK_AFTER)
         fragment = sched.fragment_of(s.outer_step)
         weight = float(s.tokens - sched.tokens_at_sync[fragment])
         scale = sched.send_scale(weight)
