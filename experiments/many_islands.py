@@ -65,7 +65,10 @@ def timeouts_for(n: int, cores: int) -> dict[str, float]:
     of their own) plus what waiting for a core adds.  A step that takes an island 1 s alone takes about
     ``n / cores`` s when every island wants a core at once, and so does each message it answers."""
     load = max(1.0, n / max(cores, 1))
-    return {"averaging.startup_timeout": 20 + 2 * load, "averaging.matchmaking_timeout": 60 + 10 * load,
+    # the grace a round's leader gives the islands still coming once a majority joined: starved islands reach a
+    # round up to a few steps' time apart, and one left out spends its next round catching up (more CPU)
+    return {"averaging.matchmaking_time": 5 + load, "averaging.startup_timeout": 20 + 2 * load,
+            "averaging.matchmaking_timeout": 60 + 10 * load,
             "averaging.allreduce_timeout": 120 + 8 * load, "averaging.next_chunk_timeout": 30 + 2 * load,
             "averaging.vote_timeout": 15 + 2 * load, "averaging.state_download_timeout": 60 + 4 * load}
 
