@@ -205,15 +205,34 @@ def read_islands(results_dir: Path) -> tuple[list[dict[str, Any]], Path]:
                                f"islands` there ({e})") from None
     if not results:
         raise CalibrationError(f"--islands-results {results_dir}: its results.json holds no count yet")
-    config = results_dir / "runs" / f"islands-{results[0]['islands']}" / "island0" / "config.toml"
-    if not config.is_file():
-        raise CalibrationError(f"--islands-results {results_dir}: {config} is missing (the runs' configs are "
-                               f"read for their settings)")
-    return results, config
+    for r in results:
+        if not count_config(results_dir, r["islands"]).is_file():
+            raise CalibrationError(f"--islands-results {results_dir}: {count_config(results_dir, r['islands'])} is "
+                                   f"missing (each count's config is read for its settings)")
+    return results, count_config(results_dir, results[0]["islands"])
 
 
 class CalibrationError(ValueError):
     """Something the calibration cannot use, in one sentence."""
+
+
+def run_settings(config_file: Path) -> list[Figure]:
+    """The figures a run's ``config.toml`` sets: H, rounds, the leader's grace, the group size, the record ttl."""
+    from diloco.config import loader as config_load
+
+    cfg = config_load.load(str(config_file))
+    where = f"{config_file.parent.parent.name}/island0/config.toml"
+    return [Figure("inner_steps", cfg.diloco.inner_steps, f"--diloco.inner_steps, {where}"),
+            Figure("rounds", cfg.diloco.outer_steps, f"--diloco.outer_steps, {where}"),
+            Figure("matchmaking_time", cfg.averaging.matchmaking_time, f"--averaging.matchmaking_time, {where}"),
+            Figure("group_size", cfg.averaging.max_group_size,
+                   f"--averaging.max_group_size (above it, two levels), {where}"),
+            Figure("record_ttl", cfg.averaging.member_ttl, f"--averaging.member_ttl, {where}")]
+
+
+def count_config(results_dir: Path, n: int) -> Path:
+    """The ``config.toml`` of island 0 of the count of ``n`` islands (each count has timeouts of its own)."""
+    return results_dir / "runs" / f"islands-{n}" / "island0" / "config.toml"
 
 
 def calibrate(config_file: Path, counts: list[dict[str, Any]], alone: list[RoundCpu], pair: list[RoundCpu],
@@ -223,18 +242,9 @@ def calibrate(config_file: Path, counts: list[dict[str, Any]], alone: list[Round
     over hivemind).  Nothing here reads a round time."""
     from diloco.config import loader as config_load
 
-    cfg = config_load.load(str(config_file))
-    h = cfg.diloco.inner_steps
-    where = f"the runs' config.toml ({config_file.parent.parent.parent.name}/…/config.toml)"
-    figures = [
-        Figure("inner_steps", h, f"--diloco.inner_steps, {where}"),
-        Figure("rounds", cfg.diloco.outer_steps, "--diloco.outer_steps, same file"),
-        Figure("matchmaking_time", cfg.averaging.matchmaking_time, "--averaging.matchmaking_time, same file"),
-        Figure("group_size", cfg.averaging.max_group_size, "--averaging.max_group_size (above it, two levels), same "
-                                                           "file"),
-        Figure("record_ttl", cfg.averaging.member_ttl, "--averaging.member_ttl, same file"),
-        Figure("cores", float(cores), "os.cpu_count() of this machine: every island shares them"),
-    ]
+    h = config_load.load(str(config_file)).diloco.inner_steps
+    figures = run_settings(config_file) + [
+        Figure("cores", float(cores), "os.cpu_count() of this machine: every island shares them")]
     per_island = [r["payload_bytes_per_island_round"] / (2 * (1 - 1 / r["islands"])) for r in counts
                   if r.get("payload_bytes_per_island_round")]
     figures.append(Figure("payload_mb", statistics.median(per_island) / 1e6,
@@ -276,26 +286,28 @@ def calibrate(config_file: Path, counts: list[dict[str, Any]], alone: list[Round
 
 # ---- prediction against measurement -------------------------------------------------------------------------
 
-HEADERS = ["islands", "round s measured (median)", "round s predicted (median)", "predicted ÷ measured",
+HEADERS = ["islands", "matchmaking_time s", "round s measured (median)", "round s predicted (median)", "predicted ÷ measured",
            "round s measured (p90)", "round s predicted (p90)", "outside compute s measured (median)",
            "outside compute s predicted (median)", "predicted ÷ measured", "group s measured (median)",
            "CPU s / island-round: machine (measured)", "CPU s / island-round: model"]
 
 
-def compare(figures: list[Figure], counts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def compare(figures: list[Figure], counts: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
     """The roster rounds simulated at each measured count with ``figures``, side by side with the measurement.
 
     Round times on both sides: seconds between the ends of consecutive rounds as the last island sees them (the
     simulation's span from its start to the first round's end is left out, as the measurement has none).  CPU
     per island-round: the machine's busy CPU seconds while the count ran (every process on it, the islands'
-    start included) ÷ island-rounds, against the CPU the model asks for (its jobs and its background)."""
-    s = Settings(**{f.key: f.value for f in figures})
+    start included) ÷ island-rounds, against the CPU the model asks for (its jobs and its background).  Each
+    count's own settings (its ``config.toml``: the leader's grace grows with the islands) replace ``figures``'."""
+    from experiments.scale_sim import Sim
+
     rows = []
     for r in counts:
         n = r["islands"]
-        from experiments.scale_sim import Sim
-
-        sim = Sim(dataclasses.replace(s, islands=[n], schemes=["roster"]), n, "roster")
+        given = {f.key: f.value for f in figures + run_settings(count_config(results_dir, n))}
+        s = Settings(**{**given, "islands": [n], "schemes": ["roster"]})
+        sim = Sim(s, n, "roster")
         got = sim.run()
         spans = got.round_seconds[1:]
         model_cpu = (sum(sim.cpu.work.values()) + s.background_cpu * n * sim.loop.now) / max(got.island_rounds, 1)
@@ -310,12 +322,13 @@ def compare(figures: list[Figure], counts: list[dict[str, Any]]) -> list[dict[st
             "committed_measured": r["rounds_committed"], "committed_predicted": got.committed,
             "cpu_measured": busy / max(r.get("island_rounds", 0), 1), "cpu_predicted": model_cpu,
             "cpu_busy": r.get("cpu_busy"), "wall_seconds": r.get("wall_seconds"),
+            "matchmaking_time": s.matchmaking_time,
         })
     return rows
 
 
 def table_row(c: dict[str, Any]) -> list[Any]:
-    return [c["islands"], f"{c['round_measured']:.2f}", f"{c['round_predicted']:.2f}",
+    return [c["islands"], f"{c['matchmaking_time']:g}", f"{c['round_measured']:.2f}", f"{c['round_predicted']:.2f}",
             f"{c['round_predicted'] / c['round_measured']:.2f}", f"{c['round_measured_p90']:.2f}",
             f"{c['round_predicted_p90']:.2f}", f"{c['idle_measured']:.2f}", f"{c['idle_predicted']:.2f}",
             f"{c['idle_predicted'] / c['idle_measured']:.2f}", f"{c['group_measured']:.2f}",
@@ -334,6 +347,8 @@ def markdown(rows: list[dict[str, Any]], figures: list[Figure], command: str, so
              "- round s: seconds between the ends of consecutive rounds, as the last island sees them; outside "
              "compute: per island and round, seconds not spent on its own inner steps (measured: the islands' "
              "stall_seconds); group: seconds forming the round's group (measured only)",
+             "- matchmaking_time: the count's own (its config.toml); the table of figures below shows the first "
+             "count's run settings",
              "- CPU s / island-round: the machine's busy CPU seconds while the count ran (cores busy × cores × "
              "wall, every program on the machine and the islands' start included) ÷ island-rounds; the model: the "
              "CPU its islands ask for (steps, messages, bytes, round overhead, background)",
@@ -397,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     except CalibrationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = compare(figures, counts)
+    rows = compare(figures, counts, args.islands_results)
     command = " ".join(["python -m experiments.calibrate_sim", *argv])
     print(markdown_table(HEADERS, [table_row(c) for c in rows]))
     print(figures_table(figures))
