@@ -293,11 +293,14 @@ class Cpu:
         self._next_id = 0
         self._last = 0.0
         self._version = 0
+        self.work: dict[int, float] = {}
+        """CPU seconds asked for, per island: what calibration counts the model's messages with."""
 
     def run(self, isl: Island, work: float, fn: Callable[..., None], *args: Any, server: bool = False) -> None:
         """Run ``work`` CPU seconds for ``isl``, then ``fn(*args)`` unless the island died (or, unless ``server``,
         abandoned what it was doing) meanwhile."""
         guard = (isl, isl.life, None if server else isl.epoch)
+        self.work[isl.id] = self.work.get(isl.id, 0.0) + max(work, 0.0)
         if self.cores <= 0 or work <= 0:
             self.loop.at(self.loop.now + max(work, 0.0), self._fire, guard, fn, args)
             return

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
 
 @dataclass(frozen=True)
 class ProcStat:
@@ -24,6 +26,8 @@ class ProcStat:
     pgid: int
     start_time: str
     """Clock ticks after boot when the process started: with the pid, names one process for good."""
+    cpu_seconds: float = 0.0
+    """CPU time it used so far, user and system (its own threads, not its children's)."""
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -36,7 +40,8 @@ def read_stat(pid: int) -> ProcStat | None:
     # the name may hold spaces and parentheses: it ends at the last ')'
     fields = stat[stat.rindex(")") + 2:].split()
     return ProcStat(pid=pid, name=stat[stat.index("(") + 1:stat.rindex(")")], state=fields[0],
-                    parent=int(fields[1]), pgid=int(fields[2]), start_time=fields[19])
+                    parent=int(fields[1]), pgid=int(fields[2]), start_time=fields[19],
+                    cpu_seconds=(int(fields[11]) + int(fields[12])) / _TICKS)
 
 
 def process_table() -> dict[int, ProcStat]:
