@@ -25,7 +25,7 @@ from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
-from experiments.islands import CompareError, launch_islands, variant
+from experiments.islands import CompareError, launch_islands, require_emulation, variant
 from experiments.nat import round_records, round_records_so_far
 from experiments.report import markdown_table, save_results
 
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems += e.problems
         if problems:
             raise ConfigError(problems)
-        ok, why = netns.available()
-        if not ok:
-            raise CompareError(f"auto-codec needs emulated links: {why}")
+        require_emulation("auto-codec")
         writable_folder(args.out)
         rows = []
         for codec in codecs:

@@ -17,6 +17,16 @@ class CompareError(RuntimeError):
     """A run of the comparison failed; the message points at its log."""
 
 
+def require_emulation(what: str) -> None:
+    """Raise :class:`CompareError` saying that ``what`` needs emulated links or hosts, and why this machine cannot
+    give them (not root, no ``ip`` or ``tc``)."""
+    from experiments import netns
+
+    ok, why = netns.available()
+    if not ok:
+        raise CompareError(f"{what} needs emulated links: {why}")
+
+
 # ------------------------------------------------------------------------------------ island launcher
 
 

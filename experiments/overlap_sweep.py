@@ -27,7 +27,7 @@ from diloco.config import loader as config_load
 from diloco.engine.metrics import read_metrics
 from experiments.compare import ARMS
 from experiments.compare_results import diloco_result
-from experiments.islands import CompareError, launch_islands, variant
+from experiments.islands import CompareError, launch_islands, require_emulation, variant
 from experiments.report import format_bytes, json_safe, markdown_table
 
 MODES: dict[str, dict[str, Any]] = {"blocking": {}, **ARMS}
@@ -53,9 +53,7 @@ def sweep(cfg: Config, rates: list[str], modes: list[str], islands: int, out: Pa
     """Run every mode at every rate; write the table, JSON and plot; return ``results.md``."""
     from experiments import netns
 
-    ok, why = netns.available()
-    if not ok:
-        raise CompareError(f"the overlap sweep needs emulated links: {why}")
+    require_emulation("the overlap sweep")
     rows: list[dict[str, Any]] = []
     for rate in rates:
         network = netns.EmulatedNetwork(islands, rate=rate)

@@ -41,7 +41,7 @@ from diloco.files import writable_folder
 from diloco.launch.simulate import SimulationError
 from diloco.model import checkpoint
 from experiments import netns
-from experiments.islands import CompareError, launch_islands, variant
+from experiments.islands import CompareError, launch_islands, require_emulation, variant
 from experiments.nat import round_records_so_far
 from experiments.report import markdown_table, save_results
 from experiments.soak import log_lines
@@ -402,9 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--rate: {e}")
         if problems:
             raise ConfigError(problems)
-        ok, why = netns.available()
-        if not ok:
-            raise CompareError(f"partition needs emulated hosts: {why}")
+        require_emulation("partition")
         writable_folder(args.out)
         command = " ".join(["sudo python -m experiments partition", *(sys.argv[1:] if argv is None else argv)])
         return run(cfg, args.islands, args.split, args.split_at, args.heal_after, args.heal_timeout, args.rate,

@@ -24,7 +24,7 @@ from diloco.files import writable_folder
 from diloco.config import Config, ConfigError
 from diloco.config import loader as config_load
 from experiments import netns
-from experiments.islands import CompareError, launch_islands, variant
+from experiments.islands import CompareError, launch_islands, require_emulation, variant
 from experiments.nat import round_records, round_seconds
 from experiments.plan import Inputs, Link, Model, Servers, make_plan, predict
 from experiments.report import markdown_table, save_results
@@ -119,9 +119,7 @@ def measure_sync(cfg: Config, network: netns.EmulatedNetwork, run_dir: Path) -> 
 
 
 def check(cfg: Config, rates: list[str], out: Path) -> Path:
-    ok, why = netns.available()
-    if not ok:
-        raise CompareError(f"the plan check needs emulated links: {why}")
+    require_emulation("the plan check")
     profile = calibrate(cfg, out)
     model = _model(cfg)
     rows: list[dict[str, Any]] = []
