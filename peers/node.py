@@ -509,8 +509,9 @@ class AloneWatch:
     their addresses: after ``rejoin_after`` seconds, then at doubling intervals (up to ten times that, with jitter so
     that two lonely islands do not retry in step).  Cut off means alone in the run (it restarted while none of them
     answered, or the network split), or apart from islands of the committed roster whose records stopped
-    refreshing here: a partition healed, but each side's DHT lost the other side's nodes from its routing tables
-    and, having company of its own, would never look for them again.  Only addresses that answer are used (a dead
+    refreshing here, at least half of it (the side of a partition without a majority): a partition healed, but each
+    side's DHT lost the other side's nodes from its routing tables and, having company of its own, would never look
+    for them again.  Only addresses that answer are used (a dead
     island's does not; while the partition lasts, the other side's do not either)."""
 
     def __init__(self, rejoin_after: float):
@@ -524,6 +525,10 @@ class AloneWatch:
         others = membership.others() if membership is not None else []
         heard = {m.island for m in others if not membership.silent(m)}
         apart = {i for i in committed if i != getattr(membership, "island", "") and i not in heard}
+        # only cut off from at least half of the roster (the side without a majority): a restart leaves the
+        # island's address refusing connections for a moment, and the others then count it out of their quorum
+        if 2 * len(apart) < len(committed):
+            apart = set()
         wanted = known if not others else [k for k in known if k.rsplit("/p2p/", 1)[-1] in apart]
         if membership is None or not wanted:
             self.since, self.wait = None, self.first

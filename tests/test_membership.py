@@ -164,11 +164,13 @@ def test_an_island_alone_restarts_its_peer_node_through_the_addresses_that_answe
         assert 2 * 3.0 * 0.8 <= watch.wait <= 2 * 3.0 * 1.2
         # with company (QmC), apart from QmA of the committed roster, whose record stopped refreshing here
         others[:] = [SimpleNamespace(island="QmC", beats=True), SimpleNamespace(island="QmA", beats=False)]
-        committed = ["me", "QmA", "QmC"]
         assert watch.due(membership, known, ["me", "QmC"]) == [] and watch.since is None  # nothing apart
+        # apart from less than half of the roster (QmA of me, QmA, QmC): this side holds the majority
+        assert watch.due(membership, known, ["me", "QmA", "QmC"]) == [] and watch.since is None
+        committed = ["me", "QmA", "QmB", "QmC"]  # apart from QmA (silent) and QmB (not registered): half of it
         assert watch.due(membership, known, committed) == []  # the clock starts
         now[0] += 3.1
-        assert watch.due(membership, known, committed) == [live]  # QmA's address only, not the company's
+        assert watch.due(membership, known, committed) == [live]  # QmA's (QmB's is dead), not the company's
         others[1].beats = True  # its refreshes reach us again
         assert watch.due(membership, known, committed) == [] and watch.since is None
         others.clear()
