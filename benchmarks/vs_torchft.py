@@ -150,6 +150,7 @@ def ours_replicas(run_dir: Path, inner_steps: int) -> list[dict[str, Any]]:
                            "committed": bool(r["round_ok"])})
         summary = json.loads((island / "summary.json").read_text())
         out.append({"rounds": rounds, "theta_checksum": summary["theta_checksum"],
+                    "loop_seconds": summary["wall_seconds"],
                     "step_tokens_per_s": [[(s - 1) // inner_steps + 1, r["tokens_per_second"]]
                                           for s, r in sorted(steps.items())]})
     return out
@@ -158,7 +159,7 @@ def ours_replicas(run_dir: Path, inner_steps: int) -> list[dict[str, Any]]:
 def torchft_replica(raw: dict[str, Any]) -> dict[str, Any]:
     """A torchft replica's ``replica{i}.json`` in the shape :func:`summarize` reads."""
     h = raw["inner_steps"]
-    return {"rounds": raw["rounds"], "theta_checksum": raw["theta_checksum"],
+    return {"rounds": raw["rounds"], "theta_checksum": raw["theta_checksum"], "loop_seconds": raw["wall_seconds"],
             "step_tokens_per_s": [[s // h + 1, raw["tokens_per_step"] / seconds]
                                   for s, seconds in enumerate(raw["step_seconds"])]}
 
@@ -167,7 +168,8 @@ def torchft_replica(raw: dict[str, Any]) -> dict[str, Any]:
 def summarize(replicas: list[dict[str, Any]], first_round: int = 2) -> dict[str, Any]:
     """The figures of one side from its replicas, over rounds ``first_round`` on: the median hold of every
     replica's rounds; per round, the replica that arrived last, and the median of its hold and of each part of its
-    round; each replica's median inner-step tokens/s; the rounds committed; θ_global's checksums."""
+    round; each replica's median inner-step tokens/s; the slower replica's training loop; the rounds committed;
+    θ_global's checksums."""
     rounds: dict[int, list[dict[str, Any]]] = {}
     for rep in replicas:
         for r in rep["rounds"]:
@@ -183,6 +185,7 @@ def summarize(replicas: list[dict[str, Any]], first_round: int = 2) -> dict[str,
             "last": {p: statistics.median(r[p] for r in last) for p in parts},
             "tokens_per_s": [statistics.median(t for k, t in rep["step_tokens_per_s"] if k >= first_round)
                              for rep in replicas],
+            "loop_seconds": max(rep["loop_seconds"] for rep in replicas),
             "rounds": len(rounds), "committed": sum(r["committed"] for rs in rounds.values() for r in rs),
             "theta_checksums": [rep["theta_checksum"] for rep in replicas]}
 
@@ -207,10 +210,12 @@ def table(size: str, params: int, cases: dict[str, dict[str, Any]]) -> list[str]
     row("the all-reduce / exchange (last to arrive)", lambda c: c["summary"]["last"]["exchange"])
     row("membership / matchmaking (last to arrive)", lambda c: c["summary"]["last"]["membership"])
     row("the commit vote (last to arrive)", lambda c: c["summary"]["last"]["vote"])
+    speed = {n: statistics.mean(cases[n]["summary"]["tokens_per_s"]) for n in names}
     lines.append("| inner-step tokens/s per replica | "
                  + " | ".join(" / ".join(f"{t:,.0f}" for t in cases[n]["summary"]["tokens_per_s"]) for n in names)
-                 + " | " + " | ".join(f"{statistics.mean(cases[n]['summary']['tokens_per_s']) / statistics.mean(ref['summary']['tokens_per_s']):.2f}×"
-                                      for n in ours) + " |")
+                 + " | " + " | ".join(f"{speed[n] / speed['torchft']:.2f}×" for n in ours) + " |")
+    row("training loop, the slower replica (first evaluation to last)", lambda c: c["summary"]["loop_seconds"],
+        "{:.0f} s")
     row("whole run (launch to exit)", lambda c: c["wall_seconds"], "{:.0f} s")
     lines.append("| rounds committed (of both replicas) | "
                  + " | ".join(f"{cases[n]['summary']['committed']}/{2 * cases[n]['summary']['rounds']}" for n in names)

@@ -11,7 +11,7 @@ from benchmarks.vs_torchft import VENV_COMMAND, main, same_theta, summarize, tab
 def _replica(arrived: list[float], held: list[float], tokens: list[tuple[int, float]], theta: str = "t") -> dict:
     return {"rounds": [{"round": k + 1, "arrived": a, "held": h, "membership": h / 4, "exchange": h / 2,
                         "vote": 0.01, "committed": True} for k, (a, h) in enumerate(zip(arrived, held))],
-            "step_tokens_per_s": [list(t) for t in tokens], "theta_checksum": theta}
+            "step_tokens_per_s": [list(t) for t in tokens], "theta_checksum": theta, "loop_seconds": 5.0}
 
 
 def test_the_last_to_arrive_is_chosen_per_round_and_the_first_round_is_left_out():
