@@ -67,9 +67,11 @@ def config_items(size: str, rounds: int, inner_steps: int, batch: int, seq_len: 
     return [x for k, v in items.items() for x in (f"--{k}", str(v))]
 
 
-def timed(cmd: list[str], log: Path, env: dict[str, str], timeout: float, what: str) -> float:
-    """Run ``cmd`` to its end with its output in ``log``; its wall seconds (raises :class:`BenchError` if it fails)."""
+def timed(cmd: list[str], log: Path, env: dict[str, str], timeout: float, what: str) -> dict[str, Any]:
+    """Run ``cmd`` to its end with its output in ``log``; its wall seconds and the machine's 1-minute load average
+    when it started and ended (raises :class:`BenchError` if it fails)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(shlex.join(cmd) + "\n")
@@ -83,7 +85,7 @@ def timed(cmd: list[str], log: Path, env: dict[str, str], timeout: float, what: 
             raise BenchError(f"{what} ran past {timeout:.0f} s and was stopped; see {log}") from None
     if code:
         raise BenchError(f"{what} exited with status {code}; see {log}")
-    return time.perf_counter() - t0
+    return {"wall_seconds": time.perf_counter() - t0, "load": [load, os.getloadavg()[0]]}
 
 
 def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, timeout: float) -> dict[str, Any]:
@@ -94,7 +96,7 @@ def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, ti
            "--logging.run_dir", str(run_dir), "--averaging.run_id", f"vs-torchft-{run_dir.name}"]
     log = run_dir.parent / f"{run_dir.name}.log"
     try:
-        wall = timed(cmd, log, env, timeout, f"ours ({overlap})")
+        ran = timed(cmd, log, env, timeout, f"ours ({overlap})")
     except BenchError:
         # an island binds its transport on the port after its DHT's, which another process of this shared
         # machine may have taken meanwhile: that failure says nothing of the round, so the case runs once more
@@ -102,8 +104,8 @@ def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, ti
             raise
         print(f"ours ({overlap}): a port was taken by another process; running the case again", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)
-        wall = timed(cmd, log, env, timeout, f"ours ({overlap})")
-    return {"replicas": ours_replicas(run_dir, inner_steps), "wall_seconds": wall}
+        ran = timed(cmd, log, env, timeout, f"ours ({overlap})")
+    return {"replicas": ours_replicas(run_dir, inner_steps), **ran}
 
 
 def run_torchft(python: str, items: list[str], out: Path, timeout: float) -> dict[str, Any]:
@@ -111,9 +113,9 @@ def run_torchft(python: str, items: list[str], out: Path, timeout: float) -> dic
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [python, str(REPO / "benchmarks" / "torchft_worker.py"), "run", "--replicas", "2", "--out", str(out),
            "--", *items]
-    wall = timed(cmd, out.parent / f"{out.name}.log", env, timeout, "torchft")
+    ran = timed(cmd, out.parent / f"{out.name}.log", env, timeout, "torchft")
     return {"replicas": [torchft_replica(json.loads((out / f"replica{i}.json").read_text())) for i in range(2)],
-            "wall_seconds": wall}
+            **ran}
 
 
 def torchft_ready(python: str) -> bool:
@@ -217,6 +219,9 @@ def table(size: str, params: int, cases: dict[str, dict[str, Any]]) -> list[str]
     row("training loop, the slower replica (first evaluation to last)", lambda c: c["summary"]["loop_seconds"],
         "{:.0f} s")
     row("whole run (launch to exit)", lambda c: c["wall_seconds"], "{:.0f} s")
+    lines.append("| the machine's load average (1 min) at start / end | "
+                 + " | ".join(" / ".join(f"{x:.1f}" for x in cases[n]["load"]) for n in names) + " |"
+                 + " |" * len(ours))
     lines.append("| rounds committed (of both replicas) | "
                  + " | ".join(f"{cases[n]['summary']['committed']}/{2 * cases[n]['summary']['rounds']}" for n in names)
                  + " |" + " |" * len(ours))
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
               "parameters' restore and save. Ours: `membership` is `group_seconds`, `exchange` `exchange_seconds`, "
               "`vote` `vote_seconds`, `averaging_other` the rest of `allreduce_seconds` (fingerprints, encoding, "
               "encryption, decoding, the sum), `outside_averaging` `stall_seconds` less `allreduce_seconds` "
-              "(pseudo-gradient, outer step, write-back; negative when the round overlaps training).\n")
+              "(pseudo-gradient, outer step, write-back; negative when the round overlaps training). A `delayed` run "
+              "ends on another θ_global than blocking DiLoCo's by design: each round's average lands a round later.\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "results.md").write_text("\n".join(md))
     plot(results, args.out / "held_per_round.png")
