@@ -68,16 +68,19 @@ class RoundClock:
         self.marks: dict[str, float] = {}
         self.rounds: list[dict[str, Any]] = []
         self.arrived = 0.0
+        self.returned: dict[str, Any] = {}
 
     def wrap(self, obj: Any, name: str, start: str | None, end: str | None, first_only: bool = False) -> None:
-        """Replace ``obj.name`` by a call that notes the time it started at (``start``) and ended at (``end``)."""
+        """Replace ``obj.name`` by a call that notes the time it started at (``start``; with ``first_only``, the
+        first such call of the step) and ended at (``end``), and keeps what it returned (:attr:`returned`)."""
         inner: Callable[..., Any] = getattr(obj, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if start and not (first_only and start in self.marks):
                 self.marks[start] = time.perf_counter()
             try:
-                return inner(*args, **kwargs)
+                self.returned[name] = inner(*args, **kwargs)
+                return self.returned[name]
             finally:
                 if end:
                     self.marks[end] = time.perf_counter()
@@ -96,10 +99,8 @@ class RoundClock:
         parts = {"membership": m["quorum_end"] - m["quorum"], "pseudo_grad": m["exchange"] - m["quorum_end"],
                  "exchange": m["exchange_end"] - m["exchange"], "vote": m["vote_end"] - m["vote"]}
         self.rounds.append({"round": len(self.rounds) + 1, "arrived": self.arrived, "held": held, **parts,
-                            "rest": held - sum(parts.values()), "committed": bool(self.committed)})
+                            "rest": held - sum(parts.values()), "committed": bool(self.returned["should_commit"])})
         self.marks = {}
-
-    committed: bool = False
 
 
 def worker(replica: int, replicas: int, lighthouse: str, out: Path, items: list[str]) -> int:
@@ -136,13 +137,6 @@ def worker(replica: int, replicas: int, lighthouse: str, out: Path, items: list[
     clock = RoundClock()
     clock.wrap(manager, "start_quorum", "quorum", "quorum_end")
     clock.wrap(manager, "allreduce", "exchange", None, first_only=True)
-    should_commit = manager.should_commit
-
-    def vote(*args: Any, **kwargs: Any) -> bool:
-        clock.committed = should_commit(*args, **kwargs)
-        return clock.committed
-
-    manager.should_commit = vote
     clock.wrap(manager, "should_commit", "vote", "vote_end")
     steps: list[float] = []
     tokens_per_step = cfg.inner.batch_size * cfg.inner.grad_accum * cfg.model.seq_len

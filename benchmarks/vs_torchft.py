@@ -8,7 +8,8 @@ Both sides: 2 replicas of 1 process each on loopback, gloo (torchft) and our pee
 thread per process; the same Llama model (our ``diloco.model``, same parameter names, shapes and initial values from
 the seed), the same token batches (our default data, ``stdlib``: replica i reads data shard i of 2, with the same
 seed), the same inner step (our trainer core: AdamW and its schedule, clipping), Nesterov outer lr 0.7 momentum 0.9,
-H = 20, batch 4, seq 128.  Sizes are ``benchmarks/averaging_scale.py``'s (9m: 9.1M parameters, 40m: 40.0M).
+H = 20, batch 4, seq 128.  Sizes are ``benchmarks/averaging_scale.py``'s (9m: 9.05M parameters, 40m: 39.99M; the named
+presets of ``diloco config show`` jump from ``small``, 0.9M, to ``150m``).
 Ours runs as a user runs it, ``diloco simulate --islands 2`` (default ``--diloco.overlap none``, then ``delayed``);
 torchft runs in its own virtual environment (never a dependency of diloco) through ``benchmarks/torchft_worker.py``,
 on our trainer core, so that the two differ in their sync alone.  Create that environment once with::
