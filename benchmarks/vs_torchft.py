@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -69,10 +70,12 @@ def config_items(size: str, rounds: int, inner_steps: int, batch: int, seq_len: 
 
 
 def timed(cmd: list[str], log: Path, env: dict[str, str], timeout: float, what: str) -> dict[str, Any]:
-    """Run ``cmd`` to its end with its output in ``log``; its wall seconds and the machine's 1-minute load average
-    when it started and ended (raises :class:`BenchError` if it fails)."""
+    """Run ``cmd`` to its end with its output in ``log``; its wall seconds, the CPU seconds of every process it
+    started and reaped (a cost a machine shared with other work does not inflate as much as the wall seconds), and
+    the machine's 1-minute load average when it started and ended (raises :class:`BenchError` if it fails)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
+    cpu = _children_cpu_seconds()
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write(shlex.join(cmd) + "\n")
@@ -86,7 +89,13 @@ def timed(cmd: list[str], log: Path, env: dict[str, str], timeout: float, what: 
             raise BenchError(f"{what} ran past {timeout:.0f} s and was stopped; see {log}") from None
     if code:
         raise BenchError(f"{what} exited with status {code}; see {log}")
-    return {"wall_seconds": time.perf_counter() - t0, "load": [load, os.getloadavg()[0]]}
+    return {"wall_seconds": time.perf_counter() - t0, "cpu_seconds": _children_cpu_seconds() - cpu,
+            "load": [load, os.getloadavg()[0]]}
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, timeout: float) -> dict[str, Any]:
@@ -220,6 +229,7 @@ def table(size: str, params: int, cases: dict[str, dict[str, Any]]) -> list[str]
     row("training loop, the slower replica (first evaluation to last)", lambda c: c["summary"]["loop_seconds"],
         "{:.0f} s")
     row("whole run (launch to exit)", lambda c: c["wall_seconds"], "{:.0f} s")
+    row("CPU seconds of the whole run (every process)", lambda c: c["cpu_seconds"], "{:.0f} s")
     lines.append("| the machine's load average (1 min) at start / end | "
                  + " | ".join(" / ".join(f"{x:.1f}" for x in cases[n]["load"]) for n in names) + " |"
                  + " |" * len(ours))

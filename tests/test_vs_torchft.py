@@ -31,7 +31,8 @@ def test_the_table_divides_ours_by_torchfts_and_compares_theta():
     ref = _replica([0.0, 1.0], [1.0, 0.2], [(2, 100.0)], theta="x")
     ours = _replica([0.0, 1.0], [1.0, 0.4], [(2, 50.0)], theta="x")
     other = _replica([0.0, 1.0], [1.0, 0.4], [(2, 50.0)], theta="y")
-    cases = {name: {"summary": summarize([r, r]), "wall_seconds": wall, "load": [1.0, 2.0]}
+    cases = {name: {"summary": summarize([r, r]), "wall_seconds": wall, "cpu_seconds": 2 * wall,
+                    "load": [1.0, 2.0]}
              for name, r, wall in (("torchft", ref, 10.0), ("ours", ours, 15.0), ("ours delayed", other, 20.0))}
     rows = "\n".join(table("9m", 9_000_000, cases))
     assert "| training held by the round | 0.200 s | 0.400 s | 0.400 s | 2.00× | 2.00× |" in rows
