@@ -10,7 +10,8 @@ the seed), the same token batches (our default data, ``stdlib``: replica i reads
 seed), the same inner step (our trainer core: AdamW and its schedule, clipping), Nesterov outer lr 0.7 momentum 0.9,
 H = 20, batch 4, seq 128.  Sizes are ``benchmarks/averaging_scale.py``'s (9m: 9.05M parameters, 40m: 39.99M; the named
 presets of ``diloco config show`` jump from ``small``, 0.9M, to ``150m``).
-Ours runs as a user runs it, ``diloco simulate --islands 2`` (default ``--diloco.overlap none``, then ``delayed``);
+Ours runs as a user runs it, ``diloco simulate --islands 2`` (default ``--diloco.overlap none``, then ``delayed``),
+each island started cold as ``diloco train`` starts on a server (``DILOCO_WARM_ISLANDS=0``);
 torchft runs in its own virtual environment (never a dependency of diloco) through ``benchmarks/torchft_worker.py``,
 on our trainer core, so that the two differ in their sync alone.  Create that environment once with::
 
@@ -49,8 +50,15 @@ from benchmarks.averaging_scale import SIZES  # noqa: E402
 
 TORCHFT_PYTHON = "/work/venvs/torchft/bin/python"
 VENV_COMMAND = "python3 -m venv /work/venvs/torchft && /work/venvs/torchft/bin/pip install torch==2.13.0 torchft numpy"
-PARTS = ("membership", "exchange", "vote")
-"""The parts of a round both sides measure under the same names (the rest differ: see :func:`ours_replicas`)."""
+PARTS_NOTE = (
+    "Parts: torchft's `membership` is `start_quorum`, `pseudo_grad` the pseudo-gradient before its first all-reduce, "
+    "`exchange` its all-reduces, `vote` `should_commit`, `rest` the outer step and the parameters' restore and save. "
+    "Ours: `membership` is `group_seconds`, `exchange` `exchange_seconds`, `vote` `vote_seconds`, `averaging_other` "
+    "the rest of `allreduce_seconds` (fingerprints, encoding, encryption, decoding, the sum), `outside_averaging` "
+    "`stall_seconds` less `allreduce_seconds` (the run's position and θ_global's fingerprint checked with the other "
+    "islands, the pseudo-gradient, the outer step, the write-back; negative when the round overlaps training). A "
+    "`delayed` run ends on another θ_global than blocking DiLoCo's by design: each round's average lands a round "
+    "later.\n")
 
 
 class BenchError(RuntimeError):
@@ -100,8 +108,10 @@ def _children_cpu_seconds() -> float:
 
 def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, timeout: float) -> dict[str, Any]:
     """``diloco simulate --islands 2`` with ``overlap``; its replicas (:func:`ours_replicas`) and wall seconds."""
+    # every island starts cold, as ``diloco train`` on a server and as torchft's workers do (simulate would fork
+    # them from one warm interpreter, whose imports they would share)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "DILOCO_WARM_ISLANDS": "0"}
     cmd = [sys.executable, "-m", "diloco.cli", "simulate", "--islands", "2", *items, "--diloco.overlap", overlap,
            "--logging.run_dir", str(run_dir), "--averaging.run_id", f"vs-torchft-{run_dir.name}"]
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -139,10 +149,8 @@ def torchft_ready(python: str) -> bool:
 def ours_replicas(run_dir: Path, inner_steps: int) -> list[dict[str, Any]]:
     """Each island's rounds and steps from its ``metrics.jsonl``, in the shape :func:`summarize` reads.  A round's
     arrival is the time of the loss record of its last inner step (written just before the round is sent); its
-    parts beyond :data:`PARTS`: the averaging's other work (``allreduce_seconds`` less group, exchange and vote:
-    fingerprints, encoding, encryption, decoding, the sum) and what the training thread did outside the averaging
-    (``stall_seconds`` less ``allreduce_seconds``: the pseudo-gradient, the outer step, the write-back; negative
-    when rounds overlap training)."""
+    parts beyond membership, exchange and vote: the averaging's other work and what the training thread did outside
+    the averaging (:data:`PARTS_NOTE`)."""
     from diloco.engine.metrics import read_metrics
 
     out = []
@@ -338,21 +346,19 @@ def main(argv: list[str] | None = None) -> int:
             rows = table(size, params, cases)
             print("\n".join(rows) + "\n", flush=True)
             md += ["\n".join(rows), "", "\n".join(breakdown(size, cases)), ""]
+            write(results, md, args.out)  # after each size: a run cut short keeps the sizes it measured
     except BenchError as e:
         print(e, file=sys.stderr)
         return 1
-    md.append("Parts: torchft's `membership` is `start_quorum`, `pseudo_grad` the pseudo-gradient before its first "
-              "all-reduce, `exchange` its all-reduces, `vote` `should_commit`, `rest` the outer step and the "
-              "parameters' restore and save. Ours: `membership` is `group_seconds`, `exchange` `exchange_seconds`, "
-              "`vote` `vote_seconds`, `averaging_other` the rest of `allreduce_seconds` (fingerprints, encoding, "
-              "encryption, decoding, the sum), `outside_averaging` `stall_seconds` less `allreduce_seconds` "
-              "(pseudo-gradient, outer step, write-back; negative when the round overlaps training). A `delayed` run "
-              "ends on another θ_global than blocking DiLoCo's by design: each round's average lands a round later.\n")
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "results.md").write_text("\n".join(md))
-    plot(results, args.out / "held_per_round.png")
     print(f"wrote {args.out / 'results.md'}")
     return 0
+
+
+def write(results: dict[str, Any], md: list[str], out: Path) -> None:
+    """``results.json``, ``results.md`` (``md`` and what its parts mean) and the plot, of the sizes measured so far."""
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text("\n".join(md + [PARTS_NOTE]))
+    plot(results, out / "held_per_round.png")
 
 
 def params_of(size: str) -> int:
