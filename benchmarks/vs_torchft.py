@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shlex
@@ -106,7 +107,7 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, timeout: float) -> dict[str, Any]:
+def run_ours(items: list[str], overlap: str, run_dir: Path, timeout: float) -> dict[str, Any]:
     """``diloco simulate --islands 2`` with ``overlap``; its replicas (:func:`ours_replicas`) and wall seconds."""
     # every island starts cold, as ``diloco train`` on a server and as torchft's workers do (simulate would fork
     # them from one warm interpreter, whose imports they would share)
@@ -125,7 +126,7 @@ def run_ours(items: list[str], overlap: str, run_dir: Path, inner_steps: int, ti
         print(f"ours ({overlap}): a port was taken by another process; running the case again", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)
         ran = timed(cmd, log, env, timeout, f"ours ({overlap})")
-    return {"replicas": ours_replicas(run_dir, inner_steps), **ran}
+    return {"replicas": ours_replicas(run_dir), **ran}
 
 
 def run_torchft(python: str, items: list[str], out: Path, timeout: float) -> dict[str, Any]:
@@ -146,33 +147,36 @@ def torchft_ready(python: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-def ours_replicas(run_dir: Path, inner_steps: int) -> list[dict[str, Any]]:
+def ours_replicas(run_dir: Path) -> list[dict[str, Any]]:
     """Each island's rounds and steps from its ``metrics.jsonl``, in the shape :func:`summarize` reads.  A round's
-    arrival is the time of the loss record of its last inner step (written just before the round is sent); its
-    parts beyond membership, exchange and vote: the averaging's other work and what the training thread did outside
-    the averaging (:data:`PARTS_NOTE`)."""
+    arrival is the time of the island's last loss record before it (its last inner step towards the round, logged
+    just before the round is sent; None for a round the island did not train towards: it caught up from a peer);
+    its parts beyond membership, exchange and vote: the averaging's other work and what the training thread did
+    outside the averaging (:data:`PARTS_NOTE`)."""
     from diloco.engine.metrics import read_metrics
 
     out = []
     for i in range(2):
         island = run_dir / f"island{i}"
         records = read_metrics(island)
-        steps = {r["inner_step"]: r for r in records if "inner_step" in r and "tokens_per_second" in r}
+        # a loss record's outer_step is the round its step trains towards, less one (a round in flight counts
+        # as at the step it was sent at), whatever catching up did to the island's inner-step count
+        steps = [r for r in records if "tokens_per_second" in r]
+        arrived = {r["outer_step"] + 1: r["time"] for r in steps}  # in the order written: the last one stays
         rounds = []
         for r in (r for r in records if "round_ok" in r):
             k = r["outer_step"]
-            rounds.append({"round": k, "arrived": steps[k * inner_steps]["time"], "held": r["stall_seconds"],
-                           "membership": r["group_seconds"], "exchange": r["exchange_seconds"],
-                           "vote": r["vote_seconds"],
+            rounds.append({"round": k, "arrived": arrived.get(k) if r["inner_steps"] else None,
+                           "held": r["stall_seconds"], "membership": r["group_seconds"],
+                           "exchange": r["exchange_seconds"], "vote": r["vote_seconds"],
                            "averaging_other": r["allreduce_seconds"] - r["group_seconds"] - r["exchange_seconds"]
                            - r["vote_seconds"],
                            "outside_averaging": r["stall_seconds"] - r["allreduce_seconds"],
-                           "committed": bool(r["round_ok"])})
+                           "committed": bool(r["round_ok"]), "left_out": r.get("round_failure", "")})
         summary = json.loads((island / "summary.json").read_text())
         out.append({"rounds": rounds, "theta_checksum": summary["theta_checksum"],
                     "loop_seconds": summary["wall_seconds"],
-                    "step_tokens_per_s": [[(s - 1) // inner_steps + 1, r["tokens_per_second"]]
-                                          for s, r in sorted(steps.items())]})
+                    "step_tokens_per_s": [[r["outer_step"] + 1, r["tokens_per_second"]] for r in steps]})
     return out
 
 
@@ -197,9 +201,11 @@ def summarize(replicas: list[dict[str, Any]], first_round: int = 2) -> dict[str,
                 rounds.setdefault(r["round"], []).append(r)
     if not rounds:
         raise BenchError(f"no round from round {first_round} on was recorded; run more rounds")
-    last = [max(rs, key=lambda r: r["arrived"]) for _, rs in sorted(rounds.items())]
+    # a replica that did not train towards a round (it caught up from a peer instead) did not arrive at it
+    last = [max(rs, key=lambda r: -math.inf if r["arrived"] is None else r["arrived"])
+            for _, rs in sorted(rounds.items())]
     parts = [k for k, v in last[0].items() if k not in ("round", "arrived", "held", "committed")
-             and isinstance(v, (int, float))]
+             and isinstance(v, (int, float)) and not isinstance(v, bool)]
     return {"held": statistics.median(r["held"] for rs in rounds.values() for r in rs),
             "held_last": statistics.median(r["held"] for r in last),
             "last": {p: statistics.median(r[p] for r in last) for p in parts},
@@ -337,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             for overlap in (o for o in args.overlaps.split(",") if o):
                 name = "ours" if overlap == "none" else f"ours {overlap}"
                 print(f"{size}: {name} ...", flush=True)
-                cases[name] = run_ours(items, overlap, args.out / "runs" / f"{size}-ours-{overlap}",
-                                       args.inner_steps, args.timeout)
+                cases[name] = run_ours(items, overlap, args.out / "runs" / f"{size}-ours-{overlap}", args.timeout)
             for case in cases.values():
                 case["summary"] = summarize(case["replicas"])
             params = params_of(size)
