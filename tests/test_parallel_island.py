@@ -234,8 +234,8 @@ def test_a_run_that_ends_out_of_sync_says_so():
     from diloco.engine.metrics import RunStats
 
     stats = RunStats(outer_step=7)
-    peers = SimpleNamespace(membership=mine, alone=SimpleNamespace(since=None))
-    transfer = StateTransfer(SimpleNamespace(vote_timeout=1.0), stats=stats, peers=peers,
+    peers = SimpleNamespace(membership=mine, alone=SimpleNamespace(since=None), averager=None)
+    transfer = StateTransfer(SimpleNamespace(vote_timeout=1.0, strikes=2), stats=stats, peers=peers,
                              rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
                              outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
                              forget_unsent=lambda: False, fingerprint="")
