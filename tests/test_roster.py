@@ -169,7 +169,8 @@ def test_six_islands_forced_into_two_groups_train_and_end_identical(tmp_path, no
     cfg = tiny_config(tmp_path, **{
         "averaging.backend": "hivemind", "averaging.min_group_size": 2, "averaging.max_group_size": 3,
         "averaging.wait_for_islands": 6, "averaging.request_timeout": 1.0, "averaging.matchmaking_timeout": 60.0,
-        "averaging.matchmaking_time": 5.0, "diloco.outer_steps": 3, "diloco.inner_steps": 8, "checkpoint.every": 0,
+        # a registry read waits up to matchmaking_time: on a loaded machine 5 s left a leader expecting 2 of the 6
+        "averaging.matchmaking_time": 10.0, "diloco.outer_steps": 3, "diloco.inner_steps": 8, "checkpoint.every": 0,
         "threads": 1})
     result = simulate(cfg, 6)
     islands = result["islands"]
