@@ -320,3 +320,23 @@ def arrives_on_time(monkeypatch):
         return due(self)
 
     monkeypatch.setattr(OuterRounds, "apply_due", deterministic)
+
+
+@pytest.fixture
+def delay_line_ok():
+    """Skip a test that needs emulated hosts with a delay line where this machine cannot give them (not root)."""
+    from experiments.netns import available
+
+    ok, reason = available(delay=True)
+    if not ok:
+        pytest.skip(reason)
+
+
+def delay_line_network(prefix: str, n_hosts: int = 2, **kwargs):
+    """Emulated hosts behind a delay line, named apart from any other test's (``prefix``, the pid, a random tag)."""
+    import secrets
+
+    from experiments.netns import EmulatedNetwork
+
+    return EmulatedNetwork(n_hosts, run_id=f"{prefix}{os.getpid()}{secrets.token_hex(2)}", delay_line=True, **kwargs)
+

@@ -22,13 +22,12 @@ import pytest
 from experiments.netns import (
     EmulatedNetwork,
     add_link_arguments,
-    available,
     cleanup_stale,
     link_arguments,
     list_namespaces,
 )
 from peers.proctable import is_running
-from tests.conftest import wait_until
+from tests.conftest import delay_line_network, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,15 +75,8 @@ def test_link_flags():
 # ------------------------------------------------------------------ real namespaces
 
 
-@pytest.fixture
-def delay_line_ok():
-    ok, reason = available(delay=True)
-    if not ok:
-        pytest.skip(reason)
-
-
 def _net(n_hosts: int = 2, **kwargs) -> EmulatedNetwork:
-    return EmulatedNetwork(n_hosts, run_id=f"d{os.getpid()}{secrets.token_hex(2)}", delay_line=True, **kwargs)
+    return delay_line_network("d", n_hosts, **kwargs)
 
 
 def _port(p: subprocess.Popen, timeout: float = 10) -> int:

@@ -9,7 +9,6 @@ import errno
 import json
 import os
 import re
-import secrets
 import select
 import shlex
 import shutil
@@ -20,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.netns import EmulatedNetwork, available
+from experiments.netns import EmulatedNetwork
 from peers.settings import PORTS_PER_RANK, NetworkSettings, port_problems, transport_port
+from tests.conftest import delay_line_network
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -83,15 +83,8 @@ def test_a_port_the_dhts_daemon_holds_is_refused_though_it_lets_others_share_it(
 # ------------------------------------------------------------------ emulated hosts behind firewalls
 
 
-@pytest.fixture
-def delay_line_ok():
-    ok, reason = available(delay=True)
-    if not ok:
-        pytest.skip(reason)
-
-
 def _net(n_hosts: int = 2, **kwargs) -> EmulatedNetwork:
-    return EmulatedNetwork(n_hosts, run_id=f"p{os.getpid()}{secrets.token_hex(2)}", delay_line=True, **kwargs)
+    return delay_line_network("p", n_hosts, **kwargs)
 
 
 LISTEN_ON = r"""
