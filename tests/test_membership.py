@@ -280,3 +280,26 @@ def test_an_island_looking_for_a_group_stops_once_every_other_island_is_gone(two
         assert [m.outer_step for m in survivor.others()] == [4]
     finally:
         back.close()
+
+
+def test_one_empty_look_at_the_registry_does_not_end_a_forming_roster():
+    """A loaded machine or a slow DHT can return one registry look with no other island in it: a roster that is
+    forming gives up on company only after ``ALONE_LOOKS`` empty looks in a row (CI once saw a NAT'd island end
+    both its rounds within seconds while the other two were still joining, and the run committed nothing)."""
+    from peers.group.averager import ALONE_LOOKS
+
+    averager = object.__new__(VerifiedAverager)  # only the give-up logic: no DHT, no hivemind averager
+    averager.settings = AveragerSettings(min_group_size=2)
+    averager.stopping = averager.moved_past = None
+    averager._missed = lambda *_: None
+    averager._alone_looks = {}
+    looks = iter([0, 1] + [0] * (ALONE_LOOKS - 1) + [0])
+    averager.company = lambda: next(looks)
+    assert averager._give_up("r1", 0.0) is None  # one empty look
+    assert averager._give_up("r1", 0.0) is None  # company again: the count starts over
+    for _ in range(ALONE_LOOKS - 1):
+        assert averager._give_up("r1", 0.0) is None
+    gave_up = averager._give_up("r1", 0.0)
+    assert gave_up is not None and gave_up.reason.startswith("no other island is live"), gave_up
+    averager.company = lambda: 0
+    assert averager._give_up("r2", 0.0) is None, "a new round counts its own looks"

@@ -456,8 +456,8 @@ class Membership:
         Answers from the background look-up of :meth:`moved_past` (which probes the addresses, once a second
         while asked); the first question reads the registry itself."""
         steps = self._looked()
-        if steps is None:
-            return len(self.others())
+        if steps is None:  # a registry that cannot answer raises: the caller cannot tell, and counts company
+            return len(self.others(strict=True))
         return len(steps)
 
     def _looked(self) -> list[Position] | None:

@@ -115,6 +115,10 @@ median, one liar of four holds 8/11 of them, a weighted majority that CenteredCl
 no member counts more than the median member; honest islands that trained more tokens than the median count as if
 they trained the median."""
 MOVED_PAST_POLL = 1.0
+ALONE_LOOKS = 3
+"""Looks in a row (about a second apart) that find no other island live before a roster that is forming gives
+up: one look can come back empty on a loaded machine or a slow DHT; a killed island's address refuses every
+look, so giving up on it costs a few seconds, not ``matchmaking_timeout``."""
 """Seconds between two looks at whether the other islands moved past the round being matched."""
 
 
@@ -154,6 +158,8 @@ class VerifiedAverager(MissedGroups):
         matchmaking, with the time left, once another island is live.  Asked once a second while it looks for a
         group too: once every other island is gone (all of them SIGKILLed), it stops looking instead of waiting
         out ``matchmaking_timeout``."""
+        self._alone_looks: dict[str, int] = {}
+        """The round whose roster is forming, and how many looks in a row found no other island (:data:`ALONE_LOOKS`)."""
         self.outvoted: list[str] = []
         """The members the last vote outvoted (a robust rule's majority stood against their verdicts)."""
         self.strikes: dict[str, int] = {}
@@ -406,7 +412,11 @@ class VerifiedAverager(MissedGroups):
         if self.moved_past is not None and self.moved_past(round_id):
             return RoundResult(False, "the other islands moved past this round without this island (it was late for "
                                "their group)", left_behind=True)
-        if self.company is not None and self.settings.min_group_size >= 2 and self._others_live() == 0:
+        if self.company is None or self.settings.min_group_size < 2:
+            return None
+        looks = self._alone_looks.get(round_id, 0) + 1 if self._others_live() == 0 else 0
+        self._alone_looks = {round_id: looks}
+        if looks >= ALONE_LOOKS:
             return RoundResult(False, "no other island is live in the run: the others are gone (nothing listens at "
                                "their addresses); stopped looking for a group")
         return None
