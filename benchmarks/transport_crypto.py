@@ -40,7 +40,7 @@ from peers.averaging.sharded import ShardedAverager  # noqa: E402
 from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
 from peers.settings import AveragerSettings, NetworkSettings, Scope  # noqa: E402
 from peers.island.layout import CanonicalLayout  # noqa: E402
-from peers.wire.identity import Identity, identity_of  # noqa: E402
+from peers.identity import Identity, identity_of  # noqa: E402
 from peers.wire.transport import Transport, tensor_bytes  # noqa: E402
 
 RECORD = 1 << 22

@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from experiments.report import save_results  # noqa: E402
 from peers.wire import secure  # noqa: E402
-from peers.wire.identity import Identity, proves  # noqa: E402
+from peers.identity import Identity, proves  # noqa: E402
 from peers.wire.transport import Transport  # noqa: E402
 
 MODES = ("proven", "unproven")

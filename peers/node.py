@@ -46,7 +46,7 @@ from peers.island.ranks import IslandRanks
 from peers.settings import PORTS_PER_RANK, NetworkSettings, PeerSettings, Scope, transport_port
 from peers.wire.counters import Traffic, WireCounter
 from peers.wire.dial_back import Reachability, ask_dial_back, serve_dial_back
-from peers.wire.identity import identity_of
+from peers.identity import identity_of
 from peers.wire.state_share import Provider, StateServer
 from peers.wire.transport import Transport, message_limit, refuses
 

@@ -214,7 +214,7 @@ def test_nat_host_accepts_nothing_but_connects_out(delay_line_ok):
 
 TRANSPORT_HOST = r"""
 import json, sys, time
-from peers.wire.identity import Identity
+from peers.identity import Identity
 from peers.wire.transport import Transport, TransportError
 t = Transport(Identity.generate(), "key", host=sys.argv[1], advertise=sys.argv[2], reachable=sys.argv[3] == "1",
               punch=sys.argv[4] == "1")

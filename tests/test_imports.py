@@ -22,7 +22,7 @@ FLOORS = {  # inside a package, its parts from the bottom up: a part imports its
     "diloco": [{"diloco.errors", "diloco.progress", "diloco.files"}, {"diloco.config"}, {"diloco.command"},
                {"diloco.data"}, {"diloco.model"}, {"diloco.inference"}, {"diloco.engine"}, {"diloco.launch"},
                {"diloco.cli"}, {"diloco"}],
-    "peers": [{"peers.settings", "peers.errors", "peers.result", "peers.fingerprints", "peers.proctable",
+    "peers": [{"peers.settings", "peers.errors", "peers.result", "peers.fingerprints", "peers.proctable", "peers.identity",
                "peers.aggregation"},
               {"peers.discovery", "peers.island"}, {"peers.wire"}, {"peers.group"}, {"peers.averaging"},
               {"peers.node"}, {"peers"}],

@@ -236,7 +236,7 @@ def test_an_island_looking_for_a_group_stops_once_every_other_island_is_gone(two
     ``matchmaking_timeout`` (the soak's longest wait over 30 rounds, 17.9 s, was a round whose two other
     islands had both been killed), its next round does not count the dead island, and the island counts
     again once it restarted."""
-    from peers.wire.identity import identity_of
+    from peers.identity import identity_of
     from peers.wire.transport import Transport, refuses
 
     survivor_dht, killed_dht = two_registries[0].dht, two_registries[1].dht
@@ -303,3 +303,47 @@ def test_one_empty_look_at_the_registry_does_not_end_a_forming_roster():
     assert gave_up is not None and gave_up.reason.startswith("no other island is live"), gave_up
     averager.company = lambda: 0
     assert averager._give_up("r2", 0.0) is None, "a new round counts its own looks"
+
+
+def test_a_member_cannot_write_or_erase_another_islands_records(no_leaked_daemons):
+    """Two islands of one private run on real DHTs.  The second holds the run key and tries to rewrite the first
+    island's registration (a step of 99 to hijack catch-ups, its departure, an endpoint of its own) and to vote in
+    its name: unsigned, and signed with its own identity but under the first's peer id.  Every DHT node refuses
+    each store, so the first island's own record stays as it wrote it; and a reader handed a forged item anyway
+    (a node that lies in its answers) drops it.  Without the owner's signature, the first forgery replaced the
+    record (it carried a later expiry) and a catch-up downloaded from the forger."""
+    from hivemind.utils import get_dht_time
+
+    from peers.discovery.calls import dht_get, dht_store
+    from peers.discovery.owned import dht_identity, owned_items, owned_value
+
+    d1 = start_dht(NetworkSettings(run_key="k" * 32))
+    try:
+        d2 = start_dht(NetworkSettings(run_key="k" * 32, initial_peers=visible_maddrs(d1)))
+        try:
+            honest, liar = Membership(d1, "run", ttl=30.0), Membership(d2, "run", ttl=30.0)
+            honest.announce(3)
+            assert wait_until(lambda: [m.outer_step for m in liar.others()] == [3], 10.0)
+            victim, later = honest.peer_id, get_dht_time() + 600
+            forged = {"outer_step": 99, "committed": 99, "averaging": False, "left": False, "endpoint": "10.0.0.9:1"}
+            assert not dht_store(d2, "run.members", victim, forged, later, timeout=10.0)
+            assert not dht_store(d2, "run.members", victim, owned_value(dht_identity(d2), "run.members", forged, later),
+                                 later, timeout=10.0)
+            assert not dht_store(d2, "run.members", victim, dict(forged, left=True), later, timeout=10.0)
+            assert not dht_store(d2, "vote.r7", victim, [1.0, 2.0, 3.0], later, timeout=10.0)
+            for reader in (liar, honest):
+                found = reader.members()
+                assert found[victim].outer_step == 3 and not found[victim].left and found[victim].endpoint == ""
+            assert liar.furthest() == (0, 3)
+            # the liar's own records are its to write
+            liar.announce(5)
+            assert wait_until(lambda: [m.outer_step for m in honest.others()] == [5], 10.0)
+            # an answer carrying a forged item (as a lying node could send): dropped on reading
+            real = dht_get(d1, "run.members", timeout=10.0)
+            real.value[victim] = type(real.value[victim])(
+                owned_value(dht_identity(d2), "run.members", forged, later), later)
+            assert victim not in owned_items(real, "run.members") and liar.peer_id in owned_items(real, "run.members")
+        finally:
+            d2.shutdown()
+    finally:
+        d1.shutdown()

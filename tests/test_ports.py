@@ -65,7 +65,7 @@ def test_a_port_the_dhts_daemon_holds_is_refused_though_it_lets_others_share_it(
     bind the DHT's port too and take a share of the DHT's connections.  It is refused instead."""
     from diloco.launch.simulate import free_port_pair
     from peers.discovery.dht import start_dht
-    from peers.wire.identity import Identity
+    from peers.identity import Identity
     from peers.wire.transport import Transport
 
     port = free_port_pair("127.0.0.1")
@@ -223,7 +223,7 @@ def test_the_dial_back_frees_the_transports_port_before_the_transport_listens_th
     gone by then (a socket closed while a thread waits in accept() would go on listening)."""
     from diloco.launch.simulate import free_port_pair
     from peers.wire.dial_back import ask_dial_back
-    from peers.wire.identity import Identity
+    from peers.identity import Identity
     from peers.wire.transport import Transport
 
     port = free_port_pair("127.0.0.1") + 1

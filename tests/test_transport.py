@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from peers.wire.identity import Identity
+from peers.identity import Identity
 from peers.wire.transport import RefusedError, Transport, TransportError
 
 MARKER = b"plain pseudo-gradient bytes " * 400_000

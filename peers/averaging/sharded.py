@@ -91,7 +91,7 @@ from peers.island.exchange import BucketExchange, shape_of
 from peers.island.layout import CanonicalLayout, spec_tuple
 from peers.wire.link_fit import LinkFit, explore, group_seconds
 from peers.wire.round_keys import parts_key
-from peers.wire.identity import identity_of
+from peers.identity import identity_of
 from peers.wire.transport import Transport, TransportError, message_limit
 
 log = logging.getLogger(__name__)

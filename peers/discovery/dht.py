@@ -18,6 +18,7 @@ import time
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from peers.discovery.owned import OwnedRecords
 from peers.discovery.run_key import RunKeyValidator
 from peers.errors import PeerNetworkError, PortTakenError
 from peers.settings import NetworkSettings
@@ -84,7 +85,7 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
     Raises PeerNetworkError with one actionable sentence when an address is malformed, a port is
     taken or no initial peer answers within ``startup_timeout`` seconds.  Without ``settings.identity_path`` the
     node gets a fresh identity in a private folder removed when this process exits: every node's key is in a
-    file, which its rank's transport proves the same peer id with (:func:`peers.wire.identity.identity_of`).
+    file, which its rank's transport proves the same peer id with (:func:`peers.identity.identity_of`).
     """
     for addr in settings.initial_peers:
         check_multiaddr(addr, "initial peer", need_peer_id=True)
@@ -97,8 +98,8 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
         client_mode=settings.client_mode,
         startup_timeout=settings.startup_timeout,
     )
-    if settings.run_key:
-        kwargs["record_validators"] = [RunKeyValidator(settings.run_key, open_keys)]
+    kwargs["record_validators"] = [OwnedRecords()] + (
+        [RunKeyValidator(settings.run_key, open_keys)] if settings.run_key else [])
     if settings.announce_maddrs:
         kwargs["announce_maddrs"] = settings.announce_maddrs
     if settings.identity_path:

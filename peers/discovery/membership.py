@@ -21,7 +21,8 @@ from typing import Any, Callable
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
+from peers.discovery.calls import DHTUnavailableError, dht_get
+from peers.discovery.owned import owned_items, store_owned
 from peers.fingerprints import fingerprints_agree, majority_by_state
 
 Position = tuple[int, int]
@@ -222,7 +223,7 @@ class Membership:
             log.warning("could not refresh this island's registration: %s", e)
 
     def _store(self, value: dict, ttl: float) -> None:
-        dht_store(self.dht, self.key, self.peer_id, value, get_dht_time() + ttl, timeout=ttl)
+        store_owned(self.dht, self.key, value, get_dht_time() + ttl, timeout=ttl)
 
     def start_heartbeat(self) -> None:
         """Refresh the registration every :attr:`period` seconds in a daemon thread."""
@@ -259,12 +260,8 @@ class Membership:
                 raise
             log.warning("could not look up the run's islands: %s", e)
             return out
-        if found is None or not isinstance(found.value, dict):
-            return out
-        for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
+        for pid, (value, expiration) in owned_items(found, self.key).items():
             if isinstance(value, dict):
-                pid = subkey if isinstance(subkey, str) else str(subkey)
                 try:
                     rank = int(value.get("rank", 0))
                 except (TypeError, ValueError):
@@ -273,8 +270,7 @@ class Membership:
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
                                   bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
-                                  value.get("state"), value.get("final"),
-                                  float(getattr(item, "expiration_time", 0.0) or 0.0),
+                                  value.get("state"), value.get("final"), expiration,
                                   str(value.get("endpoint", "")), bool(value.get("serving", True)),
                                   _count(value.get("committed")))
         return out
@@ -513,11 +509,10 @@ def reachable_islands(dht: hivemind.DHT, prefix: str, timeout: float, most: int 
         if endpoints or time.monotonic() >= deadline:
             return endpoints[:most]
         try:
-            dht_store(dht, key, me, True, get_dht_time() + 10.0, timeout=5.0)
-            found = dht_get(dht, key, timeout=5.0)
+            store_owned(dht, key, True, get_dht_time() + 10.0, timeout=5.0)
+            waiting = sorted(owned_items(dht_get(dht, key, timeout=5.0), key))
         except DHTUnavailableError:
-            found = None
-        waiting = sorted(str(k) for k in found.value) if found is not None and isinstance(found.value, dict) else []
+            waiting = []
         if len(waiting) > 1 and waiting[0] == me:
             return []
         time.sleep(0.2)
@@ -526,20 +521,15 @@ def reachable_islands(dht: hivemind.DHT, prefix: str, timeout: float, most: int 
 def is_registered(dht: hivemind.DHT, prefix: str, peer_id: str) -> bool:
     """True if ``peer_id`` holds a live (validated) registration in the run's member registry."""
     try:
-        return peer_id in registered(dht_get(dht, f"{prefix}.members", timeout=30.0))
+        return peer_id in registered(dht_get(dht, f"{prefix}.members", timeout=30.0), f"{prefix}.members")
     except DHTUnavailableError:
         return False
 
 
-def registered(found: Any) -> set[str]:
-    """Peer ids holding a live registration in a member-registry DHT lookup result."""
-    out: set[str] = set()
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
-            if isinstance(value, dict) and not value.get("left", False):
-                out.add(str(subkey))
-    return out
+def registered(found: Any, key: str) -> set[str]:
+    """Peer ids holding a live registration of their own in a lookup of the member registry ``key``."""
+    return {pid for pid, (value, _) in owned_items(found, key).items()
+            if isinstance(value, dict) and not value.get("left", False)}
 
 
 class MemberCheck:
@@ -555,7 +545,7 @@ class MemberCheck:
         """True when ``peer_id`` is (or was, earlier in this process) a registered member."""
         if peer_id in self._known:
             return True
-        self._known |= registered(await self.dht.get(self.key, latest=True, return_future=True))
+        self._known |= registered(await self.dht.get(self.key, latest=True, return_future=True), self.key)
         if peer_id not in self._known:
             log.warning("refused a request from %s: not a member of this run", peer_id)
             return False

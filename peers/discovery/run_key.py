@@ -30,7 +30,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from peers.discovery.calls import DHTUnavailableError, dht_get, dht_store
+from peers.discovery.calls import DHTUnavailableError, dht_get
+from peers.discovery.owned import owned_items, store_owned
 from peers.errors import RunKeyError
 
 log = logging.getLogger("diloco")  # the trainer's log: the island speaks with one voice
@@ -253,16 +254,14 @@ def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) 
     foreign: set[str] = set()
     reads = 0
     try:
-        dht_store(dht, key, me, key_proof(run_key, me), get_dht_time() + 3600, timeout=timeout)
+        store_owned(dht, key, key_proof(run_key, me), get_dht_time() + 3600, timeout=timeout)
         while True:
             found = dht_get(dht, key, timeout=max(1.0, deadline - time.monotonic()))
             reads += 1
-            items = found.value if found is not None and isinstance(found.value, dict) else {}
-            for subkey, item in items.items():
-                pid = str(subkey)
+            for pid, (proof, _) in owned_items(found, key).items():
                 if pid == me:
                     continue
-                if getattr(item, "value", None) == key_proof(run_key, pid):
+                if proof == key_proof(run_key, pid):
                     return ""
                 foreign.add(pid)
             if time.monotonic() > deadline or (time.monotonic() > quiet_until and (not foreign or reads >= 2)):

@@ -46,7 +46,7 @@ from peers.wire.encoded import (
     average_encoded,
     part_owners,
 )
-from peers.wire.identity import identity_of
+from peers.identity import identity_of
 from peers.wire.round_keys import parts_key, vote_key
 from peers.wire.transport import Transport, message_limit
 

@@ -33,6 +33,7 @@ import hivemind
 from hivemind.p2p import P2PContext, PeerID
 
 from peers.discovery.membership import MemberCheck
+from peers.discovery.owned import dht_identity, owned_items, owned_value
 from peers.wire.encoded import DirectChannel
 from peers.wire.inbox import GONE, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -246,7 +247,8 @@ class VoteChannel:
 
     async def _store(self, key: str, me: str, mine: list[float], expiration: float) -> bool:
         try:
-            return bool(await asyncio.wait_for(self.dht.store(key, subkey=me, value=mine, expiration_time=expiration,
+            signed = owned_value(dht_identity(self.dht), key, mine, expiration)
+            return bool(await asyncio.wait_for(self.dht.store(key, subkey=me, value=signed, expiration_time=expiration,
                                                               return_future=True), SEND_TIMEOUT))
         except Exception as e:  # the DHT may be gone; the vote then ends by its timeout
             log.debug("could not publish our verdict in the DHT: %s", e)
@@ -261,12 +263,11 @@ class VoteChannel:
         except Exception as e:
             log.debug("could not read the vote record: %s", e)
             found = None
-        items = found.value if found is not None and isinstance(found.value, dict) else {}
-        for subkey, item in items.items():
-            value = getattr(item, "value", None)
+        items = owned_items(found, key)  # a verdict counts as its signer's only: none in another member's name
+        for subkey, (value, _) in items.items():
             if isinstance(value, (list, tuple)) and len(value) <= MAX_FINGERPRINT:
-                self.box.put(key, str(subkey), list(value))
-        if me not in {str(s) for s in items}:
+                self.box.put(key, subkey, list(value))
+        if me not in items:
             await self._store(key, me, mine, expiration)
         return True
 

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from peers.wire.identity import Identity
+from peers.identity import Identity
 from peers.wire.transport import Transport, TransportError, parse_endpoint
 
 log = logging.getLogger(__name__)

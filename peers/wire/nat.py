@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from peers.discovery.membership import behind_nat
-from peers.wire.identity import Identity, proves
+from peers.identity import Identity, proves
 from peers.wire.links import IDLE
 from peers.wire.secure import HANDSHAKE_TIMEOUT, LANE, Link, Refused
 

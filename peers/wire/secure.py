@@ -9,7 +9,7 @@ exchange, however the bytes trickle in):
    and its peer id;
 2. the caller answers with its peer id, where it is reached, the connection's role (frames from the
    caller, or a *lane*: frames from the listener to a caller that cannot be reached itself), its flags, its
-   own ephemeral key, its public key (its hivemind identity's, :mod:`peers.wire.identity`),
+   own ephemeral key, its public key (its hivemind identity's, :mod:`peers.identity`),
    ``HMAC-SHA256(run key, "caller" + transcript)`` and its signature of the transcript;
 3. the listener checks that MAC, that the public key hashes to the peer id the caller named and the signature,
    then answers ``WELCOME``, its own public key, its signature of the transcript and its own MAC, which the
@@ -54,7 +54,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import (
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from peers.wire.identity import Identity, proves
+from peers.identity import Identity, proves
 
 Buffer = bytes | bytearray | memoryview
 

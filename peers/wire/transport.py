@@ -11,7 +11,7 @@ while the same halves over hivemind's p2p daemon took 6.4x as long and hivemind'
 - :mod:`peers.wire.listener`: the port a server's ranks share (a connection handed to the rank it names) and
   the bound on connections that have not proven anything yet (one deadline for the handshake, a few at once);
 - :mod:`peers.wire.secure`: one connection's life: the handshake (both ends prove the run's key and their
-  hivemind identity, :mod:`peers.wire.identity`, and agree on fresh keys), then frames sealed with AES-GCM
+  hivemind identity, :mod:`peers.identity`, and agree on fresh keys), then frames sealed with AES-GCM
   (``encrypt=False``: in the clear, each record still authenticated) and their acknowledgements;
 - :mod:`peers.wire.links`: the connections a rank sends on, a few to each rank, one message at a time each;
 - :mod:`peers.wire.nat`: the ways to reach a rank that cannot be reached: lanes it opens, hole punching, and a
@@ -49,7 +49,7 @@ from peers.discovery.membership import (
     behind_nat,
     punchable,
 )
-from peers.wire.identity import Identity
+from peers.identity import Identity
 from peers.wire.inbox import Inbox
 from peers.wire.links import IDLE, Links
 from peers.wire.listener import SLOT, Listener
