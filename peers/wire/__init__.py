@@ -1,7 +1,7 @@
 """The bytes between islands: how a round's parts travel (:mod:`.transport`, plain TCP, put together from the port a
 server's ranks share and its bound on strangers (:mod:`.listener`), one connection's handshake and sealed frames
 (:mod:`.secure`), the connections a rank sends on (:mod:`.links`), the ways to reach a rank behind NAT
-(:mod:`.nat`: lanes, relay, hole punching) and the key a rank proves its peer id with (:mod:`.identity`);
+(:mod:`.nat`: lanes, relay, hole punching), proven with the key a rank's peer id names (:mod:`peers.identity`);
 :mod:`.encoded`, codecs' payloads over the transport or hivemind's daemon, entropy-coded on the wire by
 :mod:`outer_optim.compression.entropy`), θ_global for joiners (:mod:`.state_share`), messages that arrive early
 (:mod:`.inbox`), the names a round goes by (:mod:`.round_keys`), the host's loop on hivemind's daemon
