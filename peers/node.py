@@ -38,7 +38,7 @@ from peers.discovery.dht import (
     visible_maddrs,
 )
 from peers.discovery.membership import Membership, reachable_islands
-from peers.discovery.run_key import RunKey, check_run_key, key_check_key, obtain_run_key
+from peers.discovery.run_key import RunKey, check_run_key, keep_key_proof, key_check_key, obtain_run_key
 from peers.errors import PeerNetworkError, PortTakenError, RunKeyError
 from peers.island.exchange import BucketExchange
 from peers.island.layout import CanonicalLayout
@@ -179,6 +179,8 @@ class PeerNode:
                     self.dht.shutdown()
                     self.dht = None
                     raise RunKeyError(problem)
+                if rt.is_main:
+                    keep_key_proof(self.dht, a.run_id, run_key)
 
     def _obtain_run_key(self, resuming: bool) -> RunKey:
         """Collective over the world: the run key, found (or, on the first island of a run, generated) once by the

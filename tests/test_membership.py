@@ -347,3 +347,25 @@ def test_a_member_cannot_write_or_erase_another_islands_records(no_leaked_daemon
             d2.shutdown()
     finally:
         d1.shutdown()
+
+
+def test_an_islands_key_proof_is_published_again_while_it_runs(no_leaked_daemons):
+    """A proof of the run key lives ``ttl`` s; the island publishes it again at half that while its DHT runs, so
+    that a joiner with a wrong key late in a run still finds one and is told (before, proofs lived an hour: a joiner
+    after that met a run whose records it could not read, in silence)."""
+    from hivemind.utils import get_dht_time
+
+    from peers.discovery.calls import dht_get
+    from peers.discovery.owned import owned_items
+    from peers.discovery.run_key import keep_key_proof, key_proof, publish_key_proof
+
+    d1 = start_dht(NetworkSettings())
+    try:
+        publish_key_proof(d1, "run", "secret", timeout=10.0, ttl=3.0)
+        keep_key_proof(d1, "run", "secret", ttl=3.0)
+        time.sleep(5.0)  # past the first proof's expiry
+        proofs = owned_items(dht_get(d1, "run.keycheck", timeout=10.0), "run.keycheck")
+        proof, expires = proofs[str(d1.peer_id)]
+        assert proof == key_proof("secret", str(d1.peer_id)) and expires > get_dht_time()
+    finally:
+        d1.shutdown()

@@ -21,6 +21,7 @@ import math
 import os
 import secrets
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,36 @@ def key_proof(run_key: str, peer_id: str) -> str:
     return hmac.new(run_key.encode(), f"diloco-key-proof:{peer_id}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
+KEY_PROOF_TTL = 3600.0
+"""Seconds an island's proof of the run key lives in the DHT; it is published again at half that while the island
+runs (:func:`keep_key_proof`), so that a joiner with a wrong key an hour into the run still finds one to be told by."""
+
+
+def publish_key_proof(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float,
+                      ttl: float = KEY_PROOF_TTL) -> None:
+    """Store this rank's proof of ``run_key`` (:func:`key_proof`) under the run's key-check key for ``ttl`` s."""
+    me = str(dht.peer_id)
+    store_owned(dht, key_check_key(prefix), key_proof(run_key, me), get_dht_time() + ttl, timeout=timeout)
+
+
+def keep_key_proof(dht: hivemind.DHT, prefix: str, run_key: str, ttl: float = KEY_PROOF_TTL) -> threading.Thread:
+    """Publish this rank's proof again every ``ttl / 2`` s in a daemon thread, until its DHT stops."""
+    def refresh() -> None:
+        next_at = time.monotonic() + ttl / 2
+        while dht.is_alive():
+            if time.monotonic() >= next_at:
+                try:
+                    publish_key_proof(dht, prefix, run_key, timeout=30.0, ttl=ttl)
+                except DHTUnavailableError as e:
+                    log.debug("could not refresh the key proof: %s", e)
+                next_at = time.monotonic() + ttl / 2
+            time.sleep(min(1.0, ttl / 4))
+
+    thread = threading.Thread(target=refresh, name="key-proof", daemon=True)
+    thread.start()
+    return thread
+
+
 def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) -> str:
     """Publish this island's proof of the run key, then look for other islands' (for 3 s and two reads of the
     record, at most ``timeout`` s: proofs are stored for an hour, so an island of the run published its own long
@@ -254,7 +285,7 @@ def check_run_key(dht: hivemind.DHT, prefix: str, run_key: str, timeout: float) 
     foreign: set[str] = set()
     reads = 0
     try:
-        store_owned(dht, key, key_proof(run_key, me), get_dht_time() + 3600, timeout=timeout)
+        publish_key_proof(dht, prefix, run_key, timeout)
         while True:
             found = dht_get(dht, key, timeout=max(1.0, deadline - time.monotonic()))
             reads += 1
