@@ -191,7 +191,19 @@ def _done(value) -> Future:
     return future
 
 
-def test_membership_counts_islands_not_ranks():
+@pytest.fixture
+def unsigned_registry(monkeypatch):
+    """The registry's records as :class:`_FakeDHT` keeps them: unsigned, under the fake peer ids (the owner's
+    signature is tested on real DHTs in tests/test_membership.py; these tests are about counting islands)."""
+    import peers.discovery.membership as membership
+
+    monkeypatch.setattr(membership, "store_owned", lambda dht, key, value, expiration_time, timeout: dht.store(
+        key, dht.peer_id, value, expiration_time).result())
+    monkeypatch.setattr(membership, "owned_items", lambda found, key: {
+        str(k): (getattr(item, "value", None), 0.0) for k, item in (found.value or {}).items()})
+
+
+def test_membership_counts_islands_not_ranks(unsigned_registry):
     registry: dict[str, dict] = {}
     a0 = Membership(_FakeDHT("A0", registry), "run")
     a1 = Membership(_FakeDHT("A1", registry), "run", island="A0", rank=1)
@@ -210,7 +222,7 @@ def test_membership_counts_islands_not_ranks():
     assert json.dumps(registry)  # plain values only
 
 
-def test_islands_behind_nat_count_the_reachable_ones():
+def test_islands_behind_nat_count_the_reachable_ones(unsigned_registry):
     registry: dict[str, dict] = {}
     hidden = Membership(_FakeDHT("A", registry), "run")
     other_hidden = Membership(_FakeDHT("B", registry), "run")
@@ -226,7 +238,7 @@ def test_islands_behind_nat_count_the_reachable_ones():
     assert hidden.reachable_others() == 0
 
 
-def test_a_run_that_ends_out_of_sync_says_so():
+def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
     from diloco.engine.state_transfer import StateTransfer
 
     registry: dict[str, dict] = {}
@@ -317,21 +329,23 @@ def test_a_catch_up_downloads_from_an_island_at_the_runs_position_not_from_one_t
     from diloco.engine.state_transfer import StateTransfer
 
     def member(pid: str, position: tuple[int, int]) -> SimpleNamespace:
-        return SimpleNamespace(peer_id=pid, committed=position[0], outer_step=position[1], position=position,
-                               averaging=False, serving=True)
+        return SimpleNamespace(peer_id=pid, island=pid, committed=position[0], outer_step=position[1],
+                               position=position, averaging=False, serving=True)
 
     others = [member("liar", (10**9, 10**9)), member("b", (5, 5)), member("c", (5, 5)), member("d", (4, 4))]
     membership = SimpleNamespace(others=lambda: others, beating=lambda m: True,
-                                 endpoints=lambda pid: [f"{pid}:1"])
+                                 endpoints=lambda pid: [f"{pid}:1"], vouched_state=lambda position: (None, 0))
     transfer = StateTransfer(SimpleNamespace(), stats=None, peers=SimpleNamespace(membership=membership), rt=None,
                              outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
                              forget_unsent=lambda: False, fingerprint="")
-    assert transfer._donor() == ["b:1"]
+    assert transfer._donor()[:3] == (["b:1"], "b", (5, 5))
     others[1:3] = [member("b", (10**9, 10**9)), member("c", (10**9, 10**9))]  # now a majority is there: it counts
-    assert transfer._donor() == ["b:1"]
+    assert transfer._donor()[:3] == (["b:1"], "b", (10**9, 10**9))
+    transfer._refused["b"] = (10**9, 10**9)  # b served a state the run does not vouch for: c is asked instead
+    assert transfer._donor()[:2] == (["c:1"], "c")
 
 
-def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round():
+def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round(unsigned_registry):
     """Rank 1 of island A has not stored its new record yet: it still shows round 2 and the state it entered
     round 2 with.  Island A is entering round 3 with rank 0's state, whatever order the DHT lists them in (a
     stale state made another island believe its θ_global differed and resynchronize for nothing)."""

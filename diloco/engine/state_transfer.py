@@ -82,6 +82,9 @@ class StateTransfer:
         """Whether this island serves its θ_global now (not while it replaces it with another island's)."""
         self._downloads = 0
         self._deferred: Adoption | None = None
+        self._refused: dict[str, Position] = {}
+        """Islands whose served θ_global did not match what the run's islands vouch for at its position, and that
+        position: not asked again until they announce another one."""
 
     # ------------------------------------------------------------------------- serving
     def provide(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
@@ -196,7 +199,8 @@ class StateTransfer:
         self.adopt(*state)
         self.stats.rounds_caught_up += max(0, self.stats.outer_step - before - counted)
         self._serve(True)
-        self.peers.membership.announce(self.stats.outer_step, averaging=False)
+        self.peers.membership.announce(self.stats.outer_step, averaging=False,
+                                       state=self.exchange.canonical_fingerprint(self.outer.theta_global))
         log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", self.stats.outer_step,
                  f"; {self.schedule.phase()} of its H steps into the round, as the island that served it"
                  if self.schedule.by_steps_now() else "")
@@ -309,12 +313,18 @@ class StateTransfer:
     def download(self, target: list[float] | None = None) -> State | None:
         """Collective: every rank downloads the buckets it owns from every rank of the freshest island that
         serves (all requests at once, :func:`peers.wire.state_share.download`); when every bucket came whole from
-        one outer step (and matches ``target``, a canonical fingerprint, if given) return
+        one outer step (and matches ``target``, a canonical fingerprint, if given; else the fingerprint the run's
+        islands at the donor's position announce in their signed records, when they do: a donor whose state does
+        not match is refused and not asked again at that position) return
         ``(meta, this rank's θ shards + momentum shards)`` on every rank, else None on every rank."""
-        donor = self.main_decides(self._donor)
+        donor, donor_id, vouched_at, vouched = self.main_decides(self._donor)
+        if target is None and vouched is not None:
+            target = vouched
+        else:
+            vouched_at = None  # the caller's target (the majority's, when resynchronizing) rules
         got: dict[int, Downloaded] = {}
         verdict: dict[int, int] = {}
-        foreign, phase, committed = "", -1, None
+        foreign, phase, committed, mismatch = "", -1, None, False
         if donor:
             self._downloads += 1
             buckets = {b: self.layout.buckets[b].numel for b in self.exchange.owned}
@@ -323,7 +333,12 @@ class StateTransfer:
             if why:
                 log.info("could not download θ_global: %s", why)
             for b, piece in got.items():
-                step, problem = self._check_bucket(b, piece, target)
+                step, problem = self._check_bucket(b, piece, None if vouched_at is not None else target)
+                if vouched_at is not None and step != NOWHERE:
+                    if step != vouched_at:  # it moved on since we read the registry: look again
+                        step = NOWHERE
+                    elif not self._matches(b, piece, target):  # not the θ_global the run holds at that position
+                        step, mismatch = NOWHERE, True
                 verdict[b] = step
                 foreign = foreign or problem
                 served = as_float(piece.meta.get("phase"))  # a peer's metadata: anything may come
@@ -333,13 +348,19 @@ class StateTransfer:
                     committed = roster if committed is None or committed == roster else [[], {}]
         merged: dict[int, int] = {}
         rosters = []
-        for part, why, p, roster in self.rt.gather_all((verdict, foreign, phase, committed)):
+        for part, why, p, roster, wrong in self.rt.gather_all((verdict, foreign, phase, committed, mismatch)):
             merged.update(part)
             foreign = foreign or why
             phase = max(phase, p)
             rosters.append(roster)
+            mismatch = mismatch or wrong
         if foreign:
             raise TrainingError(foreign)
+        if mismatch:
+            self._refused[donor_id] = vouched_at
+            log.warning("refused the θ_global island %s served at position %s: it does not match the fingerprint the "
+                        "run's islands at that position announce; trying another island", donor_id[-8:], vouched_at)
+            return None
         steps = set(merged.values())
         if len(merged) != len(self.layout.buckets) or len(steps) != 1 or NOWHERE in steps:
             return None
@@ -355,18 +376,23 @@ class StateTransfer:
                 "phase": phase, "committed": roster, "strikes": strikes}
         return meta, [theta[n] for n in names] + [momentum[n] for n in names]
 
-    def _donor(self) -> list[str]:
-        """On rank 0: the transport endpoints of the ranks of the island to download from ([] if none): of the
-        live islands that serve, one at the furthest position the run confirms, not beyond it (an island announcing
-        a position no majority holds would serve its own θ_global)."""
+    def _donor(self) -> tuple[list[str], str, Position | None, list[float] | None]:
+        """On rank 0: the island to download from: the transport endpoints of its ranks ([] if none), its id, its
+        position and the fingerprint the run's islands at that position vouch for (None if none announces one).
+        Of the live islands that serve, one at the furthest position the run confirms, not beyond it (an island
+        announcing a position no majority holds would serve its own θ_global), and not one whose state at its
+        position was refused."""
         membership = self.peers.membership
         live = [m for m in membership.others() if membership.beating(m) and m.serving]
         floor = confirmed_position([m.position for m in live])
         for m in sorted((m for m in live if m.position >= floor), key=lambda m: (m.position, m.averaging, m.peer_id)):
+            if self._refused.get(m.island) == m.position:
+                continue
             endpoints = membership.endpoints(m.peer_id)
             if endpoints:
-                return endpoints
-        return []
+                vouched, _ = membership.vouched_state(m.position)
+                return endpoints, m.island, m.position, vouched
+        return [], "", None, None
 
     def _check_bucket(self, b: int, piece: Downloaded, target: list[float] | None) -> tuple[Position, str]:
         """(the position of a downloaded bucket's state, or :data:`NOWHERE` if unusable; a reason to stop, if
@@ -381,12 +407,15 @@ class StateTransfer:
                         "as the other islands")
         if not (all_finite(piece.theta) and all_finite(piece.momentum)):
             return NOWHERE, ""
-        if target is not None:
-            per_bucket = len(target) // len(self.layout.buckets)
-            mine = fingerprint([piece.theta], per_bucket // STATS)
-            if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
-                return NOWHERE, ""
+        if target is not None and not self._matches(b, piece, target):
+            return NOWHERE, ""
         return _position(meta), ""
+
+    def _matches(self, b: int, piece: Downloaded, target: list[float]) -> bool:
+        """Whether bucket ``b`` of a downloaded θ_global matches its part of ``target``, a canonical fingerprint."""
+        per_bucket = len(target) // len(self.layout.buckets)
+        mine = fingerprint([piece.theta], per_bucket // STATS)
+        return fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5)
 
     def adopt(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective) and

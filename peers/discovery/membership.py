@@ -202,7 +202,7 @@ class Membership:
             value["endpoint"] = self.endpoint
         if not self.serving:
             value["serving"] = False
-        if self.averaging and self.state is not None:
+        if self.state is not None:
             value["state"] = list(self.state)
         if self.final is not None:
             value["final"] = self.final
@@ -210,13 +210,14 @@ class Membership:
         return value
 
     def announce(self, outer_step: int | None = None, averaging: bool | None = None, state: Any = None) -> None:
-        """Publish (or refresh) this island's registration: its outer step, whether it is averaging and,
-        when it starts averaging, the fingerprint ``state`` of the θ_global it averages from."""
+        """Publish (or refresh) this island's registration: its outer step, whether it is averaging and the
+        fingerprint ``state`` of the θ_global it holds at its position (the one it averages from while averaging;
+        None: not known, e.g. while it replaces it).  ``state`` is taken with ``averaging``, kept otherwise."""
         if outer_step is not None:
             self.outer_step = outer_step
         if averaging is not None:
             self.averaging = averaging
-            self.state = state if averaging else None
+            self.state = state
         try:
             self._store(self._value(), self.ttl)
         except DHTUnavailableError as e:  # a DHT that no longer answers must not stop training or leaving
@@ -370,6 +371,17 @@ class Membership:
         records ((-1, -1) if none); ``beating_only``: among those still beating (a killed island's record, at a
         step nobody else reached, lives on until the ttl runs out, and nobody can serve that step)."""
         return confirmed_position([m.position for m in self.others() if not beating_only or self.beating(m)])
+
+    def vouched_state(self, position: Position) -> tuple[list[float] | None, int]:
+        """The fingerprint of the θ_global that the other live islands at ``position`` announce (their own, signed
+        records), and how many of them agree on it: the largest agreeing set's (ties: the one holding the smallest
+        island id); (None, 0) when none announces one.  What a state downloaded at that position must match."""
+        meta = {m.island: {"state_fingerprint": m.state} for m in self.others()
+                if m.position == position and m.state is not None and self.beating(m)}
+        if not meta:
+            return None, 0
+        agreeing, _ = majority_by_state(meta, sorted(meta)[0])
+        return list(meta[agreeing[0]]["state_fingerprint"]), len(agreeing)
 
     def averaging_round(self, outer_step: int) -> bool:
         """True if another live island announced it is averaging round ``outer_step`` right now."""

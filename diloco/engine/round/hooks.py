@@ -4,6 +4,7 @@ registry, as :class:`RoundHook` objects the transaction calls at each of its mom
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -70,8 +71,11 @@ class MembershipHook(RoundHook):
     """Tells the run's member registry when this island averages and which outer step it holds, and keeps
     the addresses of the live islands (:meth:`PeerNode.remember_peers`)."""
 
-    def __init__(self, peers: PeerNode):
+    def __init__(self, peers: PeerNode, fingerprint: Callable[[], list[float]]):
         self.peers = peers
+        self.fingerprint = fingerprint
+        """Collective: the fingerprint of the θ_global the island holds (announced after each round, so that an
+        island catching up can check what it downloads against what the run's islands hold)."""
 
     def starting(self, rnd: int, state: list[float]) -> None:
         if self.peers.membership is not None:
@@ -79,5 +83,5 @@ class MembershipHook(RoundHook):
 
     def after(self, outer_step: int) -> None:
         if self.peers.membership is not None:
-            self.peers.membership.announce(outer_step, averaging=False)
+            self.peers.membership.announce(outer_step, averaging=False, state=self.fingerprint())
             self.peers.remember_peers()
