@@ -27,12 +27,17 @@ def test_a_group_commits_only_with_a_majority_of_the_last_committed_roster():
     assert "4 of the 8" in quorum_problem(ISLANDS[:4], committed, (), 8)  # 4 of 8: no majority
     assert "3 of the 8" in quorum_problem(ISLANDS[5:8], committed, (), 8)
     # islands known to have left before the round (or gone) are not counted: 3 of the 5 others is a majority
-    assert not quorum_problem(ISLANDS[5:8], committed, ISLANDS[:3], 8)
+    assert not quorum_problem(ISLANDS[5:8], committed, ISLANDS[:3], 5)
+    # ... of the roster, but not of the run when more islands are live than the roster kept: a lineage nobody
+    # would follow (the 16-island run: 5 of the 9 left of a roster of 10 committed, with 15 live, and forked)
+    assert "5 of the 15" in quorum_problem(ISLANDS[:5], ISLANDS[:9], (), 15)
+    assert not quorum_problem(ISLANDS[:8], ISLANDS[:9], (), 15)
     # newcomers count in the group but not towards the majority of those who committed
     assert "2 of the 8" in quorum_problem(ISLANDS[6:10], committed, (), 10)
     # before any round committed: a majority of the most islands any member saw registered
     assert not quorum_problem(ISLANDS[:2], (), (), 3)
     assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 4)
+    assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 3, wait_for=4)  # the islands the run waits for
 
 
 def test_an_island_is_behind_once_half_the_run_is_further_along():

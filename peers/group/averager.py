@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -327,10 +328,12 @@ class VerifiedAverager(MissedGroups):
             if len(peers) < len(gathered):
                 log.warning("round %s: %d island(s) hold another θ_global; averaging without them (they "
                             "resynchronize)", round_id, len(gathered) - len(peers))
+            # the live islands the members' registries list: their median, so that one member claiming thousands
+            # cannot veto every round
+            seen = [int(as_float(m.get("seen"))) for m in meta.values() if as_float(m.get("seen")) >= 1]
             result.reason = check_group(meta, round_id, self.settings.min_group_size) or quorum_problem(
                 peers, self.committed, {o for m in meta.values() for o in _strings(m.get("out"))},
-                max([int(as_float(m.get("seen"))) for m in meta.values() if as_float(m.get("seen")) >= 1]
-                    + [self.settings.wait_for_islands, 1]))
+                int(statistics.median_low(seen)) if seen else 1, self.settings.wait_for_islands)
         out = None
         if not result.reason:
             t_exchange = time.perf_counter()

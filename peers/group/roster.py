@@ -108,19 +108,27 @@ def lineage(committed: Collection[str], strikes: Mapping[str, int] | None = None
     return hashlib.sha256(told.encode()).hexdigest()[:16]
 
 
-def quorum_problem(members: Collection[str], committed: Collection[str], out: Collection[str], seen: int) -> str:
-    """Why a group of ``members`` must not commit the round ('' when it may): it must hold a majority of the
+def quorum_problem(members: Collection[str], committed: Collection[str], out: Collection[str], seen: int,
+                   wait_for: int = 0) -> str:
+    """Why a group of ``members`` must not commit the round ('' when it may).  It must hold a majority of the
     ``committed`` roster of the previous round, less the islands ``out`` of this round (they left before it or are
-    gone).  Before any round committed (``committed`` empty, or every island of it out), a majority of ``seen``: the
-    most islands any member saw in the run."""
+    gone), and a majority of ``seen``, the live islands the registry lists.  Before any round committed
+    (``committed`` empty, or every island of it out), a majority of ``seen`` or of ``wait_for``, the islands the
+    run waits for, whichever is more.
+
+    The second majority is what keeps a run one lineage: islands catch up only to a position at least half of the
+    live islands hold (:func:`peers.discovery.membership.confirmed_position`), so a round committed by fewer, though
+    by a majority of a roster that islands leaving had shrunk (5 of the 9 left of 10, with 15 live), starts a
+    lineage the others never follow."""
     counted = set(committed) - set(out)
     if counted:
         have, total = len(set(members) & counted), len(counted)
-        if 2 * have > total:
-            return ""
-        return (f"no majority of the run: the group holds {have} of the {total} island(s) that committed the last "
-                f"round (a majority is {total // 2 + 1}); an island cut off from the rest of the run must not move "
-                f"θ_global on its own")
+        if 2 * have <= total:
+            return (f"no majority of the run: the group holds {have} of the {total} island(s) that committed the last "
+                    f"round (a majority is {total // 2 + 1}); an island cut off from the rest of the run must not move "
+                    f"θ_global on its own")
+    else:
+        seen = max(seen, wait_for)
     if 2 * len(members) > seen:
         return ""
     return (f"no majority of the run: the group holds {len(members)} of the {seen} island(s) registered (a majority is "
