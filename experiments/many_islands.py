@@ -80,8 +80,16 @@ def count_timeout(n: int, cfg: Config, cores: int) -> float:
 
 # ------------------------------------------------------------------------------------------- reading a count
 def island_rounds(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """An island's round records by the outer step they end (the last one where a step was recorded twice)."""
-    return {int(r["outer_step"]): r for r in read_metrics(run_dir) if "round_ok" in r and "outer_step" in r}
+    """An island's round records by the outer step they end.  Where a step was recorded twice (a round left out
+    after a catch-up is recorded at the step it caught up to, which a commit may have recorded already), the
+    committed record stands, else the last one."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in read_metrics(run_dir):
+        if "round_ok" in r and "outer_step" in r:
+            step = int(r["outer_step"])
+            if not (out.get(step, {}).get("round_ok") and not r.get("round_ok")):
+                out[step] = r
+    return out
 
 
 def _summary(run_dir: Path) -> dict[str, Any] | None:
