@@ -64,7 +64,7 @@ def test_an_attacker_is_rejected_struck_and_left_out_while_the_honest_islands_co
     out_of_sync = summaries[ATTACKER].get("out_of_sync", "")
     assert (codes[ATTACKER] == 3) == bool(out_of_sync), (codes, out_of_sync)
     if codes[ATTACKER] == 3:
-        assert out_of_sync.startswith("the run ended out of sync: θ_global of 2 other island(s) differs"), out_of_sync
+        assert out_of_sync.startswith("the run ended out of sync: θ_global of 2 of the "), out_of_sync
         assert f"error: {out_of_sync}" in cluster.logs[ATTACKER].read_text()
     else:
         assert summaries[ATTACKER]["theta_checksum"] == honest[0]["theta_checksum"]

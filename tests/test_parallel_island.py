@@ -259,7 +259,8 @@ def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
     theirs.final = {"outer_step": 7, "state": [1.5, 1.5, 1.5] * 4}
     theirs.leave()
     problem = transfer.check_in_sync(state, stopping=False)
-    assert problem.startswith("the run ended out of sync: θ_global of 1 other island(s) differs"), problem
+    assert problem.startswith("the run ended out of sync: θ_global of 1 of the 1 other island(s)"), problem
+    assert "this island holds one half's" in problem, problem  # 1 against 1: neither side is the majority
     theirs.final = {"outer_step": 6, "state": [9.0] * 12}  # ended earlier (stopped): not comparable
     theirs.leave()
     assert transfer.check_in_sync(state, stopping=False) == ""

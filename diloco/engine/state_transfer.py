@@ -244,22 +244,30 @@ class StateTransfer:
         ``vote_timeout`` for them).  Returns '' or one sentence."""
         if self.peers.membership is None or self.rt.lockstep:
             return ""
-        differ, compared, alone = self.main_decides(lambda: (*self.peers.membership.final_disagreements(
-            self.stats.outer_step, state, self.a.vote_timeout), self.peers.alone.since is not None))
+        differ, compared, alone, behind = self.main_decides(lambda: (*self.peers.membership.final_disagreements(
+            self.stats.outer_step, state, self.a.vote_timeout), self.peers.alone.since is not None,
+            sum(1 for m in self.peers.membership.others() if not m.left and m.outer_step < self.stats.outer_step)))
         if not differ and not compared:
             doubt = self._unconfirmed_end(alone)
             if doubt and stopping:  # stopped, not ended: --resume compares it with the run's θ_global
                 log.warning("stopping with θ_global unconfirmed: %s", doubt)
                 return ""
+            if not doubt and behind:
+                log.warning("ended first: %d live island(s) had not reached outer step %d yet, so none compared "
+                            "θ_global with this one; their own end checks compare with it (its record stays)", behind,
+                            self.stats.outer_step)
             return doubt
         # an island struck out of the run (--averaging.strikes) ends on a θ_global of its own: no sign of a split
         limit, strikes = self.a.strikes, getattr(self.peers.averager, "strikes", None) or {}
         differ = [d for d in differ if not (limit and strikes.get(d, 0) >= limit)]
         if not differ:
             return ""
-        return (f"the run ended out of sync: θ_global of {len(differ)} other island(s) differs from this one's at "
-                f"outer step {self.stats.outer_step} ({', '.join(d[-8:] for d in differ)}); resume the islands with "
-                f"--resume so the minority resynchronizes, and report the logs")
+        with_us = compared - len(differ) + 1
+        side = "the minority's" if with_us < len(differ) else "the majority's" if with_us > len(differ) else "one half's"
+        return (f"the run ended out of sync: θ_global of {len(differ)} of the {compared} other island(s) that ended "
+                f"at outer step {self.stats.outer_step} differs from this one's ({', '.join(d[-8:] for d in differ)}), "
+                f"so this island holds {side}; resume the islands with --resume so the minority resynchronizes, and "
+                f"report the logs")
 
     def _unconfirmed_end(self, alone: bool) -> str:
         """Why an island that found no other island to compare its final θ_global with may be out of sync
