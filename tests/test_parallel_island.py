@@ -346,6 +346,43 @@ def test_a_catch_up_downloads_from_an_island_at_the_runs_position_not_from_one_t
     assert transfer._donor()[:2] == (["c:1"], "c")
 
 
+def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
+    """Two islands at the run's position vouch for one θ_global in their signed records; the first donor in order
+    serves another one (a member that lies, or a corrupt state).  Its download is refused and remembered, and the
+    next download asks the other island and takes its state.  Without the check, the first download was adopted
+    (narrow unit test of the download's decision: the transport, the layout and the ranks are stand-ins)."""
+    import diloco.engine.state_transfer as state_transfer
+    from diloco.engine.metrics import RunStats
+    from diloco.engine.state_transfer import StateTransfer
+    from peers import Downloaded, fingerprint
+
+    honest = torch.linspace(-1.0, 1.0, 12)
+    served = {"b:1": honest + 0.5, "c:1": honest.clone()}
+
+    def member(pid: str) -> SimpleNamespace:
+        return SimpleNamespace(peer_id=pid, island=pid, committed=5, outer_step=5, position=(5, 5), averaging=False,
+                               serving=True)
+
+    membership = SimpleNamespace(others=lambda: [member("b"), member("c")], beating=lambda m: True,
+                                 endpoints=lambda pid: [f"{pid}:1"],
+                                 vouched_state=lambda position: (fingerprint([honest], 4), 2))
+    meta = {"outer_step": 5, "committed_rounds": 5, "config_fingerprint": "F", "layout_fingerprint": "L", "phase": 0}
+    monkeypatch.setattr(state_transfer, "download_state", lambda transport, donor, buckets, timeout, tag: (
+        {0: Downloaded(dict(meta), served[donor[0]], torch.zeros(12))}, ""))
+    layout = SimpleNamespace(buckets=[SimpleNamespace(numel=12)], fingerprint=lambda: "L")
+    transfer = StateTransfer(
+        SimpleNamespace(state_download_timeout=1.0), stats=RunStats(outer_step=3),
+        peers=SimpleNamespace(membership=membership, transport=None),
+        rt=SimpleNamespace(bcast=lambda x: x, is_main=True, gather_all=lambda x: [x]),
+        outer=SimpleNamespace(names=["w"]), params={},
+        exchange=SimpleNamespace(layout=layout, owned=[0], scatter=lambda buckets: {"w": buckets[0]}),
+        schedule=None, forget_unsent=lambda: False, fingerprint="F")
+    assert transfer.download() is None  # b's state is not the one the run holds at (5, 5)
+    assert transfer._refused == {"b": (5, 5)}
+    got = transfer.download()  # c is asked now
+    assert got is not None and got[0]["outer_step"] == 5 and torch.equal(got[1][0], honest)
+
+
 def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round(unsigned_registry):
     """Rank 1 of island A has not stored its new record yet: it still shows round 2 and the state it entered
     round 2 with.  Island A is entering round 3 with rank 0's state, whatever order the DHT lists them in (a
