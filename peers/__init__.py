@@ -53,6 +53,7 @@ _EXPORTS = {  # name -> the module that defines it (a module itself where the na
     "BucketExchange": "peers.island.exchange", "FeedbackBuffers": "peers.averaging.sharded",
     "RoundResult": "peers.result", "as_float": "peers.result",
     "fingerprint": "peers.fingerprints", "fingerprints_agree": "peers.fingerprints", "STATS": "peers.fingerprints",
+    "CHUNKS_PER_BUCKET": "peers.fingerprints", "digest": "peers.fingerprints",
     "Downloaded": "peers.wire.state_share", "download_state": "peers.wire.state_share:download",
     "Traffic": "peers.wire.counters", "WireCounter": "peers.wire.counters",
     "ring_allreduce_bytes": "peers.wire.counters",

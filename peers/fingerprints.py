@@ -80,6 +80,24 @@ def _read_back(scalars: list[torch.Tensor]) -> list[float]:
     return values
 
 
+DIGEST_SLOTS = 8
+"""Slots of a :func:`digest`: 24 floats whatever the model's size."""
+
+
+def digest(fp: Sequence[float], slots: int = DIGEST_SLOTS) -> list[float]:
+    """A fingerprint folded into ``slots`` chunks: chunk ``i``'s sum, sum of squares and count added into slot
+    ``i % slots``.  What an island announces in the registry of the θ_global it holds (a 1b θ_global's full
+    fingerprint is 3,600 floats, read by every island about once a second); two digests of the same values agree
+    within the fingerprint's tolerance (:func:`fingerprints_agree`), a θ_global changed anywhere beyond rounding does
+    not (a chunk's sum of squares moves its slot's)."""
+    out = [0.0] * (STATS * slots)
+    for i in range(0, len(fp) - len(fp) % STATS, STATS):
+        slot = (i // STATS) % slots
+        for k in range(STATS):
+            out[STATS * slot + k] += float(fp[i + k])
+    return out
+
+
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
     """True when two fingerprints are finite and equal within ``rtol`` of each chunk's magnitude: a chunk's
     sums of squares within ``rtol`` of each other, its sums within ``rtol`` of sqrt(count · sum of squares)

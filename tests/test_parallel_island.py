@@ -354,7 +354,7 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
     import diloco.engine.state_transfer as state_transfer
     from diloco.engine.metrics import RunStats
     from diloco.engine.state_transfer import StateTransfer
-    from peers import Downloaded, fingerprint
+    from peers import Downloaded, digest, fingerprint
 
     honest = torch.linspace(-1.0, 1.0, 12)
     served = {"b:1": honest + 0.5, "c:1": honest.clone()}
@@ -365,7 +365,7 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
 
     membership = SimpleNamespace(others=lambda: [member("b"), member("c")], beating=lambda m: True,
                                  endpoints=lambda pid: [f"{pid}:1"],
-                                 vouched_state=lambda position: (fingerprint([honest], 4), 2))
+                                 vouched_state=lambda position: (digest(fingerprint([honest], 4)), 2))
     meta = {"outer_step": 5, "committed_rounds": 5, "config_fingerprint": "F", "layout_fingerprint": "L", "phase": 0}
     monkeypatch.setattr(state_transfer, "download_state", lambda transport, donor, buckets, timeout, tag: (
         {0: Downloaded(dict(meta), served[donor[0]], torch.zeros(12))}, ""))

@@ -25,6 +25,7 @@ from diloco.errors import TrainingError
 from outer_optim import OuterOptimizer
 from outer_optim.tensors import all_finite
 from peers import (
+    CHUNKS_PER_BUCKET,
     STATS,
     BucketExchange,
     Downloaded,
@@ -32,6 +33,7 @@ from peers import (
     Position,
     as_float,
     confirmed_position,
+    digest,
     download_state,
     fingerprint,
     fingerprints_agree,
@@ -200,7 +202,7 @@ class StateTransfer:
         self.stats.rounds_caught_up += max(0, self.stats.outer_step - before - counted)
         self._serve(True)
         self.peers.membership.announce(self.stats.outer_step, averaging=False,
-                                       state=self.exchange.canonical_fingerprint(self.outer.theta_global))
+                                       held=digest(self.exchange.canonical_fingerprint(self.outer.theta_global)))
         log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", self.stats.outer_step,
                  f"; {self.schedule.phase()} of its H steps into the round, as the island that served it"
                  if self.schedule.by_steps_now() else "")
@@ -321,9 +323,9 @@ class StateTransfer:
     def download(self, target: list[float] | None = None) -> State | None:
         """Collective: every rank downloads the buckets it owns from every rank of the freshest island that
         serves (all requests at once, :func:`peers.wire.state_share.download`); when every bucket came whole from
-        one outer step (and matches ``target``, a canonical fingerprint, if given; else the fingerprint the run's
-        islands at the donor's position announce in their signed records, when they do: a donor whose state does
-        not match is refused and not asked again at that position) return
+        one outer step (and matches ``target``, a canonical fingerprint, if given; else the digest of θ_global the
+        run's islands at the donor's position announce in their signed records, when they do: a donor whose state
+        does not match is refused and not asked again at that position) return
         ``(meta, this rank's θ shards + momentum shards)`` on every rank, else None on every rank."""
         donor, donor_id, vouched_at, vouched = self.main_decides(self._donor)
         if target is None and vouched is not None:
@@ -332,7 +334,8 @@ class StateTransfer:
             vouched_at = None  # the caller's target (the majority's, when resynchronizing) rules
         got: dict[int, Downloaded] = {}
         verdict: dict[int, int] = {}
-        foreign, phase, committed, mismatch = "", -1, None, False
+        prints: dict[int, list[float]] = {}
+        foreign, phase, committed = "", -1, None
         if donor:
             self._downloads += 1
             buckets = {b: self.layout.buckets[b].numel for b in self.exchange.owned}
@@ -345,8 +348,8 @@ class StateTransfer:
                 if vouched_at is not None and step != NOWHERE:
                     if step != vouched_at:  # it moved on since we read the registry: look again
                         step = NOWHERE
-                    elif not self._matches(b, piece, target):  # not the θ_global the run holds at that position
-                        step, mismatch = NOWHERE, True
+                    else:
+                        prints[b] = fingerprint([piece.theta], CHUNKS_PER_BUCKET)
                 verdict[b] = step
                 foreign = foreign or problem
                 served = as_float(piece.meta.get("phase"))  # a peer's metadata: anything may come
@@ -356,15 +359,18 @@ class StateTransfer:
                     committed = roster if committed is None or committed == roster else [[], {}]
         merged: dict[int, int] = {}
         rosters = []
-        for part, why, p, roster, wrong in self.rt.gather_all((verdict, foreign, phase, committed, mismatch)):
+        whole: dict[int, list[float]] = {}
+        for part, why, p, roster, printed in self.rt.gather_all((verdict, foreign, phase, committed, prints)):
             merged.update(part)
             foreign = foreign or why
             phase = max(phase, p)
             rosters.append(roster)
-            mismatch = mismatch or wrong
+            whole.update(printed)
         if foreign:
             raise TrainingError(foreign)
-        if mismatch:
+        # the whole state, as its owners fingerprinted it, must be the θ_global the run holds at that position
+        if vouched_at is not None and len(whole) == len(self.layout.buckets) and not fingerprints_agree(
+                digest([x for b in sorted(whole) for x in whole[b]]), target, 1e-5):
             self._refused[donor_id] = vouched_at
             log.warning("refused the θ_global island %s served at position %s: it does not match the fingerprint the "
                         "run's islands at that position announce; trying another island", donor_id[-8:], vouched_at)
@@ -415,15 +421,12 @@ class StateTransfer:
                         "as the other islands")
         if not (all_finite(piece.theta) and all_finite(piece.momentum)):
             return NOWHERE, ""
-        if target is not None and not self._matches(b, piece, target):
-            return NOWHERE, ""
+        if target is not None:
+            per_bucket = len(target) // len(self.layout.buckets)
+            mine = fingerprint([piece.theta], per_bucket // STATS)
+            if not fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5):
+                return NOWHERE, ""
         return _position(meta), ""
-
-    def _matches(self, b: int, piece: Downloaded, target: list[float]) -> bool:
-        """Whether bucket ``b`` of a downloaded θ_global matches its part of ``target``, a canonical fingerprint."""
-        per_bucket = len(target) // len(self.layout.buckets)
-        mine = fingerprint([piece.theta], per_bucket // STATS)
-        return fingerprints_agree(mine, target[per_bucket * b:per_bucket * (b + 1)], 1e-5)
 
     def adopt(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Install this rank's shards of a downloaded θ_global, outer momentum and outer step (collective) and

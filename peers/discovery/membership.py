@@ -97,6 +97,9 @@ class Member:
     committed: int = 0
     """Rounds the lineage of its θ_global committed (its outer optimizer's steps): with ``outer_step``, its
     :attr:`position` in the run."""
+    held: Any = None
+    """The :func:`peers.fingerprints.digest` of the θ_global it holds at its position (announced after each round):
+    what a state downloaded from an island at that position must match."""
 
     @property
     def position(self) -> Position:
@@ -175,6 +178,7 @@ class Membership:
         self.serving = True
         """Whether this island serves its θ_global to joiners now (published)."""
         self.state: Any = None
+        self.held: Any = None
         self.final: dict | None = None
         """Set when the island has finished training (kept in its record, also after it leaves)."""
         self.refuses: Callable[[str], bool] | None = None
@@ -202,22 +206,26 @@ class Membership:
             value["endpoint"] = self.endpoint
         if not self.serving:
             value["serving"] = False
-        if self.state is not None:
+        if self.averaging and self.state is not None:
             value["state"] = list(self.state)
+        if self.held is not None:
+            value["held"] = list(self.held)
         if self.final is not None:
             value["final"] = self.final
         value.update(extra)
         return value
 
-    def announce(self, outer_step: int | None = None, averaging: bool | None = None, state: Any = None) -> None:
-        """Publish (or refresh) this island's registration: its outer step, whether it is averaging and the
-        fingerprint ``state`` of the θ_global it holds at its position (the one it averages from while averaging;
-        None: not known, e.g. while it replaces it).  ``state`` is taken with ``averaging``, kept otherwise."""
+    def announce(self, outer_step: int | None = None, averaging: bool | None = None, state: Any = None,
+                 held: Any = None) -> None:
+        """Publish (or refresh) this island's registration: its outer step, whether it is averaging and, when it
+        starts averaging, the fingerprint ``state`` of the θ_global it averages from; ``held``: the digest of the
+        θ_global it holds at its position (see :attr:`Member.held`), given with its new outer step."""
         if outer_step is not None:
             self.outer_step = outer_step
+            self.held = held
         if averaging is not None:
             self.averaging = averaging
-            self.state = state
+            self.state = state if averaging else None
         try:
             self._store(self._value(), self.ttl)
         except DHTUnavailableError as e:  # a DHT that no longer answers must not stop training or leaving
@@ -273,7 +281,7 @@ class Membership:
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
                                   value.get("state"), value.get("final"), expiration,
                                   str(value.get("endpoint", "")), bool(value.get("serving", True)),
-                                  _count(value.get("committed")))
+                                  _count(value.get("committed")), value.get("held"))
         return out
 
     def islands(self, strict: bool = False) -> dict[str, Member]:
@@ -290,10 +298,12 @@ class Membership:
             seen = out.get(island)
             if seen is None:
                 out[island] = seen = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
-                                            expires=m.expires, serving=m.serving, committed=m.committed)
+                                            expires=m.expires, serving=m.serving, committed=m.committed, held=m.held)
             else:
                 if m.outer_step > seen.outer_step or (m.outer_step == seen.outer_step and seen.state is None):
                     seen.state = m.state
+                if m.position > seen.position or (m.position == seen.position and seen.held is None):
+                    seen.held = m.held
                 seen.outer_step = max(seen.outer_step, m.outer_step)
                 seen.committed = max(seen.committed, m.committed)
                 seen.averaging = seen.averaging or m.averaging
@@ -373,11 +383,12 @@ class Membership:
         return confirmed_position([m.position for m in self.others() if not beating_only or self.beating(m)])
 
     def vouched_state(self, position: Position) -> tuple[list[float] | None, int]:
-        """The fingerprint of the θ_global that the other live islands at ``position`` announce (their own, signed
-        records), and how many of them agree on it: the largest agreeing set's (ties: the one holding the smallest
-        island id); (None, 0) when none announces one.  What a state downloaded at that position must match."""
-        meta = {m.island: {"state_fingerprint": m.state} for m in self.others()
-                if m.position == position and m.state is not None and self.beating(m)}
+        """The digest of the θ_global that the other live islands at ``position`` hold (:attr:`Member.held`, in
+        their own signed records), and how many of them agree on it: the largest agreeing set's (ties: the one
+        holding the smallest island id); (None, 0) when none announces one.  What a state downloaded at that
+        position must match."""
+        meta = {m.island: {"state_fingerprint": m.held} for m in self.others()
+                if m.position == position and isinstance(m.held, list) and self.beating(m)}
         if not meta:
             return None, 0
         agreeing, _ = majority_by_state(meta, sorted(meta)[0])

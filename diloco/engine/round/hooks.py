@@ -10,7 +10,7 @@ import torch
 
 from diloco.engine.faults import CLAIM, FLIP, SCALE, FaultPlan
 from outer_optim import OuterOptimizer
-from peers import PeerNode
+from peers import PeerNode, digest
 
 Delta = dict[str, torch.Tensor]
 """A pseudo-gradient: parameter name → this rank's shard of Δ = θ_global − θ_local."""
@@ -79,9 +79,9 @@ class MembershipHook(RoundHook):
 
     def starting(self, rnd: int, state: list[float]) -> None:
         if self.peers.membership is not None:
-            self.peers.membership.announce(rnd, averaging=True, state=state)
+            self.peers.membership.announce(rnd, averaging=True, state=state, held=digest(state))
 
     def after(self, outer_step: int) -> None:
         if self.peers.membership is not None:
-            self.peers.membership.announce(outer_step, averaging=False, state=self.fingerprint())
+            self.peers.membership.announce(outer_step, averaging=False, held=digest(self.fingerprint()))
             self.peers.remember_peers()
