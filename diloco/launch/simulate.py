@@ -14,6 +14,7 @@ import errno
 import json
 import math
 import os
+import random
 import re
 import signal
 import socket
@@ -74,11 +75,16 @@ def island_configs(cfg: Config, n: int, host_addresses: list[str] | None = None)
 
 def free_port_pair(host: str, tries: int = 20) -> int | None:
     """A TCP port of ``host`` free now together with the next one (an island's DHT port and its transport's,
-    ``peers.settings.transport_port``); None when ``host`` is not an address of this machine or none was found."""
-    for _ in range(tries):
+    ``peers.settings.transport_port``); None when ``host`` is not an address of this machine or none was found.
+
+    Picked below the kernel's ephemeral range when there is room: the island binds them seconds later, and a port
+    in that range can be taken meanwhile by any outgoing connection on the machine (a CI run once lost its
+    transport's port so)."""
+    low = _ephemeral_low()
+    for attempt in range(tries):
         try:
             with socket.socket() as first, socket.socket() as second:
-                first.bind((host, 0))
+                first.bind((host, random.randrange(10_000, low - 2) if low > 12_000 and attempt < tries - 1 else 0))
                 port = first.getsockname()[1]
                 if port == 65535:
                     continue
@@ -88,6 +94,14 @@ def free_port_pair(host: str, tries: int = 20) -> int | None:
             if e.errno != errno.EADDRINUSE:
                 return None
     return None
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux), else 0."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def visible_gpus() -> list[str]:
