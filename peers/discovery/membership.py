@@ -98,7 +98,7 @@ class Member:
     """Rounds the lineage of its θ_global committed (its outer optimizer's steps): with ``outer_step``, its
     :attr:`position` in the run."""
     held: Any = None
-    """The :func:`peers.fingerprints.digest` of the θ_global it holds at its position (announced after each round):
+    """The :func:`peers.fingerprints.digest` of the θ_global it holds at its position (announced while it averages a round: the one it entered it with):
     what a state downloaded from an island at that position must match."""
 
     @property

@@ -4,7 +4,6 @@ registry, as :class:`RoundHook` objects the transaction calls at each of its mom
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -71,17 +70,17 @@ class MembershipHook(RoundHook):
     """Tells the run's member registry when this island averages and which outer step it holds, and keeps
     the addresses of the live islands (:meth:`PeerNode.remember_peers`)."""
 
-    def __init__(self, peers: PeerNode, fingerprint: Callable[[], list[float]]):
+    def __init__(self, peers: PeerNode):
         self.peers = peers
-        self.fingerprint = fingerprint
-        """Collective: the fingerprint of the θ_global the island holds (announced after each round, so that an
-        island catching up can check what it downloads against what the run's islands hold)."""
 
     def starting(self, rnd: int, state: list[float]) -> None:
+        # the digest of the θ_global it holds, for islands catching up to check their downloads against; after the
+        # round it is not known until the next one starts (another collective a round cost multi-rank islands
+        # under load the timing their rosters need)
         if self.peers.membership is not None:
             self.peers.membership.announce(rnd, averaging=True, state=state, held=digest(state))
 
     def after(self, outer_step: int) -> None:
         if self.peers.membership is not None:
-            self.peers.membership.announce(outer_step, averaging=False, held=digest(self.fingerprint()))
+            self.peers.membership.announce(outer_step, averaging=False)
             self.peers.remember_peers()
