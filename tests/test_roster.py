@@ -238,3 +238,72 @@ def test_under_a_robust_rule_a_lie_about_tokens_buys_no_more_than_the_median_wei
         assert result.ok, result.reason
         assert torch.equal(averaged[0], results[0][1][0])
         assert (averaged[0] - honest_mean).norm() < 0.5 * honest_mean.norm()
+
+
+# ------------------------------------------------------------------------------ forming a roster, scripted
+@pytest.fixture
+def three_transports():
+    from peers.identity import Identity
+    from peers.wire.transport import Transport
+
+    made = [Transport(Identity.generate(), encrypt=False) for _ in range(3)]
+    yield made
+    for t in made:
+        t.close()
+
+
+def test_two_islands_that_follow_each_other_end_with_one_leader_and_one_roster(three_transports):
+    """The cycle a loaded machine made (a 6-island round ended with every island waiting for a roster): an island
+    that came late to a round joins an island that had asked it (Y), while Y, sent on by a third (Z) that took no
+    part, joined it in turn: each waited for the other's roster.  Of the two, the one first in the order leads, and
+    one roster of both forms."""
+    import time
+
+    from peers.group.roster import JOIN, PASS_BODY, ROSTER, RosterForming, RoundView
+
+    by_id = {t.peer_id: t for t in three_transports}
+    z_id, x_id, y_id = leader_order(by_id, "0")  # Z first, X before Y
+    z, x, y = by_id[z_id], by_id[x_id], by_id[y_id]
+    joined_z: list[str] = []
+    z.handlers[JOIN] = lambda key, sender, payload, extra: joined_z.append(sender) or True  # takes joins, answers none
+    forming = {i: RosterForming(by_id[i], i, matchmaking_time=0.5, request_timeout=2.0) for i in (x_id, y_id)}
+    endpoints = {i: t.endpoint for i, t in by_id.items()}
+    deadline = time.monotonic() + 15.0
+
+    # Y asked X before X reached the round: X remembers it as an asker
+    y.send(x.endpoint, JOIN + "0", b'{"round_id": "0"}', deadline, {"endpoint": y.endpoint})
+    assert x_id in y.box.wait_for(ROSTER + "0", lambda m: x_id in m, deadline)
+    y.box.release(ROSTER + "0", drop=True)
+
+    results: dict[str, object] = {}
+
+    def form(island: str, expected: set[str]) -> None:
+        view = RoundView((), endpoints, expected, set(), 3)
+        results[island] = forming[island].form("0", {"round_id": "0", "who": island[-4:]}, view, deadline,
+                                               lambda: None)
+
+    # Y enters the round and follows Z (first in its order), which says nothing yet
+    ty = threading.Thread(target=form, args=(y_id, {z_id, x_id, y_id}))
+    ty.start()
+    assert _until(lambda: y_id in joined_z)
+    # X enters: Y asked it before, so it joins Y (which is there, following Z)
+    tx = threading.Thread(target=form, args=(x_id, {x_id, y_id}))
+    tx.start()
+    assert _until(lambda: forming[y_id].transport.box.wait_for(JOIN + "0", lambda m: x_id in m, 0.0))
+    # Z takes no part: Y goes on to X, which is there and follows Y
+    z.send(y.endpoint, ROSTER + "0", PASS_BODY, deadline)
+    ty.join(20)
+    tx.join(20)
+    for f in forming.values():
+        f.close()
+    assert isinstance(results[x_id], dict) and isinstance(results[y_id], dict), results
+    assert set(results[x_id]) == set(results[y_id]) == {x_id, y_id}
+
+
+def _until(condition, timeout: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.02)
+    return bool(condition())

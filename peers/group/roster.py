@@ -224,21 +224,47 @@ class RosterForming:
         next leader in the order)."""
         self._refresh: Callable[[], RoundView] | None = None
         self._handed_to = RoundView()
+        self._followed: tuple[str, str] | None = None
+        """(leader, its endpoint) whose roster this island took in the round it forms or formed last."""
+        self._order: list[str] = []
+        """The leader order of the round this island forms (as its view of the registry gives it)."""
         self._lock = threading.Lock()
         transport.handlers[JOIN] = self._on_join
 
     def decline(self, round_id: str) -> None:
         """This island takes no part in ``round_id`` (it leaves the round out, or catches up past it): islands whose
         join comes to it, taking it for the round's leader, are told to try the next one in the order."""
-        self._close(round_id, PASS_BODY)
+        self._stop_taking(round_id, PASS_BODY)
+
+    def _stop_taking(self, round_id: str, body: bytes, answer: bool = True) -> dict[str, tuple[dict, str]]:
+        """From now on this island answers every join of ``round_id`` with ``body``, and answers so the joins
+        already in its inbox (each was told this island is there) unless not ``answer``.  The joins it took:
+        (metadata, endpoint) by island."""
+        return self._answer_joins(round_id, body, (lambda _: not answer), close=True)
+
+    def _answer_joins(self, round_id: str, body: bytes, keep: Callable[[str], bool], close: bool = False
+                      ) -> dict[str, tuple[dict, str]]:
+        """Take the joins of ``round_id`` from the inbox and answer them with ``body``, but those of the islands
+        ``keep`` names; ``close``: and answer so every join that comes later.  The joins taken: (metadata, endpoint) by
+        island.  Taken under the lock that decides whether a join is kept, so that none is kept after the inbox
+        was emptied for the last time (its sender would wait for an answer that never comes)."""
         key = JOIN + round_id
-        pending = self.transport.box.wait_for(key, lambda m: True, 0.0)
-        self.transport.box.release(key, drop=True)
-        for payload in pending.values():
+        with self._lock:
+            if close:
+                self._closed[round_id] = body
+                while len(self._closed) > CLOSED_ROUNDS:
+                    self._closed.popitem(last=False)
+            pending = self.transport.box.wait_for(key, lambda m: True, 0.0)
+            self.transport.box.release(key, drop=True)
+        taken = {}
+        for island, payload in pending.items():
             joined = _read_join(payload, round_id)
-            if joined is not None:
-                threading.Thread(target=self._answer, args=(joined[1], ROSTER + round_id, PASS_BODY),
-                                 daemon=True).start()
+            if joined is None:
+                continue
+            taken[island] = joined
+            if not keep(island):
+                threading.Thread(target=self._answer, args=(joined[1], ROSTER + round_id, body), daemon=True).start()
+        return taken
 
     def close(self) -> None:
         """Stop answering joins."""
@@ -258,10 +284,12 @@ class RosterForming:
                 self._passed_over.setdefault(round_id, set()).add(sender)
                 while len(self._passed_over) > CLOSED_ROUNDS:
                     self._passed_over.popitem(last=False)
+            if here:  # into the inbox while the lock is held: whoever stops taking joins finds it there
+                self.transport.box.put(key, sender, payload)
         if isinstance(endpoint, str) and endpoint:
             threading.Thread(target=self._answer, args=(endpoint, (HERE if here else ROSTER) + round_id,
                                                        b"" if here else sent), daemon=True).start()
-        return not here  # a join kept goes into the inbox, where the forming roster takes it
+        return True
 
     def _answer(self, endpoint: str, key: str, body: bytes) -> None:
         try:
@@ -284,7 +312,7 @@ class RosterForming:
         with self._lock:
             self._current = round_id
             askers = self._passed_over.pop(round_id, set())
-        self._refresh = refresh
+        self._refresh, self._followed = refresh, None
         try:
             for _ in range(HANDOFFS + 1):
                 formed = self._form(round_id, meta, view, deadline, give_up, body, endpoint, askers)
@@ -293,6 +321,12 @@ class RosterForming:
                 view, askers = self._handed_to, set()
             return RoundResult(False, f"averaging failed: the islands of round {round_id} never agreed on a leader")
         finally:
+            # joins that still come (or wait in the inbox) are sent on to the leader we followed, or on to the next
+            # one in their order when we formed no roster; a leader answered them already
+            if round_id not in self._closed:
+                followed = self._followed
+                self._stop_taking(round_id, PASS_BODY if followed is None else
+                                  json.dumps({"redirect": list(followed)}).encode())
             with self._lock:
                 self._current = ""
 
@@ -304,7 +338,7 @@ class RosterForming:
         and leads when none is.  One that came late, after islands later in the order asked it (``askers``), joins
         the first of those instead: it leads, or follows the leader and sends us on.  An island that leads no round
         (a newcomer) and finds none of them there yet asks again until one is."""
-        order = view.leaders(round_id) or [self.island]
+        order = self._order = view.leaders(round_id) or [self.island]
         mine = order.index(self.island) if self.island in order else len(order)
         later = [c for c in order[mine + 1:] if c in askers]
         if later:
@@ -362,6 +396,9 @@ class RosterForming:
                 # only once our leader said it is there are joins sent on to it: until then this island may yet
                 # lead them (if its leader turns out not to have reached the round)
                 if leader in box.wait_for(here, lambda m: True, 0.0):
+                    if leader in self.transport.box.wait_for(JOIN + round_id, lambda m: True, 0.0) and \
+                            self._before(leader):
+                        return LEAD  # our leader follows us in turn: of the two, the one first in the order leads
                     self._redirect_joins(round_id, leader, where)
                 if leader in got:
                     sent = got[leader]
@@ -397,6 +434,7 @@ class RosterForming:
                     if self.island not in members:
                         return RoundResult(False, "the other islands moved past this round without this island (it "
                                            "joined after their roster left)", left_behind=True)
+                    self._followed = (leader, where)
                     return members
                 if time.monotonic() >= deadline:
                     return RoundResult(False, "averaging failed: no roster came from the round's leader within "
@@ -411,19 +449,19 @@ class RosterForming:
             box.release(key, drop=True)
             box.release(here, drop=True)
 
+    def _before(self, island: str) -> bool:
+        """Whether this island comes before ``island`` in the round's leader order as it sees it (an island the
+        order does not name comes after every one it does)."""
+        rank = {c: i for i, c in enumerate(self._order)}
+        return rank.get(self.island, len(rank)) < rank.get(island, len(rank) + 1)
+
     def _redirect_joins(self, round_id: str, leader: str, where: str) -> None:
         """Tell the islands whose joins reached this follower which leader it follows (their view of the run
-        differed from ours: a newcomer, or an island that found another one gone)."""
-        key = JOIN + round_id
-        pending = self.transport.box.wait_for(key, lambda m: True, 0.0)
-        if not pending:
-            return
-        self.transport.box.release(key, drop=True)
-        told = json.dumps({"redirect": [leader, where]}).encode()
-        for island, payload in pending.items():
-            joined = _read_join(payload, round_id)
-            if joined is not None and island != leader:
-                threading.Thread(target=self._answer, args=(joined[1], ROSTER + round_id, told), daemon=True).start()
+        differed from ours: a newcomer, or an island that found another one gone).  A join from our own leader means
+        it follows us in turn (it came late and joined an island that had asked it, see :meth:`_form`); it comes
+        before us in the order (else we would lead, see :meth:`_follow`), and told that it follows itself, it
+        leads."""
+        self._answer_joins(round_id, json.dumps({"redirect": [leader, where]}).encode(), lambda _: False)
 
     def _lead(self, round_id: str, meta: dict, view: RoundView, deadline: float,
               give_up: Callable[[], RoundResult | None]) -> dict[str, dict] | RoundResult:
@@ -461,11 +499,11 @@ class RosterForming:
                     next_look = now + POLL
                     stop = give_up()
                     if stop is not None:
-                        self._close(round_id, PASS_BODY)
+                        self._stop_taking(round_id, PASS_BODY)
                         return stop
                     if self._refresh is not None and (not enough or quorum_problem(members, view.committed, view.out,
                                                                                    view.seen)):
-                        handed = self._hand_off(round_id, members, endpoints)
+                        handed = self._hand_off(round_id, members)
                         if handed:
                             return HANDED_OFF
                     gone = {i for i in expected - set(members) if refuses(view.endpoints.get(i, ""))}
@@ -475,9 +513,12 @@ class RosterForming:
                         # the members count the majority without them (the roster carries what its leader found)
                         meta["out"] = sorted(set(meta.get("out", [])) | (gone & set(view.committed)))
                         view.out |= gone & set(view.committed)
+            # joins that came since the last look came in time: they are members too
+            for island, (joined, where) in self._stop_taking(round_id, CLOSED_BODY, answer=False).items():
+                if island not in members and island != self.island:
+                    members[island], endpoints[island] = joined, where
             body = pack(members)
             log.debug("round %s: led a roster of %d island(s)", round_id, len(members))
-            self._close(round_id, CLOSED_BODY)
         finally:
             box.release(key, drop=True)
         others = [(endpoints[i], ROSTER + round_id, body, None) for i in members if i != self.island]
@@ -486,7 +527,7 @@ class RosterForming:
             log.info("round %s: the roster could not reach %d member(s)", round_id, len(failed))
         return members
 
-    def _hand_off(self, round_id: str, members: Mapping[str, dict], endpoints: Mapping[str, str]) -> bool:
+    def _hand_off(self, round_id: str, members: Mapping[str, dict]) -> bool:
         """A leader still without a group reads the registry again; when the fresh order names an island before it,
         it sends its joiners on to that one (and answers later joins so), to join it too.  Whether it did."""
         fresh = self._refresh()
@@ -497,19 +538,9 @@ class RosterForming:
             return False
         log.info("round %s: the registry now names %s before this island: handing the round over to it", round_id,
                  first[-8:])
-        turn = json.dumps({"redirect": [first, fresh.endpoints[first]]}).encode()
-        self._close(round_id, turn)
-        for island, where in endpoints.items():
-            threading.Thread(target=self._answer, args=(where, ROSTER + round_id, turn), daemon=True).start()
+        self._stop_taking(round_id, json.dumps({"redirect": [first, fresh.endpoints[first]]}).encode())
         self._handed_to = fresh
         return True
-
-    def _close(self, round_id: str, body: bytes) -> None:
-        with self._lock:
-            self._closed[round_id] = body
-            while len(self._closed) > CLOSED_ROUNDS:
-                self._closed.popitem(last=False)
-
 
 PASSED = RoundResult(False, "the leader takes no part in the round")
 """What :meth:`RosterForming._follow` returns when the leader we joined declined the round."""
