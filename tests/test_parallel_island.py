@@ -335,7 +335,7 @@ def test_a_catch_up_downloads_from_an_island_at_the_runs_position_not_from_one_t
 
     others = [member("liar", (10**9, 10**9)), member("b", (5, 5)), member("c", (5, 5)), member("d", (4, 4))]
     membership = SimpleNamespace(others=lambda: others, beating=lambda m: True,
-                                 endpoints=lambda pid: [f"{pid}:1"], vouched_state=lambda position: (None, 0))
+                                 endpoints=lambda pid: [f"{pid}:1"], vouched_state=lambda position, others=None: (None, 0))
     transfer = StateTransfer(SimpleNamespace(), stats=None, peers=SimpleNamespace(membership=membership), rt=None,
                              outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
                              forget_unsent=lambda: False, fingerprint="")
@@ -365,7 +365,7 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
 
     membership = SimpleNamespace(others=lambda: [member("b"), member("c")], beating=lambda m: True,
                                  endpoints=lambda pid: [f"{pid}:1"],
-                                 vouched_state=lambda position: (digest(fingerprint([honest], 4)), 2))
+                                 vouched_state=lambda position, others=None: (digest(fingerprint([honest], 4)), 2))
     meta = {"outer_step": 5, "committed_rounds": 5, "config_fingerprint": "F", "layout_fingerprint": "L", "phase": 0}
     monkeypatch.setattr(state_transfer, "download_state", lambda transport, donor, buckets, timeout, tag: (
         {0: Downloaded(dict(meta), served[donor[0]], torch.zeros(12))}, ""))
@@ -378,9 +378,11 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
         exchange=SimpleNamespace(layout=layout, owned=[0], scatter=lambda buckets: {"w": buckets[0]}),
         schedule=None, forget_unsent=lambda: False, fingerprint="F")
     assert transfer.download() is None  # b's state is not the one the run holds at (5, 5)
-    assert transfer._refused == {"b": (5, 5)}
+    assert transfer._refused == {"b": (5, 5)} and transfer.checked_digest is None
     got = transfer.download()  # c is asked now
     assert got is not None and got[0]["outer_step"] == 5 and torch.equal(got[1][0], honest)
+    # what the island vouches for once it adopted: the digest it checked, with no collective to compute it again
+    assert transfer.checked_digest == pytest.approx(digest(fingerprint([honest], 4)), rel=1e-6)
 
 
 def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round(unsigned_registry):

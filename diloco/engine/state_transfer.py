@@ -87,6 +87,9 @@ class StateTransfer:
         self._refused: dict[str, Position] = {}
         """Islands whose served θ_global did not match what the run's islands vouch for at its position, and that
         position: not asked again until they announce another one."""
+        self.checked_digest: list[float] | None = None
+        """The digest of the θ_global the last download brought, when it matched the one the run's islands at its
+        position vouch for (None: it was not checked so, or did not match)."""
 
     # ------------------------------------------------------------------------- serving
     def provide(self) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
@@ -201,8 +204,9 @@ class StateTransfer:
         self.adopt(*state)
         self.stats.rounds_caught_up += max(0, self.stats.outer_step - before - counted)
         self._serve(True)
-        self.peers.membership.announce(self.stats.outer_step, averaging=False,
-                                       held=digest(self.exchange.canonical_fingerprint(self.outer.theta_global)))
+        # vouch for the state only when the download was checked against what the run's islands vouch for (its digest
+        # is at hand then; computing one here would cost every rank of the island a collective)
+        self.peers.membership.announce(self.stats.outer_step, averaging=False, held=self.checked_digest)
         log.info("caught up with the run at outer step %d (θ_global downloaded from peers%s)", self.stats.outer_step,
                  f"; {self.schedule.phase()} of its H steps into the round, as the island that served it"
                  if self.schedule.by_steps_now() else "")
@@ -369,8 +373,12 @@ class StateTransfer:
         if foreign:
             raise TrainingError(foreign)
         # the whole state, as its owners fingerprinted it, must be the θ_global the run holds at that position
-        if vouched_at is not None and len(whole) == len(self.layout.buckets) and not fingerprints_agree(
-                digest([x for b in sorted(whole) for x in whole[b]]), target, 1e-5):
+        self.checked_digest = None
+        if vouched_at is not None and len(whole) == len(self.layout.buckets):
+            self.checked_digest = digest([x for b in sorted(whole) for x in whole[b]])
+            if not fingerprints_agree(self.checked_digest, target, 1e-5):
+                self.checked_digest = None
+        if vouched_at is not None and len(whole) == len(self.layout.buckets) and self.checked_digest is None:
             self._refused[donor_id] = vouched_at
             log.warning("refused the θ_global island %s served at position %s: it does not match the fingerprint the "
                         "run's islands at that position announce; trying another island", donor_id[-8:], vouched_at)
@@ -397,14 +405,15 @@ class StateTransfer:
         announcing a position no majority holds would serve its own θ_global), and not one whose state at its
         position was refused."""
         membership = self.peers.membership
-        live = [m for m in membership.others() if membership.beating(m) and m.serving]
+        others = membership.others()
+        live = [m for m in others if membership.beating(m) and m.serving]
         floor = confirmed_position([m.position for m in live])
         for m in sorted((m for m in live if m.position >= floor), key=lambda m: (m.position, m.averaging, m.peer_id)):
             if self._refused.get(m.island) == m.position:
                 continue
             endpoints = membership.endpoints(m.peer_id)
             if endpoints:
-                vouched, _ = membership.vouched_state(m.position)
+                vouched, _ = membership.vouched_state(m.position, others)
                 return endpoints, m.island, m.position, vouched
         return [], "", None, None
 

@@ -382,12 +382,13 @@ class Membership:
         step nobody else reached, lives on until the ttl runs out, and nobody can serve that step)."""
         return confirmed_position([m.position for m in self.others() if not beating_only or self.beating(m)])
 
-    def vouched_state(self, position: Position) -> tuple[list[float] | None, int]:
+    def vouched_state(self, position: Position, others: list[Member] | None = None) -> tuple[list[float] | None, int]:
         """The digest of the θ_global that the other live islands at ``position`` hold (:attr:`Member.held`, in
         their own signed records), and how many of them agree on it: the largest agreeing set's (ties: the one
         holding the smallest island id); (None, 0) when none announces one.  What a state downloaded at that
-        position must match."""
-        meta = {m.island: {"state_fingerprint": m.held} for m in self.others()
+        position must match.  ``others``: the other live islands as :meth:`others` just read them (default: read
+        the registry again)."""
+        meta = {m.island: {"state_fingerprint": m.held} for m in (self.others() if others is None else others)
                 if m.position == position and isinstance(m.held, list) and self.beating(m)}
         if not meta:
             return None, 0
