@@ -20,6 +20,11 @@ same leader from what the run has already agreed on, and a group forms in one ro
    has, ``matchmaking_time`` more for the rest (a late or dead island does not hold a run up longer); then it
    sends every member the *roster*: each member's metadata.  A join that comes after the roster left gets it too:
    its sender sees it is not a member and catches up with the run instead.
+4. Every join is answered, whatever the island that got it does next (:meth:`RosterForming._answer_joins`): a
+   join waiting in its inbox when it stops taking them is taken into its roster (a leader), sent on to its leader
+   (a follower), or told to try the next island.  Two islands that follow each other (the first of the order came
+   late and joined an island that had asked it, which had joined it meanwhile) find it out: of the two, the one
+   first in the order leads.
 
 **At most one lineage of θ_global** (:func:`quorum_problem`).  A round's result counts only when its group holds a
 majority of the islands that committed the previous round (the *committed roster*, kept with θ_global, in
