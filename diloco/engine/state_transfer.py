@@ -252,7 +252,7 @@ class StateTransfer:
             return ""
         differ, compared, alone, behind = self.main_decides(lambda: (*self.peers.membership.final_disagreements(
             self.stats.outer_step, state, self.a.vote_timeout), self.peers.alone.since is not None,
-            sum(1 for m in self.peers.membership.others() if not m.left and m.outer_step < self.stats.outer_step)))
+            self._behind(self.a.matchmaking_timeout if not stopping else 0.0)))
         if not differ and not compared:
             doubt = self._unconfirmed_end(alone)
             if doubt and stopping:  # stopped, not ended: --resume compares it with the run's θ_global
@@ -274,6 +274,22 @@ class StateTransfer:
                 f"at outer step {self.stats.outer_step} differs from this one's ({', '.join(d[-8:] for d in differ)}), "
                 f"so this island holds {side}; resume the islands with --resume so the minority resynchronizes, and "
                 f"report the logs")
+
+    def _behind(self, linger: float) -> int:
+        """On rank 0, at the end of the run: the live islands that have not reached this island's outer step, after
+        serving θ_global up to ``linger`` seconds more while there are any (an island late for the last rounds, under
+        load, would otherwise find nobody left to catch up from, and end out of sync)."""
+        membership, until = self.peers.membership, time.monotonic() + linger
+        while True:
+            behind = sum(1 for m in membership.others() if not m.left and membership.beating(m)
+                         and m.outer_step < self.stats.outer_step)
+            if not behind or time.monotonic() >= until:
+                return behind
+            if linger:
+                log.info("%d live island(s) have not reached outer step %d yet: serving θ_global up to %.0f s more for "
+                         "them to catch up", behind, self.stats.outer_step, until - time.monotonic())
+                linger = 0.0  # said once
+            time.sleep(1.0)
 
     def _unconfirmed_end(self, alone: bool) -> str:
         """Why an island that found no other island to compare its final θ_global with may be out of sync
