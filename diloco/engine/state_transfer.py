@@ -279,16 +279,16 @@ class StateTransfer:
         """On rank 0, at the end of the run: the live islands that have not reached this island's outer step, after
         serving θ_global up to ``linger`` seconds more while there are any (an island late for the last rounds, under
         load, would otherwise find nobody left to catch up from, and end out of sync)."""
-        membership, until = self.peers.membership, time.monotonic() + linger
+        membership, until, said = self.peers.membership, time.monotonic() + linger, False
         while True:
             behind = sum(1 for m in membership.others() if not m.left and membership.beating(m)
                          and m.outer_step < self.stats.outer_step)
             if not behind or time.monotonic() >= until:
                 return behind
-            if linger:
+            if not said:
                 log.info("%d live island(s) have not reached outer step %d yet: serving θ_global up to %.0f s more for "
-                         "them to catch up", behind, self.stats.outer_step, until - time.monotonic())
-                linger = 0.0  # said once
+                         "them to catch up", behind, self.stats.outer_step, linger)
+                said = True
             time.sleep(1.0)
 
     def _unconfirmed_end(self, alone: bool) -> str:
@@ -391,14 +391,14 @@ class StateTransfer:
         # the whole state, as its owners fingerprinted it, must be the θ_global the run holds at that position
         self.checked_digest = None
         if vouched_at is not None and len(whole) == len(self.layout.buckets):
-            self.checked_digest = digest([x for b in sorted(whole) for x in whole[b]])
-            if not fingerprints_agree(self.checked_digest, target, 1e-5):
-                self.checked_digest = None
-        if vouched_at is not None and len(whole) == len(self.layout.buckets) and self.checked_digest is None:
-            self._refused[donor_id] = vouched_at
-            log.warning("refused the θ_global island %s served at position %s: it does not match the fingerprint the "
-                        "run's islands at that position announce; trying another island", donor_id[-8:], vouched_at)
-            return None
+            held = digest([x for b in sorted(whole) for x in whole[b]])
+            if not fingerprints_agree(held, target, 1e-5):
+                self._refused[donor_id] = vouched_at
+                log.warning("refused the θ_global island %s served at position %s: it does not match the fingerprint "
+                            "the run's islands at that position announce; trying another island", donor_id[-8:],
+                            vouched_at)
+                return None
+            self.checked_digest = held
         steps = set(merged.values())
         if len(merged) != len(self.layout.buckets) or len(steps) != 1 or NOWHERE in steps:
             return None
