@@ -247,7 +247,7 @@ def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
 
     stats = RunStats(outer_step=7)
     peers = SimpleNamespace(membership=mine, alone=SimpleNamespace(since=None), averager=None)
-    transfer = StateTransfer(SimpleNamespace(vote_timeout=1.0, strikes=2), stats=stats, peers=peers,
+    transfer = StateTransfer(SimpleNamespace(vote_timeout=1.0, strikes=2, matchmaking_timeout=1.0), stats=stats, peers=peers,
                              rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
                              outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
                              forget_unsent=lambda: False, fingerprint="")
