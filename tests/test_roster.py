@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peers.discovery.dht import start_dht, visible_maddrs
-from peers.discovery.membership import confirmed_position, run_moved_past
+from peers.discovery.membership import confirmed_position, meeting_step, run_moved_past
 from peers.group.averager import VerifiedAverager
 from peers.group.roster import GENESIS, leader_order, lineage, quorum_problem, split_groups
 from peers.settings import AveragerSettings, NetworkSettings, Scope
@@ -64,6 +64,24 @@ def test_a_position_counts_once_half_the_run_reached_it():
     assert confirmed_position([(10**9, 10**9), (5, 5)]) == (5, 5)  # of 3, a liar alone counts for nothing
     assert confirmed_position([(10**9, 10**9)] + [(5, 5)] * 4 + [(4, 4)] * 2) == (5, 5)
     assert confirmed_position([(6, 6)] * 3 + [(5, 5)] * 4) == (5, 5)  # 3 of 8 at round 6: not yet the run's
+
+
+def test_islands_of_one_lineage_numbered_apart_meet_at_the_step_a_quarter_of_them_reached():
+    """Failed rounds spread the numbering of islands that hold one θ_global (the 16-island run: 2 of 10 rounds
+    committed so); an island behind averages its next round with those ahead, never moves back, and follows no
+    lone member that announces a step far ahead."""
+    # 16 islands spread over steps 7, 8, 9: every one meets at 9, where 6 are already
+    spread = [7] * 5 + [8] * 5 + [9] * 6
+    for mine in (7, 8, 9):
+        others = list(spread)
+        others.remove(mine)
+        assert meeting_step(others, mine) == 9
+    assert meeting_step([7] * 13 + [9] * 2, 7) == 7  # 2 of 16 ahead: the 14 hold the round, the 2 catch up after
+    assert meeting_step([10**9] + [5] * 6, 5) == 5  # one liar far ahead draws nobody
+    assert meeting_step([10**9] * 2 + [6] * 2 + [5] * 4, 5) == 6  # of 9, 2 liars are not a quarter; 4 ahead are
+    assert meeting_step([4] * 3, 5) == 5  # never back
+    assert meeting_step([6], 5) == 6 and meeting_step([], 5) == 5  # of 2 islands, the other's number
+    assert meeting_step([6, 5], 5) == 5  # of 3, one ahead is not enough
 
 
 def test_two_groups_without_a_common_member_never_both_hold_a_majority():

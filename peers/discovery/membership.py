@@ -155,6 +155,24 @@ def run_moved_past(others: list[Position], mine: Position) -> bool:
     return confirmed_position(others) > mine
 
 
+def meeting_step(lineage: list[int], mine: int) -> int:
+    """The round an island at outer step ``mine`` averages next, given the outer steps ``lineage`` of the other live
+    islands whose θ_global's lineage committed as many rounds as its own: ``mine``, or a later step that enough of
+    them number their rounds at or beyond to meet there.
+
+    Rounds that fail move an island's outer step on, and islands starved at different moments fail different rounds:
+    islands of one θ_global end up numbering their rounds apart, each round's group holds only those at its number,
+    no group holds a majority, and every round fails on, the spread kept (a 16-island run committed 2 rounds of 10 so).
+    Their θ_global being one, a round's number is only where they meet: an island numbering behind joins the islands
+    ahead at theirs (its Δ is the same), and the spread closes within a round.  The step is the highest that at least
+    a quarter of the lineage (two islands, with three or more) reach or pass, so that one member announcing a step far
+    ahead draws nobody past the run's rounds; islands never move back, so round ids stay unique per attempt."""
+    ahead = sorted((s for s in lineage if s > mine), reverse=True)
+    size = len(lineage) + 1
+    need = max(min(2, size - 1), -(-size // 4))
+    return ahead[need - 1] if need and len(ahead) >= need else mine
+
+
 class Membership:
     """Registers this island (or one rank of it), keeps the registration alive, and lists the run's
     live islands.  ``island`` is the island's id (its rank 0's peer id; empty: this peer's id) and
@@ -394,6 +412,12 @@ class Membership:
             return None, 0
         agreeing, _ = majority_by_state(meta, sorted(meta)[0])
         return list(meta[agreeing[0]]["state_fingerprint"]), len(agreeing)
+
+    def meeting_step(self, committed: int, outer_step: int) -> int:
+        """The round this island, at outer step ``outer_step`` with ``committed`` rounds in its lineage, averages next
+        (see :func:`meeting_step`), from the live islands still beating."""
+        return meeting_step([m.outer_step for m in self.others() if m.committed == committed and self.beating(m)],
+                            outer_step)
 
     def averaging_round(self, outer_step: int) -> bool:
         """True if another live island announced it is averaging round ``outer_step`` right now."""

@@ -191,7 +191,8 @@ class VerifiedAverager(MissedGroups):
             self.endpoint = transport.endpoint
             self.transport = transport
             self.roster = RosterForming(transport, self.peer_id, settings.matchmaking_time, settings.request_timeout,
-                                        target=settings.target_group_size, min_group_size=settings.min_group_size)
+                                        target=settings.target_group_size, min_group_size=settings.min_group_size,
+                                        wait_for=settings.wait_for_islands)
             if membership is None:
                 membership = self._own_membership = Membership(dht, scope.prefix, island=self.peer_id)
                 membership.endpoint = transport.endpoint

@@ -18,8 +18,9 @@ same leader from what the run has already agreed on, and a group forms in one ro
    the first island of that order it can reach; the first is itself, it leads.
 3. The leader waits until every island it expects has joined, or, once a majority of the last committed roster
    has, ``matchmaking_time`` more for the rest (a late or dead island does not hold a run up longer); then it
-   sends every member the *roster*: each member's metadata.  A join that comes after the roster left gets it too:
-   its sender sees it is not a member and catches up with the run instead.
+   sends every member the *roster*: each member's metadata.  In a new run's first round it expects at least
+   ``--averaging.wait_for_islands``, whatever its first read of the registry listed.  A join that comes after the
+   roster left gets it too: its sender sees it is not a member and catches up with the run instead.
 4. Every join is answered, whatever the island that got it does next (:meth:`RosterForming._answer_joins`): a
    join waiting in its inbox when it stops taking them is taken into its roster (a leader), sent on to its leader
    (a follower), or told to try the next island.  Two islands that follow each other (the first of the order came
@@ -212,13 +213,14 @@ class RosterForming:
     how long a leader that has a majority waits for the rest; ``request_timeout``: how long a join may take to reach
     a leader before the next in order is tried; ``target``: close the roster as soon as this many joined (0: when
     every expected island did); ``min_group_size``: a leader holding fewer members waits on (for an island that
-    comes late, or until it gives up)."""
+    comes late, or until it gives up); ``wait_for``: the islands a new run waits for (``--averaging.wait_for_islands``):
+    before any round committed, a leader holding fewer does not take its registry read for every island coming."""
 
     def __init__(self, transport: Transport, island: str, matchmaking_time: float, request_timeout: float,
-                 target: int = 0, min_group_size: int = 2):
+                 target: int = 0, min_group_size: int = 2, wait_for: int = 0):
         self.transport, self.island = transport, island
         self.matchmaking_time, self.request_timeout, self.target = matchmaking_time, request_timeout, target
-        self.min_group_size = min_group_size
+        self.min_group_size, self.wait_for = min_group_size, wait_for
         self._closed: OrderedDict[str, bytes] = OrderedDict()
         """Round ids this island is done with → what it answers joins that come later (the roster left, or it takes
         no part)."""
@@ -492,7 +494,10 @@ class RosterForming:
                         members[island], endpoints[island] = joined
                 now = time.monotonic()
                 enough = len(members) >= self.min_group_size
-                if enough and (expected <= set(members) or (self.target and len(members) >= self.target)):
+                # a new run's first read of the registry may not list every island registered yet (its records
+                # reach the DHT's nodes a moment apart): one missing from it would come after the roster left
+                complete = expected <= set(members) and (bool(view.committed) or len(members) >= self.wait_for)
+                if enough and (complete or (self.target and len(members) >= self.target)):
                     break
                 if enough and not quorum_problem(members, view.committed, view.out, view.seen):
                     majority_since = majority_since or now

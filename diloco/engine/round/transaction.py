@@ -73,6 +73,7 @@ class RoundTransaction:
     def open(self, f: InFlight, source: Params) -> RoundMetrics | None:
         """Catch up if the run moved on without us, or leave the round out when outvoted (the round's metrics),
         else take Δ of ``f``'s fragment from ``source`` and start averaging it (None)."""
+        self._meet(f)
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
             self.peers.averager.decline(round_id(f.rnd))
@@ -99,6 +100,24 @@ class RoundTransaction:
                                               expected_group_size=expected)
         f.opened(self.outer)
         return None
+
+    def _meet(self, f: InFlight) -> None:
+        """Collective: number the round ``f`` at the step the islands of our lineage ahead of us number theirs
+        (:func:`peers.discovery.membership.meeting_step`), so that islands whose failed rounds moved their numbering
+        apart average together again.  Not for fragments (Streaming DiLoCo: a round's number says which fragment it
+        averages) nor islands of one torch world (they number every round together)."""
+        membership = self.peers.membership
+        if membership is None or self.rt.lockstep or self.schedule.n != 1:
+            return
+        step = self.transfer.main_decides(lambda: min(self.schedule.total_rounds - 1, membership.meeting_step(
+            self.outer.step_count, f.rnd)))
+        if step <= f.rnd:
+            return
+        log.info("round %d: the islands of this θ_global number their rounds further; averaging this one with theirs, "
+                 "as round %d", f.rnd + 1, step + 1)
+        with self.outer.lock:
+            self.stats.outer_step = step
+        f.rnd = f.meta["outer_step"] = step
 
     def _on_stage(self, f: InFlight) -> Callable[[str], None]:
         """What the averager's bucket threads call as the round moves on: the hooks' ``stage``, and the
