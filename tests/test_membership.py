@@ -206,7 +206,7 @@ def test_an_island_that_missed_its_heartbeat_is_not_counted_as_beating(two_regis
     the step it had reached for one the run committed while the catch-up downloaded)."""
     killed, watcher = two_registries
     killed.start_heartbeat()
-    killed.announce(4, averaging=True, state=[1.0])
+    killed.announce(4, averaging=True, held=[1.0])
     assert wait_until(lambda: [m.outer_step for m in watcher.others()] == [4], 5.0)
     assert watcher.beating(watcher.others()[0])
     killed._stop.set()  # its heartbeat stops as a SIGKILL would stop it: no leave announced

@@ -194,9 +194,11 @@ def _done(value) -> Future:
 @pytest.fixture
 def unsigned_registry(monkeypatch):
     """The registry's records as :class:`_FakeDHT` keeps them: unsigned, under the fake peer ids (the owner's
-    signature is tested on real DHTs in tests/test_membership.py; these tests are about counting islands)."""
+    signature is tested on real DHTs in tests/test_membership.py; these tests are about counting islands), and every
+    question read afresh (these tests change the registry between two questions)."""
     import peers.discovery.membership as membership
 
+    monkeypatch.setattr(membership, "FRESH", 0.0)
     monkeypatch.setattr(membership, "store_owned", lambda dht, key, value, expiration_time, timeout: dht.store(
         key, dht.peer_id, value, expiration_time).result())
     monkeypatch.setattr(membership, "owned_items", lambda found, key: {
@@ -220,6 +222,28 @@ def test_membership_counts_islands_not_ranks(unsigned_registry):
     a0.leave()
     assert b.live_count() == 1 and b.others() == []
     assert json.dumps(registry)  # plain values only
+
+
+def test_one_read_of_the_registry_answers_every_question_of_a_second(unsigned_registry, monkeypatch):
+    """A read fetches every island's record from every DHT node it visits: the island's threads share one a second
+    (16 islands sent 25 MB each a round, reading on their own), and a record of its own it changed is read again."""
+    import peers.discovery.membership as membership
+
+    monkeypatch.setattr(membership, "FRESH", 60.0)
+    registry: dict[str, dict] = {}
+    dht = _FakeDHT("A", registry)
+    reads = []
+    get = dht.get
+    dht.get = lambda *args, **kwargs: reads.append(1) or get(*args, **kwargs)
+    a, b = Membership(dht, "run"), Membership(_FakeDHT("B", registry), "run")
+    a.announce(2)
+    b.announce(3)
+    assert [m.outer_step for m in a.others()] == [3] and a.live_count() == 2 and a.furthest() == (0, 3)
+    assert len(reads) == 1
+    b.announce(5)  # another island's change waits for the next read
+    assert a.furthest() == (0, 3) and len(reads) == 1
+    a.announce(4)  # our own does not
+    assert a.furthest() == (0, 5) and len(reads) == 2
 
 
 def test_islands_behind_nat_count_the_reachable_ones(unsigned_registry):
@@ -251,12 +275,14 @@ def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
                              rt=SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x),
                              outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
                              forget_unsent=lambda: False, fingerprint="")
+    from peers import digest
+
     state = [1.0, 1.0, 1.0] * 4
-    theirs.final = {"outer_step": 7, "state": state}
-    theirs.leave()  # an island that finished before us: its record keeps what it ended with
+    theirs.final = {"outer_step": 7, "state": digest(state)}
+    theirs.leave()  # an island that finished before us: its record keeps what it ended with (a digest)
     assert transfer.check_in_sync(state, stopping=False) == ""
-    assert registry["A"]["final"] == {"outer_step": 7, "state": state}
-    theirs.final = {"outer_step": 7, "state": [1.5, 1.5, 1.5] * 4}
+    assert registry["A"]["final"] == {"outer_step": 7, "state": digest(state)}
+    theirs.final = {"outer_step": 7, "state": digest([1.5, 1.5, 1.5] * 4)}
     theirs.leave()
     problem = transfer.check_in_sync(state, stopping=False)
     assert problem.startswith("the run ended out of sync: θ_global of 1 of the 1 other island(s)"), problem
@@ -389,6 +415,8 @@ def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round(unsigned_reg
     """Rank 1 of island A has not stored its new record yet: it still shows round 2 and the state it entered
     round 2 with.  Island A is entering round 3 with rank 0's state, whatever order the DHT lists them in (a
     stale state made another island believe its θ_global differed and resynchronize for nothing)."""
+    from peers import digest
+
     old, new = [1.0, 4.0, 10.0], [2.0, 5.0, 10.0]  # (sum, sum of squares, count) of θ_global entering rounds 2 and 3
     for order in (("A1", "A0"), ("A0", "A1")):
         registry: dict[str, dict] = {}
@@ -396,9 +424,9 @@ def test_an_island_shows_the_state_of_its_ranks_at_its_newest_round(unsigned_reg
                  "A1": Membership(_FakeDHT("A1", registry), "run", island="A0", rank=1)}
         b = Membership(_FakeDHT("B", registry), "run")
         for pid in order:
-            ranks[pid].announce(3 if pid == "A0" else 2, averaging=True, state=new if pid == "A0" else old)
-        b.announce(3, averaging=True, state=new)
+            ranks[pid].announce(3 if pid == "A0" else 2, averaging=True, held=digest(new if pid == "A0" else old))
+        b.announce(3, averaging=True, held=digest(new))
         [a] = b.others()
-        assert (a.outer_step, a.averaging, a.state) == (3, True, new), order
+        assert (a.outer_step, a.averaging, a.held) == (3, True, digest(new)), order
         assert not b.outvoted(3, new, 0.0)
     assert b.outvoted(3, old, 0.0)  # a real difference is still seen (B is alone against A's ranks at round 3)

@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 
 from peers.discovery.calls import DHTUnavailableError, dht_get
 from peers.discovery.owned import owned_items, store_owned
-from peers.fingerprints import fingerprints_agree, majority_by_state
+from peers.fingerprints import digest, fingerprints_agree, majority_by_state
 
 Position = tuple[int, int]
 """How far along the run an island is: (rounds its θ_global's lineage committed, its outer step), compared in that
@@ -68,6 +68,11 @@ FINAL_RECORD_TTL = 3600.0
 HEARTBEAT = 3.0
 """Longest time between two refreshes of an island's registration (a third of the ttl when shorter): how
 soon an island that died without leaving can be told from one that is alive."""
+FRESH = 1.0
+"""Seconds one read of the registry answers every question asked of it.  A read fetches every island's record from
+each DHT node it visits, so that its bytes grow with the islands squared; the island's threads (the round's, the
+background look-up, the end check) each asked on their own, some ten times a second, and 16 islands sent 25 MB
+each a round, against a payload of 55 kB.  Records change at most once a heartbeat or a round."""
 
 @dataclass
 class Member:
@@ -84,8 +89,6 @@ class Member:
     """The peer's rank inside its island."""
     maddrs: tuple[str, ...] = ()
     """Where this peer can be reached (its visible multiaddrs), so islands can find it again after a restart."""
-    state: Any = None
-    """While averaging: the fingerprint of the θ_global the island averages from (see peers.group.averager)."""
     final: Any = None
     """After its last round: ``{"outer_step": N, "state": fingerprint}`` of the θ_global it ends with."""
     expires: float = 0.0
@@ -98,8 +101,9 @@ class Member:
     """Rounds the lineage of its θ_global committed (its outer optimizer's steps): with ``outer_step``, its
     :attr:`position` in the run."""
     held: Any = None
-    """The :func:`peers.fingerprints.digest` of the θ_global it holds at its position (announced while it averages a round: the one it entered it with):
-    what a state downloaded from an island at that position must match."""
+    """The :func:`peers.fingerprints.digest` of the θ_global it holds at its position (announced while it averages a
+    round: the one it entered it with): what a state downloaded from an island at that position must match, and
+    what an island entering the same round compares its own with (:meth:`Membership.outvoted`)."""
 
     @property
     def position(self) -> Position:
@@ -195,7 +199,6 @@ class Membership:
         """This peer's transport endpoint, published with every registration."""
         self.serving = True
         """Whether this island serves its θ_global to joiners now (published)."""
-        self.state: Any = None
         self.held: Any = None
         self.final: dict | None = None
         """Set when the island has finished training (kept in its record, also after it leaves)."""
@@ -212,6 +215,9 @@ class Membership:
         self._steps_wanted = 0.0
         self._steps_lock = threading.Lock()
         self._steps_thread: threading.Thread | None = None
+        self._read: tuple[float, dict[str, Member]] | None = None  # (time.monotonic() of the last read, its records)
+        self._announced = 0  # announces so far: a read started before the last one is not kept
+        self._read_lock = threading.Lock()
 
     def _value(self, **extra: object) -> dict:
         value: dict = {"outer_step": self.outer_step, "committed": self.committed_rounds(), "averaging": self.averaging,
@@ -224,8 +230,6 @@ class Membership:
             value["endpoint"] = self.endpoint
         if not self.serving:
             value["serving"] = False
-        if self.averaging and self.state is not None:
-            value["state"] = list(self.state)
         if self.held is not None:
             value["held"] = list(self.held)
         if self.final is not None:
@@ -233,17 +237,17 @@ class Membership:
         value.update(extra)
         return value
 
-    def announce(self, outer_step: int | None = None, averaging: bool | None = None, state: Any = None,
-                 held: Any = None) -> None:
-        """Publish (or refresh) this island's registration: its outer step, whether it is averaging and, when it
-        starts averaging, the fingerprint ``state`` of the θ_global it averages from; ``held``: the digest of the
-        θ_global it holds at its position (see :attr:`Member.held`), given with its new outer step."""
+    def announce(self, outer_step: int | None = None, averaging: bool | None = None, held: Any = None) -> None:
+        """Publish (or refresh) this island's registration: its outer step, whether it is averaging, and ``held``:
+        the digest of the θ_global it holds at its position (see :attr:`Member.held`), given with its new outer step
+        (the one it averages from, when it starts averaging)."""
         if outer_step is not None:
             self.outer_step = outer_step
             self.held = held
         if averaging is not None:
             self.averaging = averaging
-            self.state = state if averaging else None
+        with self._read_lock:  # the next question reads the registry again, this record in it
+            self._read, self._announced = None, self._announced + 1
         try:
             self._store(self._value(), self.ttl)
         except DHTUnavailableError as e:  # a DHT that no longer answers must not stop training or leaving
@@ -278,8 +282,13 @@ class Membership:
     def members(self, strict: bool = False, timeout: float | None = None) -> dict[str, Member]:
         """Registered peers (every rank of every island, including those that announced leaving), by peer id;
         none when the DHT cannot answer within ``timeout`` (default: the ttl; ``strict``: raise
-        :class:`DHTUnavailableError` then)."""
+        :class:`DHTUnavailableError` then).  A read younger than :data:`FRESH` seconds answers instead."""
+        with self._read_lock:
+            read = self._read
+        if read is not None and time.monotonic() - read[0] < FRESH:
+            return dict(read[1])
         out: dict[str, Member] = {}
+        started, announced = time.monotonic(), self._announced
         try:
             found = dht_get(self.dht, self.key, timeout=self.ttl if timeout is None else timeout)
         except DHTUnavailableError as e:
@@ -297,15 +306,18 @@ class Membership:
                 out[pid] = Member(pid, int(value.get("outer_step", 0)), bool(value.get("left", False)),
                                   bool(value.get("averaging", False)), str(value.get("island") or pid), rank,
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
-                                  value.get("state"), value.get("final"), expiration,
+                                  value.get("final"), expiration,
                                   str(value.get("endpoint", "")), bool(value.get("serving", True)),
                                   _count(value.get("committed")), value.get("held"))
-        return out
+        with self._read_lock:
+            if self._announced == announced:
+                self._read = (started, out)
+        return dict(out)
 
     def islands(self, strict: bool = False) -> dict[str, Member]:
         """Live islands by island id, one :class:`Member` each (``peer_id`` is the island id): the
-        highest outer step any of its live ranks announced, averaging if any rank is, the state
-        fingerprint of a rank at that step (a rank whose new record is not stored yet still shows the state it
+        highest outer step any of its live ranks announced, averaging if any rank is, the digest of the θ_global
+        held by a rank at the furthest position (a rank whose new record is not stored yet still shows the one it
         entered the previous round with), and its rank 0's endpoint.  An island whose address refused a
         connection (:meth:`company`) is left out until its record is refreshed again (it restarted)."""
         out: dict[str, Member] = {}
@@ -315,11 +327,9 @@ class Membership:
             island = m.island or m.peer_id
             seen = out.get(island)
             if seen is None:
-                out[island] = seen = Member(island, m.outer_step, False, m.averaging, island, 0, state=m.state,
+                out[island] = seen = Member(island, m.outer_step, False, m.averaging, island, 0,
                                             expires=m.expires, serving=m.serving, committed=m.committed, held=m.held)
             else:
-                if m.outer_step > seen.outer_step or (m.outer_step == seen.outer_step and seen.state is None):
-                    seen.state = m.state
                 if m.position > seen.position or (m.position == seen.position and seen.held is None):
                     seen.held = m.held
                 seen.outer_step = max(seen.outer_step, m.outer_step)
@@ -434,28 +444,25 @@ class Membership:
         :meth:`peers.group.averager.VerifiedAverager.average` takes as ``expected_group_size``."""
         return 1 + sum(m.outer_step == outer_step for m in self.others())
 
-    def round_states(self, outer_step: int) -> dict[str, Any]:
-        """``{island id: state fingerprint}`` of the other live islands averaging round ``outer_step``."""
-        return {m.peer_id: m.state for m in self.others()
-                if m.averaging and m.outer_step == outer_step and m.state is not None}
-
     def outvoted(self, outer_step: int, state: Any, wait: float) -> bool:
         """Whether our fingerprint ``state`` of the θ_global we enter round ``outer_step`` with disagrees
         with the majority of the islands entering it too (their registry records; we wait up to ``wait``
         seconds for islands at that step still training).  Ties go to the side holding the smallest
-        island id, so every island reaches the same verdict."""
+        island id, so every island reaches the same verdict.  Compared as digests (:attr:`Member.held`): the
+        registry carries no island's whole fingerprint (a 1b model's is 3,600 floats, read by every island about once
+        a second)."""
         deadline = time.monotonic() + wait
         while True:
             others = self.others()
             pending = [m for m in others if m.outer_step == outer_step and not m.averaging]
             if not pending or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)
-        meta = {m.peer_id: {"state_fingerprint": m.state} for m in others
-                if m.averaging and m.outer_step == outer_step and m.state is not None}
+            time.sleep(0.5)
+        meta = {m.peer_id: {"state_fingerprint": m.held} for m in others
+                if m.averaging and m.outer_step == outer_step and isinstance(m.held, list)}
         if not meta:
             return False
-        meta[self.island] = {"state_fingerprint": state}
+        meta[self.island] = {"state_fingerprint": digest(state)}
         return majority_by_state(meta, self.island)[1]
 
     def final_disagreements(self, outer_step: int, state: Any, wait: float) -> tuple[list[str], int]:
@@ -463,7 +470,8 @@ class Membership:
         other islands that ended at the same step with another one (waiting up to ``wait`` seconds for
         live islands at that step to finish too), and how many ended there at all.  Records keep it
         after an island leaves (until they expire)."""
-        self.final = {"outer_step": outer_step, "state": list(state)}
+        mine = digest(state)
+        self.final = {"outer_step": outer_step, "state": mine}
         self.announce()
         deadline = time.monotonic() + wait
         while True:
@@ -473,7 +481,7 @@ class Membership:
                 break
             time.sleep(0.2)
         ended = [m for m in records if isinstance(m.final, dict) and m.final.get("outer_step") == outer_step]
-        return (sorted({m.island for m in ended if not fingerprints_agree(m.final.get("state") or [], state, 1e-5)}),
+        return (sorted({m.island for m in ended if not fingerprints_agree(m.final.get("state") or [], mine, 1e-5)}),
                 len({m.island for m in ended}))
 
     def ended_at(self) -> int | None:

@@ -78,7 +78,7 @@ class MembershipHook(RoundHook):
         # round it is not known until the next one starts (another collective a round cost multi-rank islands
         # under load the timing their rosters need)
         if self.peers.membership is not None:
-            self.peers.membership.announce(rnd, averaging=True, state=state, held=digest(state))
+            self.peers.membership.announce(rnd, averaging=True, held=digest(state))
 
     def after(self, outer_step: int) -> None:
         if self.peers.membership is not None:
