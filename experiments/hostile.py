@@ -11,7 +11,9 @@ last island holds the run key and attacks from round 2 to the last (``DILOCO_FAU
 - ``clean``: nobody attacks (the reference of every ratio is the clean arm under ``mean``);
 - ``scale``: its Δ × 1e6 (a norm the member check rejects);
 - ``flip``: its Δ × −4 (within the member check's 10× the median norm: it pulls a mean the other way);
-- ``claim``: its Δ × −4 declared with a million times its tokens as weight (capped at 8× the median claim).
+- ``claim``: its Δ × −4 declared with a million times its tokens as weight (capped at 8× the median claim);
+- ``noise``: random values at its honest Δ's norm (nothing a norm check can tell apart);
+- ``grow``: its Δ × 1.5 to the power of the rounds since it started (a norm that creeps up to ratchet the guard).
 
 Every arm weighs by tokens (``--averaging.weighting tokens``: honest islands all declare the same tokens, so the
 clean arm is what equal weights give, and a claim counts up to its cap), keeps the member check at its default
@@ -41,7 +43,7 @@ from experiments.report import json_safe, markdown_table
 
 DEFAULT_OUT = Path("experiments/results/hostile")
 ATTACKS = {"clean": "", "scale": "scale@send:{span}", "flip": "flip@send:{span}",
-           "claim": "claim@send:{span},flip@send:{span}"}
+           "claim": "claim@send:{span},flip@send:{span}", "noise": "noise@send:{span}", "grow": "grow@send:{span}"}
 """Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last)."""
 AGGREGATES = ("mean", "centered-clip", "trimmed-mean")
 DEFAULTS: dict[str, Any] = {
@@ -158,7 +160,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig = Figure(figsize=(8, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange")))
+    colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple")))
     styles = dict(zip(AGGREGATES, ("-", "--", ":")))
     for r in results:
         if r["curve"]:
@@ -181,7 +183,8 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         f"{n} islands of `{cfg.model.preset}` (H = {cfg.diloco.inner_steps}, {rounds} rounds) over hivemind on "
         f"loopback, the embedded text corpus; island {n - 1} attacks from round 2 to {rounds} (the clean arms: "
         "nobody does)",
-        "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; every arm weighs "
+        "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; noise: random values "
+        "at its Δ's norm; grow: Δ × 1.5^k in the k-th round it attacks; every arm weighs "
         "by tokens (capped at 8× the median claim), member check 10× the median norm, strikes 2",
         "honest loss end: the honest islands' mean held-out loss after the last round; vs clean mean: against the "
         "clean arm under `mean`; rounds committed: per honest island (min–max); attacker's Δ rejected: committed "

@@ -310,8 +310,27 @@ def test_faults_span_rounds_and_a_mistyped_entry_says_what_is_wrong():
     assert [r for r in range(1, 7) if plan.has("flip", "send", r)] == [2, 3, 4]
     assert [r for r in range(1, 7) if plan.has("claim", "send", r)] == [3]
     assert plan.has("kill", "vote", 1) and not plan.has("kill", "vote", 2) and not plan.has("scale", "send", 3)
+    assert [FaultPlan(parse_faults("grow@send:3-5")).into("grow", "send", r) for r in range(1, 7)] == [0, 0, 1, 2, 3, 0]
     for spec, says in [("nan@send:2", "the action must be one of"), ("scale@inner:2", "scale happens in phase send"),
                        ("scale@send:5-2", "FIRST <= LAST"), ("scale@send:0", "rounds count from 1"),
                        ("scale@send:x", "must look like kill@allreduce:2")]:
         with pytest.raises(ValueError, match=says):
             parse_faults(spec)
+
+
+def test_the_attackers_noise_has_its_honest_norm_and_its_growth_compounds():
+    """What the hostile experiment's ``noise`` and ``grow`` arms send: random values tensor by tensor at the norm of
+    the Δ they replace (no norm check can tell them apart), and Δ × 1.5^k in the k-th round of the span."""
+    import torch
+
+    from diloco.engine.faults import GROW, FaultPlan, parse_faults
+    from diloco.engine.round.hooks import FaultHook
+
+    delta = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.full((4,), -2.0)}
+    hook = FaultHook(FaultPlan(parse_faults("noise@send:2,grow@send:3-9")), outer=None, late_seconds=0.0)
+    sent = hook.outgoing(1, delta)  # round 2 (hooks count from 0)
+    for n in delta:
+        assert torch.isclose(sent[n].norm(), delta[n].norm()) and not torch.allclose(sent[n], delta[n])
+    assert hook.outgoing(0, delta) is delta
+    for k, rnd in enumerate(range(2, 5), start=1):
+        assert torch.allclose(hook.outgoing(rnd, delta)["a"], delta["a"] * GROW ** k)

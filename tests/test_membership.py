@@ -369,3 +369,25 @@ def test_an_islands_key_proof_is_published_again_while_it_runs(no_leaked_daemons
         assert proof == key_proof("secret", str(d1.peer_id)) and expires > get_dht_time()
     finally:
         d1.shutdown()
+
+
+def test_a_read_that_visits_fewer_nodes_than_the_run_has_still_lists_every_island(no_leaked_daemons):
+    """A registry read keeps the 8 nodes nearest its key (``READ_BEAM``), not every node of the run (each answers
+    with every record: 24 islands sent 17.7 MB each a round, most of it registry reads): with 12 islands, every
+    island still reads every island's record."""
+    from peers.discovery.membership import READ_BEAM
+
+    n = READ_BEAM + 4
+    first = start_dht(NetworkSettings())
+    dhts = [first]
+    try:
+        dhts += [start_dht(NetworkSettings(initial_peers=visible_maddrs(first))) for _ in range(n - 1)]
+        registries = [Membership(d, "wide") for d in dhts]
+        for step, m in enumerate(registries):
+            m.announce(step)
+        for m in registries[::3]:
+            assert wait_until(lambda: m.live_count() == n, 20.0), m.live_count()
+            assert sorted(o.outer_step for o in m.others()) == [s for s in range(n) if s != m.outer_step]
+    finally:
+        for d in dhts:
+            d.shutdown()

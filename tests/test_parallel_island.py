@@ -177,7 +177,7 @@ class _FakeDHT:
     def is_alive(self) -> bool:
         return True
 
-    def get(self, key, latest=True, return_future=False):
+    def get(self, key, latest=True, return_future=False, **kwargs):
         return _done(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.registry.items()}))
 
     def store(self, key, subkey, value, expiration_time, return_future=False):
@@ -360,7 +360,7 @@ def test_a_catch_up_downloads_from_an_island_at_the_runs_position_not_from_one_t
                                position=position, averaging=False, serving=True)
 
     others = [member("liar", (10**9, 10**9)), member("b", (5, 5)), member("c", (5, 5)), member("d", (4, 4))]
-    membership = SimpleNamespace(others=lambda: others, beating=lambda m: True,
+    membership = SimpleNamespace(others=lambda: others, silent=lambda m: False,
                                  endpoints=lambda pid: [f"{pid}:1"], vouched_state=lambda position, others=None: (None, 0))
     transfer = StateTransfer(SimpleNamespace(), stats=None, peers=SimpleNamespace(membership=membership), rt=None,
                              outer=None, params={}, exchange=SimpleNamespace(layout=None), schedule=None,
@@ -389,7 +389,7 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
         return SimpleNamespace(peer_id=pid, island=pid, committed=5, outer_step=5, position=(5, 5), averaging=False,
                                serving=True)
 
-    membership = SimpleNamespace(others=lambda: [member("b"), member("c")], beating=lambda m: True,
+    membership = SimpleNamespace(others=lambda: [member("b"), member("c")], silent=lambda m: False,
                                  endpoints=lambda pid: [f"{pid}:1"],
                                  vouched_state=lambda position, others=None: (digest(fingerprint([honest], 4)), 2))
     meta = {"outer_step": 5, "committed_rounds": 5, "config_fingerprint": "F", "layout_fingerprint": "L", "phase": 0}

@@ -14,7 +14,11 @@ progress lines and every message):
 - ``flip@send:3``: send the pseudo-gradient of round 3 multiplied by −4 (:data:`FLIP`: an attacker that stays
   under the member check's 10× the median norm and pulls a mean the other way);
 - ``claim@send:3``: declare :data:`CLAIM` times this island's tokens as the weight of round 3's pseudo-gradient
-  (a lie about weight: it matters under ``--averaging.weighting tokens``, where the group caps it).
+  (a lie about weight: it matters under ``--averaging.weighting tokens``, where the group caps it);
+- ``noise@send:3``: send, instead of round 3's pseudo-gradient, random values of the same norm (tensor by tensor):
+  nothing a norm check can tell from an honest Δ;
+- ``grow@send:3-10``: send Δ × :data:`GROW` to the power of the rounds into the span (1.5, 2.25, …): a norm that
+  creeps up to ratchet a guard that compares each round with the last ones.
 
 ``ROUND`` may be a span of rounds, ``FIRST-LAST`` (``scale@send:2-6``: every round from 2 to 6).  An attacker is
 several faults of one island: ``claim@send:2-6,flip@send:2-6`` lies about its weight and sends −4 Δ.
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 _STAGES = ("inner", "matchmaking", "allreduce", "vote")
 PHASES_OF = {"kill": _STAGES, "stall": _STAGES, "scale": ("send",), "flip": ("send",), "claim": ("send",),
-             "late": ("send",), "drift": ("theta",)}
+             "noise": ("send",), "grow": ("send",), "late": ("send",), "drift": ("theta",)}
 """Each action and the phases it can happen in."""
 ACTIONS = tuple(PHASES_OF)
 PHASES = (*_STAGES, "send", "theta")
@@ -39,6 +43,8 @@ FLIP = -4.0
 """What ``flip`` multiplies Δ by: within the member check's default 10× the median norm, and against the others."""
 CLAIM = 1e6
 """What ``claim`` multiplies the declared weight (this island's tokens) by."""
+GROW = 1.5
+"""What ``grow`` multiplies Δ by once more each round of its span."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ class FaultPlan:
 
     def has(self, action: str, phase: str, rnd: int) -> bool:
         return any(f.covers(action, phase, rnd) for f in self.faults)
+
+    def into(self, action: str, phase: str, rnd: int) -> int:
+        """How many rounds into the span of ``action`` round ``rnd`` is (1 in its first round; 0 outside it)."""
+        return max((rnd - f.first + 1 for f in self.faults if f.covers(action, phase, rnd)), default=0)
 
     def at(self, phase: str, rnd: int) -> None:
         """Inject the kill or stall scripted for this phase of this round, if any."""

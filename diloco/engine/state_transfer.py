@@ -419,10 +419,11 @@ class StateTransfer:
         position and the fingerprint the run's islands at that position vouch for (None if none announces one).
         Of the live islands that serve, one at the furthest position the run confirms, not beyond it (an island
         announcing a position no majority holds would serve its own θ_global), and not one whose state at its
-        position was refused."""
+        position was refused.  Islands that missed one heartbeat still serve (on a loaded machine many do at any
+        moment); one that missed two may be dead."""
         membership = self.peers.membership
         others = membership.others()
-        live = [m for m in others if membership.beating(m) and m.serving]
+        live = [m for m in others if not membership.silent(m) and m.serving]
         floor = confirmed_position([m.position for m in live])
         for m in sorted((m for m in live if m.position >= floor), key=lambda m: (m.position, m.averaging, m.peer_id)):
             if self._refused.get(m.island) == m.position:

@@ -44,8 +44,11 @@ def dht_store(dht: hivemind.DHT, key: str, subkey: Any, value: Any, expiration_t
     return bool(_result(dht, future, timeout, "store a value"))
 
 
-def dht_get(dht: hivemind.DHT, key: str, timeout: float) -> Any:
-    """``dht.get(key, latest=True)`` waiting at most ``timeout`` seconds; raises :class:`DHTUnavailableError`."""
+def dht_get(dht: hivemind.DHT, key: str, timeout: float, beam_size: int | None = None) -> Any:
+    """``dht.get(key, latest=True)`` waiting at most ``timeout`` seconds; raises :class:`DHTUnavailableError`.
+    ``beam_size``: how many of the nodes nearest the key the search keeps (hivemind's default: 20); every node it
+    visits that holds the key answers with all of it."""
     if not dht.is_alive():
         raise DHTUnavailableError("the DHT process exited")
-    return _result(dht, dht.get(key, latest=True, return_future=True), timeout, "answer a lookup")
+    extra = {} if beam_size is None else {"beam_size": beam_size}
+    return _result(dht, dht.get(key, latest=True, return_future=True, **extra), timeout, "answer a lookup")

@@ -73,6 +73,10 @@ FRESH = 1.0
 each DHT node it visits, so that its bytes grow with the islands squared; the island's threads (the round's, the
 background look-up, the end check) each asked on their own, some ten times a second, and 16 islands sent 25 MB
 each a round, against a payload of 55 kB.  Records change at most once a heartbeat or a round."""
+READ_BEAM = 8
+"""The DHT nodes nearest the registry's key that a read of it keeps searching (hivemind's default, 20, visits every
+node of a run of up to 20 islands, each answering with every record): the 5 that every record is stored at
+(hivemind's ``num_replicas``), and 3 more for one that died or a routing table a look behind."""
 
 @dataclass
 class Member:
@@ -104,6 +108,10 @@ class Member:
     """The :func:`peers.fingerprints.digest` of the θ_global it holds at its position (announced while it averages a
     round: the one it entered it with): what a state downloaded from an island at that position must match, and
     what an island entering the same round compares its own with (:meth:`Membership.outvoted`)."""
+    read_at: float = 0.0
+    """DHT time at which the read that brought this record started (0: not read): how fresh a record is counts from
+    there, not from the moment it is looked at (a read takes seconds on a loaded machine, and answers for
+    :data:`FRESH` more)."""
 
     @property
     def position(self) -> Position:
@@ -257,11 +265,15 @@ class Membership:
         store_owned(self.dht, self.key, value, get_dht_time() + ttl, timeout=ttl)
 
     def start_heartbeat(self) -> None:
-        """Refresh the registration every :attr:`period` seconds in a daemon thread."""
+        """Refresh the registration every :attr:`period` seconds in a daemon thread, counted from the start of the
+        last refresh: a store that takes seconds on a loaded machine (32 islands on 2 cores) must not stretch the
+        period past what :meth:`beating` allows."""
         self.announce()
 
         def beat() -> None:
-            while not self._stop.wait(self.period):
+            started = time.monotonic()
+            while not self._stop.wait(max(0.0, self.period - (time.monotonic() - started))):
+                started = time.monotonic()
                 try:
                     self.announce()
                 except Exception as e:  # the DHT may be shutting down
@@ -288,9 +300,9 @@ class Membership:
         if read is not None and time.monotonic() - read[0] < FRESH:
             return dict(read[1])
         out: dict[str, Member] = {}
-        started, announced = time.monotonic(), self._announced
+        started, announced, read_at = time.monotonic(), self._announced, get_dht_time()
         try:
-            found = dht_get(self.dht, self.key, timeout=self.ttl if timeout is None else timeout)
+            found = dht_get(self.dht, self.key, timeout=self.ttl if timeout is None else timeout, beam_size=READ_BEAM)
         except DHTUnavailableError as e:
             if strict:
                 raise
@@ -308,7 +320,7 @@ class Membership:
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
                                   value.get("final"), expiration,
                                   str(value.get("endpoint", "")), bool(value.get("serving", True)),
-                                  _count(value.get("committed")), value.get("held"))
+                                  _count(value.get("committed")), value.get("held"), read_at)
         with self._read_lock:
             if self._announced == announced:
                 self._read = (started, out)
@@ -328,7 +340,8 @@ class Membership:
             seen = out.get(island)
             if seen is None:
                 out[island] = seen = Member(island, m.outer_step, False, m.averaging, island, 0,
-                                            expires=m.expires, serving=m.serving, committed=m.committed, held=m.held)
+                                            expires=m.expires, serving=m.serving, committed=m.committed, held=m.held,
+                                            read_at=m.read_at)
             else:
                 if m.position > seen.position or (m.position == seen.position and seen.held is None):
                     seen.held = m.held
@@ -397,12 +410,12 @@ class Membership:
         """Whether ``m`` refreshed its record within the last heartbeat :attr:`period` (plus a little for a
         slow DHT): an island that missed a beat may have died without leaving, though its record lives on
         until the ttl runs out."""
-        return m.expires - get_dht_time() > self.ttl - self.period - min(2.0, self.period / 2)
+        return m.expires - (m.read_at or get_dht_time()) > self.ttl - self.period - min(2.0, self.period / 2)
 
     def silent(self, m: Member) -> bool:
         """Whether ``m`` missed two heartbeats: unlike a record merely late (a loaded machine, a slow DHT), one
         whose refreshes no longer reach this island's DHT (the island died, or a partition keeps them away)."""
-        return m.expires - get_dht_time() < self.ttl - 2 * self.period - min(2.0, self.period / 2)
+        return m.expires - (m.read_at or get_dht_time()) < self.ttl - 2 * self.period - min(2.0, self.period / 2)
 
     def furthest(self, beating_only: bool = False) -> Position:
         """The furthest :data:`Position` the run confirms (:func:`confirmed_position`) from the other live islands'

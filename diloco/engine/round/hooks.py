@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from diloco.engine.faults import CLAIM, FLIP, SCALE, FaultPlan
+from diloco.engine.faults import CLAIM, FLIP, GROW, SCALE, FaultPlan
 from outer_optim import OuterOptimizer
 from peers import PeerNode, digest
 
@@ -55,8 +55,12 @@ class FaultHook(RoundHook):
                     m.add_(1e-3)
 
     def outgoing(self, rnd: int, delta: Delta) -> Delta:
+        if self.plan.has("noise", "send", rnd + 1):
+            g = torch.Generator().manual_seed(rnd)
+            noise = {n: torch.randn(d.shape, generator=g, dtype=torch.float32).to(d) for n, d in delta.items()}
+            delta = {n: x * (delta[n].norm() / x.norm().clamp_min(1e-30)) for n, x in noise.items()}
         factor = (SCALE if self.plan.has("scale", "send", rnd + 1) else 1.0) * \
-            (FLIP if self.plan.has("flip", "send", rnd + 1) else 1.0)
+            (FLIP if self.plan.has("flip", "send", rnd + 1) else 1.0) * GROW ** self.plan.into("grow", "send", rnd + 1)
         return delta if factor == 1.0 else {n: d * factor for n, d in delta.items()}
 
     def claimed(self, rnd: int, weight: float) -> float:
