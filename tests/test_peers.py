@@ -72,7 +72,9 @@ def _rand():
 
 
 def test_weighted_average_reaches_every_island(swarm):
-    avgs = swarm(3, weighting="tokens")
+    # the leader waits for all three (its roster leaves the moment they joined), not matchmaking_time after two: on a
+    # loaded CI machine a round went on with two, the third late or not yet in the leader's read of the registry
+    avgs = swarm(3, weighting="tokens", wait_for_islands=3, matchmaking_time=10.0, matchmaking_timeout=20.0)
     deltas = [_rand() for _ in range(3)]
     weights = [1.0, 2.0, 5.0]
     results = _run_round(avgs, deltas, weights)
