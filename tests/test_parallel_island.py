@@ -262,6 +262,30 @@ def test_islands_behind_nat_count_the_reachable_ones(unsigned_registry):
     assert hidden.reachable_others() == 0
 
 
+def test_an_island_that_ends_serves_an_island_whose_last_round_rolled_back(unsigned_registry):
+    """At the end, an island at the same outer step with one round fewer committed (its last round rolled back while
+    the others committed theirs) is behind: the others serve θ_global for it a while (32 islands: one ended alone on
+    a stale θ_global, and every other island's end check failed on it)."""
+    from diloco.engine.metrics import RunStats
+    from diloco.engine.state_transfer import StateTransfer
+
+    registry: dict[str, dict] = {}
+    mine, late = Membership(_FakeDHT("A", registry), "run"), Membership(_FakeDHT("B", registry), "run")
+    late.committed_rounds = lambda: 9
+    late.announce(10)
+    mine.announce(10)
+    peers = SimpleNamespace(membership=mine)
+    transfer = StateTransfer(SimpleNamespace(), stats=RunStats(outer_step=10), peers=peers,
+                             rt=None, outer=SimpleNamespace(step_count=10), params={},
+                             exchange=SimpleNamespace(layout=None), schedule=None, forget_unsent=lambda: False,
+                             fingerprint="")
+    mine.silent = lambda m: False  # the fake registry's records carry no expiry
+    assert transfer._behind(0.0) == 1
+    late.committed_rounds = lambda: 10
+    late.announce(10)  # it caught up
+    assert transfer._behind(5.0) == 0
+
+
 def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
     from diloco.engine.state_transfer import StateTransfer
 

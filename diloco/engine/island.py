@@ -413,7 +413,11 @@ class Island:
             self.metrics.log_samples(rows, self.stats.tokens)
 
     def _finish(self, wall: float) -> dict[str, Any]:
-        """After the last round: check the islands ended in sync, write θ_global and the summary."""
+        """After the last round: take the run's θ_global if the run committed a round this island missed (its last round
+        rolled back while the others committed theirs), check the islands ended in sync, write θ_global and the
+        summary."""
+        if not self.stopping:
+            self.transfer.catch_up()
         out_of_sync = self.transfer.check_in_sync(self.rounds.theta_fingerprint(), self.stopping)
         if out_of_sync:
             log.error("%s", out_of_sync)

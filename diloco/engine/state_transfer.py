@@ -276,13 +276,15 @@ class StateTransfer:
                 f"report the logs")
 
     def _behind(self, linger: float) -> int:
-        """On rank 0, at the end of the run: the live islands that have not reached this island's outer step, after
+        """On rank 0, at the end of the run: the live islands that have not reached this island's position, after
         serving θ_global up to ``linger`` seconds more while there are any (an island late for the last rounds, under
-        load, would otherwise find nobody left to catch up from, and end out of sync)."""
+        load, would otherwise find nobody left to catch up from, and end out of sync).  By position, not outer step:
+        an island whose last round rolled back ends at the same step with one round fewer committed (32 islands: one
+        such ended alone on a stale θ_global)."""
         membership, until, said = self.peers.membership, time.monotonic() + linger, False
         while True:
-            behind = sum(1 for m in membership.others() if not m.left and membership.beating(m)
-                         and m.outer_step < self.stats.outer_step)
+            behind = sum(1 for m in membership.others() if not m.left and not membership.silent(m)
+                         and m.position < self.position())
             if not behind or time.monotonic() >= until:
                 return behind
             if not said:
