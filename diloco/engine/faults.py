@@ -9,7 +9,7 @@ progress lines and every message):
 - ``drift@theta:2``: shift this island's θ_global by 1e-3 before round 2 (state silently diverged: the
   group's vote puts it in the minority and it resynchronizes from the majority);
 - ``stall@allreduce:1``: freeze this process (SIGSTOP) once round 1's all-reduce starts;
-- ``late@send:3``: hold round 3 back for ``matchmaking_time`` + 3 s before sending it (a slow island that
+- ``late@send:3``: hold round 3 back for ``matchmaking_time`` + 6 s before sending it (a slow island that
   reaches the group after it formed);
 - ``flip@send:3``: send the pseudo-gradient of round 3 multiplied by −4 (:data:`FLIP`: an attacker that stays
   under the member check's 10× the median norm and pulls a mean the other way);
