@@ -288,8 +288,9 @@ class StateTransfer:
             if not behind or time.monotonic() >= until:
                 return behind
             if not said:
-                log.info("%d live island(s) have not reached outer step %d yet: serving θ_global up to %.0f s more for "
-                         "them to catch up", behind, self.stats.outer_step, linger)
+                log.info("%d live island(s) have not reached this island's position (%d rounds committed, outer step "
+                         "%d) yet: serving θ_global up to %.0f s more for them to catch up", behind,
+                         *self.position(), linger)
                 said = True
             time.sleep(1.0)
 

@@ -410,12 +410,16 @@ class Membership:
         """Whether ``m`` refreshed its record within the last heartbeat :attr:`period` (plus a little for a
         slow DHT): an island that missed a beat may have died without leaving, though its record lives on
         until the ttl runs out."""
-        return m.expires - (m.read_at or get_dht_time()) > self.ttl - self.period - min(2.0, self.period / 2)
+        return self._unrefreshed(m) < self.period + min(2.0, self.period / 2)
 
     def silent(self, m: Member) -> bool:
         """Whether ``m`` missed two heartbeats: unlike a record merely late (a loaded machine, a slow DHT), one
         whose refreshes no longer reach this island's DHT (the island died, or a partition keeps them away)."""
-        return m.expires - (m.read_at or get_dht_time()) < self.ttl - 2 * self.period - min(2.0, self.period / 2)
+        return self._unrefreshed(m) > 2 * self.period + min(2.0, self.period / 2)
+
+    def _unrefreshed(self, m: Member) -> float:
+        """Seconds ``m``'s record had gone without a refresh when the read that brought it started."""
+        return self.ttl - (m.expires - (m.read_at or get_dht_time()))
 
     def furthest(self, beating_only: bool = False) -> Position:
         """The furthest :data:`Position` the run confirms (:func:`confirmed_position`) from the other live islands'

@@ -145,9 +145,11 @@ class VoteChannel:
         member registry, as for a verdict through the daemon (a DHT read, seconds on a loaded machine)."""
         if not self.members or (self._lanes is not None and self._lanes.transport.key):
             return True
+        asked = _submit(self.members.allows(sender))
         try:
-            return bool(_submit(self.members.allows(sender)).result(SEND_TIMEOUT))
+            return bool(asked.result(SEND_TIMEOUT))
         except Exception as e:  # the DHT cannot tell now: the verdict can still come through its record
+            asked.cancel()  # not left pending on the loop (a run of 32 islands logged such tasks destroyed)
             log.debug("could not check that %s is a member: %s", sender, e)
             return False
 
