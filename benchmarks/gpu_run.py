@@ -37,28 +37,46 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from diloco.launch import tail  # noqa: E402
 
-# name: (preset, islands, overlap, averaging backend, outer state's device)
-CASES: dict[str, tuple[str, int, str, str, str]] = {
-    "1b-delayed": ("1b", 1, "delayed", "local", "cpu"),
-    "150m-2-islands-hivemind": ("150m", 2, "delayed", "hivemind", "cpu"),
-    "1b-blocking": ("1b", 1, "none", "local", "cpu"),
-    "1b-delayed-outer-on-gpu": ("1b", 1, "delayed", "local", "cuda"),
-    "1b-blocking-outer-on-gpu": ("1b", 1, "none", "local", "cuda"),
-    "150m-delayed": ("150m", 1, "delayed", "local", "cpu"),
+class Case(NamedTuple):
+    """One whole run: the model, how many islands, the round's overlap, the averaging backend, where the outer
+    state lives, and the island's split (``--parallel.*``; its ranks then share the one GPU, ``--parallel.gpus 1``)."""
+
+    preset: str
+    islands: int
+    overlap: str
+    backend: str
+    outer_device: str
+    parallel: dict[str, int] = {}
+
+
+SHARED = {"parallel.gpus": 1}
+CASES: dict[str, Case] = {
+    "1b-delayed": Case("1b", 1, "delayed", "local", "cpu"),
+    "150m-2-islands-hivemind": Case("150m", 2, "delayed", "hivemind", "cpu"),
+    "1b-blocking": Case("1b", 1, "none", "local", "cpu"),
+    "1b-delayed-outer-on-gpu": Case("1b", 1, "delayed", "local", "cuda"),
+    "1b-blocking-outer-on-gpu": Case("1b", 1, "none", "local", "cuda"),
+    "150m-delayed": Case("150m", 1, "delayed", "local", "cpu"),
+    # an island's ranks on one GPU (gloo on CUDA tensors): the CUDA paths of sharded islands, not their speed
+    "150m-dp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, **SHARED}),
+    "150m-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.tp": 2, **SHARED}),
+    "150m-dp2-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, "parallel.tp": 2, **SHARED}),
+    "150m-pp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.pp": 2, **SHARED}),
+    "150m-2-tp2-islands-hivemind": Case("150m", 2, "delayed", "hivemind", "cpu", {"parallel.tp": 2, **SHARED}),
 }
 BATCH = {"tiny": 4, "150m": 16, "1b": 4}  # sequences per step: as benchmarks/gpu_island.py, so MFU compares
 
 
 def case_args(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bool) -> list[str]:
     """The command line of one case."""
-    preset, islands, overlap, backend, outer_device = CASES[name]
+    preset, islands, overlap, backend, outer_device, parallel = CASES[name]
     if smoke:
         preset = "tiny"
     items = {"model.preset": preset, "inner.batch_size": BATCH[preset], "diloco.inner_steps": inner_steps,
@@ -68,9 +86,15 @@ def case_args(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bo
              "logging.eval_every": rounds, "logging.samples": 0, "logging.log_every": max(inner_steps // 10, 1),
              "checkpoint.every": 0, "wandb.mode": "disabled", "data.max_bytes": 8_000_000,
              "averaging.run_id": f"gpu-run-{name}"}
+    items.update(parallel)
     if smoke:
         items.update({"device": "cpu", "diloco.master_device": "cpu", "threads": 1})
+        items.pop("parallel.gpus", None)
     args = [x for k, v in items.items() for x in (f"--{k}", str(v))]
+    ranks = parallel.get("parallel.dp", 1) * parallel.get("parallel.tp", 1) * parallel.get("parallel.pp", 1)
+    if islands == 1 and ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                "-m", "diloco.cli", "train", *args]
     if islands == 1:
         return [sys.executable, "-m", "diloco.cli", "train", *args]
     return [sys.executable, "-m", "diloco.cli", "simulate", "--islands", str(islands),
@@ -83,6 +107,7 @@ def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = case_args(name, inner_steps, rounds, run_dir, smoke)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,graph_breaks",
+           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = run_dir / "command.log"
     t0 = time.perf_counter()

@@ -19,9 +19,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-def backend_for(device_type: str) -> str:
-    """Process-group backend for a device type: NCCL on CUDA, gloo otherwise."""
-    return "nccl" if device_type == "cuda" else "gloo"
+def backend_for(device_type: str, shared_gpu: bool = False) -> str:
+    """Process-group backend for a device type: NCCL on CUDA, gloo otherwise, and gloo on GPUs that several
+    ranks share (``shared_gpu``: NCCL refuses two ranks on one GPU)."""
+    return "nccl" if device_type == "cuda" and not shared_gpu else "gloo"
+
+
+def gpu_of(local_rank: int, gpus: int = 0) -> int:
+    """The GPU index of the rank ``local_rank`` of an island whose ranks take ``gpus`` GPUs in turn (0: one each)."""
+    return local_rank % gpus if gpus > 0 else local_rank
 
 
 def island_coords(rank: int, tp: int, pp: int) -> tuple[int, int]:
@@ -41,20 +47,22 @@ MESH_DIMS = ("dp", "pp", "tp")
 
 
 def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: float = 600.0,
-                     dp: int = 1) -> DeviceMesh:
+                     dp: int = 1, gpus: int = 0) -> DeviceMesh:
     """Initialise the default process group if needed (from torchrun's env vars) and return the
     ``("dp", "pp", "tp")`` mesh of this island, every group of it with the timeout ``timeout_s``.
 
-    Uses gloo on CPU and NCCL on CUDA (setting this process's GPU from ``LOCAL_RANK``).  Raises
-    ValueError when the world size is not ``dp * pp * tp``.
+    Uses gloo on CPU and NCCL on CUDA (setting this process's GPU from ``LOCAL_RANK``; with ``gpus`` fewer than
+    the ranks, GPU ``LOCAL_RANK mod gpus`` and gloo).  Raises ValueError when the world size is not
+    ``dp * pp * tp``.
     """
     if tp < 1 or pp < 1 or dp < 1:
         raise ValueError(f"--parallel.dp, --parallel.tp and --parallel.pp must be at least 1, got dp={dp}, "
                          f"tp={tp}, pp={pp}")
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0")), gpus))
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s))
+        shared = 0 < gpus < dp * pp * tp
+        dist.init_process_group(backend_for(device_type, shared), timeout=datetime.timedelta(seconds=timeout_s))
     world, size = dist.get_world_size(), dp * pp * tp
     if world != size:
         raise ValueError(f"the island has {world} processes but --parallel.dp * --parallel.pp * --parallel.tp = "

@@ -26,6 +26,11 @@ class ParallelSettings:
     """Tensor-parallel degree inside an island (innermost mesh dimension, one process per GPU)."""
     pp: int = 1
     """Pipeline-parallel stages inside an island."""
+    gpus: int = 0
+    """GPUs the island's ranks take in turn, rank `r` taking GPU `r mod gpus` (0: one GPU per rank, the NCCL
+    island of a server).  Fewer GPUs than ranks puts several ranks on one GPU, which NCCL refuses: the island's
+    process groups then run gloo on the GPU's tensors, staged through host memory.  For trying an island's
+    shape and its CUDA paths on fewer GPUs than a server has, never for speed."""
     schedule: str = "1f1b"
     """Pipeline schedule: `gpipe`, `1f1b` or `interleaved-1f1b`."""
     microbatches: int = 4

@@ -9,11 +9,13 @@ The plan (as torchtitan applies it, without sequence parallelism):
   sums are all-reduced into a replicated residual stream.
 * ``tok_embeddings``: :class:`RowwiseParallel` over the vocabulary (weight ``Shard(0)``, token ids
   replicated); each rank looks up its slice of the vocabulary and the partial results are summed.
-* ``output``: :class:`ColwiseParallel` over the vocabulary with a *replicated* output, i.e. the
-  logits are all-gathered so the ordinary cross-entropy runs unchanged on every TP rank.  We chose
+* ``output``: :class:`ColwiseParallel` over the vocabulary whose local logits are all-gathered
+  (:func:`gather_logits`), so the ordinary cross-entropy runs unchanged on every TP rank.  We chose
   this over loss-parallel because the pipeline schedules hand plain tensors to the loss function,
   the loss stays bit-for-bit the single-process one, and the all-gather costs
   ``batch*seq*vocab/tp`` floats per step, small next to the weight traffic of a 32k-vocab model.
+  The gather is one plain ``all_gather_into_tensor``, not DTensor's Shard-to-Replicate: that one takes
+  c10d's coalesced all-gather, which gloo lacks for GPU tensors (ranks sharing a GPU, ``--parallel.gpus``).
 * RMSNorm weights: :class:`ReplicateParallel`, i.e. replicated DTensors computing on replicated
   inputs.  Their inputs and output-gradients are already replicated (the colwise layers all-reduce
   the input gradient), so their gradients agree on all TP ranks without communication.  Making them
@@ -28,9 +30,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -63,7 +66,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     if getattr(model, "tok_embeddings", None) is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if getattr(model, "output", None) is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
     if getattr(model, "norm", None) is not None:
         plan["norm"] = ReplicateParallel()
     for key in model.layers:
@@ -97,7 +100,31 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         if problems:
             raise ValueError("; ".join(problems))
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    if getattr(model, "output", None) is not None:
+        group = tp_mesh.get_group()
+        model.output.register_forward_hook(lambda module, inputs, logits: gather_logits(logits, group))
     return model
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather of the last dimension over a group; backward keeps this rank's slice of the gradient (every rank
+    computes the same loss from the gathered tensor, so every rank holds the same whole gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.width, world = dist.get_rank(group), local.shape[-1], dist.get_world_size(group)
+        parts = local.new_empty((world * local.shape[0], *local.shape[1:]))  # the ranks' slices, stacked on dim 0
+        dist.all_gather_into_tensor(parts, local.contiguous(), group=group)
+        return torch.cat(parts.chunk(world, dim=0), dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width].contiguous(), None
+
+
+def gather_logits(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole vocabulary's logits from each TP rank's slice (its columns of the output projection)."""
+    return _GatherLastDim.apply(local, group)
 
 
 def _vocab_size(model: nn.Module) -> int | None:

@@ -8,9 +8,11 @@ import torch
 
 from diloco.config import ModelConfig
 from diloco.engine.throughput import Throughput, peak_flops
+from diloco.engine.runtime import pick_device
 from diloco.launch.simulate import SimulationError, gpu_assignment
 from diloco.model.transformer import build_model, flops_per_token, lm_loss
 from pipeline import ModelParts, ParallelSettings
+from pipeline.mesh import backend_for
 
 
 def _parts(**settings) -> ModelParts:
@@ -105,3 +107,24 @@ def test_a_skeleton_materialises_the_seeded_model_one_parameter_at_a_time():
     assert parts.train_step(x, y) == pytest.approx(lm_loss(build_model(ModelConfig(preset="tiny"), seed=7)(x), y).item())
     with pytest.raises(ValueError, match="needs init"):
         ModelParts(initial_model(cfg, seed=7)[0], None, ParallelSettings(), loss_fn=lm_loss, device="cpu")
+
+
+def test_ranks_that_share_gpus_take_them_in_turn_over_gloo():
+    # no GPU is touched: where each rank goes and which backend its island's groups take
+    assert [pick_device("cuda", r).index for r in range(4)] == [0, 1, 2, 3], "one GPU per rank"
+    assert [pick_device("cuda", r, gpus=2).index for r in range(4)] == [0, 1, 0, 1]
+    assert [pick_device("cuda", r, gpus=1).index for r in range(3)] == [0, 0, 0]
+    assert backend_for("cuda") == "nccl" and backend_for("cuda", shared_gpu=True) == "gloo"
+    assert backend_for("cpu") == backend_for("cpu", shared_gpu=True) == "gloo"
+
+
+def test_simulate_hands_an_island_only_the_gpus_its_ranks_take(tmp_path):
+    from diloco.config.loader import load
+    from diloco.launch.simulate import Cluster
+
+    cfg = load(overrides={"model.preset": "tiny", "parallel.tp": 2, "parallel.gpus": 1,
+                          "averaging.backend": "local", "logging.run_dir": str(tmp_path)})
+    cluster = Cluster(cfg, 2)
+    assert [cluster.island_size(i) for i in range(2)] == [2, 2]
+    assert [cluster.island_gpus(i) for i in range(2)] == [1, 1]
+    assert gpu_assignment([cluster.island_gpus(i) for i in range(2)], ["0", "1"], "cuda") == ["0", "1"]

@@ -173,6 +173,12 @@ def parallel_problems(cfg: Config) -> list[str]:
     par, m = cfg.parallel, cfg.model
     if par.dp < 1:
         return [f"--parallel.dp must be at least 1, got {par.dp}"]
+    if par.gpus < 0 or par.gpus > max(par.processes, 1):
+        return [f"--parallel.gpus must be between 0 (one GPU per rank) and the island's {par.processes} rank(s), "
+                f"got {par.gpus}"]
+    if par.gpus and cfg.device == "cpu":
+        return [f"--parallel.gpus {par.gpus} places the island's ranks on GPUs, but --device is cpu: drop "
+                f"--parallel.gpus or pass --device cuda"]
     if par.tp == 1 and par.pp == 1:
         return []
     if min(m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size or 256) < 1:

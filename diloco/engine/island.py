@@ -92,7 +92,7 @@ class Island:
 
     def __init__(self, cfg: Config):
         return_freed_memory()
-        self.rt = Runtime.start(cfg, pick_device(cfg.device))
+        self.rt = Runtime.start(cfg, pick_device(cfg.device, gpus=cfg.parallel.gpus))
         self.peers: PeerNode | None = None
         self.cfg = self.rt.island_config(cfg)
         run_dir = Path(self.cfg.logging.run_dir)

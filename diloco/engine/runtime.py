@@ -22,6 +22,7 @@ import torch.distributed as dist
 from diloco.config import Config
 from diloco.errors import TrainingError
 from pipeline import init_island_mesh
+from pipeline.mesh import backend_for, gpu_of
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 """glibc's ``mallopt`` parameters (malloc.h)."""
@@ -40,13 +41,15 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
         return False
 
 
-def pick_device(spec: str, local_rank: int | None = None) -> torch.device:
+def pick_device(spec: str, local_rank: int | None = None, gpus: int = 0) -> torch.device:
     """`auto` → CUDA if available, else CPU; `auto` and `cuda` take GPU ``local_rank`` (None: torchrun's
-    ``LOCAL_RANK``), always with an index (``torch.cuda.set_device`` refuses a CUDA device without one)."""
+    ``LOCAL_RANK``), or ``local_rank mod gpus`` when the island's ranks take ``gpus`` GPUs in turn, always with an
+    index (``torch.cuda.set_device`` refuses a CUDA device without one)."""
     if spec == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
     if spec in ("auto", "cuda"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank)
+        rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        return torch.device("cuda", gpu_of(rank, gpus))
     return torch.device(spec)
 
 
@@ -115,6 +118,10 @@ class Runtime:
         """Islands of one torch world average in lockstep: they stop, resume and skip catch-up together."""
         return self.n_islands > 1
 
+    def shares_gpus(self, gpus: int) -> bool:
+        """Whether an island whose ranks take ``gpus`` GPUs in turn (``--parallel.gpus``) puts several on one."""
+        return self.device.type == "cuda" and 0 < gpus < self.size
+
     def island_ranks(self) -> list[list[int]]:
         """Global ranks of every island of the world."""
         return [list(range(k * self.size, (k + 1) * self.size)) for k in range(self.n_islands)]
@@ -129,6 +136,12 @@ class Runtime:
         a = cfg.averaging
         rt = cls(tp, pp, device, dp=dp)
         split = "--parallel.dp * --parallel.pp * --parallel.tp"
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            shown = torch.cuda.device_count()
+            raise TrainingError(f"rank {os.environ.get('LOCAL_RANK', 0)} of this island takes GPU {device.index}, but "
+                                f"this machine shows {shown}: pass --parallel.gpus {shown} to put several ranks "
+                                f"on a GPU (gloo: to try the island's shape, not for speed), or run the island's "
+                                f"{size} ranks on a server with {size} GPUs")
         use_device(device)
         # ranks wait in collectives while their island's owners run a hivemind round or a download
         rt.timeout_s = max(600.0, 2 * (a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
@@ -156,14 +169,14 @@ class Runtime:
                                 f"--nproc-per-node {size}, or pass --averaging.backend torch (or auto) to run {n} "
                                 f"islands in one world")
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+            dist.init_process_group(backend_for(device.type, rt.shares_gpus(cfg.parallel.gpus)),
                                     timeout=datetime.timedelta(seconds=rt.timeout_s))
             rt.owns_process_group = True
         rt.world, rt.global_rank = dist.get_world_size(), dist.get_rank()
         rt.n_islands, rt.island_index = n, rt.global_rank // size
         if size > 1:
             if n == 1:
-                rt.mesh = init_island_mesh(tp, pp, device.type, rt.timeout_s, dp=dp)
+                rt.mesh = init_island_mesh(tp, pp, device.type, rt.timeout_s, dp=dp, gpus=cfg.parallel.gpus)
             else:
                 from pipeline.mesh import MESH_DIMS, timed_mesh
 

@@ -135,7 +135,8 @@ def gpu_assignment(sizes: list[int], gpus: list[str], device: str, share: bool =
         raise SimulationError("--device cuda asks for GPUs, but this machine shows none: pass --device cpu")
     if max(sizes) > len(gpus):  # a rank takes the GPU of its local rank: an island's ranks never share one
         raise SimulationError(f"an island of {max(sizes)} processes needs {max(sizes)} GPUs of its own, one per rank, "
-                              f"but this machine has {len(gpus)}: make the islands smaller or pass --device cpu")
+                              f"but this machine has {len(gpus)}: make the islands smaller, pass --parallel.gpus "
+                              f"{len(gpus)} to put several of an island's ranks on a GPU, or pass --device cpu")
     out, start = [], 0
     for n in sizes:
         out.append(",".join(gpus[(start + j) % len(gpus)] for j in range(n)))
@@ -162,7 +163,7 @@ class Cluster:
         self.fork_warm = fork_warm
         self.procs: dict[int, subprocess.Popen | warm.WarmProcess] = {}
         self.restarts = 0
-        self.gpus = gpu_assignment([self.island_size(i) for i in range(n)],
+        self.gpus = gpu_assignment([self.island_gpus(i) for i in range(n)],
                                    visible_gpus() if cfg.device != "cpu" else [], cfg.device, share_gpus)
         for d in self.run_dirs:
             for stale in ("maddrs.txt", "summary.json", "metrics.jsonl", "theta_global.pt"):
@@ -209,6 +210,10 @@ class Cluster:
         """Processes of island ``i`` (``dp * pp * tp`` of its config)."""
         par = self.configs[i].get("parallel", {})
         return int(par.get("dp", 1)) * int(par.get("tp", 1)) * int(par.get("pp", 1))
+
+    def island_gpus(self, i: int) -> int:
+        """GPUs island ``i`` takes: one per rank, or its ``--parallel.gpus`` when its ranks share fewer."""
+        return int(self.configs[i].get("parallel", {}).get("gpus", 0)) or self.island_size(i)
 
     def maddrs(self, i: int) -> list[str]:
         """Island ``i``'s multiaddrs, once it wrote them (empty before)."""
