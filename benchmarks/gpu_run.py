@@ -172,7 +172,7 @@ def read_island(run_dir: Path, overlap: str) -> dict[str, Any]:
     steps = [r for r in records if "mfu" in r]
     if steps:
         flops_share = steps[-1]["mfu"] / steps[-1]["tokens_per_second_per_device"]  # FLOPs per token / peak
-        after_round_1 = steps[len(steps) // max(len(rounds), 1):]
+        after_round_1 = steps[len(steps) // max(len(rounds), 1):] or steps  # a run cut short in round 2: all
         out["mfu_steps_median"] = statistics.median(r["mfu"] for r in after_round_1)
         out["tokens_per_s_steps_median"] = statistics.median(r["tokens_per_second_per_device"] for r in after_round_1)
         if len(window) >= 2:
