@@ -68,7 +68,6 @@ CASES: dict[str, Case] = {
     "150m-dp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, **SHARED}),
     "150m-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.tp": 2, **SHARED}),
     "150m-dp2-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, "parallel.tp": 2, **SHARED}),
-    "150m-pp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.pp": 2, **SHARED}),
     "150m-2-tp2-islands-hivemind": Case("150m", 2, "delayed", "hivemind", "cpu", {"parallel.tp": 2, **SHARED}),
 }
 BATCH = {"tiny": 4, "150m": 16, "1b": 4}  # sequences per step: as benchmarks/gpu_island.py, so MFU compares

@@ -10,7 +10,7 @@
 # CASES defaults to the islands whose ranks share the GPU (gloo on CUDA tensors), with the single process of the
 # same model beside them; SECONDS (default 440) bounds the cases.  Carry the wheels folder (.whl) with the call.
 set -o pipefail
-cases=${1:-150m-dp2-one-gpu,150m-tp2-one-gpu,150m-delayed,150m-dp2-tp2-one-gpu,150m-2-tp2-islands-hivemind,150m-pp2-one-gpu}
+cases=${1:-150m-dp2-one-gpu,150m-tp2-one-gpu,150m-delayed,150m-dp2-tp2-one-gpu,150m-2-tp2-islands-hivemind}
 seconds=${2:-440}
 inner=${3:-15}
 out=${OUT:-/tmp/gpu-session}
