@@ -15,34 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from diloco.config.loader import load
 from diloco.launch.simulate import Cluster
+from experiments.outsider import listening
 from experiments.report import save_results
 from peers.proctable import descendants
 
 SHAPES = [("tp=2", dict(tp=2)), ("dp=2 x tp=2", dict(dp=2, tp=2))]
 ADDRESSES = ["127.0.0.2", "127.0.0.3"]
-
-
-def listening(pids: set[int], address: str) -> list[tuple[str, int]]:
-    """(process name, port) of the listening TCP sockets of ``pids`` bound to ``address``."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = []
-    for line in out.splitlines():
-        cols = line.split()
-        if len(cols) < 6 or not cols[3].startswith(f"{address}:"):
-            continue
-        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', line):
-            if int(pid) in pids:
-                found.append((name, int(cols[3].rsplit(":", 1)[1])))
-                break
-    return sorted(set(found))
 
 
 def _committed(run_dir: Path) -> bool:

@@ -13,7 +13,12 @@ last island holds the run key and attacks from round 2 to the last (``DILOCO_FAU
 - ``flip``: its Δ × −4 (within the member check's 10× the median norm: it pulls a mean the other way);
 - ``claim``: its Δ × −4 declared with a million times its tokens as weight (capped at 8× the median claim);
 - ``noise``: random values at its honest Δ's norm (nothing a norm check can tell apart);
-- ``grow``: its Δ × 1.5 to the power of the rounds since it started (a norm that creeps up to ratchet the guard).
+- ``grow``: its Δ × 1.5 to the power of the rounds since it started (a norm that creeps up to ratchet the guard);
+- ``leap``: it claims in the registry, after each round, an outer step 1000 rounds ahead of its own, holding a
+  θ_global of a made-up digest (to lure the others into catching up from it or numbering rounds after it);
+- ``outsider``: every island honest; a stranger without the key at every port they listen on for the whole run
+  (junk, oversized length prefixes, slow handshakes: :mod:`experiments.outsider`), and an island of its own that
+  tries to join with another key.
 
 Every arm weighs by tokens (``--averaging.weighting tokens``: honest islands all declare the same tokens, so the
 clean arm is what equal weights give, and a claim counts up to its cap), keeps the member check at its default
@@ -43,8 +48,12 @@ from experiments.report import json_safe, markdown_table
 
 DEFAULT_OUT = Path("experiments/results/hostile")
 ATTACKS = {"clean": "", "scale": "scale@send:{span}", "flip": "flip@send:{span}",
-           "claim": "claim@send:{span},flip@send:{span}", "noise": "noise@send:{span}", "grow": "grow@send:{span}"}
-"""Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last)."""
+           "claim": "claim@send:{span},flip@send:{span}", "noise": "noise@send:{span}", "grow": "grow@send:{span}",
+           "leap": "leap@announce:{span}", "outsider": ""}
+"""Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last); ``outsider`` is no
+island of the run but a stranger without the key (:func:`outsider_run`)."""
+KEYLESS = ("clean", "outsider")
+"""Arms whose islands all hold the key and stay honest."""
 AGGREGATES = ("mean", "centered-clip", "trimmed-mean")
 DEFAULTS: dict[str, Any] = {
     "model.preset": "tiny", "diloco.inner_steps": 20, "diloco.outer_steps": 10, "inner.warmup_steps": 5,
@@ -63,7 +72,7 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
                wall: float, error: str = "") -> dict[str, Any]:
     """One arm's figures from what its islands wrote (the attacker is the last island; in the clean arm it is honest
     like the others, and counted with them)."""
-    honest = run_dirs if attack == "clean" else run_dirs[:-1]
+    honest = run_dirs if attack in KEYLESS else run_dirs[:-1]
     summaries = []
     for d in run_dirs:
         try:
@@ -75,10 +84,10 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
     rejected = [r for r in records[0] if r.get("round_ok") == 1 and r.get("rejected")] if records else []
     strikes = [int(n) for d in honest for n in STRIKE.findall((d / "train.log").read_text(errors="replace"))] \
         if honest else []
-    attacker = summaries[-1] if attack != "clean" else None
+    attacker = summaries[-1] if attack not in KEYLESS else None
     left_out = [int(m) for f in (attacker or {}).get("failures", []) if LEFT_OUT in f
                 for m in re.findall(r"^round (\d+)", f)]
-    failed = [i for i, c in sorted(codes.items()) if c != 0 and (attack == "clean" or i < len(run_dirs) - 1)]
+    failed = [i for i, c in sorted(codes.items()) if c != 0 and (attack in KEYLESS or i < len(run_dirs) - 1)]
     if failed and not error:
         error = f"honest island(s) {', '.join(map(str, failed))} exited with an error (see their train.log)"
     curve = [(int(r["outer_step"]), float(r["eval/loss"])) for r in read_metrics(run_dirs[0]) if "eval/loss" in r]
@@ -91,7 +100,7 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
         "theta_distinct": len({s["theta_checksum"] for s in hs}),
         "rejected_rounds": len(rejected), "rejected_ids": sorted({p for r in rejected for p in r["rejected"].split(",")}),
         "strikes": max(strikes, default=0), "left_out_from": min(left_out, default=None),
-        "attacker_exit": codes.get(len(run_dirs) - 1) if attack != "clean" else None,
+        "attacker_exit": codes.get(len(run_dirs) - 1) if attack not in KEYLESS else None,
         "attacker_rounds_ok": attacker["rounds_ok"] if attacker else None, "curve": curve,
     }
 
@@ -104,16 +113,66 @@ def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: flo
     cfg.logging.run_dir, cfg.averaging.run_id, cfg.averaging.aggregate = str(out / "runs" / name), name, rule
     faults = ATTACKS[attack].format(span=f"2-{cfg.diloco.outer_steps}")
     cluster = Cluster(cfg, n, env={n - 1: {"DILOCO_FAULTS": faults}} if faults else None, fork_warm=True)
-    t0, error = time.time(), ""
+    t0, error, stranger = time.time(), "", None
     try:
         cluster.start_all()
+        if attack == "outsider":
+            stranger = OutsiderRun(cluster, out / "runs" / name / "outsider")
         cluster.wait(timeout=timeout, allow_failures=True)
     except SimulationError as e:
         error = str(e).splitlines()[0]
     finally:
+        seen = stranger.stop() if stranger is not None else None
         cluster.stop_all()
     codes = {i: p.returncode for i, p in cluster.procs.items()}
-    return arm_result(name, attack, rule, cluster.run_dirs, codes, time.time() - t0, error)
+    result = arm_result(name, attack, rule, cluster.run_dirs, codes, time.time() - t0, error)
+    if seen is not None:
+        result["outsider"] = seen
+        result["attacker_exit"] = seen["keyless_island_exit"]
+    return result
+
+
+class OutsiderRun:
+    """A stranger at the run for as long as it lasts: :class:`experiments.outsider.Outsider` at every port of the
+    islands, and an island of its own that joins the run with a key of its own (a guessed or stale one)."""
+
+    def __init__(self, cluster: Any, run_dir: Path):
+        import copy
+        import subprocess
+
+        import tomli_w
+
+        from experiments.outsider import Outsider
+        from peers.discovery.run_key import new_run_key, write_private
+
+        self.cluster = cluster
+        self.outsider = Outsider(lambda: [p.pid for p in cluster.procs.values()])
+        self.outsider.start()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        d = copy.deepcopy(cluster.configs[min(1, cluster.n - 1)])  # a joiner's: it knows island 0's address
+        write_private(run_dir / "run.key", new_run_key())
+        d["logging"]["run_dir"], d["checkpoint"]["dir"] = str(run_dir), str(run_dir / "checkpoints")
+        d["averaging"].update(run_key_file=str(run_dir / "run.key"), maddr_file=str(run_dir / "maddrs.txt"),
+                              identity_path="")
+        (run_dir / "config.toml").write_text(tomli_w.dumps(d))
+        self.log = run_dir / "train.log"
+        with self.log.open("w") as f:
+            self.island = subprocess.Popen([sys.executable, "-m", "diloco.cli", "train", "--config",
+                                            str(run_dir / "config.toml")], stdout=f, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+
+    def stop(self) -> dict[str, Any]:
+        """End both; what the outsider did, and how its island ended (exit code and last line)."""
+        import subprocess
+
+        seen = self.outsider.stop()
+        try:
+            code = self.island.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.island.kill()
+            code = self.island.wait()
+        lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        return {**seen, "keyless_island_exit": code, "keyless_island_said": lines[-1][-300:] if lines else ""}
 
 
 def _ratio(x: float, ref: float) -> str:
@@ -160,7 +219,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig = Figure(figsize=(8, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple")))
+    colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple",
+                                 "tab:olive", "tab:brown")))
     styles = dict(zip(AGGREGATES, ("-", "--", ":")))
     for r in results:
         if r["curve"]:
@@ -184,13 +244,22 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         f"loopback, the embedded text corpus; island {n - 1} attacks from round 2 to {rounds} (the clean arms: "
         "nobody does)",
         "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; noise: random values "
-        "at its Δ's norm; grow: Δ × 1.5^k in the k-th round it attacks; every arm weighs "
+        "at its Δ's norm; grow: Δ × 1.5^k in the k-th round it attacks; leap: its registry record claims a step 1000 "
+        "rounds ahead with a made-up θ_global digest; every arm weighs "
         "by tokens (capped at 8× the median claim), member check 10× the median norm, strikes 2",
         "honest loss end: the honest islands' mean held-out loss after the last round; vs clean mean: against the "
         "clean arm under `mean`; rounds committed: per honest island (min–max); attacker's Δ rejected: committed "
         "rounds (as island 0 recorded them) whose result counted its Δ for nothing; strikes: the most the honest "
         "islands' logs gave it (strikes are kept under robust rules only); left out from: the first round it "
         "was refused as struck out",
+        "outsider: no island of the run; a stranger without the key sends junk, oversized length prefixes and "
+        "slow handshakes to every port the islands listen on for the whole run, and starts an island of its own "
+        "with another key (its exit is in the attacker's column)",
+        *[f"{r['arm']}: the outsider reached {len(o['ports'])} ports: {o['junk']} junk and {o['oversized']} "
+          f"oversized connections, {o['slow_opened']} slow ones (the longest an island let one live: "
+          f"{o['longest_slow_s']} s; {o['slow_open_at_end']} still open at the end), {o['refused']} refused; its "
+          f"island exited {o['keyless_island_exit']}: \"{o['keyless_island_said']}\""
+          for r in results if (o := r.get("outsider"))],
         "one seed, one run per arm on a shared 2-core machine: arms whose attacker counts for nothing still average "
         "other vectors (one fewer member, or another rule) and end a few percent apart; a ratio within a few "
         "percent of 1 is noise, a ratio of 3 or 25 is not",

@@ -334,3 +334,25 @@ def test_the_attackers_noise_has_its_honest_norm_and_its_growth_compounds():
     assert hook.outgoing(0, delta) is delta
     for k, rnd in enumerate(range(2, 5), start=1):
         assert torch.allclose(hook.outgoing(rnd, delta)["a"], delta["a"] * GROW ** k)
+
+
+def test_the_leaping_attacker_claims_a_far_step_after_each_round_of_its_span():
+    """What the hostile experiment's ``leap`` arm does: after each round of its span, the registry record claims
+    an outer step LEAP rounds ahead, with a made-up digest; outside the span it leaves the record alone."""
+    from diloco.engine.faults import LEAP, FaultPlan, parse_faults
+    from diloco.engine.round.hooks import FaultHook
+
+    class Registry:
+        held, calls = None, []
+
+        def announce(self, outer_step, averaging=None, held=None):
+            self.calls.append((outer_step, averaging, held))
+
+    registry = Registry()
+    hook = FaultHook(FaultPlan(parse_faults("leap@announce:2-3")), outer=None, late_seconds=0.0,
+                     membership=lambda: registry)
+    for step in range(1, 5):
+        hook.after(step)
+    assert [(s, a) for s, a, _ in registry.calls] == [(2 + LEAP, False), (3 + LEAP, False)]
+    assert all(held and len(held) == len(registry.calls[0][2]) for _, _, held in registry.calls)
+    FaultHook(FaultPlan(parse_faults("leap@announce:2")), outer=None, late_seconds=0.0).after(2)  # no registry

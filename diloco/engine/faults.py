@@ -19,6 +19,9 @@ progress lines and every message):
   nothing a norm check can tell from an honest Δ;
 - ``grow@send:3-10``: send Δ × :data:`GROW` to the power of the rounds into the span (1.5, 2.25, …): a norm that
   creeps up to ratchet a guard that compares each round with the last ones.
+- ``leap@announce:3-10``: after each round of the span, claim in the run's registry an outer step :data:`LEAP` rounds
+  ahead of its own, holding a θ_global of a made-up digest (a member that lures the others into catching up
+  from it, or into numbering their rounds after its).
 
 ``ROUND`` may be a span of rounds, ``FIRST-LAST`` (``scale@send:2-6``: every round from 2 to 6).  An attacker is
 several faults of one island: ``claim@send:2-6,flip@send:2-6`` lies about its weight and sends −4 Δ.
@@ -32,10 +35,10 @@ from dataclasses import dataclass
 
 _STAGES = ("inner", "matchmaking", "allreduce", "vote")
 PHASES_OF = {"kill": _STAGES, "stall": _STAGES, "scale": ("send",), "flip": ("send",), "claim": ("send",),
-             "noise": ("send",), "grow": ("send",), "late": ("send",), "drift": ("theta",)}
+             "noise": ("send",), "grow": ("send",), "late": ("send",), "drift": ("theta",), "leap": ("announce",)}
 """Each action and the phases it can happen in."""
 ACTIONS = tuple(PHASES_OF)
-PHASES = (*_STAGES, "send", "theta")
+PHASES = (*_STAGES, "send", "theta", "announce")
 
 SCALE = 1e6
 """What ``scale`` multiplies Δ by: a norm far above any member check."""
@@ -45,6 +48,8 @@ CLAIM = 1e6
 """What ``claim`` multiplies the declared weight (this island's tokens) by."""
 GROW = 1.5
 """What ``grow`` multiplies Δ by once more each round of its span."""
+LEAP = 1000
+"""How many rounds ahead of its own outer step ``leap`` claims to be."""
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,9 @@ class RoundContext:
         self.transfer = StateTransfer(a, rt=round_rt, stats=stats, outer=outer, params=params, exchange=exchange,
                                       peers=peers, schedule=self.schedule, forget_unsent=unsent.clear,
                                       fingerprint=fingerprint)
-        self.hooks: list[RoundHook] = [FaultHook(faults, outer, a.matchmaking_time + 6.0), MembershipHook(peers)]
+        # the registry's hook first: a scripted lie about the step (leap) overwrites what it announced after a round
+        self.hooks: list[RoundHook] = [MembershipHook(peers), FaultHook(faults, outer, a.matchmaking_time + 6.0,
+                                                                        lambda: peers.membership)]
         self.norm = IslandNorm(round_rt, layout, specs)
         self.guard = NormGuard(a.max_norm_ratio)
         self.background = d.round_thread and not rt.lockstep

@@ -4,10 +4,12 @@ registry, as :class:`RoundHook` objects the transaction calls at each of its mom
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from diloco.engine.faults import CLAIM, FLIP, GROW, SCALE, FaultPlan
+from diloco.engine.faults import CLAIM, FLIP, GROW, LEAP, SCALE, FaultPlan
 from outer_optim import OuterOptimizer
 from peers import PeerNode, digest
 
@@ -43,8 +45,9 @@ class FaultHook(RoundHook):
     """Scripted faults (``DILOCO_FAULTS``): drifted θ_global, rogue Δ and weights, kills and stalls in a phase.
     Hooks see the 0-based outer step; faults, like every message, count rounds from 1."""
 
-    def __init__(self, plan: FaultPlan, outer: OuterOptimizer, late_seconds: float):
-        self.plan, self.outer, self.late_seconds = plan, outer, late_seconds
+    def __init__(self, plan: FaultPlan, outer: OuterOptimizer, late_seconds: float,
+                 membership: Callable[[], Any] = lambda: None):
+        self.plan, self.outer, self.late_seconds, self.membership = plan, outer, late_seconds, membership
 
     def before(self, rnd: int) -> None:
         if self.plan.has("late", "send", rnd + 1):
@@ -68,6 +71,11 @@ class FaultHook(RoundHook):
 
     def stage(self, rnd: int, phase: str) -> None:
         self.plan.at(phase, rnd + 1)
+
+    def after(self, outer_step: int) -> None:
+        registry = self.membership()
+        if registry is not None and self.plan.has("leap", "announce", outer_step):  # after the registry's own
+            registry.announce(outer_step + LEAP, averaging=False, held=digest([float(outer_step + LEAP)] * 72))
 
 
 class MembershipHook(RoundHook):
