@@ -592,6 +592,29 @@ def test_strangers_in_their_handshake_are_capped_and_get_no_thread_each(transpor
     assert _received(b, "x", a) == b"after the strangers"
 
 
+def test_a_stranger_holding_every_handshake_slot_from_one_address_evicts_only_its_own(transports, monkeypatch):
+    """A slowloris from one address (HANDSHAKES silent connections, and more as they are closed) cannot keep a
+    member out: a connection from another address ends the stranger's oldest handshake and gets through at once,
+    while the stranger's next connection, its address holding the most, is closed as it comes."""
+    from peers.wire import listener
+
+    monkeypatch.setattr(listener, "HANDSHAKES", 4)
+    monkeypatch.setattr(listener, "HANDSHAKE_TIMEOUT", 60.0)
+    a, b = transports("a", "key"), transports("b", "key")
+    stranger = [socket.create_connection(("127.0.0.1", b.port), source_address=("127.0.0.9", 0)) for _ in range(4)]
+    try:
+        assert not any(_closed_by_peer(s, 0.2) for s in stranger), "the stranger's handshakes are held"
+        more = socket.create_connection(("127.0.0.1", b.port), source_address=("127.0.0.9", 0))
+        stranger.append(more)
+        assert _closed_by_peer(more) and b.listener.turned_away == 1, "the stranger took a fifth slot"
+        a.send(b.endpoint, "x", b"through the slowloris", time.monotonic() + 10)  # well before their 60 s deadline
+        assert _received(b, "x", a) == b"through the slowloris"
+        assert b.listener.evicted >= 1 and _closed_by_peer(stranger[0]), "the stranger's oldest handshake was kept"
+    finally:
+        for s in stranger:
+            s.close()
+
+
 def test_a_connection_that_carries_nothing_ends_and_its_sender_opens_a_new_one(transports, monkeypatch):
     """A receiver ends a proven connection idle for IDLE seconds; the sender, which stops using one sooner, sends
     its next message on a new connection instead of into the ended one."""

@@ -11,8 +11,11 @@ its own connections, so a server fills its link with several TCP streams.
 handshake (:func:`peers.wire.secure.greet`) proves the run key and a peer id, a connection is held to one
 deadline for the whole exchange (:data:`~peers.wire.secure.HANDSHAKE_TIMEOUT`: bytes trickled in slowly do not
 keep it open), and at most :data:`HANDSHAKES` are in their handshake (or, on the port's owner, in their first
-two bytes) at once: one more is closed as it comes, with no thread started for it.  Its sender sees the
-connection end and tries again, as after any failure.
+two bytes) at once.  One more evicts the oldest handshake of the address that holds the most of them, unless
+that address is its own: then it is closed as it comes, with no thread started for it.  So a stranger that holds
+every slot with slow handshakes from one address (a slowloris) evicts only its own, and a member from another
+address still gets through at once; a sender whose connection ends tries again, as after any failure.  A stranger
+with many addresses can still take turns with the members; that is the bound, not a cure.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 SLOT = struct.Struct(">H")
 """What a connection names first: the rank of the server behind the port it is for."""
 HANDSHAKES = 16
-"""Connections of one rank in their handshake at once; more are closed as they come."""
+"""Connections of one rank in their handshake at once (see the module's docstring for one more)."""
 
 
 def slot_address(host: str, port: int, slot: int) -> str:
@@ -65,10 +68,14 @@ class Listener:
     def __init__(self, host: str, port: int, slot: int, greet: Callable[[socket.socket, float], Link | None],
                  serve: Callable[[Link], bool], reuse_port: bool = False):
         self.host, self.slot, self.greet, self.serve = host, slot, greet, serve
-        self.handshakes = threading.BoundedSemaphore(HANDSHAKES)
-        """Connections in their handshake at once (see the module's docstring)."""
+        self._pending: dict[socket.socket, tuple[str, float]] = {}
+        """Connections in their handshake: their address and when they came (see the module's docstring)."""
+        self._pending_lock = threading.Lock()
         self.turned_away = 0
-        """Connections closed as they came because :data:`HANDSHAKES` others were in their handshake."""
+        """Connections closed as they came because :data:`HANDSHAKES` others were in their handshake, the most of
+        them from the same address."""
+        self.evicted = 0
+        """Handshakes ended to make room for a connection from another address."""
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._handoff: dict[int, socket.socket] = {}
@@ -92,14 +99,48 @@ class Listener:
     # ------------------------------------------------------------------------------- taking
     def adopt(self, conn: socket.socket, named: bool = False) -> None:
         """Take ``conn`` as a connection to this rank (``named``: its first two bytes, the slot, still to read),
-        in a thread of its own, if fewer than :data:`HANDSHAKES` are in their handshake; else close it."""
-        if self._closed.is_set() or not self.handshakes.acquire(blocking=False):
-            if not self._closed.is_set():
-                self.turned_away += 1
-                log.debug("closed a transport connection: %d others are in their handshake", HANDSHAKES)
+        in a thread of its own, making room among the connections in their handshake as the module's docstring
+        says, or close it."""
+        if self._closed.is_set() or not self._admit(conn):
             conn.close()
             return
         threading.Thread(target=self._take, args=(conn, named), name="transport-conn", daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Count ``conn`` among the connections in their handshake, evicting one if they are :data:`HANDSHAKES`;
+        False where ``conn``'s own address holds the most of them."""
+        try:
+            address = conn.getpeername()[0]
+        except (OSError, IndexError, TypeError):
+            address = ""
+        evict = None
+        with self._pending_lock:
+            if len(self._pending) >= HANDSHAKES:
+                held: dict[str, list[tuple[float, socket.socket]]] = {}
+                for c, (a, since) in self._pending.items():
+                    held.setdefault(a, []).append((since, c))
+                most = max(held, key=lambda a: (len(held[a]), -min(held[a], key=lambda x: x[0])[0]))
+                if len(held.get(address, ())) >= len(held[most]):
+                    self.turned_away += 1
+                    log.debug("closed a transport connection: %d others are in their handshake, %d of them from "
+                              "its address", HANDSHAKES, len(held[address]))
+                    return False
+                evict = min(held[most], key=lambda x: x[0])[1]
+                del self._pending[evict]
+                self.evicted += 1
+            self._pending[conn] = (address, time.monotonic())
+        if evict is not None:
+            log.debug("ended a handshake from %s to make room for a connection from another address", most)
+            try:
+                evict.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return True
+
+    def _done(self, conn: socket.socket) -> bool:
+        """``conn`` leaves its handshake; False where it was evicted meanwhile (its socket is shut)."""
+        with self._pending_lock:
+            return self._pending.pop(conn, None) is not None
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -165,8 +206,8 @@ class Listener:
                         return
                 link = self.greet(conn, deadline)
             finally:
-                self.handshakes.release()
-            if link is not None:
+                admitted = self._done(conn)
+            if link is not None and admitted:
                 kept = self.serve(link)
         except OSError as e:
             if not self._closed.is_set():
