@@ -257,7 +257,8 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         "with another key (its exit is in the attacker's column)",
         *[f"{r['arm']}: the outsider reached {len(o['ports'])} ports: {o['junk']} junk and {o['oversized']} "
           f"oversized connections, {o['slow_opened']} slow ones (the longest an island let one live: "
-          f"{o['longest_slow_s']} s; {o['slow_open_at_end']} still open at the end), {o['refused']} refused; its "
+          f"{o['longest_slow_s']} s; {o['slow_open_at_end']} still open at the end; by listener: "
+          f"{'; '.join(f'{k} {v}' for k, v in o.get('by_process', {}).items())}), {o['refused']} refused; its "
           f"island exited {o['keyless_island_exit']}: \"{o['keyless_island_said']}\""
           for r in results if (o := r.get("outsider"))],
         "one seed, one run per arm on a shared 2-core machine: arms whose attacker counts for nothing still average "

@@ -11,19 +11,18 @@ What such a stranger on the internet can do without the key, kept up for a whole
   island's own members must still get through).
 
 The ports are found as a scanner would find them: every listening TCP socket of the islands' process trees
-(``ss``).  The outsider's own island, started with a key of its own, is in :mod:`experiments.hostile`.
+(from ``/proc``, as ``ss -ltnp`` lists them).  The outsider's own island, started with a key of its own, is in :mod:`experiments.hostile`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from peers.proctable import descendants
 
@@ -36,19 +35,31 @@ RESCAN = 5.0
 
 
 def listening(pids: Iterable[int], address: str) -> list[tuple[str, int]]:
-    """(process name, port) of the listening TCP sockets of ``pids`` bound to ``address``."""
-    wanted = set(pids)
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = []
-    for line in out.splitlines():
+    """(process name, port) of the listening TCP sockets of ``pids`` bound to ``address`` (an IPv4 address), read
+    from ``/proc`` as ``ss -ltnp`` would show them."""
+    want = socket.inet_aton(address)
+    ports_of_inode: dict[str, int] = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         cols = line.split()
-        if len(cols) < 6 or not cols[3].startswith(f"{address}:"):
+        local, state, inode = cols[1], cols[3], cols[9]
+        ip_hex, port_hex = local.split(":")
+        if state == "0A" and bytes.fromhex(ip_hex)[::-1] == want:  # LISTEN; the kernel writes the IP little-endian
+            ports_of_inode[inode] = int(port_hex, 16)
+    found = set()
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # gone meanwhile
             continue
-        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', line):
-            if int(pid) in wanted:
-                found.append((name, int(cols[3].rsplit(":", 1)[1])))
-                break
-    return sorted(set(found))
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in ports_of_inode:
+                found.add((name, ports_of_inode[target[8:-1]]))
+    return sorted(found)
 
 
 def process_trees(roots: Iterable[int]) -> set[int]:
@@ -73,11 +84,18 @@ class OutsiderCounts:
     """The longest a slow connection stayed open before the island closed it."""
     slow_open_at_end: int = 0
     """Slow connections the islands had not closed when the run ended."""
+    by_process: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The slow connections by the process that listens on their port (``p2pd``: hivemind's DHT daemon; the
+    islands' own transport is a Python process): opened, the longest one closed by it, open at the end."""
+
+    def slow(self, process: str) -> dict[str, float]:
+        return self.by_process.setdefault(process, {"opened": 0, "longest_s": 0.0, "open_at_end": 0})
 
     def as_dict(self) -> dict[str, object]:
         return {"ports": sorted(self.ports), "junk": self.junk, "oversized": self.oversized,
                 "slow_opened": self.slow_opened, "refused": self.refused,
-                "longest_slow_s": round(self.longest_slow_s, 1), "slow_open_at_end": self.slow_open_at_end}
+                "longest_slow_s": round(self.longest_slow_s, 1), "slow_open_at_end": self.slow_open_at_end,
+                "by_process": {k: {n: round(v, 1) for n, v in d.items()} for k, d in sorted(self.by_process.items())}}
 
 
 class Outsider:
@@ -91,7 +109,7 @@ class Outsider:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._slow: dict[int, list[threading.Thread]] = {}
+        self._process: dict[int, str] = {}
 
     def start(self) -> None:
         self._spawn(self._scan)
@@ -112,14 +130,16 @@ class Outsider:
     def _scan(self) -> None:
         while not self._stop.is_set():
             try:
-                found = {port for _, port in listening(process_trees(self.roots()), self.address)}
-            except (OSError, subprocess.CalledProcessError):
-                found = set()
+                found = dict((port, name) for name, port in listening(process_trees(self.roots()), self.address))
+            except OSError:
+                found = {}
             with self._lock:
-                new = found - self.counts.ports
-                self.counts.ports |= found
+                new = set(found) - self.counts.ports
+                self.counts.ports |= new
+                self._process.update(found)
             for port in new:
-                self._slow[port] = [self._spawn(self._hold_slow, port) for _ in range(SLOW_PER_PORT)]
+                for _ in range(SLOW_PER_PORT):
+                    self._spawn(self._hold_slow, port)
             self._stop.wait(RESCAN)
 
     def _connect(self, port: int) -> socket.socket | None:
@@ -175,14 +195,19 @@ class Outsider:
             opened = time.monotonic()
             with self._lock:
                 self.counts.slow_opened += 1
+                by = self.counts.slow(self._process.get(port, "?"))
+                by["opened"] += 1
             with s:
                 try:
                     while not self._stop.is_set():
                         s.sendall(os.urandom(1))
                         self._stop.wait(TRICKLE)
                 except OSError:  # the island closed it (seen at the second byte after, at most)
+                    lived = time.monotonic() - opened
                     with self._lock:
-                        self.counts.longest_slow_s = max(self.counts.longest_slow_s, time.monotonic() - opened)
+                        self.counts.longest_slow_s = max(self.counts.longest_slow_s, lived)
+                        by["longest_s"] = max(by["longest_s"], lived)
                     continue
             with self._lock:
                 self.counts.slow_open_at_end += 1
+                by["open_at_end"] += 1

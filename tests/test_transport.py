@@ -615,6 +615,32 @@ def test_a_stranger_holding_every_handshake_slot_from_one_address_evicts_only_it
             s.close()
 
 
+def test_the_hostile_experiments_outsider_is_closed_out_and_members_still_talk(transports, monkeypatch):
+    """``experiments.outsider`` at a real transport: it finds the port as a scanner would (the listening sockets of
+    this process), the transport closes its junk, its oversized length prefixes and its slow handshakes, and a
+    member's message still gets through while the stranger keeps every slot busy."""
+    import os
+
+    from experiments import outsider
+    from peers.wire import listener
+
+    monkeypatch.setattr(outsider, "TRICKLE", 0.2)
+    monkeypatch.setattr(outsider, "RESCAN", 0.2)
+    monkeypatch.setattr(listener, "HANDSHAKE_TIMEOUT", 1.0)
+    a, b = transports("a", "key"), transports("b", "key")
+    stranger = outsider.Outsider(lambda: [os.getpid()])
+    stranger.start()
+    try:
+        seen = stranger.counts
+        assert _until(lambda: b.port in seen.ports and seen.junk and seen.oversized and seen.longest_slow_s > 0), \
+            f"the outsider found no port or the transport closed nothing of it: {seen.as_dict()}"
+        a.send(b.endpoint, "x", b"past the stranger", time.monotonic() + 10)
+        assert _received(b, "x", a) == b"past the stranger"
+    finally:
+        done = stranger.stop()
+    assert done["slow_opened"] > outsider.SLOW_PER_PORT and b.listener.turned_away + b.listener.evicted > 0
+
+
 def test_a_connection_that_carries_nothing_ends_and_its_sender_opens_a_new_one(transports, monkeypatch):
     """A receiver ends a proven connection idle for IDLE seconds; the sender, which stops using one sooner, sends
     its next message on a new connection instead of into the ended one."""
