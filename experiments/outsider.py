@@ -155,36 +155,31 @@ class Outsider:
             with self._lock:
                 ports = sorted(self.counts.ports)
             for port in ports:
-                self._junk(port)
-                self._oversized(port)
+                self._once(port, oversized=False)
+                self._once(port, oversized=True)
             self._stop.wait(0.5)
 
-    def _junk(self, port: int) -> None:
+    def _once(self, port: int, oversized: bool) -> None:
+        """One connection of junk bytes, or (``oversized``) one that takes the greeting and then names the largest
+        length a prefix can and trickles into it."""
         s = self._connect(port)
         if s is None:
             return
         with s:
             try:
-                s.sendall(os.urandom(256))
+                if oversized:
+                    s.recv(256)  # the greeting, where the listener speaks first
+                    s.sendall(b"\xff\xff\xff\xff" + os.urandom(1024))
+                else:
+                    s.sendall(os.urandom(256))
                 s.recv(1024)
             except OSError:
                 pass
         with self._lock:
-            self.counts.junk += 1
-
-    def _oversized(self, port: int) -> None:
-        s = self._connect(port)
-        if s is None:
-            return
-        with s:
-            try:
-                s.recv(256)  # the greeting, where the listener speaks first
-                s.sendall(b"\xff\xff\xff\xff" + os.urandom(1024))
-                s.recv(1024)
-            except OSError:
-                pass
-        with self._lock:
-            self.counts.oversized += 1
+            if oversized:
+                self.counts.oversized += 1
+            else:
+                self.counts.junk += 1
 
     def _hold_slow(self, port: int) -> None:
         while not self._stop.is_set():
