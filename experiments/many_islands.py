@@ -235,6 +235,12 @@ def markdown(results: list[dict[str, Any]], command: str, notes: list[str]) -> s
                   f"compute {r['stall_seconds']['median']:.2f} / {r['stall_seconds']['p90']:.2f}, group "
                   f"{r['group_seconds']['median']:.2f} / {r['group_seconds']['p90']:.2f}, whole averaging "
                   f"{r['averaging_seconds']['median']:.2f} / {r['averaging_seconds']['p90']:.2f} (median / p90)"]
+        by = r.get("sent_by_process_bytes")
+        if by and r["island_rounds"]:
+            per = {name: b / r["island_rounds"] for name, b in sorted(by.items())}
+            lines.append("- sent, by the process holding the connection (per island per round recorded): "
+                         + ", ".join(f"{name} {format_bytes(b)}" for name, b in per.items())
+                         + " (p2pd: hivemind's daemons, the DHT; python: the islands' transport)")
         mem = r["memory"]
         if mem:
             lines.append(f"- memory at its peak: {format_bytes(mem['pss_total_bytes'])} PSS in all "
@@ -315,6 +321,59 @@ def memory_figures(sampler: Any, n: int) -> dict[str, Any]:
             "island_processes": max(t.processes for t in islands), "samples": sampler.samples}
 
 
+class WireByProcess:
+    """Bytes the islands sent over TCP, split by the process that holds each connection: ``p2pd`` (hivemind's
+    daemons: the DHT's records and reads, and hivemind's calls) and ``python`` (the islands' own transport:
+    rosters, parts, verdicts, downloads).  Sampled every ``every`` seconds from the kernel's per-connection
+    counters (:func:`peers.wire.counters.tcp_connections`); a connection closed between two samples keeps its
+    last count.  On loopback every byte one island sends another receives, so the sum is the run's traffic once."""
+
+    def __init__(self, roots: Callable[[], list[int]], every: float = 2.0):
+        import threading
+
+        self.roots, self.every = roots, every
+        self.sent: dict[int, tuple[str, int]] = {}  # socket inode -> (process name, frame bytes sent so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="wire-by-process")
+
+    def __enter__(self) -> WireByProcess:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.every + 5)
+
+    def _run(self) -> None:
+        import socket
+
+        from peers.proctable import descendants, process_sockets, process_table
+        from peers.wire.counters import tcp_connections
+
+        while not self._stop.wait(self.every):
+            try:
+                table = process_table()
+                owner: dict[int, str] = {}
+                for root in self.roots():
+                    for pid in [root, *descendants(root)]:
+                        if pid in table:
+                            for inode in process_sockets([pid]):
+                                owner.setdefault(inode, "p2pd" if table[pid].name == "p2pd" else "python")
+                for family in (socket.AF_INET, socket.AF_INET6):
+                    for inode, b in tcp_connections(family).items():
+                        if inode in owner:
+                            self.sent[inode] = (owner[inode], b.sent)
+            except OSError:
+                return
+
+    def totals(self) -> dict[str, int]:
+        """Frame bytes sent so far, by process name."""
+        out: dict[str, int] = {}
+        for name, sent in list(self.sent.values()):
+            out[name] = out.get(name, 0) + sent
+        return out
+
+
 def run_count(cfg: Config, n: int, timeout: float, memory_every: float,
               say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``n`` islands of ``cfg`` to the end (or ``timeout``), sampling their memory; return :func:`count_result`."""
@@ -336,7 +395,8 @@ def run_count(cfg: Config, n: int, timeout: float, memory_every: float,
             say(f"[{time.time() - t0:6.0f}s] {line}, {len(cluster.failed())} island(s) exited with an error")
             last[1] = line
 
-    with MemorySampler(lambda: {i: p.pid for i, p in cluster.procs.items()}, every=memory_every) as memory:
+    with MemorySampler(lambda: {i: p.pid for i, p in cluster.procs.items()}, every=memory_every) as memory, \
+            WireByProcess(lambda: [p.pid for p in cluster.procs.values()]) as wire:
         try:
             cluster.start_all(startup_timeout=max(90.0, cfg.averaging.startup_timeout * 3))
             cluster.wait(timeout=timeout, on_tick=tick, allow_failures=True)
@@ -348,9 +408,11 @@ def run_count(cfg: Config, n: int, timeout: float, memory_every: float,
     busy1 = cpu_times()
     cpu_busy = (busy1[0] - busy0[0]) / max(busy1[1] - busy0[1], 1e-9)
     codes = {i: p.returncode for i, p in cluster.procs.items()}
-    return count_result(n, rounds, cluster.run_dirs, codes, wall_seconds=time.time() - t0,
-                        error="" if timed_out else error, memory=memory_figures(memory, n), cpu_busy=cpu_busy,
-                        timed_out=timed_out)
+    result = count_result(n, rounds, cluster.run_dirs, codes, wall_seconds=time.time() - t0,
+                          error="" if timed_out else error, memory=memory_figures(memory, n), cpu_busy=cpu_busy,
+                          timed_out=timed_out)
+    result["sent_by_process_bytes"] = wire.totals()
+    return result
 
 
 def run_islands(config_file: str | None, overrides: list[str], counts: list[int], out: Path, timeout: float,
