@@ -347,18 +347,15 @@ class WireByProcess:
     def _run(self) -> None:
         import socket
 
-        from peers.proctable import descendants, process_sockets, process_table
+        from peers.proctable import process_sockets, process_trees
         from peers.wire.counters import tcp_connections
 
         while not self._stop.wait(self.every):
             try:
-                table = process_table()
                 owner: dict[int, str] = {}
-                for root in self.roots():
-                    for pid in [root, *descendants(root)]:
-                        if pid in table:
-                            for inode in process_sockets([pid]):
-                                owner.setdefault(inode, "p2pd" if table[pid].name == "p2pd" else "python")
+                for pid, stat in process_trees(self.roots()).items():
+                    for inode in process_sockets([pid]):
+                        owner.setdefault(inode, "p2pd" if stat.name == "p2pd" else "python")
                 for family in (socket.AF_INET, socket.AF_INET6):
                     for inode, b in tcp_connections(family).items():
                         if inode in owner:

@@ -11,7 +11,8 @@ What such a stranger on the internet can do without the key, kept up for a whole
   island's own members must still get through).
 
 The ports are found as a scanner would find them: every listening TCP socket of the islands' process trees
-(from ``/proc``, as ``ss -ltnp`` lists them).  The outsider's own island, started with a key of its own, is in :mod:`experiments.hostile`.
+(from ``/proc``, as ``ss -ltnp`` lists them).  The outsider's own island, started with a key of its own, is in
+:mod:`experiments.hostile`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peers.proctable import descendants
+from peers.proctable import process_trees
 
 SLOW_PER_PORT = 24
 """Slow connections held open to each port at once (above the transport's 16 handshakes at once)."""
@@ -71,14 +72,6 @@ def still_open(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
-
-
-def process_trees(roots: Iterable[int]) -> set[int]:
-    """``roots`` and every process they started."""
-    pids = set(roots)
-    for root in list(pids):
-        pids |= set(descendants(root))
-    return pids
 
 
 @dataclass

@@ -57,7 +57,8 @@ _EXPORTS = {  # name -> the module that defines it (a module itself where the na
     "Downloaded": "peers.wire.state_share", "download_state": "peers.wire.state_share:download",
     "Traffic": "peers.wire.counters", "WireCounter": "peers.wire.counters",
     "ring_allreduce_bytes": "peers.wire.counters",
-    "descendants": "peers.proctable", "process_table": "peers.proctable", "socket_files": "peers.proctable",
+    "descendants": "peers.proctable", "process_table": "peers.proctable", "process_trees": "peers.proctable",
+    "socket_files": "peers.proctable",
     # ``diloco probe``: the link between two servers, measured before a run
     "probe": "peers.wire.probe:",
 }

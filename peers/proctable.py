@@ -8,6 +8,7 @@ Plain data of the operating system: any floor of ``peers`` and above may import 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -53,18 +54,24 @@ def process_table() -> dict[int, ProcStat]:
     return table
 
 
-def descendants(root: int) -> dict[int, ProcStat]:
-    """The processes started, directly or not, by ``root`` (``root`` itself excluded)."""
-    table = process_table()
+def process_trees(roots: Iterable[int]) -> dict[int, ProcStat]:
+    """The processes ``roots`` and every process they started, directly or not, from one reading of ``/proc``
+    (a root that is gone is left out)."""
+    table, wanted = process_table(), set(roots)
     out = {}
     for pid, stat in table.items():
-        p = stat.parent
+        p = pid
         while p > 1 and p in table:
-            if p == root:
+            if p in wanted:
                 out[pid] = stat
                 break
             p = table[p].parent
     return out
+
+
+def descendants(root: int) -> dict[int, ProcStat]:
+    """The processes started, directly or not, by ``root`` (``root`` itself excluded)."""
+    return {pid: stat for pid, stat in process_trees([root]).items() if pid != root}
 
 
 def is_running(pid: int) -> bool:
