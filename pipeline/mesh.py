@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipeline.settings import shares_gpus
+
 
 def backend_for(device_type: str, shared_gpu: bool = False) -> str:
     """Process-group backend for a device type: NCCL on CUDA, gloo otherwise, and gloo on GPUs that several
@@ -61,8 +63,8 @@ def init_island_mesh(tp: int, pp: int, device_type: str = "cpu", timeout_s: floa
     if device_type == "cuda":
         torch.cuda.set_device(gpu_of(int(os.environ.get("LOCAL_RANK", "0")), gpus))
     if not dist.is_initialized():
-        shared = 0 < gpus < dp * pp * tp
-        dist.init_process_group(backend_for(device_type, shared), timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend_for(device_type, shares_gpus(gpus, dp * pp * tp)),
+                                timeout=datetime.timedelta(seconds=timeout_s))
     world, size = dist.get_world_size(), dp * pp * tp
     if world != size:
         raise ValueError(f"the island has {world} processes but --parallel.dp * --parallel.pp * --parallel.tp = "

@@ -75,9 +75,19 @@ class ParallelSettings:
         return self.dp * self.pp * self.tp
 
     @property
+    def shares_gpus(self) -> bool:
+        """Whether several of the island's ranks share a GPU (:attr:`gpus` fewer than its processes)."""
+        return shares_gpus(self.gpus, self.processes)
+
+    @property
     def local_stages(self) -> int:
         """Model chunks each pipeline rank holds: ``virtual_stages`` for interleaved 1F1B, else 1."""
         return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
+
+
+def shares_gpus(gpus: int, ranks: int) -> bool:
+    """Whether ``ranks`` ranks that take ``gpus`` GPUs in turn (0: one each) put several on one GPU."""
+    return 0 < gpus < ranks
 
 
 def check_tensor_parallel(n_heads: int, dim: int, ffn_dim: int, vocab_size: int, tp: int) -> list[str]:

@@ -118,10 +118,6 @@ class Runtime:
         """Islands of one torch world average in lockstep: they stop, resume and skip catch-up together."""
         return self.n_islands > 1
 
-    def shares_gpus(self, gpus: int) -> bool:
-        """Whether an island whose ranks take ``gpus`` GPUs in turn (``--parallel.gpus``) puts several on one."""
-        return self.device.type == "cuda" and 0 < gpus < self.size
-
     def island_ranks(self) -> list[list[int]]:
         """Global ranks of every island of the world."""
         return [list(range(k * self.size, (k + 1) * self.size)) for k in range(self.n_islands)]
@@ -169,7 +165,7 @@ class Runtime:
                                 f"--nproc-per-node {size}, or pass --averaging.backend torch (or auto) to run {n} "
                                 f"islands in one world")
         if not dist.is_initialized():
-            dist.init_process_group(backend_for(device.type, rt.shares_gpus(cfg.parallel.gpus)),
+            dist.init_process_group(backend_for(device.type, cfg.parallel.shares_gpus),
                                     timeout=datetime.timedelta(seconds=rt.timeout_s))
             rt.owns_process_group = True
         rt.world, rt.global_rank = dist.get_world_size(), dist.get_rank()
