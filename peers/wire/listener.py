@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from peers.wire.secure import HANDSHAKE_TIMEOUT, Link, recv_exact
@@ -116,21 +117,20 @@ class Listener:
         evict = None
         with self._pending_lock:
             if len(self._pending) >= HANDSHAKES:
-                held: dict[str, list[tuple[float, socket.socket]]] = {}
-                for c, (a, since) in self._pending.items():
-                    held.setdefault(a, []).append((since, c))
-                most = max(held, key=lambda a: (len(held[a]), -min(held[a], key=lambda x: x[0])[0]))
-                if len(held.get(address, ())) >= len(held[most]):
+                held = Counter(a for a, _ in self._pending.values())
+                most = max(held.values())
+                if held[address] >= most:
                     self.turned_away += 1
                     log.debug("closed a transport connection: %d others are in their handshake, %d of them from "
-                              "its address", HANDSHAKES, len(held[address]))
+                              "its address", HANDSHAKES, held[address])
                     return False
-                evict = min(held[most], key=lambda x: x[0])[1]
-                del self._pending[evict]
+                evict = min((c for c, (a, _) in self._pending.items() if held[a] == most),
+                            key=lambda c: self._pending[c][1])
+                evicted_from = self._pending.pop(evict)[0]
                 self.evicted += 1
             self._pending[conn] = (address, time.monotonic())
         if evict is not None:
-            log.debug("ended a handshake from %s to make room for a connection from another address", most)
+            log.debug("ended a handshake from %s to make room for a connection from another address", evicted_from)
             try:
                 evict.shutdown(socket.SHUT_RDWR)
             except OSError:
