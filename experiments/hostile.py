@@ -31,9 +31,11 @@ every arm) to ``--out`` after every arm; each arm's islands keep their logs in `
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,7 +53,7 @@ ATTACKS = {"clean": "", "scale": "scale@send:{span}", "flip": "flip@send:{span}"
            "claim": "claim@send:{span},flip@send:{span}", "noise": "noise@send:{span}", "grow": "grow@send:{span}",
            "leap": "leap@announce:{span}", "outsider": ""}
 """Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last); ``outsider`` is no
-island of the run but a stranger without the key (:func:`outsider_run`)."""
+island of the run but a stranger without the key (:class:`OutsiderRun`)."""
 KEYLESS = ("clean", "outsider")
 """Arms whose islands all hold the key and stay honest."""
 AGGREGATES = ("mean", "centered-clip", "trimmed-mean")
@@ -137,15 +139,11 @@ class OutsiderRun:
     islands, and an island of its own that joins the run with a key of its own (a guessed or stale one)."""
 
     def __init__(self, cluster: Any, run_dir: Path):
-        import copy
-        import subprocess
-
         import tomli_w
 
         from experiments.outsider import Outsider
         from peers.discovery.run_key import new_run_key, write_private
 
-        self.cluster = cluster
         self.outsider = Outsider(lambda: [p.pid for p in cluster.procs.values()])
         self.outsider.start()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,8 +161,6 @@ class OutsiderRun:
 
     def stop(self) -> dict[str, Any]:
         """End both; what the outsider did, and how its island ended (exit code and last line)."""
-        import subprocess
-
         seen = self.outsider.stop()
         try:
             code = self.island.wait(timeout=30)
