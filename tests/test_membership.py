@@ -391,3 +391,30 @@ def test_a_read_that_visits_fewer_nodes_than_the_run_has_still_lists_every_islan
     finally:
         for d in dhts:
             d.shutdown()
+
+
+def test_a_large_registry_is_read_and_refreshed_less_often_and_each_beat_is_judged_by_its_writers_period():
+    """One read or store of the registry costs every record once per DHT node it passes (hivemind answers with the
+    key's whole value): an island reads and refreshes it less often the more islands there are, publishes its
+    heartbeat period, and others judge its beats by that period instead of their own.  (Narrow: a stand-in DHT.)"""
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from peers.discovery.membership import BEAT_PACE, FRESH, HEARTBEAT, READ_PACE, Member
+
+    small, large = (Membership(SimpleNamespace(peer_id=name), "run", ttl=60.0) for name in ("small", "large"))
+    assert (small.period, small.fresh) == (HEARTBEAT, FRESH) and "beat" not in small._value()
+    large.registry_size = 32
+    assert large.period == 32 / BEAT_PACE > HEARTBEAT and large.fresh == 32 / READ_PACE > FRESH
+    assert large._value()["beat"] == large.period
+    large.registry_size = 10_000
+    assert large.period == 20.0  # never past a third of the ttl: the record would expire between two beats
+
+    now = get_dht_time()
+    quiet = Member("large", 3, False, expires=now + 60.0 - 9.0, read_at=now)  # refreshed 9 s before the read
+    assert not small.beating(quiet) and small.silent(quiet)
+    paced = Member("large", 3, False, expires=quiet.expires, read_at=now, beat=8.0)
+    assert small.beating(paced) and not small.silent(paced)
+    lying = Member("large", 3, False, expires=now + 60.0 - 45.0, read_at=now, beat=1e9)
+    assert small.silent(lying)  # a period past a third of the ttl counts as that third

@@ -13,6 +13,7 @@ distinct islands, not processes.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -66,13 +67,26 @@ FINAL_RECORD_TTL = 3600.0
 """Seconds the record of an island that finished the run lives on after it left: while a DHT node of the run
 (a bootstrap node) keeps it, an island that arrives late learns that the run ended instead of waiting alone."""
 HEARTBEAT = 3.0
-"""Longest time between two refreshes of an island's registration (a third of the ttl when shorter): how
-soon an island that died without leaving can be told from one that is alive."""
+"""Shortest time between two refreshes of an island's registration (a third of the ttl when shorter): how soon an
+island that died without leaving can be told from one that is alive, in a small run (see :data:`BEAT_PACE`)."""
 FRESH = 1.0
-"""Seconds one read of the registry answers every question asked of it.  A read fetches every island's record from
-each DHT node it visits, so that its bytes grow with the islands squared; the island's threads (the round's, the
-background look-up, the end check) each asked on their own, some ten times a second, and 16 islands sent 25 MB
-each a round, against a payload of 55 kB.  Records change at most once a heartbeat or a round."""
+"""Shortest time one read of the registry answers every question asked of it (see :data:`READ_PACE`).  The island's
+threads (the round's, the background look-up, the end check) each asked on their own, some ten times a second, and
+16 islands sent 25 MB each a round, against a payload of 55 kB.  Records change at most once a heartbeat or a
+round."""
+READ_PACE = 8.0
+"""Records a second an island's questions read from the registry, at most: a read answers for the registry's
+records ÷ this seconds when that is longer than :data:`FRESH`.  hivemind answers a look-up passing a node that holds
+a key with the key's whole value, so that one read of the registry costs every record once per DHT node it visits
+(251 kB for one read at 32 islands): read once a second, each island sent 515 kB/s at 32 islands while
+it waited for a group, 17 times what it sent at 4 (``python -m benchmarks.registry_bytes``).  Paced, what an island
+sends to keep the registry stays level however many islands there are, and an island learns of a change within
+records ÷ 8 seconds (4 s at 32 islands, 8 s at 64)."""
+BEAT_PACE = 4.0
+"""Records a second an island's heartbeats cost it, at most, as :data:`READ_PACE` for reads: hivemind's store looks
+for the nodes to store at first, and that look-up answers with the whole registry too (224 kB at 32 islands).  The
+heartbeat period is the registry's records ÷ this seconds when that is longer than :data:`HEARTBEAT` (and at most a
+third of the ttl); an island publishes its period, so that others judge its beats by it."""
 READ_BEAM = 8
 """The DHT nodes nearest the registry's key that a read of it keeps searching (hivemind's default, 20, visits every
 node of a run of up to 20 islands, each answering with every record): the 5 that every record is stored at
@@ -111,7 +125,9 @@ class Member:
     read_at: float = 0.0
     """DHT time at which the read that brought this record started (0: not read): how fresh a record is counts from
     there, not from the moment it is looked at (a read takes seconds on a loaded machine, and answers for
-    :data:`FRESH` more)."""
+    :attr:`Membership.fresh` more)."""
+    beat: float = 0.0
+    """Seconds between the island's heartbeats, as it published them (0: the shortest, :data:`HEARTBEAT`)."""
 
     @property
     def position(self) -> Position:
@@ -138,6 +154,11 @@ class Snapshot:
     outer step or earlier), or nothing listens at their address any more and their record is not past it."""
     seen: int
     """Live islands (this one included)."""
+
+
+def _seconds(value: Any) -> float:
+    """A record's positive, finite number of seconds; 0.0 for anything else."""
+    return float(value) if isinstance(value, (int, float)) and 0 < value < math.inf else 0.0
 
 
 def _count(value: Any) -> int:
@@ -197,8 +218,10 @@ class Membership:
         self.island = island or self.peer_id
         self.rank = int(rank)
         self.ttl = ttl
-        self.period = min(ttl / 3, HEARTBEAT)
-        """Seconds between two refreshes of this island's registration."""
+        self._shortest_period = min(ttl / 3, HEARTBEAT)
+        self.registry_size = 1
+        """Records the last read of the registry found: what reads and heartbeats are paced by (:attr:`period`,
+        :attr:`fresh`)."""
         self.outer_step = 0
         self.averaging = False
         self.maddrs: list[str] = []
@@ -227,6 +250,23 @@ class Membership:
         self._announced = 0  # announces so far: a read started before the last one is not kept
         self._read_lock = threading.Lock()
 
+    @property
+    def period(self) -> float:
+        """Seconds between two refreshes of this island's registration: :data:`HEARTBEAT` (or a third of the ttl),
+        longer in a run of more than 12 islands (see :data:`BEAT_PACE`)."""
+        return min(self.ttl / 3, max(self._shortest_period, self.registry_size / BEAT_PACE))
+
+    @property
+    def fresh(self) -> float:
+        """Seconds a read of the registry answers every question asked of it: :data:`FRESH`, longer in a run of more
+        than 8 islands (see :data:`READ_PACE`)."""
+        return max(FRESH, self.registry_size / READ_PACE)
+
+    def forget_read(self) -> None:
+        """Make the next question read the registry again."""
+        with self._read_lock:  # a read started before this is not kept either
+            self._read, self._announced = None, self._announced + 1
+
     def _value(self, **extra: object) -> dict:
         value: dict = {"outer_step": self.outer_step, "committed": self.committed_rounds(), "averaging": self.averaging,
                        "left": False}
@@ -242,6 +282,8 @@ class Membership:
             value["held"] = list(self.held)
         if self.final is not None:
             value["final"] = self.final
+        if self.period > self._shortest_period:
+            value["beat"] = round(self.period, 2)
         value.update(extra)
         return value
 
@@ -254,8 +296,7 @@ class Membership:
             self.held = held
         if averaging is not None:
             self.averaging = averaging
-        with self._read_lock:  # the next question reads the registry again, this record in it
-            self._read, self._announced = None, self._announced + 1
+        self.forget_read()  # the next question reads the registry again, this record in it
         try:
             self._store(self._value(), self.ttl)
         except DHTUnavailableError as e:  # a DHT that no longer answers must not stop training or leaving
@@ -294,10 +335,10 @@ class Membership:
     def members(self, strict: bool = False, timeout: float | None = None) -> dict[str, Member]:
         """Registered peers (every rank of every island, including those that announced leaving), by peer id;
         none when the DHT cannot answer within ``timeout`` (default: the ttl; ``strict``: raise
-        :class:`DHTUnavailableError` then).  A read younger than :data:`FRESH` seconds answers instead."""
+        :class:`DHTUnavailableError` then).  A read younger than :attr:`fresh` seconds answers instead."""
         with self._read_lock:
             read = self._read
-        if read is not None and time.monotonic() - read[0] < FRESH:
+        if read is not None and time.monotonic() - read[0] < self.fresh:
             return dict(read[1])
         out: dict[str, Member] = {}
         started, announced, read_at = time.monotonic(), self._announced, get_dht_time()
@@ -320,8 +361,10 @@ class Membership:
                                   tuple(str(a) for a in maddrs) if isinstance(maddrs, list) else (),
                                   value.get("final"), expiration,
                                   str(value.get("endpoint", "")), bool(value.get("serving", True)),
-                                  _count(value.get("committed")), value.get("held"), read_at)
+                                  _count(value.get("committed")), value.get("held"), read_at,
+                                  _seconds(value.get("beat")))
         with self._read_lock:
+            self.registry_size = max(1, len(out))
             if self._announced == announced:
                 self._read = (started, out)
         return dict(out)
@@ -407,15 +450,21 @@ class Membership:
         return [m for island, m in self.islands(strict).items() if island != self.island]
 
     def beating(self, m: Member) -> bool:
-        """Whether ``m`` refreshed its record within the last heartbeat :attr:`period` (plus a little for a
-        slow DHT): an island that missed a beat may have died without leaving, though its record lives on
-        until the ttl runs out."""
-        return self._unrefreshed(m) < self.period + min(2.0, self.period / 2)
+        """Whether ``m`` refreshed its record within its last heartbeat period (plus a little for a slow DHT): an
+        island that missed a beat may have died without leaving, though its record lives on until the ttl runs
+        out."""
+        period = self._period_of(m)
+        return self._unrefreshed(m) < period + min(2.0, period / 2)
 
     def silent(self, m: Member) -> bool:
         """Whether ``m`` missed two heartbeats: unlike a record merely late (a loaded machine, a slow DHT), one
         whose refreshes no longer reach this island's DHT (the island died, or a partition keeps them away)."""
-        return self._unrefreshed(m) > 2 * self.period + min(2.0, self.period / 2)
+        period = self._period_of(m)
+        return self._unrefreshed(m) > 2 * period + min(2.0, period / 2)
+
+    def _period_of(self, m: Member) -> float:
+        """The heartbeat period ``m`` published (:attr:`Member.beat`), within this run's bounds."""
+        return min(self.ttl / 3, max(self._shortest_period, m.beat))
 
     def _unrefreshed(self, m: Member) -> float:
         """Seconds ``m``'s record had gone without a refresh when the read that brought it started."""
@@ -513,8 +562,8 @@ class Membership:
 
     def moved_past(self, outer_step: int) -> bool:
         """Whether the run moved past this island's round ``outer_step`` (see :func:`run_moved_past`), from the
-        positions the other live islands announced.  Answers from the registry as a background look-up read it (about once a
-        second while asked), so a slow DHT never blocks the caller."""
+        positions the other live islands announced.  Answers from the registry as a background look-up read it (every
+        :attr:`fresh` seconds while asked), so a slow DHT never blocks the caller."""
         return run_moved_past(self._looked() or [], (self.committed_rounds(), outer_step))
 
     def company(self) -> int:
@@ -556,7 +605,7 @@ class Membership:
                 steps = [m.position for m in others if not self._is_gone(m)]
                 with self._steps_lock:
                     self._steps = steps
-            self._stop.wait(1.0)
+            self._stop.wait(FRESH)  # the addresses are probed each time; the registry is read when its last read is stale
         with self._steps_lock:
             self._steps = None  # nobody asked for a while: a later question waits for a fresh look
 
