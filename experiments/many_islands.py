@@ -67,7 +67,10 @@ def timeouts_for(n: int, cores: int) -> dict[str, float]:
     load = max(1.0, n / max(cores, 1))
     # the grace a round's leader gives the islands still coming once a majority joined: starved islands reach a
     # round up to a few steps' time apart, and one left out spends its next round catching up (more CPU)
-    return {"averaging.matchmaking_time": 5 + load, "averaging.startup_timeout": 20 + 2 * load,
+    # a leader opens a connection to each member it has not met to send the roster; 48 islands at once starved it
+    # past the default 3 s (+ 5) for 16 of 47 members, in the first round it led
+    return {"averaging.matchmaking_time": 5 + load, "averaging.request_timeout": 2.5 + load / 2,
+            "averaging.startup_timeout": 20 + 2 * load,
             "averaging.matchmaking_timeout": 60 + 10 * load,
             "averaging.allreduce_timeout": 120 + 8 * load, "averaging.next_chunk_timeout": 30 + 2 * load,
             "averaging.vote_timeout": 15 + 2 * load, "averaging.state_download_timeout": 60 + 4 * load}

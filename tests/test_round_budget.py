@@ -90,3 +90,32 @@ def test_time_budgeted_islands_of_unequal_speed_commit_the_same_rounds_in_sync(t
     evals = [[r["eval/loss"] for r in records if "eval/loss" in r] for records in per_round]
     assert all(math.isfinite(s["eval_loss_end"]) for s in summaries), evals
     assert all(min(e) < s["eval_loss_start"] for e, s in zip(evals, summaries)), (evals, summaries[0]["eval_loss_start"])
+
+
+def test_a_round_the_run_moved_past_is_caught_up_on_not_waited_for_once_more():
+    """Narrow (stand-ins for the island's peers): a round whose roster left without this island is not averaged
+    again under the same id because the registry still lists islands at it (the other stragglers, which then wait
+    for each other round after round); a group that did not form while an island still trains towards it is."""
+    from types import SimpleNamespace
+
+    from diloco.engine.round.transaction import RoundTransaction
+    from peers import RoundResult
+
+    class Started(Exception):
+        pass
+
+    def averages_again():
+        raise Started()
+
+    t = object.__new__(RoundTransaction)
+    t.a = SimpleNamespace(retry_lost_member=True, min_group_size=2, matchmaking_timeout=60.0, matchmaking_time=5.0,
+                          vote_timeout=8.0)
+    t.rt = SimpleNamespace(lockstep=False)
+    t.peers = SimpleNamespace(membership=SimpleNamespace(round_size=lambda rnd: 3),
+                              averager=SimpleNamespace(start=lambda *args, **kwargs: None))
+    t.transfer = SimpleNamespace(main_decides=lambda ask: ask())
+    f = SimpleNamespace(rnd=3, outgoing=averages_again)  # the Δ it would send again
+    passed = RoundResult(False, "the other islands moved past this round without this island", left_behind=True)
+    assert t._average_again(f, passed, None) == (passed, None, False)
+    with pytest.raises(Started):
+        t._average_again(f, RoundResult(False, "no group formed"), None)

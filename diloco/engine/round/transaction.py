@@ -177,7 +177,8 @@ class RoundTransaction:
           round id of their own, so that a death costs the others a few seconds instead of a round;
         - no group formed although the registry lists a live island at this round that has not joined yet
           (it restarted or caught up and is still training towards it): wait for it once more under the
-          same round id, instead of moving on to the next round just as it arrives, one round apart.
+          same round id, instead of moving on to the next round just as it arrives, one round apart (not when the
+          others moved past the round: the island catches up instead).
 
         Returns (result, averaged Δ or None, whether it averaged again)."""
         a, membership = self.a, self.peers.membership
@@ -189,7 +190,10 @@ class RoundTransaction:
             rid, why = round_id(rnd, retry=True), "averaging again with the islands left"
             # the members left failed within moments of each other: a short wait for them is enough
             timeout = min(a.matchmaking_timeout, a.matchmaking_time + a.vote_timeout)
-        elif result.group_size < a.min_group_size and self.transfer.main_decides(
+        # the others moved past the round (its roster left without us): waiting for the islands the registry still
+        # shows at it waits for the other stragglers, round after round (6 of 48 islands looped so for 8 minutes);
+        # catching up is what takes this island back into the run
+        elif not result.left_behind and result.group_size < a.min_group_size and self.transfer.main_decides(
                 lambda: membership.round_size(rnd) >= a.min_group_size):
             rid, why, timeout = round_id(rnd), "waiting once more for the islands still training towards it", None
         else:
