@@ -1,14 +1,15 @@
 """An island of the run that attacks it: how far does it move the honest islands, under each aggregation rule?
 
     diloco experiment hostile [--islands 4] [--attacks scale,flip,claim] [--aggregates mean,centered-clip,trimmed-mean]
-                              [--out DIR] [--timeout S] [--section.key VALUE ...]
+                              [--seeds 0,1,2] [--out DIR] [--timeout S] [--section.key VALUE ...]
 
 One run per arm, an arm being (attack × aggregate), each of ``--islands`` islands of the ``tiny`` model over
 hivemind on loopback (H = 20, 10 rounds unless ``--diloco.*`` says otherwise), on the embedded text corpus.  The
 last island holds the run key and attacks from round 2 to the last (``DILOCO_FAULTS``,
 :mod:`diloco.engine.faults`):
 
-- ``clean``: nobody attacks (the reference of every ratio is the clean arm under ``mean``);
+- ``clean``: nobody attacks (the reference of every ratio is the clean arm under ``mean`` of the same seed;
+  ``--attacks ''`` runs the clean arms alone: what a robust rule costs when nobody attacks);
 - ``scale``: its Δ × 1e6 (a norm the member check rejects);
 - ``flip``: its Δ × −4 (within the member check's 10× the median norm: it pulls a mean the other way);
 - ``claim``: its Δ × −4 declared with a million times its tokens as weight (capped at 8× the median claim);
@@ -25,7 +26,8 @@ clean arm is what equal weights give, and a claim counts up to its cap), keeps t
 (10× the median norm) and strikes at 2.  Per arm it reports the honest islands' held-out loss at the end against
 the clean arm's (a ratio), the rounds they committed, the distinct θ_global among them, the committed rounds that
 rejected the attacker's Δ, the strikes the run held against it, the round from which it was left out, and its exit
-code.  It writes ``results.md``, ``results.json`` and ``hostile.png`` (held-out loss of an honest island per round,
+code.  With several ``--seeds`` every arm runs once per seed (the model's initialisation and the data order), and
+the report adds each arm's mean and worst ratio over the seeds.  It writes ``results.md``, ``results.json`` and ``hostile.png`` (held-out loss of an honest island per round,
 every arm) to ``--out`` after every arm; each arm's islands keep their logs in ``runs/<arm>/island<i>/``.
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -107,11 +110,12 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
     }
 
 
-def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: float) -> dict[str, Any]:
-    """Run one arm's ``n`` islands to the end (or ``timeout``) and return :func:`arm_result`."""
+def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: float, tag: str = "") -> dict[str, Any]:
+    """Run one arm's ``n`` islands to the end (or ``timeout``) and return :func:`arm_result`; ``tag`` ends the arm's
+    name (its seed, when there are several)."""
     from diloco.launch.simulate import Cluster, SimulationError
 
-    name = f"{attack}-{rule}"
+    name = f"{attack}-{rule}{tag}"
     cfg.logging.run_dir, cfg.averaging.run_id, cfg.averaging.aggregate = str(out / "runs" / name), name, rule
     faults = ATTACKS[attack].format(span=f"2-{cfg.diloco.outer_steps}")
     cluster = Cluster(cfg, n, env={n - 1: {"DILOCO_FAULTS": faults}} if faults else None, fork_warm=True)
@@ -175,7 +179,7 @@ def _ratio(x: float, ref: float) -> str:
     return f"{x / ref:.3f}" if ref == ref and ref > 0 and x == x else "–"
 
 
-HEADERS = ["attack", "aggregate", "honest loss end", "vs clean mean", "rounds committed (honest)",
+HEADERS = ["attack", "aggregate", "seed", "honest loss end", "vs clean mean", "rounds committed (honest)",
            "distinct θ_global (honest)", "attacker's Δ rejected (rounds)", "strikes", "left out from round",
            "attacker exit", "wall s"]
 
@@ -185,22 +189,39 @@ def row(r: dict[str, Any], ref: float) -> list[Any]:
     span = f"{min(committed)}–{max(committed)}" if committed and min(committed) != max(committed) else \
         (str(committed[0]) if committed else "–")
     clean = r["attack"] == "clean"
-    return [r["attack"], r["aggregate"], f"{r['eval_loss_end']:.4f}", _ratio(r["eval_loss_end"], ref),
+    return [r["attack"], r["aggregate"], r.get("seed", 0), f"{r['eval_loss_end']:.4f}", _ratio(r["eval_loss_end"], ref),
             f"{span} of {r['rounds']}", r["theta_distinct"], "–" if clean else r["rejected_rounds"],
             "–" if clean else r["strikes"], "–" if clean or r["left_out_from"] is None else r["left_out_from"],
             "–" if clean else r["attacker_exit"], f"{r['wall_seconds']:.0f}"]
 
 
-def reference(results: list[dict[str, Any]]) -> float:
-    return next((r["eval_loss_end"] for r in results if r["attack"] == "clean" and r["aggregate"] == "mean"),
-                float("nan"))
+def reference(results: list[dict[str, Any]], seed: int = 0) -> float:
+    """The held-out loss of the clean arm under ``mean`` of ``seed``: what every arm of that seed is compared with."""
+    return next((r["eval_loss_end"] for r in results if r["attack"] == "clean" and r["aggregate"] == "mean"
+                 and r.get("seed", 0) == seed), float("nan"))
+
+
+def rows(results: list[dict[str, Any]]) -> list[list[Any]]:
+    """Every arm's :func:`row`, each against the clean arm under ``mean`` of its seed."""
+    return [row(r, reference(results, r.get("seed", 0))) for r in results]
+
+
+def over_seeds(results: list[dict[str, Any]]) -> list[str]:
+    """Per arm run with more than one seed: its mean and worst ratio to the clean ``mean`` arm of the same seed."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        ref = reference(results, r.get("seed", 0))
+        if ref == ref and ref > 0 and r["eval_loss_end"] == r["eval_loss_end"]:
+            ratios.setdefault((r["attack"], r["aggregate"]), []).append(r["eval_loss_end"] / ref)
+    return [f"{attack} under {rule}, over {len(v)} seeds: {sum(v) / len(v):.4f}× the clean mean arm on average, "
+            f"{max(v):.4f}× at worst"
+            for (attack, rule), v in ratios.items() if len(v) > 1 and (attack, rule) != ("clean", "mean")]
 
 
 def markdown(results: list[dict[str, Any]], command: str, notes: list[str]) -> str:
-    ref = reference(results)
     lines = ["# An island of the run that attacks it", "", f"`{command}`", "",
-             markdown_table(HEADERS, [row(r, ref) for r in results]), "", "![held-out loss per arm](hostile.png)", ""]
-    lines += [f"- {n}" for n in notes]
+             markdown_table(HEADERS, rows(results)), "", "![held-out loss per arm](hostile.png)", ""]
+    lines += [f"- {n}" for n in over_seeds(results) + notes]
     problems = [f"{r['arm']}: {r['error']}" for r in results if r["error"]]
     if problems:
         lines += ["", "Problems:", ""] + [f"- {p}" for p in problems]
@@ -257,7 +278,7 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
           f"{'; '.join(f'{k} {v}' for k, v in o.get('by_process', {}).items())}), {o['refused']} refused; its "
           f"island exited {o['keyless_island_exit']}: \"{o['keyless_island_said']}\""
           for r in results if (o := r.get("outsider"))],
-        "one seed, one run per arm on a shared 2-core machine: arms whose attacker counts for nothing still average "
+        "one run per arm and seed on a shared 2-core machine: arms whose attacker counts for nothing still average "
         "other vectors (one fewer member, or another rule) and end a few percent apart; a ratio within a few "
         "percent of 1 is noise, a ratio of 3 or 25 is not",
     ]
@@ -267,34 +288,53 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
     plot(results, out / "hostile.png")
 
 
-def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    """``a,b`` → [a, b], each one of ``allowed``; ConfigError naming the flag otherwise."""
+def parse_list(text: str, allowed: tuple[str, ...], flag: str, empty: bool = False) -> list[str]:
+    """``a,b`` → [a, b], each one of ``allowed`` (none at all only when ``empty``); ConfigError naming the flag
+    otherwise."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
-    if bad or not items:
+    if bad or not (items or empty):
         raise ConfigError([f"{flag} takes some of {', '.join(allowed)} separated by commas, got {text!r}"])
     return items
 
 
+def parse_seeds(text: str) -> list[int] | None:
+    """``0,1,2`` → [0, 1, 2] (distinct integers); None for an empty text; ConfigError naming ``--seeds`` otherwise."""
+    if not text.strip():
+        return None
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError([f"--seeds takes distinct integers separated by commas (e.g. 0,1,2), got {text!r}"])
+    return seeds
+
+
 def run_hostile(config_file: str | None, overrides: list[str], islands: int, attacks: list[str],
-                aggregates: list[str], out: Path, timeout: float, command: str) -> list[dict[str, Any]]:
-    """Every arm in turn (the clean arm under ``mean`` first: the reference); the report rewritten after each."""
+                aggregates: list[str], out: Path, timeout: float, command: str,
+                seeds: list[int] | None = None) -> list[dict[str, Any]]:
+    """Every arm in turn, seed after seed (each seed's clean arm under ``mean`` first: its reference); the report
+    rewritten after each.  ``seeds`` None: the config's seed alone, arms named without it."""
     cfg = config_load.load(config_file, overrides, defaults=DEFAULTS)  # checked before the first arm runs
     arms = [("clean", "mean")] + [(a, r) for a in ["clean", *attacks] for r in aggregates
                                   if (a, r) != ("clean", "mean")]
     results: list[dict[str, Any]] = []
-    for attack, rule in arms:
-        arm = config_load.load(config_file, overrides, defaults=DEFAULTS)
-        print(f"== {attack} under {rule}: {islands} islands, {arm.diloco.outer_steps} rounds; logs in "
-              f"{out / 'runs' / f'{attack}-{rule}'}/island<i>/train.log", flush=True)
-        r = run_arm(arm, islands, attack, rule, out, timeout)
-        r["rounds"] = arm.diloco.outer_steps
-        results.append(r)
-        ref = reference(results)
-        print("   " + " | ".join(str(c) for c in row(r, ref)), flush=True)
-        write_report(results, out, command, cfg, islands)
-    ref = reference(results)
-    print(markdown_table(HEADERS, [row(r, ref) for r in results]), flush=True)
+    for seed in seeds or [cfg.seed]:
+        for attack, rule in arms:
+            arm = config_load.load(config_file, overrides, defaults=DEFAULTS)
+            arm.seed = seed
+            tag = f"-seed{seed}" if seeds else ""
+            print(f"== {attack} under {rule}, seed {seed}: {islands} islands, {arm.diloco.outer_steps} rounds; logs "
+                  f"in {out / 'runs' / f'{attack}-{rule}{tag}'}/island<i>/train.log", flush=True)
+            r = run_arm(arm, islands, attack, rule, out, timeout, tag)
+            r["rounds"], r["seed"] = arm.diloco.outer_steps, seed
+            results.append(r)
+            print("   " + " | ".join(str(c) for c in row(r, reference(results, seed))), flush=True)
+            write_report(results, out, command, cfg, islands)
+    print(markdown_table(HEADERS, rows(results)), flush=True)
+    for line in over_seeds(results):
+        print(line, flush=True)
     return results
 
 
@@ -305,8 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--islands", type=int, default=4, help="islands per arm, the last one the attacker "
                                                                "(default 4)")
     parser.add_argument("--attacks", default="scale,flip,claim",
-                        help=f"attacks besides clean, of {', '.join(a for a in ATTACKS if a != 'clean')}")
+                        help=f"attacks besides clean, of {', '.join(a for a in ATTACKS if a != 'clean')} ('': the clean "
+                             "arms alone)")
     parser.add_argument("--aggregates", default=",".join(AGGREGATES), help="aggregation rules, each an arm per attack")
+    parser.add_argument("--seeds", default="", help="seeds, comma-separated: every arm once per seed (default: the "
+                                                   "config's seed)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds an arm may run (default 600)")
     parser.add_argument("--config", help="TOML config file (applied over this command's defaults)")
@@ -314,14 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def body() -> int:
-        attacks = parse_list(args.attacks, tuple(a for a in ATTACKS if a != "clean"), "--attacks")
+        attacks = parse_list(args.attacks, tuple(a for a in ATTACKS if a != "clean"), "--attacks", empty=True)
+        seeds = parse_seeds(args.seeds)
         aggregates = parse_list(args.aggregates, AGGREGATES, "--aggregates")
         if args.islands < 3 or args.timeout <= 0:
             raise ConfigError([f"--islands must be at least 3 (a majority of honest islands) and --timeout above 0, "
                                f"got {args.islands} and {args.timeout:g}"])
         out = writable_folder(args.out)
         results = run_hostile(args.config, rest, args.islands, attacks, aggregates, out, args.timeout,
-                              "diloco experiment hostile " + " ".join(argv))
+                              "diloco experiment hostile " + shlex.join(argv), seeds)
         print(f"report: {out / 'results.md'}", flush=True)
         return 0 if not any(r["error"] for r in results) else 1
 

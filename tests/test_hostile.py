@@ -68,3 +68,19 @@ def test_an_attacker_is_rejected_struck_and_left_out_while_the_honest_islands_co
         assert f"error: {out_of_sync}" in cluster.logs[ATTACKER].read_text()
     else:
         assert summaries[ATTACKER]["theta_checksum"] == honest[0]["theta_checksum"]
+
+
+def test_every_arm_is_compared_with_the_clean_mean_arm_of_its_own_seed():
+    """Several seeds: a robust rule's cost with nobody attacking is each seed's ratio to that seed's clean ``mean``
+    arm (a seed that trains worse must not count against another's rule), summed up as mean and worst."""
+    from experiments.hostile import over_seeds, parse_seeds, rows
+
+    def arm(rule: str, seed: int, loss: float) -> dict:
+        return {"attack": "clean", "aggregate": rule, "seed": seed, "eval_loss_end": loss, "rounds_committed": [6, 6],
+                "rounds": 6, "theta_distinct": 1, "wall_seconds": 1.0}
+
+    results = [arm("mean", 0, 2.0), arm("centered-clip", 0, 2.02), arm("mean", 1, 3.0), arm("centered-clip", 1, 2.97)]
+    assert [r[4] for r in rows(results)] == ["1.000", "1.010", "1.000", "0.990"]
+    assert over_seeds(results) == ["clean under centered-clip, over 2 seeds: 1.0000× the clean mean arm on average, "
+                                   "1.0100× at worst"]
+    assert parse_seeds("0, 1,2") == [0, 1, 2] and parse_seeds("") is None
