@@ -6,6 +6,7 @@ they have."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -199,6 +200,7 @@ def unsigned_registry(monkeypatch):
     import peers.discovery.membership as membership
 
     monkeypatch.setattr(membership, "FRESH", 0.0)
+    monkeypatch.setattr(membership, "READ_PACE", math.inf)  # however many records: no read answers a second question
     monkeypatch.setattr(membership, "store_owned", lambda dht, key, value, expiration_time, timeout: dht.store(
         key, dht.peer_id, value, expiration_time).result())
     monkeypatch.setattr(membership, "owned_items", lambda found, key: {
