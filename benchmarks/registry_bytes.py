@@ -22,30 +22,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 from pathlib import Path
 
+from experiments.many_islands import sent_by_connection
 from experiments.report import format_bytes, markdown_table, save_results
-from peers.discovery.dht import start_dht, visible_maddrs
 from peers.discovery import membership
+from peers.discovery.dht import start_dht, visible_maddrs
 from peers.discovery.membership import Membership
 from peers.fingerprints import digest
-from peers.proctable import process_sockets, process_trees
 from peers.settings import NetworkSettings
-from peers.wire.counters import tcp_connections
 
 RUN_KEY = "registry-bytes-benchmark-key-0123456789"
 
 
 def daemons_sent() -> int:
     """Bytes sent so far on the open TCP connections of this process's DHT daemons."""
-    owned: set[int] = set()
-    for pid, stat in process_trees([os.getpid()]).items():
-        if stat.name == "p2pd":
-            owned |= process_sockets([pid])
-    return sum(b.sent for family in (socket.AF_INET, socket.AF_INET6)
-               for inode, b in tcp_connections(family).items() if inode in owned)
+    return sum(sent for name, sent in sent_by_connection([os.getpid()]).values() if name == "p2pd")
 
 
 def forget_read(m: Membership) -> None:

@@ -324,6 +324,23 @@ def memory_figures(sampler: Any, n: int) -> dict[str, Any]:
             "island_processes": max(t.processes for t in islands), "samples": sampler.samples}
 
 
+def sent_by_connection(roots: list[int]) -> dict[int, tuple[str, int]]:
+    """The open TCP connections of the process trees of ``roots``, by socket inode: the name of the process holding
+    it (``p2pd``: a hivemind daemon; ``python``: any other) and the frame bytes sent on it so far (the kernel's
+    counters, :func:`peers.wire.counters.tcp_connections`)."""
+    import socket
+
+    from peers.proctable import process_sockets, process_trees
+    from peers.wire.counters import tcp_connections
+
+    owner: dict[int, str] = {}
+    for pid, stat in process_trees(roots).items():
+        for inode in process_sockets([pid]):
+            owner.setdefault(inode, "p2pd" if stat.name == "p2pd" else "python")
+    return {inode: (owner[inode], b.sent) for family in (socket.AF_INET, socket.AF_INET6)
+            for inode, b in tcp_connections(family).items() if inode in owner}
+
+
 class WireByProcess:
     """Bytes the islands sent over TCP, split by the process that holds each connection: ``p2pd`` (hivemind's
     daemons: the DHT's records and reads, and hivemind's calls) and ``python`` (the islands' own transport:
@@ -348,21 +365,9 @@ class WireByProcess:
         self._thread.join(timeout=self.every + 5)
 
     def _run(self) -> None:
-        import socket
-
-        from peers.proctable import process_sockets, process_trees
-        from peers.wire.counters import tcp_connections
-
         while not self._stop.wait(self.every):
             try:
-                owner: dict[int, str] = {}
-                for pid, stat in process_trees(self.roots()).items():
-                    for inode in process_sockets([pid]):
-                        owner.setdefault(inode, "p2pd" if stat.name == "p2pd" else "python")
-                for family in (socket.AF_INET, socket.AF_INET6):
-                    for inode, b in tcp_connections(family).items():
-                        if inode in owner:
-                            self.sent[inode] = (owner[inode], b.sent)
+                self.sent.update(sent_by_connection(self.roots()))
             except OSError:
                 return
 
