@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peers.discovery.dht import start_dht, visible_maddrs
-from peers.discovery.membership import confirmed_position, meeting_step, run_moved_past
+from peers.discovery.membership import confirmed_position, meeting_step, run_moved_past, run_numbers_behind
 from peers.group.averager import VerifiedAverager
 from peers.group.roster import GENESIS, leader_order, lineage, quorum_problem, split_groups
 from peers.settings import AveragerSettings, NetworkSettings, Scope
@@ -54,6 +54,19 @@ def test_an_island_is_behind_once_half_the_run_is_further_along():
                                                                                    (2, 6))
     assert not run_moved_past([(3, 3), (2, 2)], (2, 2))  # of 3 islands, 2 at the round can still hold a majority
     assert not run_moved_past([(3, 3)] * 3 + [(2, 2)] * 4, (2, 2))  # 3 of 8 past: the 5 left still can
+
+
+def test_an_island_whose_failed_rounds_numbered_it_past_the_run_waits_for_the_run():
+    """Of 48 islands, one failed 6 rounds in a row alone (quickly) while the run averaged a slow round, and ended
+    apart: an island of the run's lineage that numbers its round past where half the run is waits for that round to
+    end; one whose lineage is behind catches up instead, and a minority numbering behind it holds nobody back."""
+    assert run_numbers_behind([(3, 3)], (3, 4))  # of 2 islands, the other is still at the earlier round
+    assert run_numbers_behind([(3, 3)] * 40 + [(3, 4)] * 7, (3, 4))
+    assert not run_numbers_behind([(4, 4)] * 40, (3, 4))  # the run committed it: catch up, not wait
+    assert not run_numbers_behind([(3, 4)] * 40, (3, 4)) and not run_numbers_behind([], (3, 4))
+    assert not run_numbers_behind([(3, 3)] * 2 + [(3, 4)] * 5, (3, 4))  # 2 of 8 behind: the 6 go on
+    assert not run_numbers_behind([(3, 0)] + [(3, 4)] * 3, (3, 4))  # one member claiming an old round draws nobody
+    assert not run_numbers_behind([(2, 3)] * 5, (3, 4))  # an island ahead in the lineage is ahead
 
 
 def test_a_position_counts_once_half_the_run_reached_it():

@@ -119,3 +119,30 @@ def test_a_round_the_run_moved_past_is_caught_up_on_not_waited_for_once_more():
     assert t._average_again(f, passed, None) == (passed, None, False)
     with pytest.raises(Started):
         t._average_again(f, RoundResult(False, "no group formed"), None)
+
+
+def test_an_island_numbered_past_the_run_waits_for_the_runs_round_to_end_before_averaging_alone():
+    """Narrow (stand-ins for the registry): the wait asks until the run's round ends, then returns; bounded by one
+    round's timeouts when it never does; not asked at all when the island is not ahead."""
+    from types import SimpleNamespace
+
+    from diloco.engine.state_transfer import StateTransfer
+
+    asked = []
+
+    def transfer(ahead_for: int, timeouts: float = 30.0) -> StateTransfer:
+        t = object.__new__(StateTransfer)
+        t.a = SimpleNamespace(matchmaking_timeout=timeouts, allreduce_timeout=0.0, vote_timeout=0.0)
+        t.rt = SimpleNamespace(lockstep=False, is_main=True, bcast=lambda x: x)
+        t.peers = SimpleNamespace(transport=object(), membership=SimpleNamespace(
+            numbers_ahead=lambda rnd: asked.append(rnd) or len(asked) <= ahead_for))
+        return t
+
+    transfer(ahead_for=0).wait_for_the_run(4)
+    assert asked == [4]  # not ahead: asked once, no wait
+    asked.clear()
+    transfer(ahead_for=3).wait_for_the_run(4)
+    assert asked == [4] * 4  # waited until the run's round ended
+    asked.clear()
+    transfer(ahead_for=10**6, timeouts=1.5).wait_for_the_run(4)
+    assert 2 <= len(asked) <= 4  # the run's round never ended: gave up after the timeouts

@@ -212,6 +212,21 @@ class StateTransfer:
                  if self.schedule.by_steps_now() else "")
         return True
 
+    def wait_for_the_run(self, rnd: int) -> None:
+        """Collective: before averaging round ``rnd``, when this island's failed rounds numbered it past a run still
+        averaging an earlier round (:meth:`peers.discovery.membership.Membership.numbers_ahead`), wait for the run's
+        round to end, bounded by one round's timeouts, rather than average alone ahead of it."""
+        membership = self.peers.membership
+        if not self.can_download() or not self.main_decides(lambda: membership.numbers_ahead(rnd)):
+            return
+        a = self.a
+        limit = a.matchmaking_timeout + a.allreduce_timeout + a.vote_timeout
+        log.info("round %d: the run is still averaging an earlier round (this island's failed rounds numbered it "
+                 "further); waiting up to %.0f s for that round to end", rnd + 1, limit)
+        deadline = time.monotonic() + limit
+        while self.main_decides(lambda: time.monotonic() < deadline and membership.numbers_ahead(rnd)):
+            time.sleep(1.0)
+
     def _verdict(self, step: Position, first: Position | None, deadline: float, wait_for_round: bool) -> str:
         """What to do with a state at position ``step`` (:data:`NOWHERE`: none came), decided on rank 0 only:
         ``adopt`` it; ``keep`` ours; ask again because the peers are ``unreachable`` or ``moving``

@@ -188,6 +188,19 @@ def run_moved_past(others: list[Position], mine: Position) -> bool:
     return confirmed_position(others) > mine
 
 
+def run_numbers_behind(others: list[Position], mine: Position) -> bool:
+    """Whether the run is still at an earlier round of this island's lineage, given the positions ``others`` of the
+    other live islands: the position at least half of the run reached (:func:`confirmed_position`) committed as many
+    rounds as this island but numbers its round before this island's.  Rounds this island failed alone (quickly: a
+    group it could not join, a leader it never agreed on) moved its numbering past a run still averaging a slower
+    round; averaging on would be averaging alone, round after round, ahead of the run (of 48 islands, one failed 6
+    rounds in a row so while the run took 2 minutes a round, ran out of rounds and ended apart from the run).  Such an
+    island waits for the run's round to end instead: committed, the run is further along and the island catches up;
+    failed, the run numbers its next round as the island does, and they meet."""
+    run = confirmed_position(others)
+    return run[0] == mine[0] and run[1] < mine[1]
+
+
 def meeting_step(lineage: list[int], mine: int) -> int:
     """The round an island at outer step ``mine`` averages next, given the outer steps ``lineage`` of the other live
     islands whose θ_global's lineage committed as many rounds as its own: ``mine``, or a later step that enough of
@@ -565,6 +578,14 @@ class Membership:
         positions the other live islands announced.  Answers from the registry as a background look-up read it (every
         :attr:`fresh` seconds while asked), so a slow DHT never blocks the caller."""
         return run_moved_past(self._looked() or [], (self.committed_rounds(), outer_step))
+
+    def numbers_ahead(self, outer_step: int) -> bool:
+        """Whether this island, about to average its round ``outer_step``, numbers it past the run (see
+        :func:`run_numbers_behind`), from the positions the other live islands announced (as :meth:`moved_past`)."""
+        steps = self._looked()
+        if steps is None:
+            steps = [m.position for m in self.others()]
+        return run_numbers_behind(steps, (self.committed_rounds(), outer_step))
 
     def company(self) -> int:
         """How many other islands are live and not gone: registered, and their rank 0's address (when it takes

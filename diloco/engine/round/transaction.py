@@ -73,6 +73,8 @@ class RoundTransaction:
     def open(self, f: InFlight, source: Params) -> RoundMetrics | None:
         """Catch up if the run moved on without us, or leave the round out when outvoted (the round's metrics),
         else take Δ of ``f``'s fragment from ``source`` and start averaging it (None)."""
+        if self._numbered_alone():
+            self.transfer.wait_for_the_run(f.rnd)
         self._meet(f)
         if self.transfer.catch_up(counted=1):
             # the others moved on without us: our inner steps are dropped, never sent as a stale Δ
@@ -107,7 +109,7 @@ class RoundTransaction:
         apart average together again.  Not for fragments (Streaming DiLoCo: a round's number says which fragment it
         averages) nor islands of one torch world (they number every round together)."""
         membership = self.peers.membership
-        if membership is None or self.rt.lockstep or self.schedule.n != 1:
+        if not self._numbered_alone():
             return
         step = self.transfer.main_decides(lambda: min(self.schedule.total_rounds - 1, membership.meeting_step(
             self.outer.step_count, f.rnd)))
@@ -118,6 +120,11 @@ class RoundTransaction:
         with self.outer.lock:
             self.stats.outer_step = step
         f.rnd = f.meta["outer_step"] = step
+
+    def _numbered_alone(self) -> bool:
+        """Whether this island numbers its rounds apart from the others' (not so for fragments, whose round's number
+        says which fragment it averages, nor for islands of one torch world, which number every round together)."""
+        return self.peers.membership is not None and not self.rt.lockstep and self.schedule.n == 1
 
     def _on_stage(self, f: InFlight) -> Callable[[str], None]:
         """What the averager's bucket threads call as the round moves on: the hooks' ``stage``, and the
