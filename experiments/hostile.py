@@ -1,12 +1,13 @@
 """An island of the run that attacks it: how far does it move the honest islands, under each aggregation rule?
 
-    diloco experiment hostile [--islands 4] [--attacks scale,flip,claim] [--aggregates mean,centered-clip,trimmed-mean]
-                              [--seeds 0,1,2] [--out DIR] [--timeout S] [--section.key VALUE ...]
+    diloco experiment hostile [--islands 4] [--attackers 1] [--attacks scale,flip,claim]
+                              [--aggregates mean,centered-clip,trimmed-mean] [--seeds 0,1,2] [--out DIR] [--timeout S]
+                              [--section.key VALUE ...]
 
 One run per arm, an arm being (attack × aggregate), each of ``--islands`` islands of the ``tiny`` model over
 hivemind on loopback (H = 20, 10 rounds unless ``--diloco.*`` says otherwise), on the embedded text corpus.  The
-last island holds the run key and attacks from round 2 to the last (``DILOCO_FAULTS``,
-:mod:`diloco.engine.faults`):
+last island (the last ``--attackers``, colluding: the same attack in the same rounds, fewer than half the islands)
+holds the run key and attacks from round 2 to the last (``DILOCO_FAULTS``, :mod:`diloco.engine.faults`):
 
 - ``clean``: nobody attacks (the reference of every ratio is the clean arm under ``mean`` of the same seed;
   ``--attacks ''`` runs the clean arms alone: what a robust rule costs when nobody attacks);
@@ -74,10 +75,11 @@ LEFT_OUT = "this island is left out of the run's rounds"
 
 
 def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: dict[int, int | None],
-               wall: float, error: str = "") -> dict[str, Any]:
-    """One arm's figures from what its islands wrote (the attacker is the last island; in the clean arm it is honest
-    like the others, and counted with them)."""
-    honest = run_dirs if attack in KEYLESS else run_dirs[:-1]
+               wall: float, error: str = "", attackers: int = 1) -> dict[str, Any]:
+    """One arm's figures from what its islands wrote (the attackers are the last ``attackers`` islands; in the clean
+    arm they are honest like the others, and counted with them).  With several attackers, the round they were left
+    out from is the last of theirs (every one of them out), and their exit codes and rounds committed are lists."""
+    honest = run_dirs if attack in KEYLESS else run_dirs[:-attackers]
     summaries = []
     for d in run_dirs:
         try:
@@ -89,10 +91,10 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
     rejected = [r for r in records[0] if r.get("round_ok") == 1 and r.get("rejected")] if records else []
     strikes = [int(n) for d in honest for n in STRIKE.findall((d / "train.log").read_text(errors="replace"))] \
         if honest else []
-    attacker = summaries[-1] if attack not in KEYLESS else None
-    left_out = [int(m) for f in (attacker or {}).get("failures", []) if LEFT_OUT in f
-                for m in re.findall(r"^round (\d+)", f)]
-    failed = [i for i, c in sorted(codes.items()) if c != 0 and (attack in KEYLESS or i < len(run_dirs) - 1)]
+    liars = [] if attack in KEYLESS else list(range(len(run_dirs) - attackers, len(run_dirs)))
+    out_from = [min((int(m) for f in (summaries[i] or {}).get("failures", []) if LEFT_OUT in f
+                     for m in re.findall(r"^round (\d+)", f)), default=None) for i in liars]
+    failed = [i for i, c in sorted(codes.items()) if c != 0 and i not in liars]
     if failed and not error:
         error = f"honest island(s) {', '.join(map(str, failed))} exited with an error (see their train.log)"
     curve = [(int(r["outer_step"]), float(r["eval/loss"])) for r in read_metrics(run_dirs[0]) if "eval/loss" in r]
@@ -104,21 +106,29 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
         "rounds_committed": [s["rounds_ok"] for s in hs],
         "theta_distinct": len({s["theta_checksum"] for s in hs}),
         "rejected_rounds": len(rejected), "rejected_ids": sorted({p for r in rejected for p in r["rejected"].split(",")}),
-        "strikes": max(strikes, default=0), "left_out_from": min(left_out, default=None),
-        "attacker_exit": codes.get(len(run_dirs) - 1) if attack not in KEYLESS else None,
-        "attacker_rounds_ok": attacker["rounds_ok"] if attacker else None, "curve": curve,
+        "strikes": max(strikes, default=0), "attackers": len(liars),
+        "left_out_from": None if None in out_from else max(out_from, default=None),
+        "attacker_exit": _one_or_all([codes.get(i) for i in liars]),
+        "attacker_rounds_ok": _one_or_all([(summaries[i] or {}).get("rounds_ok") for i in liars]), "curve": curve,
     }
 
 
-def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: float, tag: str = "") -> dict[str, Any]:
-    """Run one arm's ``n`` islands to the end (or ``timeout``) and return :func:`arm_result`; ``tag`` ends the arm's
-    name (its seed, when there are several)."""
+def _one_or_all(values: list[Any]) -> Any:
+    """An attacker's figure (None without one), or every attacker's, in island order, when several collude."""
+    return (values[0] if len(values) == 1 else values) if values else None
+
+
+def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: float, tag: str = "",
+            attackers: int = 1) -> dict[str, Any]:
+    """Run one arm's ``n`` islands to the end (or ``timeout``), the last ``attackers`` attacking, and return
+    :func:`arm_result`; ``tag`` ends the arm's name (its seed, when there are several)."""
     from diloco.launch.simulate import Cluster, SimulationError
 
     name = f"{attack}-{rule}{tag}"
     cfg.logging.run_dir, cfg.averaging.run_id, cfg.averaging.aggregate = str(out / "runs" / name), name, rule
     faults = ATTACKS[attack].format(span=f"2-{cfg.diloco.outer_steps}")
-    cluster = Cluster(cfg, n, env={n - 1: {"DILOCO_FAULTS": faults}} if faults else None, fork_warm=True)
+    cluster = Cluster(cfg, n, env={i: {"DILOCO_FAULTS": faults} for i in range(n - attackers, n)} if faults else None,
+                      fork_warm=True)
     t0, error, stranger = time.time(), "", None
     try:
         cluster.start_all()
@@ -131,7 +141,7 @@ def run_arm(cfg: Config, n: int, attack: str, rule: str, out: Path, timeout: flo
         seen = stranger.stop() if stranger is not None else None
         cluster.stop_all()
     codes = {i: p.returncode for i, p in cluster.procs.items()}
-    result = arm_result(name, attack, rule, cluster.run_dirs, codes, time.time() - t0, error)
+    result = arm_result(name, attack, rule, cluster.run_dirs, codes, time.time() - t0, error, attackers)
     if seen is not None:
         result["outsider"] = seen
         result["attacker_exit"] = seen["keyless_island_exit"]
@@ -192,7 +202,11 @@ def row(r: dict[str, Any], ref: float) -> list[Any]:
     return [r["attack"], r["aggregate"], r.get("seed", 0), f"{r['eval_loss_end']:.4f}", _ratio(r["eval_loss_end"], ref),
             f"{span} of {r['rounds']}", r["theta_distinct"], "–" if clean else r["rejected_rounds"],
             "–" if clean else r["strikes"], "–" if clean or r["left_out_from"] is None else r["left_out_from"],
-            "–" if clean else r["attacker_exit"], f"{r['wall_seconds']:.0f}"]
+            "–" if clean else _listed(r["attacker_exit"]), f"{r['wall_seconds']:.0f}"]
+
+
+def _listed(value: Any) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def reference(results: list[dict[str, Any]], seed: int = 0) -> float:
@@ -253,13 +267,16 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Config, n: int) -> None:
-    """``results.md``, ``results.json`` and ``hostile.png`` for the arms run so far (``n`` islands an arm)."""
+def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Config, n: int,
+                 attackers: int = 1) -> None:
+    """``results.md``, ``results.json`` and ``hostile.png`` for the arms run so far (``n`` islands an arm, the last
+    ``attackers`` attacking)."""
     rounds = cfg.diloco.outer_steps
+    who = f"island {n - 1} attacks" if attackers == 1 else \
+        f"islands {', '.join(map(str, range(n - attackers, n)))} attack together (the same attack in the same rounds)"
     notes = [
         f"{n} islands of `{cfg.model.preset}` (H = {cfg.diloco.inner_steps}, {rounds} rounds) over hivemind on "
-        f"loopback, the embedded text corpus; island {n - 1} attacks from round 2 to {rounds} (the clean arms: "
-        "nobody does)",
+        f"loopback, the embedded text corpus; {who} from round 2 to {rounds} (the clean arms: nobody does)",
         "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; noise: random values "
         "at its Δ's norm; grow: Δ × 1.5^k in the k-th round it attacks; leap: its registry record claims a step 1000 "
         "rounds ahead with a made-up θ_global digest; every arm weighs "
@@ -313,7 +330,7 @@ def parse_seeds(text: str) -> list[int] | None:
 
 def run_hostile(config_file: str | None, overrides: list[str], islands: int, attacks: list[str],
                 aggregates: list[str], out: Path, timeout: float, command: str,
-                seeds: list[int] | None = None) -> list[dict[str, Any]]:
+                seeds: list[int] | None = None, attackers: int = 1) -> list[dict[str, Any]]:
     """Every arm in turn, seed after seed (each seed's clean arm under ``mean`` first: its reference); the report
     rewritten after each.  ``seeds`` None: the config's seed alone, arms named without it."""
     cfg = config_load.load(config_file, overrides, defaults=DEFAULTS)  # checked before the first arm runs
@@ -327,11 +344,11 @@ def run_hostile(config_file: str | None, overrides: list[str], islands: int, att
             tag = f"-seed{seed}" if seeds else ""
             print(f"== {attack} under {rule}, seed {seed}: {islands} islands, {arm.diloco.outer_steps} rounds; logs "
                   f"in {out / 'runs' / f'{attack}-{rule}{tag}'}/island<i>/train.log", flush=True)
-            r = run_arm(arm, islands, attack, rule, out, timeout, tag)
+            r = run_arm(arm, islands, attack, rule, out, timeout, tag, attackers)
             r["rounds"], r["seed"] = arm.diloco.outer_steps, seed
             results.append(r)
             print("   " + " | ".join(str(c) for c in row(r, reference(results, seed))), flush=True)
-            write_report(results, out, command, cfg, islands)
+            write_report(results, out, command, cfg, islands, attackers)
     print(markdown_table(HEADERS, rows(results)), flush=True)
     for line in over_seeds(results):
         print(line, flush=True)
@@ -344,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="diloco experiment hostile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--islands", type=int, default=4, help="islands per arm, the last one the attacker "
                                                                "(default 4)")
+    parser.add_argument("--attackers", type=int, default=1, help="the last islands that attack, together "
+                                                                 "(fewer than half of --islands; default 1)")
     parser.add_argument("--attacks", default="scale,flip,claim",
                         help=f"attacks besides clean, of {', '.join(a for a in ATTACKS if a != 'clean')} ('': the clean "
                              "arms alone)")
@@ -363,9 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.islands < 3 or args.timeout <= 0:
             raise ConfigError([f"--islands must be at least 3 (a majority of honest islands) and --timeout above 0, "
                                f"got {args.islands} and {args.timeout:g}"])
+        if not 1 <= args.attackers < args.islands / 2:
+            raise ConfigError([f"--attackers must be at least 1 and fewer than half of --islands (the honest islands "
+                               f"a majority), got {args.attackers} of {args.islands}"])
         out = writable_folder(args.out)
         results = run_hostile(args.config, rest, args.islands, attacks, aggregates, out, args.timeout,
-                              "diloco experiment hostile " + shlex.join(argv), seeds)
+                              "diloco experiment hostile " + shlex.join(argv), seeds, args.attackers)
         print(f"report: {out / 'results.md'}", flush=True)
         return 0 if not any(r["error"] for r in results) else 1
 

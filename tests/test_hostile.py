@@ -84,3 +84,32 @@ def test_every_arm_is_compared_with_the_clean_mean_arm_of_its_own_seed():
     assert over_seeds(results) == ["clean under centered-clip, over 2 seeds: 1.0000× the clean mean arm on average, "
                                    "1.0100× at worst"]
     assert parse_seeds("0, 1,2") == [0, 1, 2] and parse_seeds("") is None
+
+
+def test_colluding_attackers_are_counted_apart_from_the_honest_islands(tmp_path):
+    """``--attackers 2`` of 8: the last two islands are the attackers, whatever they write; the honest figures are the
+    other six's, and the attackers count as left out only once both are."""
+    import json
+
+    from experiments.hostile import arm_result, row
+
+    dirs = []
+    for i in range(8):
+        d = tmp_path / f"island{i}"
+        d.mkdir()
+        liar = i >= 6
+        failures = [f"round {5 + i - 6}: {BANNED}"] if liar else []
+        (d / "summary.json").write_text(json.dumps({"eval_loss_end": 9.0 if liar else 2.0, "rounds_ok": 4 if liar else 6,
+                                                    "theta_checksum": f"own{i}" if liar else "run",
+                                                    "failures": failures}))
+        (d / "train.log").write_text("" if liar else "island x gets a strike (2 of 2)\n")
+        (d / "metrics.jsonl").write_text(json.dumps({"round_ok": 1, "outer_step": 1, "eval/loss": 2.0}) + "\n")
+        dirs.append(d)
+    codes = {i: (3 if i == 7 else 0) for i in range(8)}
+    r = arm_result("flip-mean", "flip", "mean", dirs, codes, 1.0, attackers=2)
+    assert (r["honest_islands"], r["eval_loss_end"], r["theta_distinct"], r["rounds_committed"]) == (6, 2.0, 1, [6] * 6)
+    assert (r["attackers"], r["attacker_exit"], r["attacker_rounds_ok"], r["left_out_from"]) == (2, [0, 3], [4, 4], 6)
+    assert r["error"] == "" and r["strikes"] == 2  # an attacker's exit 3 is no honest island's error
+    assert row(dict(r, rounds=6), 2.0)[10] == "0, 3"
+    one = arm_result("flip-mean", "flip", "mean", dirs, codes, 1.0)  # one attacker: island 6 counted as honest
+    assert one["honest_islands"] == 7 and one["attacker_exit"] == 3 and one["theta_distinct"] == 2

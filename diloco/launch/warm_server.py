@@ -14,7 +14,14 @@ nothing else, so the work is done at import, once, in the server alone.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# an island forked from the server first runs its driver's main module again, as __mp_main__ (multiprocessing does,
+# for a driver started as `python -m diloco.cli`), which the server imported already: runpy's warning that it did,
+# once per island on the driver's terminal, tells a user nothing
+warnings.filterwarnings("ignore", r"'diloco\.cli' found in sys\.modules", RuntimeWarning)
 
 # starts the manager; the server keeps its connection (torch's, process-wide) after the byte is freed
 torch.empty(1, dtype=torch.uint8).share_memory_()
