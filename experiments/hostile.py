@@ -18,6 +18,8 @@ holds the run key and attacks from round 2 to the last (``DILOCO_FAULTS``, :mod:
 - ``grow``: its Δ × 1.5 to the power of the rounds since it started (a norm that creeps up to ratchet the guard);
 - ``leap``: it claims in the registry, after each round, an outer step 1000 rounds ahead of its own, holding a
   θ_global of a made-up digest (to lure the others into catching up from it or numbering rounds after it);
+- ``vote``: it votes, in every round, for a result other than the one it computed (to veto the round, or split
+  the group);
 - ``outsider``: every island honest; a stranger without the key at every port they listen on for the whole run
   (junk, oversized length prefixes, slow handshakes: :mod:`experiments.outsider`), and an island of its own that
   tries to join with another key.
@@ -55,7 +57,7 @@ from experiments.report import json_safe, markdown_table
 DEFAULT_OUT = Path("experiments/results/hostile")
 ATTACKS = {"clean": "", "scale": "scale@send:{span}", "flip": "flip@send:{span}",
            "claim": "claim@send:{span},flip@send:{span}", "noise": "noise@send:{span}", "grow": "grow@send:{span}",
-           "leap": "leap@announce:{span}", "outsider": ""}
+           "leap": "leap@announce:{span}", "vote": "lie@vote:{span}", "outsider": ""}
 """Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last); ``outsider`` is no
 island of the run but a stranger without the key (:class:`OutsiderRun`)."""
 KEYLESS = ("clean", "outsider")
@@ -251,7 +253,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple",
-                                 "tab:olive", "tab:brown")))
+                                 "tab:olive", "tab:cyan", "tab:brown")))
     styles = dict(zip(AGGREGATES, ("-", "--", ":")))
     for r in results:
         if r["curve"]:
@@ -279,7 +281,7 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         f"loopback, the embedded text corpus; {who} from round 2 to {rounds} (the clean arms: nobody does)",
         "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; noise: random values "
         "at its Δ's norm; grow: Δ × 1.5^k in the k-th round it attacks; leap: its registry record claims a step 1000 "
-        "rounds ahead with a made-up θ_global digest; every arm weighs "
+        "rounds ahead with a made-up θ_global digest; vote: it votes for another result than it computed; every arm weighs "
         "by tokens (capped at 8× the median claim), member check 10× the median norm, strikes 2",
         "honest loss end: the honest islands' mean held-out loss after the last round; vs clean mean: against the "
         "clean arm under `mean`; rounds committed: per honest island (min–max); attacker's Δ rejected: committed "

@@ -106,6 +106,23 @@ def test_verdicts_travel_member_to_member_without_the_dht(swarm, monkeypatch):
     assert _vote_all([a, b], peers, [torch.ones(100)] * 2, "lost") == [(LOST, 2, 2)] * 2
 
 
+@pytest.mark.parametrize("rule", ["mean", "centered-clip"])
+def test_a_member_voting_for_another_result_is_outvoted_and_the_round_stands_for_the_others(swarm, rule):
+    """Every frame is authenticated, so members agreeing on the result received the same bytes: a member voting
+    otherwise (a liar, ``lie@vote``) is outvoted under every rule.  Under ``mean`` it used to fail the round for
+    the whole group, so one key holder voting anything rolled back every round of the run."""
+    avgs = swarm(*[_settings(aggregate=rule)] * 3)
+    peers = sorted(a.peer_id for a in avgs)
+    avgs[2].lie_in_vote.add(0)  # round "0": outer step 0
+    results = _vote_all(avgs, peers, [torch.ones(100)] * 3, "0")
+    assert results[:2] == [("", 3, 0)] * 2, results
+    assert results[2][0].startswith("islands received different averages"), results
+    assert [a.outvoted for a in avgs[:2]] == [[avgs[2].peer_id]] * 2
+    # of two, one voting otherwise leaves no majority: neither's round stands
+    results = _vote_all(avgs[1:], sorted(a.peer_id for a in avgs[1:]), [torch.ones(100)] * 2, "0")
+    assert all(r[0].startswith("islands received different averages") for r in results), results
+
+
 def test_a_member_whose_daemon_died_is_not_waited_for(swarm):
     """A member killed mid-round takes its p2p daemon with it: sending it our verdict fails at once, so the
     vote stops waiting for it once its verdict is not in the DHT record either, long before the timeout."""

@@ -22,6 +22,8 @@ progress lines and every message):
 - ``leap@announce:3-10``: after each round of the span, claim in the run's registry an outer step :data:`LEAP` rounds
   ahead of its own, holding a θ_global of a made-up digest (a member that lures the others into catching up
   from it, or into numbering their rounds after its).
+- ``lie@vote:3-10``: vote, in each round of the span, for a result other than the one it computed (a member that
+  tries to veto every round, or to split the group).
 
 ``ROUND`` may be a span of rounds, ``FIRST-LAST`` (``scale@send:2-6``: every round from 2 to 6).  An attacker is
 several faults of one island: ``claim@send:2-6,flip@send:2-6`` lies about its weight and sends −4 Δ.
@@ -35,7 +37,8 @@ from dataclasses import dataclass
 
 _STAGES = ("inner", "matchmaking", "allreduce", "vote")
 PHASES_OF = {"kill": _STAGES, "stall": _STAGES, "scale": ("send",), "flip": ("send",), "claim": ("send",),
-             "noise": ("send",), "grow": ("send",), "late": ("send",), "drift": ("theta",), "leap": ("announce",)}
+             "noise": ("send",), "grow": ("send",), "late": ("send",), "drift": ("theta",), "leap": ("announce",),
+             "lie": ("vote",)}
 """Each action and the phases it can happen in."""
 ACTIONS = tuple(PHASES_OF)
 PHASES = (*_STAGES, "send", "theta", "announce")

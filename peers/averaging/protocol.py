@@ -45,6 +45,9 @@ class IslandAverager(Protocol):
     def decline(self, round_id: str) -> None:
         """The island takes no part in ``round_id``: islands that took it for the round's leader are sent on."""
 
+    def lie_in_vote(self, outer_step: int) -> None:
+        """Fault injection (``lie@vote``): vote for a result other than the one computed in ``outer_step``'s rounds."""
+
     @property
     def committed(self) -> list[str]:
         """The run's committed roster as this island holds it: the islands that committed the last round it

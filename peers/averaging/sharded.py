@@ -615,6 +615,12 @@ class ShardedAverager:
             self.matcher.moved_past, self.matcher.stopping = moved_past, stopping
             self.matcher.company = company
 
+    def lie_in_vote(self, outer_step: int) -> None:
+        """Fault injection (``lie@vote``): this island votes for another result than it computed in the rounds of
+        ``outer_step`` (see :attr:`peers.group.averager.VerifiedAverager.lie_in_vote`; rank 0 votes)."""
+        if self.matcher is not None:
+            self.matcher.lie_in_vote.add(outer_step)
+
     def decline(self, round_id: str) -> None:
         """The island takes no part in ``round_id`` (it leaves the round out, or is behind the run): islands that took
         it for the round's leader are sent on (rank 0; nothing elsewhere)."""

@@ -162,7 +162,10 @@ class VerifiedAverager(MissedGroups):
         self._alone_looks: dict[str, int] = {}
         """The round whose roster is forming, and how many looks in a row found no other island (:data:`ALONE_LOOKS`)."""
         self.outvoted: list[str] = []
-        """The members the last vote outvoted (a robust rule's majority stood against their verdicts)."""
+        """The members the last vote outvoted (the group's majority stood against their verdicts)."""
+        self.lie_in_vote: set[int] = set()
+        """Fault injection (``lie@vote``, :mod:`diloco.engine.faults`): the outer steps whose rounds this member votes
+        for a result other than the one it computed (an attacker's wrong verdict)."""
         self.strikes: dict[str, int] = {}
         """Island id → the committed rounds whose result rejected its pseudo-gradient (see :attr:`banned`); kept with
         θ_global like :attr:`committed`."""
@@ -458,9 +461,13 @@ class VerifiedAverager(MissedGroups):
             return "the vote on the result could not be held: the DHT process exited", 0, 0
         key = key or vote_key(self.scope.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
-        # with a robust rule every member computed the result itself: a member voting otherwise is outvoted, and
-        # struck, instead of failing the round for everyone
-        majority = self.settings.aggregate != "mean" and bool(mine)
+        if mine and round_of(round_id) in self.lie_in_vote:
+            mine = [2.0 * x + 1.0 for x in mine]
+        # the members agreeing with us received the same bytes (every frame is authenticated, and a member that
+        # computed the result itself, under a robust rule, from the same Δs): a member voting otherwise is wrong or
+        # lying, and is outvoted (struck, under a robust rule) instead of failing the round for everyone (under
+        # `mean`, one member voting anything rolled back every round of the run)
+        majority = bool(mine)
         tally = self._votes.hold(key, self.peer_id, peers, list(mine or []),
                                  lambda a, b: fingerprints_agree(a, b, VOTE_RTOL), self.settings.vote_timeout,
                                  expiration, majority=majority)

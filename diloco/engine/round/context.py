@@ -71,7 +71,8 @@ class RoundContext:
                                       fingerprint=fingerprint)
         # the registry's hook first: a scripted lie about the step (leap) overwrites what it announced after a round
         self.hooks: list[RoundHook] = [MembershipHook(peers), FaultHook(faults, outer, a.matchmaking_time + 6.0,
-                                                                        lambda: peers.membership)]
+                                                                        lambda: peers.membership,
+                                                                        lambda: peers.averager)]
         self.norm = IslandNorm(round_rt, layout, specs)
         self.guard = NormGuard(a.max_norm_ratio)
         self.background = d.round_thread and not rt.lockstep

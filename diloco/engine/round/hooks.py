@@ -46,10 +46,14 @@ class FaultHook(RoundHook):
     Hooks see the 0-based outer step; faults, like every message, count rounds from 1."""
 
     def __init__(self, plan: FaultPlan, outer: OuterOptimizer, late_seconds: float,
-                 membership: Callable[[], Any] = lambda: None):
+                 membership: Callable[[], Any] = lambda: None, averager: Callable[[], Any] = lambda: None):
         self.plan, self.outer, self.late_seconds, self.membership = plan, outer, late_seconds, membership
+        self.averager = averager
 
     def before(self, rnd: int) -> None:
+        averager = self.averager()
+        if averager is not None and self.plan.has("lie", "vote", rnd + 1):
+            averager.lie_in_vote(rnd)
         if self.plan.has("late", "send", rnd + 1):
             time.sleep(self.late_seconds)
         if self.plan.has("drift", "theta", rnd + 1):
