@@ -418,3 +418,35 @@ def test_a_large_registry_is_read_and_refreshed_less_often_and_each_beat_is_judg
     assert small.beating(paced) and not small.silent(paced)
     lying = Member("large", 3, False, expires=now + 60.0 - 45.0, read_at=now, beat=1e9)
     assert small.silent(lying)  # a period past a third of the ttl counts as that third
+
+
+def test_a_record_a_read_missed_stays_until_it_expires_aging_from_the_read_that_brought_it(monkeypatch):
+    """Narrow (the DHT's answers stood in): a read that misses a member's record (a store whose calls timed out under
+    load reached fewer replicas) does not drop the member while its record is within its expiry; the record ages from
+    the read that brought it, and is gone once it expires."""
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from peers.discovery import membership as registry
+
+    now = get_dht_time()
+    record = {"outer_step": 3, "island": "b", "endpoint": "10.0.0.2:1"}
+    answers = [{"a": ({"outer_step": 3}, now + 60), "b": (record, now + 60)},
+               {"a": ({"outer_step": 4}, now + 60)},  # b missed
+               {"a": ({"outer_step": 4}, now + 60), "c": ({"outer_step": 4}, now + 1)}]
+    monkeypatch.setattr(registry, "dht_get", lambda *args, **kwargs: answers.pop(0))
+    monkeypatch.setattr(registry, "owned_items", lambda found, key: found)
+    m = Membership(SimpleNamespace(peer_id="a"), "run")
+    first = m.members()
+    m.forget_read()
+    second = m.members()
+    assert set(second) == {"a", "b"} and second["a"].outer_step == 4
+    assert second["b"] == first["b"] and second["b"].read_at < second["a"].read_at  # the same record, as first read
+    m.forget_read()
+    monkeypatch.setattr(registry, "get_dht_time", lambda: now + 30)
+    assert set(m.members()) == {"a", "b", "c"}
+    answers.append({"a": ({"outer_step": 5}, now + 90)})
+    monkeypatch.setattr(registry, "get_dht_time", lambda: now + 61)
+    m.forget_read()
+    assert set(m.members()) == {"a"}  # b and c expired

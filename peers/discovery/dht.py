@@ -97,6 +97,11 @@ def start_dht(settings: NetworkSettings, open_keys: tuple[str, ...] = ()) -> hiv
         host_maddrs=settings.host_maddrs,
         client_mode=settings.client_mode,
         startup_timeout=settings.startup_timeout,
+        # hivemind's caches copy a key read or stored to more nodes, and every node holding the registry answers each
+        # look-up passing it with all of it: at 32 islands they doubled what an island sent to wait for a group
+        # (python -m benchmarks.registry_bytes); the registry's replicas hold every record without them, and a record
+        # a read missed stays in what the reader saw until it expires (Membership.members)
+        cache_locally=False, cache_nearest=0, cache_on_store=False,
     )
     kwargs["record_validators"] = [OwnedRecords()] + (
         [RunKeyValidator(settings.run_key, open_keys)] if settings.run_key else [])

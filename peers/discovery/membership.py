@@ -260,6 +260,8 @@ class Membership:
         self._steps_lock = threading.Lock()
         self._steps_thread: threading.Thread | None = None
         self._read: tuple[float, dict[str, Member]] | None = None  # (time.monotonic() of the last read, its records)
+        self._seen: dict[str, Member] = {}
+        """Every record the reads so far brought, as the last one that held it read it (see :meth:`members`)."""
         self._announced = 0  # announces so far: a read started before the last one is not kept
         self._read_lock = threading.Lock()
 
@@ -377,6 +379,13 @@ class Membership:
                                   _count(value.get("committed")), value.get("held"), read_at,
                                   _seconds(value.get("beat")))
         with self._read_lock:
+            # a record an earlier read brought, still before its expiry, that this read missed: the read did not reach
+            # the replicas holding it (a store whose calls timed out under load reaches fewer of them), which is no
+            # departure (an island that leaves says so in its record, and a dead one's address refuses connections).
+            # It stays, aging from the read that brought it (beating and silent judge it so), until it expires: what
+            # hivemind's caches did for a small DHT, without their copies of the whole registry answering every look-up
+            self._seen = {pid: m for pid, m in self._seen.items() if m.expires > read_at} | out
+            out = dict(self._seen)
             self.registry_size = max(1, len(out))
             if self._announced == announced:
                 self._read = (started, out)
