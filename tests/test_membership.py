@@ -420,10 +420,10 @@ def test_a_large_registry_is_read_and_refreshed_less_often_and_each_beat_is_judg
     assert small.silent(lying)  # a period past a third of the ttl counts as that third
 
 
-def test_a_record_a_read_missed_stays_until_it_expires_aging_from_the_read_that_brought_it(monkeypatch):
+def test_a_record_a_read_missed_stays_until_it_expires_and_ages_meanwhile(monkeypatch):
     """Narrow (the DHT's answers stood in): a read that misses a member's record (a store whose calls timed out under
-    load reached fewer replicas) does not drop the member while its record is within its expiry; the record ages from
-    the read that brought it, and is gone once it expires."""
+    load reached fewer replicas) does not drop the member while its record is within its expiry; the record ages as
+    the refresh the read did not see (no longer beating, then silent), and is gone once it expires."""
     from types import SimpleNamespace
 
     from hivemind.utils import get_dht_time
@@ -442,10 +442,13 @@ def test_a_record_a_read_missed_stays_until_it_expires_aging_from_the_read_that_
     m.forget_read()
     second = m.members()
     assert set(second) == {"a", "b"} and second["a"].outer_step == 4
-    assert second["b"] == first["b"] and second["b"].read_at < second["a"].read_at  # the same record, as first read
+    assert second["b"].outer_step == 3 and second["b"].expires == first["b"].expires  # the same record
+    assert m.beating(first["b"])
     m.forget_read()
     monkeypatch.setattr(registry, "get_dht_time", lambda: now + 30)
-    assert set(m.members()) == {"a", "b", "c"}
+    third = m.members()
+    assert set(third) == {"a", "b", "c"}
+    assert not m.beating(third["b"]) and m.silent(third["b"])  # 30 s without a refresh seen: ten heartbeats missed
     answers.append({"a": ({"outer_step": 5}, now + 90)})
     monkeypatch.setattr(registry, "get_dht_time", lambda: now + 61)
     m.forget_read()

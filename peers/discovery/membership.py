@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import hivemind
@@ -382,9 +382,10 @@ class Membership:
             # a record an earlier read brought, still before its expiry, that this read missed: the read did not reach
             # the replicas holding it (a store whose calls timed out under load reaches fewer of them), which is no
             # departure (an island that leaves says so in its record, and a dead one's address refuses connections).
-            # It stays, aging from the read that brought it (beating and silent judge it so), until it expires: what
-            # hivemind's caches did for a small DHT, without their copies of the whole registry answering every look-up
-            self._seen = {pid: m for pid, m in self._seen.items() if m.expires > read_at} | out
+            # It stays until it expires, as this read's: so its age counts to now (beating and silent judge it by
+            # the refresh this read did not see), what hivemind's caches did for a small DHT without their copies
+            # of the whole registry answering every look-up
+            self._seen = {pid: replace(m, read_at=read_at) for pid, m in self._seen.items() if m.expires > read_at} | out
             out = dict(self._seen)
             self.registry_size = max(1, len(out))
             if self._announced == announced:
