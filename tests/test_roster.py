@@ -12,7 +12,7 @@ import torch
 from peers.discovery.dht import start_dht, visible_maddrs
 from peers.discovery.membership import confirmed_position, meeting_step, run_moved_past, run_numbers_behind
 from peers.group.averager import VerifiedAverager
-from peers.group.roster import GENESIS, leader_order, lineage, quorum_problem, split_groups
+from peers.group.roster import GENESIS, RoundView, leader_order, lineage, quorum_problem, split_groups
 from peers.settings import AveragerSettings, NetworkSettings, Scope
 
 FAST = dict(matchmaking_time=1.5, request_timeout=0.5, matchmaking_timeout=10.0, vote_timeout=4.0,
@@ -38,6 +38,21 @@ def test_a_group_commits_only_with_a_majority_of_the_last_committed_roster():
     assert not quorum_problem(ISLANDS[:2], (), (), 3)
     assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 4)
     assert "2 of the 4" in quorum_problem(ISLANDS[:2], (), (), 3, wait_for=4)  # the islands the run waits for
+
+
+def test_an_island_struck_out_counts_nowhere_in_the_quorum():
+    """3 honest islands and a struck attacker that trains on alone: the attacker is in the committed roster of the
+    round that struck it and in the registry, but a group of 2 honest islands is a majority of the run (counted, it
+    held 2 of 4: two rounds failed so in the hostile experiment's `vote` arm)."""
+    honest, liar = ISLANDS[:3], ISLANDS[3]
+    view = RoundView(committed=tuple(ISLANDS[:4]), endpoints={i: f"10.0.0.{n}:1" for n, i in enumerate(ISLANDS[:4])},
+                     expected=set(ISLANDS[:4]), seen=4)
+    assert quorum_problem(honest[:2], view.committed, view.out, view.seen)  # 2 of 4
+    cut = view.without({liar})
+    assert liar not in cut.expected and liar in cut.out and cut.seen == 3
+    assert not quorum_problem(honest[:2], cut.committed, cut.out, cut.seen)  # 2 of 3
+    assert quorum_problem(honest[:1], cut.committed, cut.out, cut.seen)
+    assert view.without(set()) is view
 
 
 def test_an_island_is_behind_once_half_the_run_is_further_along():

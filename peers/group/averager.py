@@ -400,7 +400,7 @@ class VerifiedAverager(MissedGroups):
             self._own_membership.announce(round_of(round_id), averaging=True)
         # a registry that does not answer soon leaves this island alone in the round, never stuck in it
         return RoundView.of(self.membership.snapshot(round_of(round_id), timeout=self.settings.matchmaking_time),
-                            self.committed)
+                            self.committed).without(self.banned)
 
     def decline(self, round_id: str) -> None:
         """This island takes no part in ``round_id`` nor in its retry: islands that take it for their leader are sent

@@ -48,7 +48,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from peers.discovery.membership import Snapshot
@@ -164,6 +164,17 @@ class RoundView:
         out = set(committed) & snapshot.absent
         expected = set(snapshot.coming) | (set(committed) - out)
         return cls(tuple(committed), dict(snapshot.endpoints), expected, out, snapshot.seen)
+
+    def without(self, banned: Collection[str]) -> RoundView:
+        """This view with the islands the run left out (struck out: ``--averaging.strikes``) counted nowhere: not
+        expected, out of the committed roster, and not among the live islands a quorum counts.  Every member holds
+        the same strikes, so every member counts alike; counted, a struck island that trains on alone kept half the
+        run's votes from the honest islands (3 honest of 4 registered: a group of 2 of them committed nothing)."""
+        banned = set(banned)
+        if not banned:
+            return self
+        return replace(self, expected=self.expected - banned, out=self.out | (set(self.committed) & banned),
+                       seen=max(1, self.seen - len(banned & set(self.endpoints))))
 
     def leaders(self, round_id: str) -> list[str]:
         """The round's leader order (see :func:`leader_order`), islands known to be out left out."""
