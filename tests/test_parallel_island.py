@@ -326,6 +326,15 @@ def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
     assert problem.startswith("this island ended alone: the islands of the run it knew stopped answering"), problem
     # stopped by its user (Ctrl-C, SIGTERM) rather than at the run's end: a warning, not an error (it can resume)
     assert transfer.check_in_sync(state, stopping=True) == ""
+    # nothing to compare with, its last round failed, and it had committed rounds with others: that may be a split
+    # (48 islands: one ended so with exit 0 on a θ_global nobody else held)
+    peers.alone.since, stats.failed_in_a_row = None, 1
+    assert transfer.check_in_sync(state, stopping=False) == ""  # never committed a round with another island
+    peers.averager = SimpleNamespace(committed=["A", "B", "C"])
+    problem = transfer.check_in_sync(state, stopping=False)
+    assert problem.startswith("this island's last round did not commit and none of the 2 island(s)"), problem
+    stats.failed_in_a_row = 0
+    assert transfer.check_in_sync(state, stopping=False) == ""  # its last round committed: nothing says it differs
 
 
 def test_catch_up_takes_only_a_state_the_run_has_not_moved_past():

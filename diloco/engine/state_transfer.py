@@ -322,6 +322,14 @@ class StateTransfer:
                     f"compare θ_global with, so the run may have ended out of sync (this island at outer step "
                     f"{self.stats.outer_step}); compare the islands' theta_global.pt, or restart this island with --resume "
                     f"while the others run")
+        # 48 islands: one whose registry look-ups found nobody in the last round rolled it back and ended, exit 0, on
+        # a θ_global none of the 39 islands that committed that round held
+        mates = set(getattr(self.peers.averager, "committed", None) or []) - {self.peers.membership.island}
+        if self.stats.failed_in_a_row and mates:
+            return (f"this island's last round did not commit and none of the {len(mates)} island(s) it last committed "
+                    f"a round with compared θ_global with it at the end (their records did not reach it), so the run "
+                    f"may have ended out of sync (this island at outer step {self.stats.outer_step}); compare the "
+                    f"islands' theta_global.pt, or restart this island with --resume while the others run")
         return ""
 
     def resync(self, gathered: dict[str, dict], majority: list[str], attempts: int = 3) -> bool:
