@@ -58,8 +58,13 @@ def test_an_attacker_is_rejected_struck_and_left_out_while_the_honest_islands_co
     # their state (it then ends in sync, exit 0); a last round refused as struck out leaves it with its own θ_global,
     # which it says in one line, exit 3 (as any island that ends out of sync)
     assert codes[:2] == [0, 0], codes
-    left_out = [f for f in summaries[ATTACKER]["failures"] if BANNED in f]
-    assert left_out and all(int(f.split(":")[0].split()[1]) >= 4 for f in left_out), summaries[ATTACKER]["failures"]
+    # from round 4 on it commits nothing: each round it reaches in time is refused as struck out, and, since the
+    # honest islands no longer count or wait for a struck island, it may instead reach a round after their roster
+    # left (it then takes their θ_global)
+    failures = summaries[ATTACKER]["failures"]
+    assert summaries[ATTACKER]["rounds_ok"] <= 3, failures
+    why = (BANNED, "the other islands moved past this round without this island", "behind the run, caught up")
+    assert all(any(w in f for w in why) and int(f.split(":")[0].split()[1]) >= 4 for f in failures), failures
     assert codes[ATTACKER] in (0, 3), codes
     out_of_sync = summaries[ATTACKER].get("out_of_sync", "")
     assert (codes[ATTACKER] == 3) == bool(out_of_sync), (codes, out_of_sync)
