@@ -592,10 +592,7 @@ class Membership:
     def numbers_ahead(self, outer_step: int) -> bool:
         """Whether this island, about to average its round ``outer_step``, numbers it past the run (see
         :func:`run_numbers_behind`), from the positions the other live islands announced (as :meth:`moved_past`)."""
-        steps = self._looked()
-        if steps is None:
-            steps = [m.position for m in self.others()]
-        return run_numbers_behind(steps, (self.committed_rounds(), outer_step))
+        return run_numbers_behind(self._positions(), (self.committed_rounds(), outer_step))
 
     def company(self) -> int:
         """How many other islands are live and not gone: registered, and their rank 0's address (when it takes
@@ -604,10 +601,14 @@ class Membership:
         for it (or for every other island killed at once) within a look instead of ``matchmaking_timeout``.
         Answers from the background look-up of :meth:`moved_past` (which probes the addresses, once a second
         while asked); the first question reads the registry itself."""
+        # a registry that cannot answer raises (strict): the caller cannot tell, and counts company
+        return len(self._positions(strict=True))
+
+    def _positions(self, strict: bool = False) -> list[Position]:
+        """The other live islands' positions as the background look-up last read them (:meth:`_looked`), or, before
+        its first look, as a read of the registry finds them now."""
         steps = self._looked()
-        if steps is None:  # a registry that cannot answer raises: the caller cannot tell, and counts company
-            return len(self.others(strict=True))
-        return len(steps)
+        return [m.position for m in self.others(strict)] if steps is None else steps
 
     def _looked(self) -> list[Position] | None:
         """The positions of the other live islands that are not gone, as the background look-up last read
