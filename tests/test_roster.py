@@ -4,6 +4,7 @@ when the roster is larger than ``max_group_size``, and a lone island with ``min_
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -355,3 +356,38 @@ def _until(condition, timeout: float = 10.0) -> bool:
     while not condition() and time.monotonic() < end:
         time.sleep(0.02)
     return bool(condition())
+
+
+def test_a_leader_reaching_its_target_without_a_majority_waits_for_the_committed_island_still_coming(
+        three_transports):
+    """The flake a CI run met (test_faults' stale member): the last round was committed by the leader L and C; the
+    island J, left out of it, came back and joined L at once, while C was still finishing its inner steps.  A target
+    of 2 islands closed L's roster with J alone, a group of 1 of the 2 committed islands, bound to roll back, and C
+    came after the roster left.  L waits for C: the roster holds all three."""
+    import time
+
+    from peers.group.roster import JOIN, RosterForming, RoundView
+
+    by_id = {t.peer_id: t for t in three_transports}
+    l_id, c_id = leader_order([t.peer_id for t in three_transports[:2]], "5")  # L leads the committed pair
+    j_id = three_transports[2].peer_id
+    endpoints = {i: t.endpoint for i, t in by_id.items()}
+    forming = RosterForming(by_id[l_id], l_id, matchmaking_time=0.5, request_timeout=2.0, target=2)
+    deadline = time.monotonic() + 15.0
+    view = RoundView((l_id, c_id), endpoints, {l_id, c_id, j_id}, set(), 3)
+    result: dict[str, object] = {}
+    leading = threading.Thread(target=lambda: result.update(
+        roster=forming.form("5", {"round_id": "5"}, view, deadline, lambda: None)))
+    leading.start()
+
+    def join(island: str) -> None:
+        body = json.dumps({"round_id": "5", "endpoint": endpoints[island]}).encode()
+        by_id[island].send(endpoints[l_id], JOIN + "5", body, deadline, {"endpoint": endpoints[island]})
+
+    join(j_id)
+    time.sleep(1.5)  # three times the grace window: C finishes its inner steps
+    join(c_id)
+    leading.join(20)
+    forming.close()
+    assert isinstance(result.get("roster"), dict), result
+    assert set(result["roster"]) == {l_id, c_id, j_id}

@@ -529,8 +529,8 @@ class Membership:
 
     def round_size(self, outer_step: int) -> int:
         """Islands (this one included) that will average round ``outer_step``: the live ones at that outer
-        step, averaging it already or still training towards it; what
-        :meth:`peers.group.averager.VerifiedAverager.average` takes as ``expected_group_size``."""
+        step, averaging it already or still training towards it (whether a round that formed no group is worth
+        waiting for once more)."""
         return 1 + sum(m.outer_step == outer_step for m in self.others())
 
     def outvoted(self, outer_step: int, state: Any, wait: float) -> bool:

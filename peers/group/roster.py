@@ -508,9 +508,12 @@ class RosterForming:
                 # a new run's first read of the registry may not list every island registered yet (its records
                 # reach the DHT's nodes a moment apart): one missing from it would come after the roster left
                 complete = expected <= set(members) and (bool(view.committed) or len(members) >= self.wait_for)
-                if enough and (complete or (self.target and len(members) >= self.target)):
+                # a target reached by islands holding no majority would close a roster bound to roll back, while
+                # the committed islands it lacks are still on their way
+                short = quorum_problem(members, view.committed, view.out, view.seen)
+                if enough and (complete or (self.target and len(members) >= self.target and not short)):
                     break
-                if enough and not quorum_problem(members, view.committed, view.out, view.seen):
+                if enough and not short:
                     majority_since = majority_since or now
                     if now - majority_since >= self.matchmaking_time:
                         break
@@ -522,8 +525,7 @@ class RosterForming:
                     if stop is not None:
                         self._stop_taking(round_id, PASS_BODY)
                         return stop
-                    if self._refresh is not None and (not enough or quorum_problem(members, view.committed, view.out,
-                                                                                   view.seen)):
+                    if self._refresh is not None and (not enough or short):
                         handed = self._hand_off(round_id, members)
                         if handed:
                             return HANDED_OFF

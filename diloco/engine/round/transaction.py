@@ -93,13 +93,10 @@ class RoundTransaction:
         for h in self.hooks:
             f.delta, weight = h.outgoing(rnd, f.delta), h.claimed(rnd, weight)
         f.meta["state_fingerprint"] = state
-        # a group forms as soon as every island the registry expects in this round has joined, not after the
-        # whole matchmaking window
-        expected = self.transfer.main_decides(lambda: self.peers.membership.round_size(rnd)) \
-            if self.peers.membership is not None and not self.rt.lockstep else None
+        # no count of the islands expected: the leader's view names them (a count of the records at this round
+        # missed a committed island whose record still showed the round before, and closed the roster without it)
         f.pending = self.peers.averager.start(f.outgoing(), weight, f.meta, round_id=round_id(rnd),
-                                              on_stage=self._on_stage(f), buckets=self.schedule.buckets(f.fragment),
-                                              expected_group_size=expected)
+                                              on_stage=self._on_stage(f), buckets=self.schedule.buckets(f.fragment))
         f.opened(self.outer)
         return None
 
