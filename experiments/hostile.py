@@ -57,7 +57,8 @@ from experiments.report import json_safe, markdown_table
 DEFAULT_OUT = Path("experiments/results/hostile")
 ATTACKS = {"clean": "", "scale": "scale@send:{span}", "flip": "flip@send:{span}",
            "claim": "claim@send:{span},flip@send:{span}", "noise": "noise@send:{span}", "grow": "grow@send:{span}",
-           "leap": "leap@announce:{span}", "vote": "lie@vote:{span}", "outsider": ""}
+           "leap": "leap@announce:{span}", "vote": "lie@vote:{span}", "nan": "nan@send:{span}",
+           "forge-part": "forge@send:{span}", "forge-verdict": "forge@vote:{span}", "outsider": ""}
 """Each attack as the attacker's ``DILOCO_FAULTS`` (``{span}``: its rounds, 2 to the last); ``outsider`` is no
 island of the run but a stranger without the key (:class:`OutsiderRun`)."""
 KEYLESS = ("clean", "outsider")
@@ -89,6 +90,8 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
         except (OSError, ValueError):
             summaries.append(None)
     hs = [s for s in summaries[:len(honest)] if s is not None]
+    honest_ids = {m.rsplit("/p2p/", 1)[-1] for d in honest if (d / "maddrs.txt").exists()
+                  for m in (d / "maddrs.txt").read_text().split()}
     records = [[r for r in read_metrics(d) if "round_ok" in r] for d in honest]
     rejected = [r for r in records[0] if r.get("round_ok") == 1 and r.get("rejected")] if records else []
     strikes = [int(n) for d in honest for n in STRIKE.findall((d / "train.log").read_text(errors="replace"))] \
@@ -109,6 +112,8 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
         "theta_distinct": len({s["theta_checksum"] for s in hs}),
         "rejected_rounds": len(rejected), "rejected_ids": sorted({p for r in rejected for p in r["rejected"].split(",")}),
         "strikes": max(strikes, default=0), "attackers": len(liars),
+        "honest_rejected": sum(any(i in honest_ids for i in r["rejected"].split(",")) for r in rejected),
+        "forged_dropped": sum(int(s.get("transport_forged") or 0) for s in hs),
         "left_out_from": None if None in out_from else max(out_from, default=None),
         "attacker_exit": _one_or_all([codes.get(i) for i in liars]),
         "attacker_rounds_ok": _one_or_all([(summaries[i] or {}).get("rounds_ok") for i in liars]), "curve": curve,
@@ -192,8 +197,8 @@ def _ratio(x: float, ref: float) -> str:
 
 
 HEADERS = ["attack", "aggregate", "seed", "honest loss end", "vs clean mean", "rounds committed (honest)",
-           "distinct θ_global (honest)", "attacker's Δ rejected (rounds)", "strikes", "left out from round",
-           "attacker exit", "wall s"]
+           "distinct θ_global (honest)", "attacker's Δ rejected (rounds)", "honest Δ rejected (rounds)",
+           "forged messages dropped", "strikes", "left out from round", "attacker exit", "wall s"]
 
 
 def row(r: dict[str, Any], ref: float) -> list[Any]:
@@ -203,7 +208,7 @@ def row(r: dict[str, Any], ref: float) -> list[Any]:
     clean = r["attack"] == "clean"
     return [r["attack"], r["aggregate"], r.get("seed", 0), f"{r['eval_loss_end']:.4f}", _ratio(r["eval_loss_end"], ref),
             f"{span} of {r['rounds']}", r["theta_distinct"], "–" if clean else r["rejected_rounds"],
-            "–" if clean else r["strikes"], "–" if clean or r["left_out_from"] is None else r["left_out_from"],
+            r.get("honest_rejected", "–"), r.get("forged_dropped", "–"), "–" if clean else r["strikes"], "–" if clean or r["left_out_from"] is None else r["left_out_from"],
             "–" if clean else _listed(r["attacker_exit"]), f"{r['wall_seconds']:.0f}"]
 
 
@@ -253,7 +258,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     colours = dict(zip(ATTACKS, ("black", "tab:red", "tab:blue", "tab:orange", "tab:green", "tab:purple",
-                                 "tab:olive", "tab:cyan", "tab:brown")))
+                                 "tab:olive", "tab:cyan", "tab:pink", "tab:gray", "gold", "tab:brown")))
     styles = dict(zip(AGGREGATES, ("-", "--", ":")))
     for r in results:
         if r["curve"]:

@@ -146,7 +146,8 @@ def test_the_baseline_and_an_island_record_evaluations_and_summaries_alike(tmp_p
     shared = set(SUMMARY_KEYS)
     assert set(base) - shared == {"workers", "bytes_per_step", "compute_seconds_per_rank", "comm_seconds_per_rank",
                                   "losses", "comm_method", "hsdp_shard", "launcher_wall_seconds"}
-    assert set(island) - shared == {"behind_nat", "behind_nat_found_by_dial_back", "transport_relayed", "out_of_sync"}
+    assert set(island) - shared == {"behind_nat", "behind_nat_found_by_dial_back", "transport_relayed", "transport_forged",
+                                     "out_of_sync"}
     assert base["eval_loss_start"] == pytest.approx(island["eval_loss_start"], rel=1e-6)
 
 

@@ -96,7 +96,7 @@ def test_colluding_attackers_are_counted_apart_from_the_honest_islands(tmp_path)
     other six's, and the attackers count as left out only once both are."""
     import json
 
-    from experiments.hostile import arm_result, row
+    from experiments.hostile import HEADERS, arm_result, row
 
     dirs = []
     for i in range(8):
@@ -115,6 +115,6 @@ def test_colluding_attackers_are_counted_apart_from_the_honest_islands(tmp_path)
     assert (r["honest_islands"], r["eval_loss_end"], r["theta_distinct"], r["rounds_committed"]) == (6, 2.0, 1, [6] * 6)
     assert (r["attackers"], r["attacker_exit"], r["attacker_rounds_ok"], r["left_out_from"]) == (2, [0, 3], [4, 4], 6)
     assert r["error"] == "" and r["strikes"] == 2  # an attacker's exit 3 is no honest island's error
-    assert row(dict(r, rounds=6), 2.0)[10] == "0, 3"
+    assert row(dict(r, rounds=6), 2.0)[HEADERS.index("attacker exit")] == "0, 3"
     one = arm_result("flip-mean", "flip", "mean", dirs, codes, 1.0)  # one attacker: island 6 counted as honest
     assert one["honest_islands"] == 7 and one["attacker_exit"] == 3 and one["theta_distinct"] == 2

@@ -483,6 +483,20 @@ def test_a_relay_can_pass_a_message_on_but_not_forge_change_redirect_or_replay_i
     assert got["third"] == [] and len(got["second"]) == 1
 
 
+def test_a_member_that_sends_in_another_members_name_speaks_only_for_itself(transports):
+    """The hostile experiment's forgeries (``forge@send``, ``forge@vote``: :meth:`Transport._send_forged`): a key
+    holder sends a message naming a third rank its sender, and one as if a relay passed it on from that rank, under
+    a proof it signed itself.  The receiver attributes the first to the forger (its connection proved who it is) and
+    drops the second; nothing ever counts as the third rank's."""
+    forger, receiver, victim = (transports(n, "key") for n in ("forger", "receiver", "victim"))
+    got: list[tuple[str, bytes]] = []
+    receiver.handlers["part"] = lambda key, sender, payload, extra: got.append((sender, bytes(payload))) or True
+    forger.forge = lambda key, payload: (victim.peer_id, b"junk in the victim's name")
+    forger.send(receiver.endpoint, "part", b"the forger's own part", time.monotonic() + 10)
+    assert _until(lambda: len(got) == 2 and receiver.stats.forged == 1), (got, receiver.stats)
+    assert got == [(forger.peer_id, b"junk in the victim's name"), (forger.peer_id, b"the forger's own part")]
+
+
 def test_without_encryption_bytes_rewritten_on_the_way_are_refused(transports):
     """``encrypt=False``: an onlooker reads the payload, but a byte it rewrites fails the record's tag: the
     receiver drops the message, the sender sends it again, and only the payload as sent is delivered."""

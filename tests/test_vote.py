@@ -113,7 +113,7 @@ def test_a_member_voting_for_another_result_is_outvoted_and_the_round_stands_for
     the whole group, so one key holder voting anything rolled back every round of the run."""
     avgs = swarm(*[_settings(aggregate=rule)] * 3)
     peers = sorted(a.peer_id for a in avgs)
-    avgs[2].lie_in_vote.add(0)  # round "0": outer step 0
+    avgs[2].attack(0, "lie")  # round "0": outer step 0
     results = _vote_all(avgs, peers, [torch.ones(100)] * 3, "0")
     assert results[:2] == [("", 3, 0)] * 2, results
     assert results[2][0].startswith("islands received different averages"), results

@@ -24,6 +24,12 @@ progress lines and every message):
   from it, or into numbering their rounds after its).
 - ``lie@vote:3-10``: vote, in each round of the span, for a result other than the one it computed (a member that
   tries to veto every round, or to split the group).
+- ``nan@send:3``: send round 3's pseudo-gradient as NaN (a broken or hostile member).
+- ``forge@send:3-10``: send, in each round of the span, each of its parts once more in another member's name (a
+  field naming it, and as if a relay passed it on from it), holding junk (NaN as floats): to get an honest member's
+  Δ rejected and the member struck.
+- ``forge@vote:3-10``: the same with its verdicts, for another result than it computed, and that verdict in the
+  vote's DHT record under the other member's name: to make an honest member look like a liar.
 
 ``ROUND`` may be a span of rounds, ``FIRST-LAST`` (``scale@send:2-6``: every round from 2 to 6).  An attacker is
 several faults of one island: ``claim@send:2-6,flip@send:2-6`` lies about its weight and sends −4 Δ.
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 _STAGES = ("inner", "matchmaking", "allreduce", "vote")
 PHASES_OF = {"kill": _STAGES, "stall": _STAGES, "scale": ("send",), "flip": ("send",), "claim": ("send",),
              "noise": ("send",), "grow": ("send",), "late": ("send",), "drift": ("theta",), "leap": ("announce",),
-             "lie": ("vote",)}
+             "lie": ("vote",), "nan": ("send",), "forge": ("send", "vote")}
 """Each action and the phases it can happen in."""
 ACTIONS = tuple(PHASES_OF)
 PHASES = (*_STAGES, "send", "theta", "announce")

@@ -429,7 +429,8 @@ class Island:
         summary = run_summary(self.name, self.stats, wall=wall, theta_checksum=theta_checksum, device=self.device,
                               stopped_early=self.stopping, sync={
             "behind_nat": self.peers.a.client_mode, "behind_nat_found_by_dial_back": self.peers.behind_nat,
-            "transport_relayed": transport.stats.relayed if transport is not None else 0, "out_of_sync": out_of_sync})
+            "transport_relayed": transport.stats.relayed if transport is not None else 0,
+            "transport_forged": transport.stats.forged if transport is not None else 0, "out_of_sync": out_of_sync})
         self.metrics.summary(summary)
         return summary
 

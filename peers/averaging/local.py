@@ -71,8 +71,8 @@ class LocalAverager:
     def decline(self, round_id: str) -> None:
         """Nobody takes it for a leader."""
 
-    def lie_in_vote(self, outer_step: int) -> None:
-        """No vote to lie in."""
+    def attack(self, outer_step: int, how: str) -> None:
+        """No peers to attack."""
 
     def set_state_priority(self, outer_step: int) -> None:
         """Nothing to advertise."""

@@ -45,8 +45,9 @@ class IslandAverager(Protocol):
     def decline(self, round_id: str) -> None:
         """The island takes no part in ``round_id``: islands that took it for the round's leader are sent on."""
 
-    def lie_in_vote(self, outer_step: int) -> None:
-        """Fault injection (``lie@vote``): vote for a result other than the one computed in ``outer_step``'s rounds."""
+    def attack(self, outer_step: int, how: str) -> None:
+        """Fault injection: attack ``outer_step``'s rounds (see :meth:`peers.group.averager.VerifiedAverager.attack`:
+        ``lie`` in the vote, ``forge-parts``, ``forge-verdicts``)."""
 
     @property
     def committed(self) -> list[str]:

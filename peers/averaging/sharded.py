@@ -77,7 +77,7 @@ from peers.averaging.bucket_round import (
 )
 from peers.discovery.membership import MemberCheck, Membership
 from peers.fingerprints import CHUNKS_PER_BUCKET, fingerprint
-from peers.group.averager import Exchange, VerifiedAverager
+from peers.group.averager import Exchange, VerifiedAverager, round_of
 from peers.group.roster import split_groups
 from peers.result import RoundResult, as_float
 from peers.settings import AveragerSettings, Scope, codec_backend_problem
@@ -169,6 +169,8 @@ class ShardedAverager:
         self.buffers: dict[int, torch.Tensor] = feedback if feedback is not None else {}
         """Error feedback of this rank's owned buckets (what the codec dropped, carried into the next round):
         the caller's dict, updated in place, so that it outlives this averager (checkpoints, reconnects)."""
+        self._sends_nan: set[int] = set()
+        """Fault injection (``nan@send``): the outer steps whose rounds this island sends NaN in."""
         self.carry: dict[int, torch.Tensor] | None = None
         """With a dense lossy codec (reduce-scatter), error feedback and ``settings.owner_feedback``: by owned
         bucket, what the re-encoding of the averaged parts this island owned left out, added to its parts next
@@ -523,6 +525,8 @@ class ShardedAverager:
         ``pending.feedback[b]`` (installed by :meth:`commit`).  Deterministic: a round averaged again encodes
         the same bytes."""
         delta, codec = pending.owned[b], self.codecs[pending.codec]
+        if round_of(pending.round_id) in self._sends_nan:  # all bits set: NaN to every codec, past its own checks
+            return memoryview(b"\xff" * memoryview(codec.encode(torch.zeros_like(delta))).nbytes)
         if self.decay is None:
             payload = codec.encode(delta)
             if codec.lossy:
@@ -615,11 +619,14 @@ class ShardedAverager:
             self.matcher.moved_past, self.matcher.stopping = moved_past, stopping
             self.matcher.company = company
 
-    def lie_in_vote(self, outer_step: int) -> None:
-        """Fault injection (``lie@vote``): this island votes for another result than it computed in the rounds of
-        ``outer_step`` (see :attr:`peers.group.averager.VerifiedAverager.lie_in_vote`; rank 0 votes)."""
-        if self.matcher is not None:
-            self.matcher.lie_in_vote.add(outer_step)
+    def attack(self, outer_step: int, how: str) -> None:
+        """Fault injection: this island attacks the rounds of ``outer_step``: ``nan``, every rank sends NaN parts;
+        else see :meth:`peers.group.averager.VerifiedAverager.attack` (rank 0 votes, and its parts are the ones
+        forged)."""
+        if how == "nan":
+            self._sends_nan.add(outer_step)
+        elif self.matcher is not None:
+            self.matcher.attack(outer_step, how)
 
     def decline(self, round_id: str) -> None:
         """The island takes no part in ``round_id`` (it leaves the round out, or is behind the run): islands that took

@@ -14,6 +14,7 @@ descends from) differs from the group's majority take no part in the exchange: t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -48,7 +49,7 @@ from peers.wire.encoded import (
     part_owners,
 )
 from peers.identity import identity_of
-from peers.wire.round_keys import parts_key, vote_key
+from peers.wire.round_keys import parts_key, round_in, vote_key
 from peers.wire.transport import Transport, message_limit
 
 __all__ = ["AveragerSettings", "Exchange", "FINGERPRINT_CHUNKS", "RoundResult",
@@ -163,9 +164,9 @@ class VerifiedAverager(MissedGroups):
         """The round whose roster is forming, and how many looks in a row found no other island (:data:`ALONE_LOOKS`)."""
         self.outvoted: list[str] = []
         """The members the last vote outvoted (the group's majority stood against their verdicts)."""
-        self.lie_in_vote: set[int] = set()
-        """Fault injection (``lie@vote``, :mod:`diloco.engine.faults`): the outer steps whose rounds this member votes
-        for a result other than the one it computed (an attacker's wrong verdict)."""
+        self.attacks: dict[int, set[str]] = {}
+        """Fault injection (:mod:`diloco.engine.faults`): outer step → how this member attacks that step's rounds
+        (see :meth:`attack`)."""
         self.strikes: dict[str, int] = {}
         """Island id → the committed rounds whose result rejected its pseudo-gradient (see :attr:`banned`); kept with
         θ_global like :attr:`committed`."""
@@ -461,8 +462,10 @@ class VerifiedAverager(MissedGroups):
             return "the vote on the result could not be held: the DHT process exited", 0, 0
         key = key or vote_key(self.scope.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
-        if mine and round_of(round_id) in self.lie_in_vote:
+        if mine and "lie" in self.attacks.get(round_of(round_id), ()):
             mine = [2.0 * x + 1.0 for x in mine]
+        if mine and "forge-verdicts" in self.attacks.get(round_of(round_id), ()):
+            self._forge_record(key, peers, mine, expiration)
         # the members agreeing with us received the same bytes (every frame is authenticated, and a member that
         # computed the result itself, under a robust rule, from the same Δs): a member voting otherwise is wrong or
         # lying, and is outvoted (struck, under a robust rule) instead of failing the round for everyone (under
@@ -479,6 +482,44 @@ class VerifiedAverager(MissedGroups):
                         round_id, len(tally.differ), ", ".join(p[-8:] for p in tally.differ))
             self.outvoted = list(tally.differ)
         return verdict
+
+    def attack(self, outer_step: int, how: str) -> None:
+        """Fault injection: attack the rounds of ``outer_step``.  ``how``: ``lie``, vote for a result other than the
+        one computed (``lie@vote``); ``forge-parts`` / ``forge-verdicts``, send each part / verdict once more in
+        another member's name, with a payload that would harm it (``forge@send`` / ``forge@vote``: junk parts, a
+        verdict for another result, and that verdict in the DHT record under the other member's name)."""
+        self.attacks.setdefault(outer_step, set()).add(how)
+        if how.startswith("forge") and self.transport is not None:
+            self.transport.forge = self._forgery
+
+    def _victim(self, among: Sequence[str]) -> str | None:
+        """The member an attacker speaks as: the first other island of ``among``."""
+        return next((p for p in sorted(among) if p != self.peer_id), None)
+
+    def _forgery(self, key: str, payload: Any) -> tuple[str, bytes] | None:
+        """What :attr:`peers.wire.transport.Transport.forge` sends in another member's name, for the attacks of the
+        round ``key`` is on (None: nothing)."""
+        round_id = round_in(key)
+        verdict = self._votes is not None and key.startswith(self._votes.name + "/")
+        how = "forge-verdicts" if verdict else "forge-parts"
+        victim = self._victim(self.committed)
+        if not round_id or how not in self.attacks.get(round_of(round_id), ()) or victim is None:
+            return None
+        if not verdict:
+            return victim, b"\xff" * len(memoryview(payload).cast("B"))  # NaN as floats, junk as codes
+        try:
+            body = json.loads(bytes(payload))
+            body["fingerprint"] = [2.0 * float(x) + 1.0 for x in body["fingerprint"]]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return victim, json.dumps(body).encode()
+
+    def _forge_record(self, key: str, peers: Sequence[str], mine: list[float], expiration: float) -> None:
+        """``forge-verdicts``: a verdict for another result in the vote's DHT record, under another member's name
+        (signed with this member's key: every DHT node refuses it)."""
+        victim = self._victim(peers)
+        if victim is not None and self._votes is not None:
+            self._votes.store_as(key, victim, [2.0 * x + 1.0 for x in mine], expiration)
 
     def shutdown(self) -> None:
         """Stop the channels and a transport of its own (the DHT is the caller's)."""

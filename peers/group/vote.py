@@ -264,6 +264,11 @@ class VoteChannel:
             log.debug("could not send our verdict to %s over the transport: %s", peer, e)
             return False
 
+    def store_as(self, key: str, member: str, fingerprint: list[float], expiration: float) -> None:
+        """Fault injection (``forge@vote``): publish ``fingerprint`` in the vote's DHT record as ``member``'s verdict,
+        signed with this peer's own key (as an attacker would try; the DHT's nodes refuse it)."""
+        _submit(self._store(key, member, fingerprint, expiration))
+
     async def _store(self, key: str, me: str, mine: list[float], expiration: float) -> bool:
         try:
             signed = owned_value(dht_identity(self.dht), key, mine, expiration)

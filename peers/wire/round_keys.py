@@ -31,6 +31,12 @@ def names_group(key: str, peers: list[str]) -> bool:
     return bool(tag) and head.endswith(group_key(peers, round_id))
 
 
+def round_in(key: str) -> str:
+    """The round id a vote or parts key is on (``""`` for any other key)."""
+    _, tag, round_id = key.rpartition(_ROUND_TAG)
+    return round_id if tag else ""
+
+
 def is_on_round(key: str, round_id: str) -> bool:
     """Is ``key`` a vote or parts key of some group on round ``round_id`` (not on its retry, nor another round)?"""
     return key.endswith(_ROUND_TAG + round_id)

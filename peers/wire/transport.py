@@ -173,6 +173,9 @@ class Transport:
         """Tests: ``fault(key)`` True makes the next send of that key break its connection half-way."""
         self.tamper: Callable[[str], bool] | None = None
         """Tests: ``tamper(key)`` True flips one bit of that send's payload on the way out."""
+        self.forge: Callable[[str, Buffer], tuple[str, bytes] | None] | None = None
+        """Fault injection (``forge@send``, ``forge@vote``): ``forge(key, payload)`` gives (another peer id, a
+        payload) to send, before that send, in that peer's name twice (:meth:`_send_forged`)."""
         self._closed = threading.Event()
         self._inbound: dict[str, list[Link]] = {}
         """The connections each peer id holds open to this rank, oldest first (:data:`PER_PEER` at most)."""
@@ -328,6 +331,9 @@ class Transport:
     def _send(self, endpoint: str, key: str, payload: Buffer, deadline: float, extra: dict,
               envelope: dict | None = None) -> None:
         """:meth:`send`, with the transport's own fields ``envelope`` (a relay's) added on a direct hop."""
+        forged = self.forge(key, payload) if self.forge is not None and envelope is None else None
+        if forged is not None:
+            self._send_forged(endpoint, key, deadline, extra, *forged)
         if self._route(endpoint, key) == endpoint:
             self.reach([endpoint])
         size = memoryview(payload).nbytes
@@ -396,6 +402,20 @@ class Transport:
         a lane to each reachable one, so that they can send to it."""
         if not self.reachable:
             self.lanes.reach(endpoints)
+
+    def _send_forged(self, endpoint: str, key: str, deadline: float, extra: dict, victim: str, payload: bytes
+                     ) -> None:
+        """An attacker's two ways to speak as ``victim``: the message with a field naming it the sender, and the
+        message as if a relay passed it on from ``victim``, under a proof signed with this rank's own key.  The
+        receiver attributes the first to this rank (its connection proved who it is) and drops the second
+        (:attr:`Stats.forged`)."""
+        proof = dict(self.relay.prove(key, extra, payload, endpoint, max(0.05, deadline - time.monotonic())),
+                     **{"from": victim})
+        for claim in ({"_from": victim, "_sender": victim}, {"_relayed": {"proof": proof, "seen": ""}}):
+            try:
+                self.links.deliver(endpoint, key, json.dumps({**extra, **claim}).encode(), payload, deadline)
+            except (OSError, Refused, PunchFailed) as e:
+                log.debug("could not send a forged %s to %s: %s", key, endpoint, e)
 
     def punch_failed(self) -> bool:
         """Whether messages from this rank go through a relay after a failed punch (for

@@ -52,8 +52,10 @@ class FaultHook(RoundHook):
 
     def before(self, rnd: int) -> None:
         averager = self.averager()
-        if averager is not None and self.plan.has("lie", "vote", rnd + 1):
-            averager.lie_in_vote(rnd)
+        for fault, how in ((("lie", "vote"), "lie"), (("nan", "send"), "nan"), (("forge", "send"), "forge-parts"),
+                           (("forge", "vote"), "forge-verdicts")):
+            if averager is not None and self.plan.has(*fault, rnd + 1):
+                averager.attack(rnd, how)
         if self.plan.has("late", "send", rnd + 1):
             time.sleep(self.late_seconds)
         if self.plan.has("drift", "theta", rnd + 1):
