@@ -286,11 +286,17 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         f"loopback, the embedded text corpus; {who} from round 2 to {rounds} (the clean arms: nobody does)",
         "scale: Δ × 1e6; flip: Δ × −4; claim: Δ × −4 declared with 1e6 × its tokens as weight; noise: random values "
         "at its Δ's norm; grow: Δ × 1.5^k in the k-th round it attacks; leap: its registry record claims a step 1000 "
-        "rounds ahead with a made-up θ_global digest; vote: it votes for another result than it computed; every arm weighs "
-        "by tokens (capped at 8× the median claim), member check 10× the median norm, strikes 2",
+        "rounds ahead with a made-up θ_global digest; vote: it votes for another result than it computed; nan: its "
+        "parts are NaN; forge-part / forge-verdict: each of its parts / verdicts goes once more in another member's "
+        "name (a field naming it, and as if a relay passed it on from it, under a proof the attacker signed), "
+        "holding junk / a verdict for another result (the verdict also in the vote's DHT record, under the other's "
+        "name); every arm weighs by tokens (capped at 8× the median claim), member check 10× the median norm, "
+        "strikes 2",
         "honest loss end: the honest islands' mean held-out loss after the last round; vs clean mean: against the "
         "clean arm under `mean`; rounds committed: per honest island (min–max); attacker's Δ rejected: committed "
-        "rounds (as island 0 recorded them) whose result counted its Δ for nothing; strikes: the most the honest "
+        "rounds (as island 0 recorded them) whose result counted its Δ for nothing or outvoted it; honest Δ "
+        "rejected: the same for an honest island's; forged messages dropped: by the honest islands, nothing proving "
+        "the sender they claimed; strikes: the most the honest "
         "islands' logs gave it (strikes are kept under robust rules only); left out from: the first round it "
         "was refused as struck out",
         "outsider: no island of the run; a stranger without the key sends junk, oversized length prefixes and "
