@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             r["budget_seconds"] = r["bytes_seconds"] + 6 * rtt / 1000 + 0.5
             rows.append(r)
         base = rows[0]["round_seconds_median"] if rtts[0] == 0 else float("nan")
-        title = f"{args.islands} islands, {args.rate}, {cfg.model.preset} model"
+        payload = max(r["payload_bytes_per_round"] for r in rows) / 1e6
+        title = f"{args.islands} islands, {args.rate}, {payload:.1f} MB sent per island per round"
         table = [f"# Round time against RTT: {title}", "",
                  "| RTT ms | rounds committed | θ identical | round s (median) | bytes ÷ rate s | budget s | "
                  "within budget | round trips added |", "|---|---|---|---|---|---|---|---|"]
