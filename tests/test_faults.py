@@ -311,7 +311,7 @@ def test_faults_span_rounds_and_a_mistyped_entry_says_what_is_wrong():
     assert [r for r in range(1, 7) if plan.has("claim", "send", r)] == [3]
     assert plan.has("kill", "vote", 1) and not plan.has("kill", "vote", 2) and not plan.has("scale", "send", 3)
     assert [FaultPlan(parse_faults("grow@send:3-5")).into("grow", "send", r) for r in range(1, 7)] == [0, 0, 1, 2, 3, 0]
-    for spec, says in [("nan@send:2", "the action must be one of"), ("scale@inner:2", "scale happens in phase send"),
+    for spec, says in [("melt@send:2", "the action must be one of"), ("scale@inner:2", "scale happens in phase send"),
                        ("scale@send:5-2", "FIRST <= LAST"), ("scale@send:0", "rounds count from 1"),
                        ("scale@send:x", "must look like kill@allreduce:2")]:
         with pytest.raises(ValueError, match=says):
