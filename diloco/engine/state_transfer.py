@@ -37,6 +37,7 @@ from peers import (
     download_state,
     fingerprint,
     fingerprints_agree,
+    round_id,
     wait_until,
 )
 
@@ -257,7 +258,9 @@ class StateTransfer:
         # anyway); a round sent in flight must not stall the inner steps: it looks at those already
         # averaging, and a stale first-comer is caught by the group's own majority check instead
         seconds = self.a.matchmaking_time if wait else 0.0
-        return bool(self.main_decides(lambda: self.peers.membership.outvoted(rnd, state, seconds)))
+        asked = self.peers.averager.asked if self.peers.averager is not None else (lambda _: {})
+        return bool(self.main_decides(lambda: self.peers.membership.outvoted(rnd, state, seconds,
+                                                                             lambda: asked(round_id(rnd)))))
 
     def check_in_sync(self, state: list[float], stopping: bool) -> str:
         """Collective, after the last round: publish the fingerprint ``state`` of the θ_global we end

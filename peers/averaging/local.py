@@ -71,6 +71,10 @@ class LocalAverager:
     def decline(self, round_id: str) -> None:
         """Nobody takes it for a leader."""
 
+    def asked(self, round_id: str) -> dict[str, list[float] | None]:
+        """Nobody asks."""
+        return {}
+
     def attack(self, outer_step: int, how: str) -> None:
         """No peers to attack."""
 

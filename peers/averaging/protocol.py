@@ -45,6 +45,10 @@ class IslandAverager(Protocol):
     def decline(self, round_id: str) -> None:
         """The island takes no part in ``round_id``: islands that took it for the round's leader are sent on."""
 
+    def asked(self, round_id: str) -> dict[str, list[float] | None]:
+        """The islands that asked this island to join ``round_id`` before it reached it, and the digest of the
+        θ_global each enters it with (rank 0)."""
+
     def attack(self, outer_step: int, how: str) -> None:
         """Fault injection: attack ``outer_step``'s rounds (see :meth:`peers.group.averager.VerifiedAverager.attack`:
         ``lie`` in the vote, ``forge-parts``, ``forge-verdicts``)."""

@@ -628,6 +628,11 @@ class ShardedAverager:
         elif self.matcher is not None:
             self.matcher.attack(outer_step, how)
 
+    def asked(self, round_id: str) -> dict[str, list[float] | None]:
+        """The islands that asked this island to join ``round_id`` before it reached it, and the digest each enters it
+        with (rank 0; none elsewhere)."""
+        return self.matcher.asked(round_id) if self.matcher is not None else {}
+
     def decline(self, round_id: str) -> None:
         """The island takes no part in ``round_id`` (it leaves the round out, or is behind the run): islands that took
         it for the round's leader are sent on (rank 0; nothing elsewhere)."""

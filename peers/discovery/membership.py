@@ -17,6 +17,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import hivemind
@@ -533,22 +534,32 @@ class Membership:
         waiting for once more)."""
         return 1 + sum(m.outer_step == outer_step for m in self.others())
 
-    def outvoted(self, outer_step: int, state: Any, wait: float) -> bool:
+    def outvoted(self, outer_step: int, state: Any, wait: float,
+                 arrived: Callable[[], Mapping[str, list[float] | None]] = dict) -> bool:
         """Whether our fingerprint ``state`` of the θ_global we enter round ``outer_step`` with disagrees
         with the majority of the islands entering it too (their registry records; we wait up to ``wait``
         seconds for islands at that step still training).  Ties go to the side holding the smallest
         island id, so every island reaches the same verdict.  Compared as digests (:attr:`Member.held`): the
         registry carries no island's whole fingerprint (a 1b model's is 3,600 floats, read by every island about once
-        a second)."""
+        a second).  ``arrived()``: islands known to have reached the round meanwhile (they asked this island to join
+        it) → the digest they enter it with, as their join said (None: not said): the wait for them ends then."""
         deadline = time.monotonic() + wait
+        came: Mapping[str, list[float] | None] = {}
         while True:
             others = self.others()
-            pending = [m for m in others if m.outer_step == outer_step and not m.averaging]
-            if not pending or time.monotonic() > deadline:
+            pending = {m.island for m in others if m.outer_step == outer_step and not m.averaging}
+            look = min(deadline, time.monotonic() + 0.5)
+            while True:  # until the islands waited for ask to join, or the registry's next look
+                came = arrived()
+                told = {i for i, d in came.items() if d is not None}
+                if pending <= told or time.monotonic() >= look:
+                    break
+                time.sleep(0.05)
+            if pending <= told or time.monotonic() >= deadline:
                 break
-            time.sleep(0.5)
         meta = {m.peer_id: {"state_fingerprint": m.held} for m in others
                 if m.averaging and m.outer_step == outer_step and isinstance(m.held, list)}
+        meta.update({i: {"state_fingerprint": d} for i, d in came.items() if d is not None})
         if not meta:
             return False
         meta[self.island] = {"state_fingerprint": digest(state)}

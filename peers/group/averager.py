@@ -403,6 +403,11 @@ class VerifiedAverager(MissedGroups):
         return RoundView.of(self.membership.snapshot(round_of(round_id), timeout=self.settings.matchmaking_time),
                             self.committed).without(self.banned)
 
+    def asked(self, round_id: str) -> dict[str, list[float] | None]:
+        """The islands that asked to join ``round_id`` before this island reached it, and the digest each enters it
+        with (see :meth:`peers.group.roster.RosterForming.asked`)."""
+        return self.roster.asked(round_id) if self.roster is not None else {}
+
     def decline(self, round_id: str) -> None:
         """This island takes no part in ``round_id`` nor in its retry: islands that take it for their leader are sent
         on to the next one."""

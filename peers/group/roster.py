@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from peers.discovery.membership import Snapshot
+from peers.fingerprints import digest
 from peers.result import RoundResult
 from peers.wire.transport import GoneError, Transport, TransportError, refuses, send_all
 
@@ -237,9 +238,10 @@ class RosterForming:
         no part)."""
         self._current = ""
         """The round id this island is forming a roster for now ('' between rounds)."""
-        self._passed_over: OrderedDict[str, set[str]] = OrderedDict()
+        self._passed_over: OrderedDict[str, dict[str, list[float] | None]] = OrderedDict()
         """Round ids whose joins came before this island reached the round → their senders (who went on to the
-        next leader in the order)."""
+        next leader in the order) → the digest of the θ_global each enters the round with (None if its join
+        carried none)."""
         self._refresh: Callable[[], RoundView] | None = None
         self._handed_to = RoundView()
         self._followed: tuple[str, str] | None = None
@@ -248,6 +250,12 @@ class RosterForming:
         """The leader order of the round this island forms (as its view of the registry gives it)."""
         self._lock = threading.Lock()
         transport.handlers[JOIN] = self._on_join
+
+    def asked(self, round_id: str) -> dict[str, list[float] | None]:
+        """The islands that asked to join ``round_id`` before this island reached it (they are in it) → the digest
+        of the θ_global each enters it with (:func:`peers.fingerprints.digest`; None if its join carried none)."""
+        with self._lock:
+            return dict(self._passed_over.get(round_id, {}))
 
     def decline(self, round_id: str) -> None:
         """This island takes no part in ``round_id`` (it leaves the round out, or catches up past it): islands whose
@@ -299,7 +307,7 @@ class RosterForming:
             here = sent is None and round_id == self._current
             if sent is None and not here:
                 sent = NOT_YET_BODY
-                self._passed_over.setdefault(round_id, set()).add(sender)
+                self._passed_over.setdefault(round_id, {})[sender] = _entering(payload)
                 while len(self._passed_over) > CLOSED_ROUNDS:
                     self._passed_over.popitem(last=False)
             if here:  # into the inbox while the lock is held: whoever stops taking joins finds it there
@@ -329,7 +337,7 @@ class RosterForming:
         body = json.dumps(dict(meta, endpoint=endpoint)).encode()
         with self._lock:
             self._current = round_id
-            askers = self._passed_over.pop(round_id, set())
+            askers = set(self._passed_over.pop(round_id, {}))
         self._refresh, self._followed = refresh, None
         try:
             for _ in range(HANDOFFS + 1):
@@ -586,6 +594,15 @@ def _read_redirect(payload: bytes | bytearray | memoryview) -> tuple[str, str] |
         leader, where = body["redirect"]
         return (leader, where) if isinstance(leader, str) and isinstance(where, str) and where else None
     except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _entering(payload: bytes | bytearray | memoryview) -> list[float] | None:
+    """The digest of the θ_global a join's sender enters the round with (None if it carries no fingerprint)."""
+    try:
+        state = json.loads(bytes(payload)).get("state_fingerprint")
+        return digest([float(x) for x in state]) if isinstance(state, list) and state else None
+    except (ValueError, TypeError, AttributeError):
         return None
 
 
