@@ -177,6 +177,7 @@ def _round(avgs: list[VerifiedAverager], values: list[torch.Tensor], weights: li
     return out
 
 
+@pytest.mark.alone  # a new run's first roster of 6 under a busy second core: a .ci/run formed a group of 4
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_a_roster_larger_than_max_group_size_averages_in_two_levels_to_the_same_bits_everywhere(averagers,
                                                                                                compression):
