@@ -468,7 +468,7 @@ class VerifiedAverager(MissedGroups):
         key = key or vote_key(self.scope.prefix, peers, round_id)
         expiration = get_dht_time() + max(60.0, 4 * self.settings.vote_timeout)
         if mine and "lie" in self.attacks.get(round_of(round_id), ()):
-            mine = [2.0 * x + 1.0 for x in mine]
+            mine = _another_result(mine)
         if mine and "forge-verdicts" in self.attacks.get(round_of(round_id), ()):
             self._forge_record(key, peers, mine, expiration)
         # the members agreeing with us received the same bytes (every frame is authenticated, and a member that
@@ -514,7 +514,7 @@ class VerifiedAverager(MissedGroups):
             return victim, b"\xff" * len(memoryview(payload).cast("B"))  # NaN as floats, junk as codes
         try:
             body = json.loads(bytes(payload))
-            body["fingerprint"] = [2.0 * float(x) + 1.0 for x in body["fingerprint"]]
+            body["fingerprint"] = _another_result(body["fingerprint"])
         except (ValueError, KeyError, TypeError):
             return None
         return victim, json.dumps(body).encode()
@@ -524,7 +524,7 @@ class VerifiedAverager(MissedGroups):
         (signed with this member's key: every DHT node refuses it)."""
         victim = self._victim(peers)
         if victim is not None and self._votes is not None:
-            self._votes.store_as(key, victim, [2.0 * x + 1.0 for x in mine], expiration)
+            self._votes.store_as(key, victim, _another_result(mine), expiration)
 
     def shutdown(self) -> None:
         """Stop the channels and a transport of its own (the DHT is the caller's)."""
@@ -535,6 +535,12 @@ class VerifiedAverager(MissedGroups):
             self._own_membership.leave()
         if self._own_transport is not None:
             self._own_transport.close()
+
+
+def _another_result(fingerprint: Sequence[Any]) -> list[float]:
+    """Fault injection: the fingerprint of a result other than ``fingerprint``'s (what a lying or forged verdict
+    votes for)."""
+    return [2.0 * float(x) + 1.0 for x in fingerprint]
 
 
 def round_of(round_id: str) -> int:
