@@ -55,6 +55,7 @@ _EXPORTS = {  # name -> the module that defines it (a module itself where the na
     "fingerprint": "peers.fingerprints", "fingerprints_agree": "peers.fingerprints", "STATS": "peers.fingerprints",
     "CHUNKS_PER_BUCKET": "peers.fingerprints", "digest": "peers.fingerprints",
     "Downloaded": "peers.wire.state_share", "download_state": "peers.wire.state_share:download",
+    "witness_state": "peers.wire.state_share:witness",
     "Traffic": "peers.wire.counters", "WireCounter": "peers.wire.counters",
     "ring_allreduce_bytes": "peers.wire.counters",
     "descendants": "peers.proctable", "process_table": "peers.proctable", "process_trees": "peers.proctable",

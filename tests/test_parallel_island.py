@@ -144,6 +144,60 @@ def test_late_joiner_downloads_theta_bucket_by_bucket_over_the_transport(tmp_pat
         first.close()
 
 
+def test_a_joiner_refuses_theta_its_witnesses_deny_though_it_has_the_runs_sums(tmp_path, no_leaked_daemons):
+    """Three islands of a run hold θ_global at outer step 3 (two caught up from the first); then the first serves one
+    with every chunk's values reversed, which keeps the per-chunk sums the registry vouches for.  A fourth island
+    joining takes the others' θ_global, whichever island it asks first: the liar's state is denied by both honest
+    witnesses, and the liar alone cannot deny an honest donor's (real islands over hivemind and the transport).
+    Nothing in the registry vouches for a θ_global here (as right after a commit): without the witnesses, a joiner
+    asking the liar first took its state."""
+    from peers import CHUNKS_PER_BUCKET
+
+    common = {"averaging.backend": "hivemind", "averaging.bucket_numel": 15_000,
+              "averaging.state_download_timeout": 10.0, "averaging.run_key": "test-run-key"}
+    islands: list[Island] = []
+    try:
+        first = Island(tiny_config(tmp_path / "a", **common))
+        islands.append(first)
+        first.connect()
+        for _ in range(3):
+            first.outer.step({n: torch.randn_like(t) * 0.01 for n, t in first.outer.theta_global.items()})
+        first.stats.outer_step = 3
+        first.peers.membership.announce(3, averaging=False)
+        peers = {"averaging.initial_peers": visible_maddrs(first.peers.dht)}
+        for name in ("b", "c"):
+            islands.append(Island(tiny_config(tmp_path / name, **common, **peers)))
+            islands[-1].connect()
+            assert_joined(islands[-1], first, outer_step=3)
+        honest = {n: t.clone() for n, t in first.outer.theta_global.items()}
+        layout = first.layout
+        flat = torch.cat([honest[p.name].reshape(-1) for p in layout.params])
+        reversed_chunks = first.exchange.scatter({b.index: torch.cat([c.flip(0) for c in torch.tensor_split(
+            flat[b.start:b.end], CHUNKS_PER_BUCKET)]) for b in layout.buckets})
+        server = first.peers._server
+        serves = server.provide
+
+        def lying():
+            meta, _, momentum = serves()
+            return meta, reversed_chunks, momentum
+        server.provide = lying
+        joiner = Island(tiny_config(tmp_path / "d", **common, **peers))
+        islands.append(joiner)
+        joiner.connect()
+        assert joiner.transfer.join_from_peers() and joiner.stats.outer_step == 3
+        for name, t in honest.items():
+            assert torch.equal(joiner.outer.theta_global[name], t)
+        assert not any(torch.equal(reversed_chunks[n], t) for n, t in honest.items() if t.numel() > 1)
+        liar = first.peers.membership.island
+        assert set(joiner.transfer._refused) <= {liar}
+        # the liar asked first: both honest witnesses deny its state, and it is asked to witness no more
+        joiner.transfer._refused = {i.peers.membership.island: (3, 3) for i in islands[1:3]}
+        assert joiner.transfer.download() is None and joiner.transfer._discredited == {liar: (3, 3)}
+    finally:
+        for island in reversed(islands):
+            island.close()
+
+
 def test_indivisible_heads_fail_with_one_clear_line(capsys):
     code = cli.main(["train", "--parallel.tp", "3"])  # the small preset has 4 heads
     err = capsys.readouterr().err
@@ -413,8 +467,6 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
     next download asks the other island and takes its state.  Without the check, the first download was adopted
     (narrow unit test of the download's decision: the transport, the layout and the ranks are stand-ins)."""
     import diloco.engine.state_transfer as state_transfer
-    from diloco.engine.metrics import RunStats
-    from diloco.engine.state_transfer import StateTransfer
     from peers import Downloaded, digest, fingerprint
 
     honest = torch.linspace(-1.0, 1.0, 12)
@@ -422,7 +474,7 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
 
     def member(pid: str) -> SimpleNamespace:
         return SimpleNamespace(peer_id=pid, island=pid, committed=5, outer_step=5, position=(5, 5), averaging=False,
-                               serving=True)
+                               serving=True, left=False)
 
     membership = SimpleNamespace(others=lambda: [member("b"), member("c")], silent=lambda m: False,
                                  endpoints=lambda pid: [f"{pid}:1"],
@@ -430,20 +482,83 @@ def test_a_catch_up_refuses_a_state_the_run_does_not_vouch_for(monkeypatch):
     meta = {"outer_step": 5, "committed_rounds": 5, "config_fingerprint": "F", "layout_fingerprint": "L", "phase": 0}
     monkeypatch.setattr(state_transfer, "download_state", lambda transport, donor, buckets, timeout, tag: (
         {0: Downloaded(dict(meta), served[donor[0]], torch.zeros(12))}, ""))
-    layout = SimpleNamespace(buckets=[SimpleNamespace(numel=12)], fingerprint=lambda: "L")
-    transfer = StateTransfer(
-        SimpleNamespace(state_download_timeout=1.0), stats=RunStats(outer_step=3),
-        peers=SimpleNamespace(membership=membership, transport=None),
-        rt=SimpleNamespace(bcast=lambda x: x, is_main=True, gather_all=lambda x: [x]),
-        outer=SimpleNamespace(names=["w"]), params={},
-        exchange=SimpleNamespace(layout=layout, owned=[0], scatter=lambda buckets: {"w": buckets[0]}),
-        schedule=None, forget_unsent=lambda: False, fingerprint="F")
+    _witnesses_hold(monkeypatch, {"b": honest + 0.5, "c": honest}, meta)
+    transfer = _transfer(membership)
     assert transfer.download() is None  # b's state is not the one the run holds at (5, 5)
     assert transfer._refused == {"b": (5, 5)} and transfer.checked_digest is None
     got = transfer.download()  # c is asked now
     assert got is not None and got[0]["outer_step"] == 5 and torch.equal(got[1][0], honest)
     # what the island vouches for once it adopted: the digest it checked, with no collective to compute it again
     assert transfer.checked_digest == pytest.approx(digest(fingerprint([honest], 4)), rel=1e-6)
+
+
+def _transfer(membership: SimpleNamespace, numel: int = 12):
+    """A one-rank island's state transfer over stand-ins (one bucket of ``numel`` elements, parameter ``w``)."""
+    from diloco.engine.metrics import RunStats
+    from diloco.engine.state_transfer import StateTransfer
+
+    layout = SimpleNamespace(buckets=[SimpleNamespace(numel=numel)], fingerprint=lambda: "L")
+    return StateTransfer(
+        SimpleNamespace(state_download_timeout=1.0, strikes=0), stats=RunStats(outer_step=3),
+        peers=SimpleNamespace(membership=membership, transport=None, averager=None),
+        rt=SimpleNamespace(bcast=lambda x: x, is_main=True, gather_all=lambda x: [x]),
+        outer=SimpleNamespace(names=["w"]), params={},
+        exchange=SimpleNamespace(layout=layout, owned=[0], scatter=lambda buckets: {"w": buckets[0]}),
+        schedule=None, forget_unsent=lambda: False, fingerprint="F")
+
+
+def _witnesses_hold(monkeypatch, held: dict[str, torch.Tensor], meta: dict, liars: set[str] = frozenset()) -> list:
+    """Witness islands (by the host of their endpoint) that confirm a download when it is the θ_global they hold, and
+    ``liars`` that deny any (a stand-in for :func:`peers.wire.state_share.witness`, tested on real transports in
+    tests/test_state_share.py).  Returns the list of islands asked, call by call."""
+    import diloco.engine.state_transfer as state_transfer
+
+    asked = []
+
+    def witness(transport, islands, theta, timeout, tag):
+        names = [endpoints[0].split(":")[0] for endpoints in islands]
+        asked.append(names)
+        return [([dict(meta)], n not in liars and torch.equal(theta[0], held[n])) for n in names]
+
+    monkeypatch.setattr(state_transfer, "witness_state", witness)
+    return asked
+
+
+def test_a_catch_up_refuses_a_state_crafted_to_the_registrys_sums_and_one_lying_witness_refuses_nothing(
+        monkeypatch):
+    """A donor (b) serves θ_global with each chunk's values permuted: the per-chunk sums the registry vouches for
+    match, so only the witnesses' keyed prints catch it, and b is refused at that position (and asked to witness no
+    more).  The next donor (c) is honest, and of its two witnesses one (e) lies, denying every state: one confirmation
+    against one denial, the state stands.  Right after a commit, with no record vouching for any θ_global yet, the
+    witnesses are still asked (narrow unit test of the decision: the transport, the layout and the ranks are
+    stand-ins)."""
+    import diloco.engine.state_transfer as state_transfer
+    from peers import Downloaded, digest, fingerprint
+
+    honest = torch.linspace(-1.0, 1.0, 12)
+    permuted = torch.cat([c.flip(0) for c in torch.tensor_split(honest, 4)])
+    served = {"b:1": permuted, "c:1": honest.clone(), "d:1": honest.clone(), "e:1": honest.clone()}
+    vouched = [digest(fingerprint([honest], 4))]
+
+    def member(pid: str) -> SimpleNamespace:
+        return SimpleNamespace(peer_id=pid, island=pid, committed=5, outer_step=5, position=(5, 5), averaging=False,
+                               serving=True, left=False)
+
+    membership = SimpleNamespace(others=lambda: [member(i) for i in "bcde"], silent=lambda m: False,
+                                 endpoints=lambda pid: [f"{pid}:1"],
+                                 vouched_state=lambda position, others=None: (vouched[0], 4))
+    meta = {"outer_step": 5, "committed_rounds": 5, "config_fingerprint": "F", "layout_fingerprint": "L", "phase": 0}
+    monkeypatch.setattr(state_transfer, "download_state", lambda transport, donor, buckets, timeout, tag: (
+        {0: Downloaded(dict(meta), served[donor[0]], torch.zeros(12))}, ""))
+    asked = _witnesses_hold(monkeypatch, {i: served[f"{i}:1"] for i in "bcde"}, meta, liars={"b", "e"})
+    transfer = _transfer(membership)
+    assert transfer.download() is None  # the registry's sums match; c and d deny it
+    assert asked == [["c", "d"]] and transfer._refused == {"b": (5, 5)}
+    got = transfer.download()  # c serves; d confirms, e lies
+    assert asked[-1] == ["d", "e"] and got is not None and torch.equal(got[1][0], honest)
+    vouched[0] = None  # right after a commit: no record vouches for a θ_global at (5, 5) yet
+    transfer._refused.clear()
+    assert transfer.download() is None and transfer._refused == {"b": (5, 5)} and asked[-1] == ["c", "d"]
 
 
 def test_a_first_comer_compares_as_soon_as_the_islands_it_waits_for_asked_to_join(unsigned_registry,

@@ -39,11 +39,15 @@ from peers import (
     fingerprints_agree,
     round_id,
     wait_until,
+    witness_state,
 )
 
 log = logging.getLogger("diloco")
 NOWHERE: Position = (-1, -1)
 """The position of no state (none came, or it cannot be used)."""
+WITNESSES = 2
+"""Islands asked to confirm a downloaded θ_global (:meth:`StateTransfer._witnessed`): one that lies cannot refuse an
+honest donor's state alone."""
 
 State = tuple[dict, list[torch.Tensor]]
 """(metadata, θ_global shards followed by the outer momentum shards, in the outer optimizer's order)."""
@@ -86,8 +90,11 @@ class StateTransfer:
         self._downloads = 0
         self._deferred: Adoption | None = None
         self._refused: dict[str, Position] = {}
-        """Islands whose served θ_global did not match what the run's islands vouch for at its position, and that
-        position: not asked again until they announce another one."""
+        """Islands whose served θ_global did not match what the run's islands vouch for at its position, or that its
+        witnesses denied, and that position: not asked again until they announce another one."""
+        self._discredited: dict[str, Position] = {}
+        """Of those, the islands refused on the word of more than one other island (the registry's vouch, or two
+        witnesses), and that position: not asked to witness a download either."""
         self.checked_digest: list[float] | None = None
         """The digest of the θ_global the last download brought, when it matched the one the run's islands at its
         position vouch for (None: it was not checked so, or did not match)."""
@@ -422,7 +429,7 @@ class StateTransfer:
         if vouched_at is not None and len(whole) == len(self.layout.buckets):
             held = digest([x for b in sorted(whole) for x in whole[b]])
             if not fingerprints_agree(held, target, 1e-5):
-                self._refused[donor_id] = vouched_at
+                self._refused[donor_id] = self._discredited[donor_id] = vouched_at
                 log.warning("refused the θ_global island %s served at position %s: it does not match the fingerprint "
                             "the run's islands at that position announce; trying another island", donor_id[-8:],
                             vouched_at)
@@ -430,6 +437,8 @@ class StateTransfer:
             self.checked_digest = held
         steps = set(merged.values())
         if len(merged) != len(self.layout.buckets) or len(steps) != 1 or NOWHERE in steps:
+            return None
+        if not self._witnessed(donor_id, next(iter(steps)), {b: d.theta for b, d in got.items()}):
             return None
         theta = self.exchange.scatter({b: d.theta for b, d in got.items()})
         momentum = self.exchange.scatter({b: d.momentum for b, d in got.items()})
@@ -462,6 +471,60 @@ class StateTransfer:
                 vouched, _ = membership.vouched_state(m.position, others)
                 return endpoints, m.island, m.position, vouched
         return [], "", None, None
+
+    def _witnessed(self, donor_id: str, position: Position, theta: dict[int, torch.Tensor]) -> bool:
+        """Collective: whether other islands holding the run's θ_global at ``position`` confirm the downloaded one
+        (``theta``: this rank's buckets), each by keyed prints under a seed picked after the bytes came
+        (:func:`peers.wire.state_share.witness`).  That catches what the registry's per-chunk sums cannot: a donor
+        that permutes values inside a chunk, or serves a made-up θ_global right after a commit, before any record
+        vouches for one.  Up to :data:`WITNESSES` islands are asked; the state stands when at least one confirms it
+        and no more deny it (a lying witness cannot refuse an honest donor alone).  When more deny it, the donor is
+        refused at that position (one donor's word against one witness's settles nothing: the next download asks
+        another donor, and the witness is not discredited).  True when no other island serves; False, to ask again, when islands that the
+        registry places at that position did not answer from it."""
+        candidates = self.main_decides(lambda: self._witnesses(donor_id, position))
+        if not candidates:
+            return True
+        answers = witness_state(self.peers.transport, [endpoints for _, endpoints, _ in candidates], theta,
+                                self.a.state_download_timeout, f"{self.stats.outer_step}.{self._downloads}") \
+            if theta else [None] * len(candidates)
+        # per witness: this rank's word on its buckets ("" when it owns none, so has no word)
+        words = ["" if not theta else "silent" if a is None or any(_position(m) != position for m in a[0])
+                 else "agree" if a[1] else "deny" for a in answers]
+        said = [set(w) - {""} for w in zip(*self.rt.gather_all(words))]
+        verdicts = ["deny" if "deny" in w else "agree" if w == {"agree"} else "silent" for w in said]
+        agree, deny = verdicts.count("agree"), verdicts.count("deny")
+        if agree and agree >= deny:
+            return True
+        named = ", ".join(f"{island[-8:]} {v}" for (island, _, _), v in zip(candidates, verdicts))
+        if deny:
+            self._refused[donor_id] = position
+            if deny > 1:
+                self._discredited[donor_id] = position
+            log.warning("refused the θ_global island %s served at position %s: the other islands holding the run's "
+                        "θ_global there do not confirm it (%s); trying another island", donor_id[-8:], position, named)
+            return False
+        if any(at for _, _, at in candidates):
+            log.info("no island at position %s confirmed the θ_global downloaded from %s yet (%s); asking again",
+                     position, donor_id[-8:], named)
+            return False
+        return True
+
+    def _witnesses(self, donor_id: str, position: Position) -> list[tuple[str, list[str], bool]]:
+        """On rank 0: up to :data:`WITNESSES` live islands that serve, other than the donor, islands struck out of the
+        run and islands discredited at their position, those the registry places at ``position`` first: (island id, its ranks' transport endpoints, whether
+        the registry places it there)."""
+        membership, limit = self.peers.membership, getattr(self.a, "strikes", 0)
+        struck = getattr(self.peers.averager, "strikes", None) or {}
+        found = []
+        for m in sorted((m for m in membership.others() if m.island != donor_id and m.serving and not m.left
+                         and not membership.silent(m) and not (limit and struck.get(m.island, 0) >= limit)
+                         and self._discredited.get(m.island) != m.position),
+                        key=lambda m: (m.position != position, m.peer_id)):
+            endpoints = membership.endpoints(m.peer_id)
+            if endpoints and len(found) < WITNESSES:
+                found.append((m.island, endpoints, m.position == position))
+        return found
 
     def _check_bucket(self, b: int, piece: Downloaded, target: list[float] | None) -> tuple[Position, str]:
         """(the position of a downloaded bucket's state, or :data:`NOWHERE` if unusable; a reason to stop, if

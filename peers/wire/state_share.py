@@ -6,12 +6,19 @@ the caller's lock: nothing is kept aside for joiners.  A joining rank downloads 
 every rank of the island it chose, all requests at once, and assembles the buckets from the pieces: the
 state comes at the round's throughput, in parallel over buckets and ranks.  A download counts only when
 every element of every bucket came, from one outer step and one config.
+
+A download is then checked with other islands (:func:`witness`): the joiner picks a secret seed once the bytes
+came, and every rank of a witness island answers with a projection of its pieces on pseudo-random weights drawn
+from that seed.  A donor cannot craft a θ_global those projections miss, as it can craft one with the per-chunk
+sums the registry vouches for (permuting values inside a chunk), because it never learns the seed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +37,13 @@ REQUEST = "state?"
 """Key prefix of a request for a bucket's pieces."""
 REPLY = "state!"
 """Key prefix of a reply (a piece: values, with the metadata and where they go in the bucket)."""
+WITNESS = "print?"
+"""Key prefix of a request for keyed prints of this rank's pieces of buckets (a joiner checking a download)."""
+PRINTED = "print!"
+"""Key prefix of a reply to it (the metadata, and per bucket where the pieces sit and their print)."""
+PRINT_TOLERANCE = 1e-9
+"""How far two prints of the same values may differ, relative to the sum of |weight × value| (the same fp32
+values, summed in fp64 in another order on another machine)."""
 SERVING = 2
 """Pieces a rank serves at once: each is copied out of θ_global while the lock is held."""
 
@@ -48,34 +62,48 @@ class StateServer:
         self.transport, self.exchange, self.provide, self.lock = transport, exchange, provide, lock
         self._slots = threading.Semaphore(SERVING)
         transport.handlers[REQUEST] = self._on_request
+        transport.handlers[WITNESS] = self._on_request
 
     def _on_request(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
         try:
             request = json.loads(bytes(payload))
-            bucket, reply, to = int(request["bucket"]), str(request["reply"]), str(request["reply_to"])
+            reply, to = str(request["reply"]), str(request["reply_to"])
+            if key.startswith(WITNESS):
+                buckets, seed = [int(b) for b in request["buckets"]], int(request["seed"])
+            else:
+                buckets, seed = [int(request["bucket"])], None
         except (ValueError, KeyError, TypeError):
             log.warning("refused a malformed request for state from %s", sender)
             return True
-        if 0 <= bucket < len(self.exchange.layout.buckets):
-            threading.Thread(target=self._serve, args=(bucket, reply, to), daemon=True).start()
+        if buckets and all(0 <= b < len(self.exchange.layout.buckets) for b in buckets):
+            threading.Thread(target=self._serve, args=(buckets, seed, reply, to), daemon=True).start()
         return True
 
-    def _serve(self, bucket: int, reply: str, to: str) -> None:
+    def _serve(self, buckets: list[int], seed: int | None, reply: str, to: str) -> None:
+        """Send this rank's pieces of ``buckets``: θ_global and momentum values (one bucket), or with ``seed`` their
+        keyed prints (:func:`keyed_print`; computed once the lock is released, from a copy)."""
         with self._slots:
             with self.lock:
                 try:
                     provided = self.provide()
                     if provided is None:
-                        meta, values, segments = {"refused": True}, torch.zeros(0), []
+                        meta, pieces = {"refused": True}, []
                     else:
                         meta, theta, momentum = provided
-                        segments = self.exchange.contribution(bucket)
-                        values = torch.cat([on_host(src, segments) for src in (theta, momentum)])
+                        sources = (theta,) if seed is not None else (theta, momentum)
+                        pieces = [(b, segments, torch.cat([on_host(src, segments) for src in sources]))
+                                  for b in buckets for segments in [self.exchange.contribution(b)]]
                 except Exception as e:  # the joiner hears why at once, instead of waiting out its download
-                    log.exception("could not read the state to serve bucket %d", bucket)
-                    meta, values, segments = {"refused": True, "error": f"{type(e).__name__}: {e}"[:300]}, \
-                        torch.zeros(0), []
-            extra = {"meta": meta, "segments": [[s.bucket_offset, s.rows, s.row_len, s.row_stride] for s in segments]}
+                    log.exception("could not read the state to serve bucket(s) %s", buckets)
+                    meta, pieces = {"refused": True, "error": f"{type(e).__name__}: {e}"[:300]}, []
+            extra: dict = {"meta": meta}
+            if seed is None:
+                values = pieces[0][2] if pieces else torch.zeros(0)
+                extra["segments"] = _wire(pieces[0][1]) if pieces else []
+            else:
+                values = torch.zeros(0)
+                extra["prints"] = [[b, _wire(segments), keyed_print(v, indices(_wire(segments)), seed, b)]
+                                   for b, segments, v in pieces]
             try:
                 self.transport.send(to, reply, memoryview(values.numpy()).cast("B"), time.monotonic() + 60.0, extra)
             except TransportError as e:
@@ -84,6 +112,12 @@ class StateServer:
     def close(self) -> None:
         """Stop serving (the transport is the caller's)."""
         self.transport.handlers.pop(REQUEST, None)
+        self.transport.handlers.pop(WITNESS, None)
+
+
+def _wire(segments: list[Segment]) -> list[list[int]]:
+    """Where ``segments`` sit in their bucket, as they travel: [offset, rows, row_len, row_stride] each."""
+    return [[s.bucket_offset, s.rows, s.row_len, s.row_stride] for s in segments]
 
 
 def on_host(tensors: Mapping[str, torch.Tensor], segments: list[Segment]) -> torch.Tensor:
@@ -99,11 +133,11 @@ def on_host(tensors: Mapping[str, torch.Tensor], segments: list[Segment]) -> tor
 
 
 def keep_replies(transport: Transport) -> None:
-    """Let ``transport`` take replies to state requests (values and metadata together, in its inbox)."""
+    """Let ``transport`` take replies to state and print requests (values and metadata together, in its inbox)."""
     def keep(key: str, sender: str, payload: bytearray, extra: dict) -> bool:
         transport.box.put(key, sender, (payload, extra))
         return True
-    transport.handlers[REPLY] = keep
+    transport.handlers[REPLY] = transport.handlers[PRINTED] = keep
 
 
 @dataclass
@@ -192,22 +226,134 @@ def _piece(value: object) -> tuple[dict, list, torch.Tensor] | None:
     return extra["meta"], segments, torch.frombuffer(payload, dtype=torch.float32) if len(payload) else torch.zeros(0)
 
 
-def _place(bucket: torch.Tensor, count: torch.Tensor | None, segments: list, values: torch.Tensor) -> bool:
-    """Write ``values`` into ``bucket`` at ``segments`` ([offset, rows, row_len, row_stride] each); False if
-    they do not fit."""
-    pos = 0
+def indices(segments: list, numel: int | None = None) -> torch.Tensor | None:
+    """The bucket offsets of ``segments`` ([offset, rows, row_len, row_stride] each), in the order their values
+    travel; None when they are malformed or, given the bucket's ``numel``, run outside it or name more elements
+    than it holds (a peer's: anything may come)."""
+    out, total = [], 0
     for seg in segments:
         try:
             offset, rows, row_len, stride = (int(x) for x in seg)
         except (TypeError, ValueError):
-            return False
-        n = rows * row_len
-        last = offset + (rows - 1) * stride + row_len
-        if min(offset, rows, row_len) < 0 or last > bucket.numel() or pos + n > values.numel():
-            return False
-        view = bucket.as_strided((rows, row_len), (stride, 1), offset)
-        view.copy_(values[pos:pos + n].view(rows, row_len))
-        if count is not None:
-            count.as_strided((rows, row_len), (stride, 1), offset).add_(1)
-        pos += n
-    return pos == values.numel()
+            return None
+        total += rows * row_len
+        if min(offset, rows, row_len, stride) < 0 or (numel is not None and rows * row_len and (
+                total > numel or offset + (rows - 1) * stride + row_len > numel)):
+            return None
+        out.append((offset + torch.arange(rows).unsqueeze(1) * stride + torch.arange(row_len)).reshape(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def _place(bucket: torch.Tensor, count: torch.Tensor | None, segments: list, values: torch.Tensor) -> bool:
+    """Write ``values`` into ``bucket`` at ``segments`` ([offset, rows, row_len, row_stride] each); False if
+    they do not fit."""
+    at = indices(segments, bucket.numel())
+    if at is None or at.numel() != values.numel():
+        return False
+    bucket[at] = values
+    if count is not None:
+        count.index_add_(0, at, torch.ones_like(at, dtype=count.dtype))
+    return True
+
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""splitmix64's constants."""
+_WORD = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit word as torch's int64 holds it."""
+    x &= _WORD
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _shifted(z: torch.Tensor, k: int) -> torch.Tensor:
+    """A logical right shift of int64 words (torch's is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mixed(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer over int64 words (products wrap, as the 64-bit words they stand for)."""
+    z = (z ^ _shifted(z, 30)) * _signed(_MIX[1])
+    z = (z ^ _shifted(z, 27)) * _signed(_MIX[2])
+    return z ^ _shifted(z, 31)
+
+
+def keyed_weights(at: torch.Tensor, seed: int, bucket: int) -> torch.Tensor:
+    """fp64 weights in [-1, 1) for the bucket offsets ``at``: splitmix64 of each offset under a key drawn from
+    (``seed``, ``bucket``), so that any rank computes the weights of its own elements and nobody who lacks the seed
+    can tell them."""
+    key = int(_mixed(torch.tensor([_signed(seed * _MIX[0] + bucket)]))[0])
+    return _shifted(_mixed(at * _signed(_MIX[0]) + key), 11).double() * 2.0 ** -52 - 1.0
+
+
+def keyed_print(values: torch.Tensor, at: torch.Tensor, seed: int, bucket: int) -> float:
+    """The projection of ``values`` (of bucket ``bucket``, at its offsets ``at``) on :func:`keyed_weights`."""
+    return float(_terms(values, at, seed, bucket).sum())
+
+
+def _terms(values: torch.Tensor, at: torch.Tensor, seed: int, bucket: int) -> torch.Tensor:
+    """The terms of :func:`keyed_print`, in fp64."""
+    return values.double().reshape(-1) * keyed_weights(at, seed, bucket)
+
+
+def witness(transport: Transport, islands: list[list[str]], theta: Mapping[int, torch.Tensor], timeout: float,
+            tag: str) -> list[tuple[list[dict], bool] | None]:
+    """Check downloaded buckets of θ_global (``theta``: bucket → values) with witness ``islands`` (the transport
+    endpoints of each one's ranks), all at once, under a seed picked now: each rank of each island answers with
+    :func:`keyed_print` of its pieces of every bucket.  Per island: (its ranks' metadata, whether every print
+    matches the same print of the downloaded values), or None when its answer was not whole (a rank silent,
+    refusing or malformed, or pieces that do not cover each bucket exactly once)."""
+    deadline = time.monotonic() + timeout
+    box = transport.box
+    keep_replies(transport)
+    seed = secrets.randbits(62)
+    keys = [f"{PRINTED}{tag}.{i}.{transport.peer_id}" for i in range(len(islands))]
+    for key in keys:
+        box.hold(key)
+    try:
+        body = {"buckets": sorted(theta), "seed": seed, "reply_to": transport.endpoint}
+
+        def ask(endpoint: str, key: str) -> None:
+            try:
+                transport.send(endpoint, f"{WITNESS}{key}", json.dumps({**body, "reply": key}).encode(), deadline)
+            except TransportError as e:
+                log.info("could not ask %s to witness a download: %s", endpoint, e)
+
+        for key, ranks in zip(keys, islands):
+            for endpoint in ranks:
+                threading.Thread(target=ask, args=(endpoint, key), daemon=True).start()
+        # every term once, while the islands compute theirs: each rank's print sums those of its pieces
+        terms = {b: _terms(v, torch.arange(v.numel()), seed, b) for b, v in theta.items()}
+        return [_compare(box.wait_for(key, lambda m, n=len(ranks): len(m) >= n, deadline), len(ranks), terms)
+                for key, ranks in zip(keys, islands)]
+    finally:
+        for key in keys:
+            box.release(key, drop=True)
+
+
+def _compare(got: dict, ranks: int, terms: Mapping[int, torch.Tensor]) -> tuple[list[dict], bool] | None:
+    """A witness island's answer (its ranks' replies) against the terms of the downloaded buckets' prints: see
+    :func:`witness`."""
+    replies = [v[1] for v in got.values() if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict)]
+    if len(replies) < ranks or any(not isinstance(r.get("meta"), dict) or r["meta"].get("refused")
+                                   or not isinstance(r.get("prints"), list) for r in replies):
+        return None
+    count = {b: torch.zeros(t.numel(), dtype=torch.int32) for b, t in terms.items()}
+    same = True
+    for r in replies:
+        for entry in r["prints"]:
+            try:
+                b, segments, theirs = int(entry[0]), entry[1], float(entry[2])
+            except (TypeError, ValueError, IndexError):
+                return None
+            at = indices(segments, terms[b].numel()) if b in terms and isinstance(segments, list) else None
+            if at is None:
+                return None
+            count[b].index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
+            mine = terms[b][at]
+            same = same and math.isfinite(theirs) and \
+                abs(float(mine.sum()) - theirs) <= PRINT_TOLERANCE * float(mine.abs().sum()) + 1e-30
+    if not all(bool((c == 1).all()) for c in count.values()):
+        return None
+    return [r["meta"] for r in replies], same
