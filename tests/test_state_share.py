@@ -17,7 +17,8 @@ import torch
 from peers import CHUNKS_PER_BUCKET, fingerprint, fingerprints_agree
 from peers.island.exchange import BucketExchange, by_bucket
 from peers.island.layout import CanonicalLayout
-from peers.wire.state_share import StateServer, download, indices, keyed_print, keyed_weights, witness
+from peers.wire import state_share
+from peers.wire.state_share import StateServer, download, keyed_print, keyed_weights, witness
 from tests.collective_audit import lazy_device
 from tests.test_transport import identity, transports  # noqa: F401 (a fixture)
 
@@ -82,18 +83,23 @@ def test_a_donor_that_cannot_read_its_state_tells_the_joiner_and_serves_on(donor
     assert why == "" and torch.equal(got[0].theta, torch.ones(bucket[0]))
 
 
-def test_keyed_weights_depend_on_the_seed_and_bucket_and_each_rank_computes_its_own():
+def test_keyed_prints_depend_on_the_seed_and_bucket_and_add_up_over_any_cut_of_a_bucket():
     at = torch.arange(1000)
     w = keyed_weights(at, 7, 0)
     assert torch.equal(w[300:400], keyed_weights(at[300:400], 7, 0))  # a rank holding only these elements
     assert not torch.equal(w, keyed_weights(at, 8, 0)) and not torch.equal(w, keyed_weights(at, 7, 1))
     assert bool(((w >= -1) & (w < 1)).all()) and abs(float(w.mean())) < 0.1 and 0.5 < float(w.std()) < 0.65
-    values = torch.randn(1000)
-    halves = keyed_print(values[:500], at[:500], 7, 0) + keyed_print(values[500:], at[500:], 7, 0)
-    assert halves == pytest.approx(keyed_print(values, at, 7, 0), rel=1e-12)
-    assert indices([[0, 2, 3, 10]], 13).tolist() == [0, 1, 2, 10, 11, 12]
-    assert indices([[0, 2, 3, 10]], 12) is None and indices([[0, 1, 5, 5], [0, 1, 5, 5]], 6) is None  # too many
-    assert indices([["x", 1, 1, 1]]) is None
+    bucket = torch.randn(1000)
+    whole, magnitude = keyed_print(bucket.view(1, 1000), 0, 1000, 7, 0)
+    assert whole == pytest.approx(float((bucket.double() * w).sum()), rel=1e-12)
+    assert magnitude == pytest.approx(float((bucket.double() * w).abs().sum()), rel=1e-12)
+    # columns 0-9 and 10-39 of a 25 x 40 matrix: strided pieces, and blocks smaller than a row
+    left = keyed_print(bucket.view(25, 40)[:, :10], 0, 40, 7, 0)[0]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(state_share, "PRINT_BLOCK", 16)
+        right = keyed_print(bucket.view(25, 40)[:, 10:], 10, 40, 7, 0)[0]
+    assert left + right == pytest.approx(whole, rel=1e-12)
+    assert keyed_print(bucket.view(1, 1000), 0, 1000, 8, 0)[0] != whole
 
 
 def _island(transports, name: str, theta: dict[str, torch.Tensor], specs: list[dict], meta: dict) -> list[str]:
