@@ -392,3 +392,40 @@ def test_a_leader_reaching_its_target_without_a_majority_waits_for_the_committed
     forming.close()
     assert isinstance(result.get("roster"), dict), result
     assert set(result["roster"]) == {l_id, c_id, j_id}
+
+
+def test_a_leader_handing_over_to_an_island_still_training_waits_for_it(three_transports):
+    """The 40M round in flight that failed beside torchft: island A led round 5 alone (its first read of the registry
+    counted B out), and each later read named B before it.  A handed the round over to B, which had not reached the
+    round yet, led again, and after three hand-offs in 3 s gave the round up ("never agreed on a leader") while B was
+    still training towards it.  A hand-off to an island not there yet is a wait: B arrives after 4.5 s, and one
+    roster of both forms."""
+    import time
+
+    from peers.group.roster import RosterForming, RoundView
+
+    by_id = {t.peer_id: t for t in three_transports[:2]}
+    b_id, a_id = leader_order(list(by_id), "5")  # B leads when both are counted
+    endpoints = {i: t.endpoint for i, t in by_id.items()}
+    forming = {i: RosterForming(by_id[i], i, matchmaking_time=0.5, request_timeout=2.0) for i in by_id}
+    deadline = time.monotonic() + 20.0
+    both = RoundView((a_id, b_id), endpoints, {a_id, b_id}, set(), 2)
+    alone = RoundView((a_id, b_id), endpoints, {a_id}, {b_id}, 2)
+    assert alone.leaders("5") == [a_id] and both.leaders("5") == [b_id, a_id]
+    results: dict[str, object] = {}
+
+    def form(island: str, view: RoundView) -> None:
+        results[island] = forming[island].form("5", {"round_id": "5"}, view, deadline, lambda: None,
+                                               refresh=lambda: both)
+
+    leading = threading.Thread(target=form, args=(a_id, alone))
+    leading.start()
+    time.sleep(4.5)  # B trains on
+    coming = threading.Thread(target=form, args=(b_id, both))
+    coming.start()
+    leading.join(25)
+    coming.join(25)
+    for f in forming.values():
+        f.close()
+    assert isinstance(results[a_id], dict) and isinstance(results[b_id], dict), results
+    assert set(results[a_id]) == set(results[b_id]) == {a_id, b_id}

@@ -242,6 +242,10 @@ class RosterForming:
         """Round ids whose joins came before this island reached the round → their senders (who went on to the
         next leader in the order) → the digest of the θ_global each enters the round with (None if its join
         carried none)."""
+        self._not_there: set[str] = set()
+        """Islands of the order that answered, in this pass over it, that they had not reached the round."""
+        self._handed_first = ""
+        """The island the last hand-off went to."""
         self._refresh: Callable[[], RoundView] | None = None
         self._handed_to = RoundView()
         self._followed: tuple[str, str] | None = None
@@ -340,12 +344,21 @@ class RosterForming:
             askers = set(self._passed_over.pop(round_id, {}))
         self._refresh, self._followed = refresh, None
         try:
-            for _ in range(HANDOFFS + 1):
+            handoffs, handed_to = 0, ""
+            while True:
+                self._not_there = set()
                 formed = self._form(round_id, meta, view, deadline, give_up, body, endpoint, askers)
                 if formed is not HANDED_OFF:
                     return formed
-                view, askers = self._handed_to, set()
-            return RoundResult(False, f"averaging failed: the islands of round {round_id} never agreed on a leader")
+                # handed over to an island that then said it had not reached the round: a wait for it, not leaders
+                # that disagree (40M, rounds in flight: 3 such hand-offs in 3 s gave up a round the other island
+                # was still training towards)
+                if handed_to not in self._not_there:
+                    handoffs += 1
+                if handoffs > HANDOFFS:
+                    return RoundResult(False, f"averaging failed: the islands of round {round_id} never agreed on a "
+                                       f"leader")
+                view, askers, handed_to = self._handed_to, set(), self._handed_first
         finally:
             # joins that still come (or wait in the inbox) are sent on to the leader we followed, or on to the next
             # one in their order when we formed no roster; a leader answered them already
@@ -381,6 +394,7 @@ class RosterForming:
                     return self._lead(round_id, meta, view, deadline, give_up)
                 if followed is NOT_THERE:
                     waiting = True
+                    self._not_there.add(leader)
                 elif followed not in (PASSED, UNREACHABLE):
                     return followed
             if not waiting or time.monotonic() >= deadline:
@@ -570,7 +584,7 @@ class RosterForming:
         log.info("round %s: the registry now names %s before this island: handing the round over to it", round_id,
                  first[-8:])
         self._stop_taking(round_id, json.dumps({"redirect": [first, fresh.endpoints[first]]}).encode())
-        self._handed_to = fresh
+        self._handed_to, self._handed_first = fresh, first
         return True
 
 PASSED = RoundResult(False, "the leader takes no part in the round")
@@ -581,7 +595,8 @@ NOT_THERE = RoundResult(False, "the leader has not reached the round yet")
 UNREACHABLE = RoundResult(False, "the leader cannot be reached")
 HANDED_OFF = RoundResult(False, "this island handed its round over to a leader before it in the order")
 HANDOFFS = 2
-"""How many times one island hands a round over before it gives the round up."""
+"""How many times one island hands a round over before it gives the round up (a hand-off to an island that had not
+reached the round yet does not count: the round waits for it until the matchmaking deadline)."""
 REDIRECTS = 4
 """How many times a joiner follows a follower on to its leader before it tries the next island of the order."""
 """What :meth:`RosterForming._follow` returns when the leader we joined is still training towards the round."""
