@@ -67,6 +67,11 @@ another leader, or its roster left already)."""
 HERE = "roster.here."
 """Key prefix of what an island in the round answers a join at once (``roster.here.<round id>``): it is there
 (leading, or following a leader it will send the joiner on to)."""
+ARRIVED = "roster.arrived."
+"""Key prefix of what a leader tells the islands it expects as it starts leading (``roster.arrived.<round id>``): its
+join's metadata, the digest of the θ_global it enters the round with among it.  An island still waiting for the
+islands of the round to come (:meth:`peers.discovery.membership.Membership.outvoted`) learns so at once that its
+leader came, rather than at its next read of the registry (an island that joins one learns so from its join)."""
 GENESIS = "genesis"
 """The lineage of θ_global before any round committed (every island of a new run starts from the same θ_0)."""
 CLOSED_ROUNDS = 64
@@ -242,6 +247,9 @@ class RosterForming:
         """Round ids whose joins came before this island reached the round → their senders (who went on to the
         next leader in the order) → the digest of the θ_global each enters the round with (None if its join
         carried none)."""
+        self._arrivals: OrderedDict[str, dict[str, list[float] | None]] = OrderedDict()
+        """Round ids this island has not reached yet → the leaders that said they came (:data:`ARRIVED`) → the digest
+        each enters it with."""
         self._not_there: set[str] = set()
         """Islands of the order that answered, in this pass over it, that they had not reached the round."""
         self._handed_first = ""
@@ -254,12 +262,14 @@ class RosterForming:
         """The leader order of the round this island forms (as its view of the registry gives it)."""
         self._lock = threading.Lock()
         transport.handlers[JOIN] = self._on_join
+        transport.handlers[ARRIVED] = self._on_arrived
 
     def asked(self, round_id: str) -> dict[str, list[float] | None]:
-        """The islands that asked to join ``round_id`` before this island reached it (they are in it) → the digest
-        of the θ_global each enters it with (:func:`peers.fingerprints.digest`; None if its join carried none)."""
+        """The islands known to be in ``round_id`` before this island reached it (they asked to join it, or lead it
+        and said so) → the digest of the θ_global each enters it with (:func:`peers.fingerprints.digest`; None if
+        its message carried none)."""
         with self._lock:
-            return dict(self._passed_over.get(round_id, {}))
+            return {**self._arrivals.get(round_id, {}), **self._passed_over.get(round_id, {})}
 
     def decline(self, round_id: str) -> None:
         """This island takes no part in ``round_id`` (it leaves the round out, or catches up past it): islands whose
@@ -300,6 +310,29 @@ class RosterForming:
         """Stop answering joins."""
         if self.transport.handlers.get(JOIN) == self._on_join:
             del self.transport.handlers[JOIN]
+        if self.transport.handlers.get(ARRIVED) == self._on_arrived:
+            del self.transport.handlers[ARRIVED]
+
+    def _on_arrived(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
+        """A leader says it came to a round: kept while this island has not reached that round (see :meth:`asked`)."""
+        round_id = key.removeprefix(ARRIVED)
+        with self._lock:
+            if round_id != self._current and round_id not in self._closed:
+                self._arrivals.setdefault(round_id, {})[sender] = _said_digest(payload)
+                while len(self._arrivals) > CLOSED_ROUNDS:
+                    self._arrivals.popitem(last=False)
+        return True
+
+    def _say_arrived(self, round_id: str, meta: dict, view: RoundView, islands: set[str]) -> None:
+        """Tell ``islands`` (those a leader expects) that it came to ``round_id``, each in a thread of its own (an
+        island that is gone costs nobody a wait)."""
+        body = json.dumps({"digest": _digest_of(meta.get("state_fingerprint"))}).encode()  # its join's whole fingerprint: 3,600 floats at 1b
+        deadline = time.monotonic() + self.request_timeout
+        for island in islands:
+            where = view.endpoints.get(island)
+            if where:
+                threading.Thread(target=self._answer, args=(where, ARRIVED + round_id, body, deadline),
+                                 daemon=True).start()
 
     def _on_join(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
         """A join: kept for the roster this island is forming (and told it is there), or answered at once: the
@@ -321,9 +354,9 @@ class RosterForming:
                                                        b"" if here else sent), daemon=True).start()
         return True
 
-    def _answer(self, endpoint: str, key: str, body: bytes) -> None:
+    def _answer(self, endpoint: str, key: str, body: bytes, deadline: float | None = None) -> None:
         try:
-            self.transport.send(endpoint, key, body, time.monotonic() + self.request_timeout + 5.0)
+            self.transport.send(endpoint, key, body, deadline or time.monotonic() + self.request_timeout + 5.0)
         except TransportError as e:
             log.debug("could not answer %s at %s: %s", key, endpoint, e)
 
@@ -342,6 +375,7 @@ class RosterForming:
         with self._lock:
             self._current = round_id
             askers = set(self._passed_over.pop(round_id, {}))
+            self._arrivals.pop(round_id, None)
         self._refresh, self._followed = refresh, None
         try:
             handoffs, handed_to = 0, ""
@@ -512,6 +546,7 @@ class RosterForming:
         with self._lock:  # leading after all (it had handed the round over): joins come to it again
             self._closed.pop(round_id, None)
         expected = set(view.expected) - {self.island}
+        self._say_arrived(round_id, meta, view, expected)
         majority_since: float | None = None
         members: dict[str, dict] = {self.island: meta}
         endpoints: dict[str, str] = {}
@@ -615,8 +650,24 @@ def _read_redirect(payload: bytes | bytearray | memoryview) -> tuple[str, str] |
 def _entering(payload: bytes | bytearray | memoryview) -> list[float] | None:
     """The digest of the θ_global a join's sender enters the round with (None if it carries no fingerprint)."""
     try:
-        state = json.loads(bytes(payload)).get("state_fingerprint")
+        return _digest_of(json.loads(bytes(payload)).get("state_fingerprint"))
+    except (ValueError, AttributeError):
+        return None
+
+
+def _digest_of(state: Any) -> list[float] | None:
+    """The digest of a θ_global fingerprint as a join carries it (None if it is none: anything may come)."""
+    try:
         return digest([float(x) for x in state]) if isinstance(state, list) and state else None
+    except (ValueError, TypeError):
+        return None
+
+
+def _said_digest(payload: bytes | bytearray | memoryview) -> list[float] | None:
+    """The digest an arrival notice (:data:`ARRIVED`) carries (None if none, or not a list of numbers)."""
+    try:
+        said = json.loads(bytes(payload)).get("digest")
+        return [float(x) for x in said] if isinstance(said, list) and said else None
     except (ValueError, TypeError, AttributeError):
         return None
 
