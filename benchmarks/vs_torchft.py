@@ -285,7 +285,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ("exchange", lambda s: s["last"]["exchange"]), ("membership", lambda s: s["last"]["membership"])]
     for ax, size in zip(axes, sizes):
         cases = results["sizes"][size]["cases"]
-        width = 0.8 / len(cases)
+        width = 0.8 / max(1, len(cases))
         for j, (name, case) in enumerate(cases.items()):
             ax.bar([i + j * width for i in range(len(bars))], [get(case["summary"]) for _, get in bars], width,
                    label=name)
@@ -333,30 +333,36 @@ def main(argv: list[str] | None = None) -> int:
           f"seq {args.seq_len}; the same model, data shards, inner step and outer Nesterov (0.7, 0.9) on both sides "
           f"(see the script's docstring). Per round, median of rounds 2–{args.rounds}; the parts are those of the "
           f"replica that arrived last.\n"]
-    try:
-        for size in sizes:
-            items = config_items(size, args.rounds, args.inner_steps, args.batch, args.seq_len)
-            cases: dict[str, dict[str, Any]] = {}
-            print(f"{size}: torchft ...", flush=True)
-            cases["torchft"] = run_torchft(args.torchft_python, items, args.out / "runs" / f"{size}-torchft",
-                                           args.timeout)
-            for overlap in (o for o in args.overlaps.split(",") if o):
-                name = "ours" if overlap == "none" else f"ours {overlap}"
-                print(f"{size}: {name} ...", flush=True)
-                cases[name] = run_ours(items, overlap, args.out / "runs" / f"{size}-ours-{overlap}", args.timeout)
-            for case in cases.values():
-                case["summary"] = summarize(case["replicas"])
-            params = params_of(size)
-            results["sizes"][size] = {"params": params, "cases": cases}
-            rows = table(size, params, cases)
-            print("\n".join(rows) + "\n", flush=True)
-            md += ["\n".join(rows), "", "\n".join(breakdown(size, cases)), ""]
-            write(results, md, args.out)  # after each size: a run cut short keeps the sizes it measured
-    except BenchError as e:
-        print(e, file=sys.stderr)
-        return 1
-    print(f"wrote {args.out / 'results.md'}")
-    return 0
+    failures = 0
+    for size in sizes:
+        items = config_items(size, args.rounds, args.inner_steps, args.batch, args.seq_len)
+        runs = {"torchft": lambda: run_torchft(args.torchft_python, items, args.out / "runs" / f"{size}-torchft",
+                                               args.timeout)}
+        for overlap in (o for o in args.overlaps.split(",") if o):
+            runs["ours" if overlap == "none" else f"ours {overlap}"] = \
+                lambda o=overlap: run_ours(items, o, args.out / "runs" / f"{size}-ours-{o}", args.timeout)
+        cases: dict[str, dict[str, Any]] = {}
+        failed: dict[str, str] = {}
+        for name, run in runs.items():
+            print(f"{size}: {name} ...", flush=True)
+            try:  # a case that fails is reported, and the others still run
+                cases[name] = run()
+                cases[name]["summary"] = summarize(cases[name]["replicas"])
+            except BenchError as e:
+                print(e, file=sys.stderr, flush=True)
+                failed[name] = str(e)
+                cases.pop(name, None)
+        failures += len(failed)
+        params = params_of(size)
+        results["sizes"][size] = {"params": params, "cases": cases, "failed": failed}
+        rows = table(size, params, cases) if "torchft" in cases else [f"{size}: torchft's case failed: nothing to "
+                                                                       f"compare with"]
+        rows += [f"\n{name} failed: {why}" for name, why in failed.items()]
+        print("\n".join(rows) + "\n", flush=True)
+        md += ["\n".join(rows), "", "\n".join(breakdown(size, cases)) if cases else "", ""]
+        write(results, md, args.out)  # after each size: a run cut short keeps the sizes it measured
+    print(f"wrote {args.out / 'results.md'}" + (f" ({failures} case(s) failed)" if failures else ""))
+    return 1 if failures else 0
 
 
 def write(results: dict[str, Any], md: list[str], out: Path) -> None:

@@ -47,3 +47,26 @@ def test_without_torchfts_environment_it_says_how_to_make_one(tmp_path, capsys):
     err = capsys.readouterr().err
     assert VENV_COMMAND in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "results.md").exists()
+
+
+def test_a_case_that_fails_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    """The 40M ``delayed`` case once ended with an island's error, and the whole benchmark stopped there."""
+    import benchmarks.vs_torchft as bench
+
+    replicas = [_replica([0.0, 1.0, 2.0], [1.0, 0.2, 0.3], [(2, 100.0)], theta="x")] * 2
+    ran = {"wall_seconds": 10.0, "cpu_seconds": 20.0, "load": [1.0, 1.0]}
+
+    def ours(items, overlap, run_dir, timeout):
+        if overlap == "delayed":
+            raise bench.BenchError(f"ours ({overlap}) exited with status 3; see {run_dir}.log")
+        return {"replicas": replicas, **ran}
+
+    monkeypatch.setattr(bench, "torchft_ready", lambda python: True)
+    monkeypatch.setattr(bench, "run_torchft", lambda python, items, out, timeout: {"replicas": replicas, **ran})
+    monkeypatch.setattr(bench, "run_ours", ours)
+    monkeypatch.setattr(bench, "params_of", lambda size: 9_000_000)
+    assert main(["--sizes", "9m,40m", "--out", str(tmp_path)]) == 1
+    report = (tmp_path / "results.md").read_text()
+    assert report.count("ours delayed failed: ours (delayed) exited with status 3") == 2  # both sizes, each reported
+    assert "| 40m (9.0M), per round" in report and "| training held by the round | 0.250 s | 0.250 s | 1.00× |" in report
+    assert "Traceback" not in capsys.readouterr().err
