@@ -127,6 +127,7 @@ class PeerNode:
         self.seen_ip = ""
         """The address the islands asked saw this one's question come from (its NAT's, behind one)."""
         self._server: StateServer | None = None
+        self._remembering = threading.Lock()
         self._provide: Provider = lambda: None
         self._lock = threading.Lock()
         self._connected: Callable[[], None] = lambda: None
@@ -327,11 +328,15 @@ class PeerNode:
         totals = self.rt.reduce([float(sent), float(received), float(payload_sent), float(payload_received)])
         self.count(Traffic(*(int(t) for t in totals)))
 
-    def remember_peers(self) -> None:
+    def remember_peers(self, wait: bool = True) -> None:
         """Rank 0 keeps the addresses of the run's other islands in the run dir (after every round): the live
         ones first, then those it knew before that are not registered right now (restarting, most likely:
-        an island comes back on the same port with the same peer id), one address per peer id."""
+        an island comes back on the same port with the same peer id), one address per peer id.  ``wait`` False: in
+        a thread of its own (it reads the registry)."""
         if not self.rt.is_main or self.membership is None:
+            return
+        if not wait:
+            threading.Thread(target=self._remember_quietly, name="diloco-remember", daemon=True).start()
             return
         live = self.membership.addresses()
         if not live:
@@ -343,6 +348,18 @@ class PeerNode:
                 seen.add(peer)
                 merged.append(address)
         remember(self.run_dir, KNOWN_PEERS, "\n".join(dict.fromkeys(merged[:MAX_KNOWN_PEERS])) + "\n")
+
+    def _remember_quietly(self) -> None:
+        """:meth:`remember_peers`, in a thread the peer node may outlive (it disconnects meanwhile); skipped while the
+        last round's is still at it (both would write one file)."""
+        if not self._remembering.acquire(blocking=False):
+            return
+        try:
+            self.remember_peers()
+        except Exception as e:
+            log.debug("could not keep the run's addresses: %s", e)
+        finally:
+            self._remembering.release()
 
     def _start_transport(self, run_key: str) -> Transport:
         """Collective: this island's transports, one port for the server: rank 0 listens on the address the DHT

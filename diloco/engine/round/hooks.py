@@ -95,10 +95,11 @@ class MembershipHook(RoundHook):
         # the digest of the θ_global it holds, for islands catching up to check their downloads against; after the
         # round it is not known until the next one starts (another collective a round cost multi-rank islands
         # under load the timing their rosters need)
-        if self.peers.membership is not None:
-            self.peers.membership.announce(rnd, averaging=True, held=digest(state))
+        if self.peers.membership is not None:  # stored off the training thread: joins carry the digest too
+            self.peers.membership.announce(rnd, averaging=True, held=digest(state), wait=False)
 
     def after(self, outer_step: int) -> None:
         if self.peers.membership is not None:
-            self.peers.membership.announce(outer_step, averaging=False)
-            self.peers.remember_peers()
+            # off the training thread: a DHT store and a read of the registry held every blocking round 20-40 ms
+            self.peers.membership.announce(outer_step, averaging=False, wait=False)
+            self.peers.remember_peers(wait=False)
