@@ -342,12 +342,18 @@ def test_two_islands_that_follow_each_other_end_with_one_leader_and_one_roster(t
     assert _until(lambda: forming[y_id].transport.box.wait_for(JOIN + "0", lambda m: x_id in m, 0.0))
     # Z takes no part: Y goes on to X, which is there and follows Y
     z.send(y.endpoint, ROSTER + "0", PASS_BODY, deadline)
-    ty.join(20)
-    tx.join(20)
+    _one_roster_of_both([ty, tx], forming, results, (x_id, y_id))
+
+
+def _one_roster_of_both(threads: list[threading.Thread], forming: dict, results: dict, pair: tuple[str, str]) -> None:
+    """Wait for the islands' ``threads``, stop their rosters' handlers, and check that both islands of ``pair`` hold
+    one roster of the two of them."""
+    for t in threads:
+        t.join(25)
     for f in forming.values():
         f.close()
-    assert isinstance(results[x_id], dict) and isinstance(results[y_id], dict), results
-    assert set(results[x_id]) == set(results[y_id]) == {x_id, y_id}
+    assert all(isinstance(results.get(i), dict) for i in pair), results
+    assert set(results[pair[0]]) == set(results[pair[1]]) == set(pair)
 
 
 def _until(condition, timeout: float = 10.0) -> bool:
@@ -423,12 +429,7 @@ def test_a_leader_handing_over_to_an_island_still_training_waits_for_it(three_tr
     time.sleep(4.5)  # B trains on
     coming = threading.Thread(target=form, args=(b_id, both))
     coming.start()
-    leading.join(25)
-    coming.join(25)
-    for f in forming.values():
-        f.close()
-    assert isinstance(results[a_id], dict) and isinstance(results[b_id], dict), results
-    assert set(results[a_id]) == set(results[b_id]) == {a_id, b_id}
+    _one_roster_of_both([leading, coming], forming, results, (a_id, b_id))
 
 
 def test_a_leader_tells_the_islands_it_expects_that_it_came(three_transports):
@@ -456,8 +457,5 @@ def test_a_leader_tells_the_islands_it_expects_that_it_came(three_transports):
     assert _until(lambda: l_id in forming[f_id].asked("5"), timeout=5.0)
     assert forming[f_id].asked("5")[l_id] == pytest.approx(digest(state))
     results[f_id] = forming[f_id].form("5", {"round_id": "5"}, view, deadline, lambda: None)
-    leading.join(20)
-    for f in forming.values():
-        f.close()
-    assert set(results[f_id]) == set(results[l_id]) == {l_id, f_id}
+    _one_roster_of_both([leading], forming, results, (l_id, f_id))
     assert forming[f_id].asked("5") == {}  # reaching the round forgets what it was told before
