@@ -38,3 +38,25 @@ def test_a_lookup_ends_when_the_dht_process_exits_not_at_its_timeout():
 def test_a_lookup_a_live_dht_never_answers_ends_at_its_timeout():
     with pytest.raises(DHTUnavailableError, match="did not answer a lookup within 1 s"):
         dht_get(_DyingDHT(dies_after=3600), "key", timeout=1)
+
+
+def test_identity_folders_of_processes_that_are_gone_are_swept(tmp_path):
+    """A SIGKILLed island never runs its exit handlers: its folder of ephemeral DHT identities stayed in /tmp (51 of
+    them on the development machine).  The next process to make one removes those whose process is gone, and only
+    those."""
+    import os
+    import subprocess
+    import sys
+
+    from peers.discovery.dht import IDENTITIES_PREFIX, sweep_identities
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = tmp_path / f"{IDENTITIES_PREFIX}{gone.stdout.strip()}-abc"
+    live = tmp_path / f"{IDENTITIES_PREFIX}{os.getpid()}-def"
+    older = tmp_path / f"{IDENTITIES_PREFIX}xyz"  # a folder of before this change: no pid to tell by
+    for folder in (dead, live, older):
+        folder.mkdir()
+        (folder / "a.key").write_bytes(b"key")
+    assert sweep_identities(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and older.exists()
