@@ -90,8 +90,9 @@ class StateServer:
                         meta, pieces = {"refused": True}, []
                     else:
                         meta, theta, momentum = provided
-                        sources = (theta,) if seed is not None else (theta, momentum)
-                        pieces = [(b, segments, torch.cat([on_host(src, segments) for src in sources]))
+                        # a print needs θ alone, and on_host's copy of it: no second copy into a cat of one
+                        pieces = [(b, segments, on_host(theta, segments) if seed is not None else
+                                   torch.cat([on_host(src, segments) for src in (theta, momentum)]))
                                   for b in buckets for segments in [self.exchange.contribution(b)]]
                 except Exception as e:  # the joiner hears why at once, instead of waiting out its download
                     log.exception("could not read the state to serve bucket(s) %s", buckets)
@@ -366,6 +367,7 @@ def _compare(got: dict, ranks: int, mine: Mapping[int, tuple[float, float, int]]
                                    or not isinstance(r.get("prints"), list) for r in replies):
         return None
     count = {b: torch.zeros(numel, dtype=torch.int32) for b, (_, _, numel) in mine.items()}
+    named = dict.fromkeys(mine, 0)
     theirs = dict.fromkeys(mine, 0.0)
     for r in replies:
         for entry in r["prints"]:
@@ -376,6 +378,9 @@ def _compare(got: dict, ranks: int, mine: Mapping[int, tuple[float, float, int]]
             checked = [_segment(seg, mine[b][2]) if b in mine else None for seg in segments]
             if None in checked:
                 return None
+            named[b] += sum(rows * row_len for _, rows, row_len, _ in checked)
+            if named[b] > mine[b][2]:
+                return None  # more elements than the bucket holds: counting them would cost what a peer chooses
             for seg in checked:
                 _in_bucket(count[b], seg).add_(1)
             theirs[b] += printed
