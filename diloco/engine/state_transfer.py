@@ -480,8 +480,8 @@ class StateTransfer:
         vouches for one.  Up to :data:`WITNESSES` islands are asked; the state stands when at least one confirms it
         and no more deny it (a lying witness cannot refuse an honest donor alone).  When more deny it, the donor is
         refused at that position (one donor's word against one witness's settles nothing: the next download asks
-        another donor, and the witness is not discredited).  True when no other island serves; False, to ask again, when islands that the
-        registry places at that position did not answer from it."""
+        another donor, and the witness is not discredited).  True when no other island serves; False, to ask again,
+        when islands that the registry places at that position did not answer from it."""
         candidates = self.main_decides(lambda: self._witnesses(donor_id, position))
         if not candidates:
             return True
@@ -512,9 +512,9 @@ class StateTransfer:
 
     def _witnesses(self, donor_id: str, position: Position) -> list[tuple[str, list[str], bool]]:
         """On rank 0: up to :data:`WITNESSES` live islands that serve, other than the donor, islands struck out of the
-        run and islands discredited at their position, those the registry places at ``position`` first: (island id, its ranks' transport endpoints, whether
-        the registry places it there)."""
-        membership, limit = self.peers.membership, getattr(self.a, "strikes", 0)
+        run and islands discredited at their position, those the registry places at ``position`` first: (island id,
+        its ranks' transport endpoints, whether the registry places it there)."""
+        membership, limit = self.peers.membership, self.a.strikes
         struck = getattr(self.peers.averager, "strikes", None) or {}
         found = []
         for m in sorted((m for m in membership.others() if m.island != donor_id and m.serving and not m.left
@@ -522,8 +522,10 @@ class StateTransfer:
                          and self._discredited.get(m.island) != m.position),
                         key=lambda m: (m.position != position, m.peer_id)):
             endpoints = membership.endpoints(m.peer_id)
-            if endpoints and len(found) < WITNESSES:
+            if endpoints:
                 found.append((m.island, endpoints, m.position == position))
+            if len(found) == WITNESSES:
+                break
         return found
 
     def _check_bucket(self, b: int, piece: Downloaded, target: list[float] | None) -> tuple[Position, str]:
