@@ -68,8 +68,8 @@ HERE = "roster.here."
 """Key prefix of what an island in the round answers a join at once (``roster.here.<round id>``): it is there
 (leading, or following a leader it will send the joiner on to)."""
 ARRIVED = "roster.arrived."
-"""Key prefix of what a leader tells the islands it expects as it starts leading (``roster.arrived.<round id>``): its
-join's metadata, the digest of the θ_global it enters the round with among it.  An island still waiting for the
+"""Key prefix of what a leader tells the islands it expects as it starts leading (``roster.arrived.<round id>``): the
+digest of the θ_global it enters the round with (not its join's whole fingerprint: 3,600 floats at 1b).  An island still waiting for the
 islands of the round to come (:meth:`peers.discovery.membership.Membership.outvoted`) learns so at once that its
 leader came, rather than at its next read of the registry (an island that joins one learns so from its join)."""
 GENESIS = "genesis"
@@ -326,7 +326,7 @@ class RosterForming:
     def _say_arrived(self, round_id: str, meta: dict, view: RoundView, islands: set[str]) -> None:
         """Tell ``islands`` (those a leader expects) that it came to ``round_id``, each in a thread of its own (an
         island that is gone costs nobody a wait)."""
-        body = json.dumps({"digest": _digest_of(meta.get("state_fingerprint"))}).encode()  # its join's whole fingerprint: 3,600 floats at 1b
+        body = json.dumps({"digest": _digest_of(meta.get("state_fingerprint"))}).encode()
         deadline = time.monotonic() + self.request_timeout
         for island in islands:
             where = view.endpoints.get(island)
