@@ -459,3 +459,92 @@ def test_a_leader_tells_the_islands_it_expects_that_it_came(three_transports):
     results[f_id] = forming[f_id].form("5", {"round_id": "5"}, view, deadline, lambda: None)
     _one_roster_of_both([leading], forming, results, (l_id, f_id))
     assert forming[f_id].asked("5") == {}  # reaching the round forgets what it was told before
+
+
+def _forming_in_threads(forming: dict, deadline: float, refresh: dict | None = None):
+    """``start(island, view)`` starts ``island``'s :meth:`RosterForming.form` of round "0" in a thread; the result
+    lands in ``results`` (what the function returns with the list of threads)."""
+    results: dict[str, object] = {}
+    threads: list[threading.Thread] = []
+
+    def start(island: str, view: RoundView) -> None:
+        def go() -> None:
+            results[island] = forming[island].form("0", {"round_id": "0"}, view, deadline, lambda: None,
+                                                   refresh=(refresh or {}).get(island))
+
+        threads.append(threading.Thread(target=go))
+        threads[-1].start()
+
+    return start, results, threads
+
+
+def test_two_leaders_whose_reads_of_a_new_run_missed_each_other_end_with_one_roster(three_transports):
+    """The CI flake of the two-level round of 6: one island's first read of the registry listed only itself, so it
+    led alone, first in no order the others computed, and waited out its deadline with a group of 1 while the rest
+    committed without it.  A leader tells the islands it expects that it came; one leading too, later in the
+    order, hands its round over to it (before: each led until its deadline, a group of 1 each)."""
+    import time
+
+    from peers.group.roster import RosterForming
+
+    by_id = {t.peer_id: t for t in three_transports[:2]}
+    x_id, y_id = leader_order(list(by_id), "0")  # X first
+    endpoints = {i: t.endpoint for i, t in by_id.items()}
+    forming = {i: RosterForming(by_id[i], i, matchmaking_time=0.5, request_timeout=2.0) for i in by_id}
+    start, results, threads = _forming_in_threads(forming, time.monotonic() + 15.0)
+    start(y_id, RoundView((), {y_id: endpoints[y_id]}, {y_id}, set(), 1))  # Y's read missed X: it leads alone
+    assert _until(lambda: forming[y_id]._current == "0")
+    start(x_id, RoundView((), endpoints, {x_id, y_id}, set(), 2))
+    _one_roster_of_both(threads, forming, results, (x_id, y_id))
+
+
+def test_the_leader_of_a_new_run_looks_at_the_registry_again_before_it_closes_its_roster(three_transports):
+    """Y leads the first round with Z (their reads missed X); X's read listed only itself and it leads alone, later
+    in the order than Y.  Y closed its roster as soon as Z joined, and X waited out its deadline alone.  Y reads the
+    registry again before closing, finds X, tells it that it leads: X hands its round over, one roster of three."""
+    import time
+
+    from peers.group.roster import RosterForming
+
+    by_id = {t.peer_id: t for t in three_transports}
+    y_id, x_id, z_id = leader_order(list(by_id), "0")
+    endpoints = {i: t.endpoint for i, t in by_id.items()}
+    forming = {i: RosterForming(by_id[i], i, matchmaking_time=0.5, request_timeout=2.0) for i in by_id}
+    everyone = RoundView((), endpoints, set(by_id), set(), 3)
+    start, results, threads = _forming_in_threads(forming, time.monotonic() + 15.0, refresh={y_id: lambda: everyone})
+    start(x_id, RoundView((), {x_id: endpoints[x_id]}, {x_id}, set(), 1))
+    assert _until(lambda: forming[x_id]._current == "0")
+    pair = RoundView((), {i: endpoints[i] for i in (y_id, z_id)}, {y_id, z_id}, set(), 2)
+    start(y_id, pair)
+    start(z_id, pair)
+    for t in threads:
+        t.join(25)
+    for f in forming.values():
+        f.close()
+    assert all(isinstance(results.get(i), dict) and set(results[i]) == set(by_id) for i in by_id), results
+
+
+def test_an_island_following_a_leader_names_it_to_another_island_that_leads_the_round(three_transports):
+    """X's read missed Y and listed Z after X, so X leads and tells Z; Z follows Y (first in the order, waiting for a
+    third island: ``wait_for`` 3), and answers X with the leader it follows.  X hands its round over to Y: one roster
+    of three (before: Y closed with Z after its grace window, and X waited out its deadline alone)."""
+    import time
+
+    from peers.group.roster import RosterForming
+
+    by_id = {t.peer_id: t for t in three_transports}
+    y_id, x_id, z_id = leader_order(list(by_id), "0")
+    endpoints = {i: t.endpoint for i, t in by_id.items()}
+    forming = {i: RosterForming(by_id[i], i, matchmaking_time=3.0, request_timeout=2.0, wait_for=3) for i in by_id}
+    start, results, threads = _forming_in_threads(forming, time.monotonic() + 15.0)
+    pair = RoundView((), {i: endpoints[i] for i in (y_id, z_id)}, {y_id, z_id}, set(), 2)
+    start(y_id, pair)
+    assert _until(lambda: forming[y_id]._current == "0")
+    start(z_id, pair)
+    assert _until(lambda: forming[z_id]._following is not None)
+    start(x_id, RoundView((), {i: endpoints[i] for i in (x_id, z_id)}, {x_id, z_id}, set(), 2))
+    for t in threads:
+        t.join(25)
+    for f in forming.values():
+        f.close()
+    assert all(isinstance(results.get(i), dict) and set(results[i]) == set(by_id) for i in by_id), results

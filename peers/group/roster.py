@@ -68,10 +68,13 @@ HERE = "roster.here."
 """Key prefix of what an island in the round answers a join at once (``roster.here.<round id>``): it is there
 (leading, or following a leader it will send the joiner on to)."""
 ARRIVED = "roster.arrived."
-"""Key prefix of what a leader tells the islands it expects as it starts leading (``roster.arrived.<round id>``): the
-digest of the θ_global it enters the round with (not its join's whole fingerprint: 3,600 floats at 1b).  An island still waiting for the
-islands of the round to come (:meth:`peers.discovery.membership.Membership.outvoted`) learns so at once that its
-leader came, rather than at its next read of the registry (an island that joins one learns so from its join)."""
+"""Key prefix of what a leader tells the islands it expects as it starts leading (``roster.arrived.<round id>``): its
+endpoint and the digest of the θ_global it enters the round with (not its join's whole fingerprint: 3,600 floats at
+1b).  An island still waiting for the islands of the round to come
+(:meth:`peers.discovery.membership.Membership.outvoted`) learns so at once that its leader came, rather than at its
+next read of the registry, and joins it when it comes to the round.  Two islands whose reads of the registry missed
+each other may both lead: each tells the other, and the one later in the order hands its round over.  An island that
+follows a leader answers the notice with the leader it follows (``{"leader": [id, endpoint]}``)."""
 GENESIS = "genesis"
 """The lineage of θ_global before any round committed (every island of a new run starts from the same θ_0)."""
 CLOSED_ROUNDS = 64
@@ -250,6 +253,13 @@ class RosterForming:
         self._arrivals: OrderedDict[str, dict[str, list[float] | None]] = OrderedDict()
         """Round ids this island has not reached yet → the leaders that said they came (:data:`ARRIVED`) → the digest
         each enters it with."""
+        self._leading: OrderedDict[str, dict[str, str]] = OrderedDict()
+        """Round ids → the islands known to lead them (they said so, or an island following one named it) → the
+        endpoint given ('' if none)."""
+        self._following: tuple[str, str] | None = None
+        """(leader, its endpoint) this island waits for the roster of, now."""
+        self._endpoint = ""
+        """This island's endpoint in the round it forms."""
         self._not_there: set[str] = set()
         """Islands of the order that answered, in this pass over it, that they had not reached the round."""
         self._handed_first = ""
@@ -314,22 +324,42 @@ class RosterForming:
             del self.transport.handlers[ARRIVED]
 
     def _on_arrived(self, key: str, sender: str, payload: bytearray, extra: dict) -> bool:
-        """A leader says it came to a round: kept while this island has not reached that round (see :meth:`asked`)."""
+        """A leader says it came to a round, or an island names the leader it follows: kept as a leader of that round
+        (and, for a round this island has not reached, for :meth:`asked`).  Told so while following another leader,
+        this island answers with the one it follows."""
         round_id = key.removeprefix(ARRIVED)
+        said = _read_arrival(payload, sender)
+        if said is None:
+            return True
+        entering, leader, where = said
+        answer = None
         with self._lock:
-            if round_id != self._current and round_id not in self._closed:
-                self._arrivals.setdefault(round_id, {})[sender] = _said_digest(payload)
-                while len(self._arrivals) > CLOSED_ROUNDS:
-                    self._arrivals.popitem(last=False)
+            if round_id in self._closed:
+                return True
+            if round_id != self._current:
+                if leader == sender:
+                    _remember(self._arrivals, round_id, sender, entering)
+            elif self._following is not None and leader == sender and self._following[0] != sender:
+                answer = self._following
+            if leader != self.island:
+                _remember(self._leading, round_id, leader, where)
+        if answer is not None and where:
+            threading.Thread(target=self._answer, args=(where, ARRIVED + round_id,
+                                                       json.dumps({"leader": list(answer)}).encode()),
+                             daemon=True).start()
         return True
 
-    def _say_arrived(self, round_id: str, meta: dict, view: RoundView, islands: set[str]) -> None:
-        """Tell ``islands`` (those a leader expects) that it came to ``round_id``, each in a thread of its own (an
-        island that is gone costs nobody a wait)."""
-        body = json.dumps({"digest": _digest_of(meta.get("state_fingerprint"))}).encode()
+    def _leaders_known(self, round_id: str) -> dict[str, str]:
+        """The islands known to lead ``round_id`` (:attr:`_leading`) → the endpoint given ('' if none)."""
+        with self._lock:
+            return dict(self._leading.get(round_id, {}))
+
+    def _say_arrived(self, round_id: str, meta: dict, islands: Mapping[str, str]) -> None:
+        """Tell ``islands`` (island → endpoint: those a leader expects) that it came to ``round_id``, each in a thread
+        of its own (an island that is gone costs nobody a wait)."""
+        body = json.dumps({"digest": _digest_of(meta.get("state_fingerprint")), "endpoint": self._endpoint}).encode()
         deadline = time.monotonic() + self.request_timeout
-        for island in islands:
-            where = view.endpoints.get(island)
+        for where in islands.values():
             if where:
                 threading.Thread(target=self._answer, args=(where, ARRIVED + round_id, body, deadline),
                                  daemon=True).start()
@@ -369,19 +399,24 @@ class RosterForming:
         second: a result ends the wait with it (the island is stopping, the run moved past the round, a group
         listed us that we missed).  ``refresh()`` reads the registry again: a leader still without a group (islands
         that read the registry at another moment took another island for the leader) looks again, and when the fresh
-        order names an island before it, sends its joiners on to that one and joins it too."""
-        endpoint = view.endpoints.get(self.island, "") or self.transport.endpoint
+        order names an island before it, sends its joiners on to that one and joins it too; the leader of a new run's
+        first round looks again before it closes its roster."""
+        endpoint = self._endpoint = view.endpoints.get(self.island, "") or self.transport.endpoint
         body = json.dumps(dict(meta, endpoint=endpoint)).encode()
         with self._lock:
             self._current = round_id
             askers = set(self._passed_over.pop(round_id, {}))
             self._arrivals.pop(round_id, None)
         self._refresh, self._followed = refresh, None
+        # an island that came after a leader said it leads the round joins it, rather than asking the order again
+        known = {i: where for i, where in self._leaders_known(round_id).items() if _may_lead(view, i)}
+        view = replace(view, endpoints={**{i: w for i, w in known.items() if w}, **view.endpoints})
+        first = leader_order(known, round_id)
         try:
             handoffs, handed_to = 0, ""
             while True:
                 self._not_there = set()
-                formed = self._form(round_id, meta, view, deadline, give_up, body, endpoint, askers)
+                formed = self._form(round_id, meta, view, deadline, give_up, body, endpoint, askers, first)
                 if formed is not HANDED_OFF:
                     return formed
                 # handed over to an island that then said it had not reached the round: a wait for it, not leaders
@@ -393,6 +428,7 @@ class RosterForming:
                     return RoundResult(False, f"averaging failed: the islands of round {round_id} never agreed on a "
                                        f"leader")
                 view, askers, handed_to = self._handed_to, set(), self._handed_first
+                first = [handed_to]
         finally:
             # joins that still come (or wait in the inbox) are sent on to the leader we followed, or on to the next
             # one in their order when we formed no roster; a leader answered them already
@@ -402,20 +438,22 @@ class RosterForming:
                                   json.dumps({"redirect": list(followed)}).encode())
             with self._lock:
                 self._current = ""
+                self._leading.pop(round_id, None)
 
     def _form(self, round_id: str, meta: dict, view: RoundView, deadline: float,
-              give_up: Callable[[], RoundResult | None], body: bytes, endpoint: str, askers: set[str]
-              ) -> dict[str, dict] | RoundResult:
+              give_up: Callable[[], RoundResult | None], body: bytes, endpoint: str, askers: set[str],
+              first: Sequence[str] = ()) -> dict[str, dict] | RoundResult:
         """:meth:`form`, once this island is in the round.  The round's leader is the first island of the order that
         is there when the others look: an island asks those before it in the order, joins the first that is there,
-        and leads when none is.  One that came late, after islands later in the order asked it (``askers``), joins
-        the first of those instead: it leads, or follows the leader and sends us on.  An island that leads no round
-        (a newcomer) and finds none of them there yet asks again until one is."""
+        and leads when none is.  One that came late joins an island known to lead the round (``first``: it said so,
+        or this island handed the round over to it), else the first of the islands later in the order that asked it
+        before (``askers``): it leads, or follows the leader and sends us on.  An island that leads no round (a
+        newcomer) and finds none of them there yet asks again until one is."""
         order = self._order = view.leaders(round_id) or [self.island]
         mine = order.index(self.island) if self.island in order else len(order)
         later = [c for c in order[mine + 1:] if c in askers]
-        if later:
-            followed = self._join(later[0], round_id, view, deadline, give_up, body, endpoint)
+        for leader in [c for c in first if c != self.island] + later[:1]:
+            followed = self._join(leader, round_id, view, deadline, give_up, body, endpoint)
             if isinstance(followed, dict) or followed not in (PASSED, NOT_THERE, UNREACHABLE):
                 return self._lead(round_id, meta, view, deadline, give_up) if followed is LEAD else followed
         while True:
@@ -464,6 +502,7 @@ class RosterForming:
         box, key, here = self.transport.box, ROSTER + round_id, HERE + round_id
         box.hold(key)
         redirected = 0
+        self._following = (leader, where)
         try:
             while True:
                 got = box.wait_for(key, lambda m: leader in m, min(deadline, time.monotonic() + POLL))
@@ -492,7 +531,7 @@ class RosterForming:
                         redirected += 1
                         box.release(key, drop=True)
                         box.hold(key)
-                        leader, where = turn
+                        leader, where = self._following = turn
                         try:
                             self.transport.send(where, JOIN + round_id, body,
                                                 min(deadline, time.monotonic() + self.request_timeout),
@@ -520,6 +559,7 @@ class RosterForming:
                     log.info("round %s: its leader %s is gone; trying the next", round_id, leader[-8:])
                     return UNREACHABLE
         finally:
+            self._following = None
             box.release(key, drop=True)
             box.release(here, drop=True)
 
@@ -546,10 +586,14 @@ class RosterForming:
         with self._lock:  # leading after all (it had handed the round over): joins come to it again
             self._closed.pop(round_id, None)
         expected = set(view.expected) - {self.island}
-        self._say_arrived(round_id, meta, view, expected)
+        self._say_arrived(round_id, meta, {i: view.endpoints.get(i, "") for i in expected})
         majority_since: float | None = None
         members: dict[str, dict] = {self.island: meta}
         endpoints: dict[str, str] = {}
+        rivals: set[str] = set()
+        # a new run's first read of the registry may have missed islands (their records reached the DHT's nodes a
+        # moment apart, or the read timed out): its leader looks again before it closes the roster
+        looks_left = 0 if view.committed or self._refresh is None else CONFIRMING_LOOKS
         next_look = time.monotonic() + POLL
         try:
             while True:
@@ -560,6 +604,21 @@ class RosterForming:
                     joined = _read_join(payload, round_id)
                     if joined is not None:
                         members[island], endpoints[island] = joined
+                for rival, where in self._leaders_known(round_id).items():
+                    if rival in rivals or rival in members or not _may_lead(view, rival):
+                        continue
+                    rivals.add(rival)
+                    where = where or view.endpoints.get(rival, "")
+                    if where and _order_key(round_id, rival) < _order_key(round_id, self.island):
+                        log.info("round %s: %s leads it too and comes first in the order: handing the round over to "
+                                 "it", round_id, rival[-8:])
+                        self._stop_taking(round_id, json.dumps({"redirect": [rival, where]}).encode())
+                        self._handed_to = replace(view, endpoints={**view.endpoints, rival: where},
+                                                  expected=view.expected | {rival})
+                        self._handed_first = rival
+                        return HANDED_OFF
+                    expected.add(rival)  # it hands its round over to this one, told that it leads it too
+                    self._say_arrived(round_id, meta, {rival: where})
                 now = time.monotonic()
                 enough = len(members) >= self.min_group_size
                 # a new run's first read of the registry may not list every island registered yet (its records
@@ -567,9 +626,23 @@ class RosterForming:
                 complete = expected <= set(members) and (bool(view.committed) or len(members) >= self.wait_for)
                 # a target reached by islands holding no majority would close a roster bound to roll back, while
                 # the committed islands it lacks are still on their way
-                short = quorum_problem(members, view.committed, view.out, view.seen)
+                short = quorum_problem(members, view.committed, view.out, view.seen, self.wait_for)
                 if enough and (complete or (self.target and len(members) >= self.target and not short)):
-                    break
+                    if not looks_left:
+                        break
+                    looks_left -= 1
+                    fresh = self._refresh()
+                    new = {i: fresh.endpoints[i] for i in fresh.expected - set(members) - expected - {self.island}
+                           if fresh.endpoints.get(i)}
+                    if not new:
+                        break
+                    log.info("round %s: a second look at the registry lists %d island(s) the first missed; waiting "
+                             "for them", round_id, len(new))
+                    expected |= set(new)
+                    view.endpoints.update(new)
+                    view.seen = max(view.seen, fresh.seen)
+                    self._say_arrived(round_id, meta, new)
+                    continue
                 if enough and not short:
                     majority_since = majority_since or now
                     if now - majority_since >= self.matchmaking_time:
@@ -634,7 +707,24 @@ HANDOFFS = 2
 reached the round yet does not count: the round waits for it until the matchmaking deadline)."""
 REDIRECTS = 4
 """How many times a joiner follows a follower on to its leader before it tries the next island of the order."""
+CONFIRMING_LOOKS = 3
+"""How many more reads of the registry the leader of a new run's first round makes before it closes its roster
+(each finds islands the reads before it missed, or the roster closes)."""
 """What :meth:`RosterForming._follow` returns when the leader we joined is still training towards the round."""
+
+
+def _may_lead(view: RoundView, island: str) -> bool:
+    """Whether ``island`` may lead a round of an island holding ``view``: it is of the committed roster and not known
+    to be out of the round (before any round committed: any island not known to be out)."""
+    candidates = set(view.committed) - view.out
+    return island in candidates if candidates else island not in view.out
+
+
+def _remember(rounds: OrderedDict[str, dict], round_id: str, island: str, value: Any) -> None:
+    """``rounds[round_id][island] = value``, keeping the last :data:`CLOSED_ROUNDS` rounds."""
+    rounds.setdefault(round_id, {})[island] = value
+    while len(rounds) > CLOSED_ROUNDS:
+        rounds.popitem(last=False)
 
 
 def _read_redirect(payload: bytes | bytearray | memoryview) -> tuple[str, str] | None:
@@ -663,11 +753,20 @@ def _digest_of(state: Any) -> list[float] | None:
         return None
 
 
-def _said_digest(payload: bytes | bytearray | memoryview) -> list[float] | None:
-    """The digest an arrival notice (:data:`ARRIVED`) carries (None if none, or not a list of numbers)."""
+def _read_arrival(payload: bytes | bytearray | memoryview, sender: str
+                  ) -> tuple[list[float] | None, str, str] | None:
+    """(digest, leader, its endpoint) of an arrival notice (:data:`ARRIVED`) from ``sender``: the leader is the sender
+    itself (the digest of the θ_global it enters with, None if none; its endpoint, '' if none), or the one it
+    follows (no digest).  None if it is neither (anything may come)."""
     try:
-        said = json.loads(bytes(payload)).get("digest")
-        return [float(x) for x in said] if isinstance(said, list) and said else None
+        body = json.loads(bytes(payload))
+        named = body.get("leader")
+        if named is not None:
+            leader, where = named
+            return (None, leader, where) if isinstance(leader, str) and isinstance(where, str) and where else None
+        said, where = body.get("digest"), body.get("endpoint", "")
+        entering = [float(x) for x in said] if isinstance(said, list) and said else None
+        return entering, sender, where if isinstance(where, str) else ""
     except (ValueError, TypeError, AttributeError):
         return None
 
