@@ -103,6 +103,9 @@ ITERATIONS = 3
 """CenteredClip's iterations."""
 TRIM_FRACTION = 0.25
 """The fraction of members the trimmed mean drops at each end, per coordinate."""
+OUTLIER_RATIO = 4.0
+"""How many times the group's median distance to the robust aggregate a member's Δ may lie from it before the
+round holds a strike against it (:func:`outliers`)."""
 
 
 def bound_weights(declared: Mapping[str, float], mode: str, cap: float) -> dict[str, float]:
@@ -183,6 +186,24 @@ def member_norm_check(norms: Mapping[str, float], ratio: float) -> list[str]:
         if median > 0:
             rejected |= {p for p, x in norms.items() if p not in rejected and x > ratio * median}
     return sorted(rejected)
+
+
+def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: float = OUTLIER_RATIO) -> list[str]:
+    """The members (sorted) whose vector lies farther from ``center`` (a robust aggregate of them) than ``ratio`` ×
+    the low median of the members' distances to it: the evidence of a strike against a member that a robust rule
+    only clipped or trimmed.  None for fewer than three members (two have no majority to tell which of them is
+    far), nor when ``ratio`` ≤ 0 or the median distance is 0.
+
+    Why: clipped to τ, a member sending its Δ reversed × 4 (inside the member check's 10× the median norm) still
+    pulls θ_global τ away from the honest mean every round, and was never struck (``diloco experiment hostile`` on
+    ``small``: the honest islands' held-out loss 7.9% above the clean run under ``centered-clip``).  Honest islands
+    train from one θ_global on shards of one corpus: their distances to the aggregate are alike, and the reversed
+    Δ's is several times theirs.  Distances are :func:`sum_of_squares` in float64: every member strikes alike."""
+    if ratio <= 0 or len(values) < 3:
+        return []
+    distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
+    median = low_median(list(distances.values()))
+    return sorted(p for p, d in distances.items() if median > 0 and d > ratio * median)
 
 
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None

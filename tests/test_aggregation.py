@@ -15,6 +15,7 @@ from peers.aggregation import (
     bound_weights,
     member_norm_check,
     member_norms,
+    outliers,
     sorting_network,
     sum_of_squares,
     trim_count,
@@ -103,6 +104,24 @@ def test_one_attacker_of_four_stays_within_the_honest_spread(attack):
     clipped = float((aggregate(values, weights, "clipped") - mean).norm())
     assert clipped <= 0.25 * (tau + float(mean.norm())) * (1 + 1e-5)
     assert member_norm_check(norms, 10.0) == (["z"] if big else [])
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+def test_a_reversed_delta_inside_the_member_check_is_an_outlier_and_no_honest_member_ever_is(rule):
+    """A member sending an honest member's Δ reversed × 4 passes the member check (10× the median norm) and is only
+    clipped or trimmed: it is named an outlier of the aggregate, the evidence of a strike.  Honest members of 3 to
+    8 are not, and of two members neither is (no majority tells which is far)."""
+    honest = _honest(3)
+    values = dict(honest, z=-4 * honest["h0"])
+    weights = {p: 1.0 for p in values}
+    assert member_norm_check(member_norms(values), 10.0) == []
+    assert outliers(values, aggregate(values, weights, rule)) == ["z"]
+    assert outliers(values, aggregate(values, weights, rule), ratio=0.0) == []
+    for n in (3, 4, 8):
+        group = _honest(n, seed=n)
+        assert outliers(group, aggregate(group, {p: 1.0 for p in group}, rule)) == [], n
+    pair = {"h0": honest["h0"], "z": values["z"]}
+    assert outliers(pair, aggregate(pair, {p: 1.0 for p in pair}, rule)) == []
 
 
 def test_a_declared_weight_of_1e30_is_capped_under_tokens():

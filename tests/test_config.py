@@ -107,6 +107,8 @@ def test_config_reference_in_the_docs_is_current():
     current = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
     assert current == config_load.reference_markdown(), "docs/config.md is stale: regenerate it with " \
         "`diloco config reference > docs/config.md`"
+
+
 def test_command_defaults_under_file_under_overrides(tmp_path):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('[diloco]\ninner_steps = 7\n[model]\npreset = "tiny"\n')

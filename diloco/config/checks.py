@@ -112,6 +112,9 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"--averaging.max_norm_ratio must be 0 (off) or positive, got {a.max_norm_ratio}")
     if a.member_check < 0:
         p.append(f"--averaging.member_check must be 0 (only the finiteness check) or positive, got {a.member_check}")
+    if a.outlier_ratio < 0:
+        p.append(f"--averaging.outlier_ratio must be 0 (strike no member for its distance) or positive, got "
+                 f"{a.outlier_ratio}")
     if a.strikes < 0:
         p.append(f"--averaging.strikes must be 0 (never leave a member out) or more, got {a.strikes}")
     if a.max_group_size < 0 or a.max_group_size == 1:

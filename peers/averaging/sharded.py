@@ -460,7 +460,7 @@ class ShardedAverager:
                                   flat[bucket.start:bucket.end] if flat is not None else None,
                                   pending.owned[b] if codec.lossy else None,
                                   part_owners(members, endpoints, unpunched), groups, self.settings.aggregate,
-                                  self.settings.member_check)
+                                  self.settings.member_check, self.settings.outlier_ratio)
             return b, out
 
         prints: dict[int, list[float]] = {}

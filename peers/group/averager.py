@@ -250,7 +250,7 @@ class VerifiedAverager(MissedGroups):
                                   {p: as_float(meta[p].get("weight")) for p in peers}, payload, self._numel,
                                   self.settings.allreduce_timeout, carry, owners=owners,
                                   groups=groups if len(groups) > 1 else None, rule=self.settings.aggregate,
-                                  check=self.settings.member_check)
+                                  check=self.settings.member_check, outlier=self.settings.outlier_ratio)
             if out.mean is None:
                 reason, left = out.failure(len(peers))
                 return Exchange(None, None, out.bytes_sent, out.bytes_received, reason, left, out.carry)

@@ -54,7 +54,7 @@ from hivemind.p2p import P2PContext, PeerID
 from outer_optim.compression import Payload, reduce_scatters
 from outer_optim.compression.entropy import pack, unpack, unpack_at_most
 from outer_optim.tensors import all_finite
-from peers.aggregation import aggregate, member_norm_check, member_norms
+from peers.aggregation import aggregate, member_norm_check, member_norms, outliers
 from peers.discovery.membership import MemberCheck, punchable, takes_connections
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -369,7 +369,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
                     carry: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     sent: torch.Tensor | None = None, owners: Collection[str] | None = None,
                     groups: Sequence[Sequence[str]] | None = None, rule: str = "mean",
-                    check: float = 0.0) -> EncodedAverage:
+                    check: float = 0.0, outlier: float = 0.0) -> EncodedAverage:
     """The group's weighted average of the members' encoded buckets (``payload`` is ours), by all-gather
     or reduce-scatter as :func:`reduce_scatters` says.
 
@@ -387,7 +387,8 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     ``rule`` (:data:`peers.aggregation.AGGREGATES`): ``mean``, or a robust rule, which every member computes over
     every member's whole Δ (an all-gather: no member's share of the work is taken on trust); ``check``: a member
     whose Δ (or part) is not finite or of a norm above ``check`` × the median counts for nothing (0: only the
-    finiteness check), see :func:`aggregate_checked`."""
+    finiteness check), see :func:`aggregate_checked`; ``outlier``: under a robust rule, a member whose Δ lies farther
+    from the aggregate than this many times the median distance is rejected too (it counted, clipped)."""
     robust = rule != "mean"
     if (not robust and groups is not None and len(groups) > 1 and reduce_scatters(codec, len(peers))
             and carry is None and (owners is None or set(owners) >= set(peers))):
@@ -399,7 +400,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
                                 gathered.bytes_received, carry)
         if not result.missing:
             values = {p: sent if p == me and sent is not None else codec.decode(gathered.got[p], numel) for p in peers}
-            result.mean, result.rejected = aggregate_checked(values, weights, rule, check, out)
+            result.mean, result.rejected = aggregate_checked(values, weights, rule, check, out, outlier=outlier)
         return result
 
     mean = out if out is not None else torch.empty(numel)
@@ -584,13 +585,15 @@ def _two_levels(channel: EncodedChannel, codec: Any, key: str, me: str, peers: l
 
 
 def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float], rule: str, check: float,
-                      out: torch.Tensor | None = None, exact: bool = True) -> tuple[torch.Tensor | None, list[str]]:
+                      out: torch.Tensor | None = None, exact: bool = True, outlier: float = 0.0
+                      ) -> tuple[torch.Tensor | None, list[str]]:
     """``rule``'s aggregate of the members' ``values`` once the member check has run: a member whose values are not
     finite, or whose norm is above ``check`` × the group's median (0: no bound), counts for nothing
     (:func:`peers.aggregation.member_norm_check`).  Returns (the aggregate, or None when no member is left; the
-    members rejected).  The same bits on every member that checks and aggregates the same values; ``exact`` False
-    (one member alone decides, a part's owner) takes torch's norms, several times faster, whose last bits depend on
-    the thread count."""
+    members rejected: those, and under a robust rule those whose Δ lies farther from the aggregate than ``outlier``
+    × the median distance, :func:`peers.aggregation.outliers`; 0: none so).  The same bits on every member that
+    checks and aggregates the same values; ``exact`` False (one member alone decides, a part's owner) takes torch's
+    norms, several times faster, whose last bits depend on the thread count."""
     norms = member_norms(values) if exact else {p: float(torch.linalg.vector_norm(v)) for p, v in values.items()}
     rejected = member_norm_check(norms, check)
     counted = {p: 0.0 if p in rejected else weights[p] for p in values}
@@ -599,4 +602,11 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     if rejected:
         log.warning("left out the pseudo-gradient of %s: not finite, or its norm above %g times the group's median",
                     ", ".join(p[-8:] for p in rejected), check)
-    return aggregate(values, counted, rule, out), rejected
+    result = aggregate(values, counted, rule, out)
+    if rule != "mean" and outlier > 0:
+        far = outliers({p: v for p, v in values.items() if counted[p] > 0}, result, outlier)
+        if far:
+            log.warning("%s sent a pseudo-gradient more than %g times the group's median distance from the %s "
+                        "aggregate", ", ".join(p[-8:] for p in far), outlier, rule)
+            rejected = sorted({*rejected, *far})
+    return result, rejected
