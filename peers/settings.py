@@ -169,7 +169,8 @@ class AveragerSettings:
     Under `mean`, each part's owner checks the part it averages."""
     outlier_ratio: float = 4.0
     """With a robust `aggregate`: a member's Δ that lies farther from the aggregate than this many times the group's
-    median distance to it (3 members or more) earns a strike, though it counted (clipped or trimmed). 0: never."""
+    median distance to it (3 members or more) counts for nothing (the aggregate is taken again without it) and
+    earns a strike. 0: never."""
     strikes: int = 2
     """With a robust `aggregate`: after this many rounds whose committed result rejected its Δ (or found it an
     outlier: `outlier_ratio`), a member is left out of the run's rounds (the log and the metrics name it). 0:

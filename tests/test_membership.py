@@ -305,6 +305,28 @@ def test_one_empty_look_at_the_registry_does_not_end_a_forming_roster():
     assert averager._give_up("r2", 0.0) is None, "a new round counts its own looks"
 
 
+def test_an_island_cut_off_from_the_islands_it_committed_with_stops_waiting_for_company_within_a_few_looks():
+    """Of 48 islands on 2 cores, one whose registry lost every other island waited for company inside a round for
+    the whole matchmaking_timeout (300 s), while its peer node looks for the run again only between rounds.  One
+    that committed its last round with others gives the round up after ``ALONE_LOOKS`` empty looks; the first
+    island of a new run (nobody committed with it) still waits for the others to come."""
+    import time
+
+    from peers.group.averager import ALONE_LOOKS
+
+    averager = object.__new__(VerifiedAverager)  # only the wait: no DHT, no transport
+    averager.settings = AveragerSettings(min_group_size=2)
+    averager.stopping, averager.peer_id = None, "me"
+    looked: list[int] = []
+    averager.company = lambda: looked.append(0) or 0
+    averager.committed = ("me", "other")
+    cut_off = averager._wait_for_company(time.monotonic() + 2 * ALONE_LOOKS + 2.0)
+    assert cut_off is not None and "cut off" in cut_off.reason and len(looked) == ALONE_LOOKS, (cut_off, looked)
+    averager.committed, looked[:] = (), []
+    early = averager._wait_for_company(time.monotonic() + ALONE_LOOKS + 1.5)
+    assert early is not None and "waited" in early.reason and len(looked) > ALONE_LOOKS, (early, looked)
+
+
 def test_a_member_cannot_write_or_erase_another_islands_records(no_leaked_daemons):
     """Two islands of one private run on real DHTs.  The second holds the run key and tries to rewrite the first
     island's registration (a step of 99 to hijack catch-ups, its departure, an endpoint of its own) and to vote in

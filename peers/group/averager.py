@@ -437,11 +437,21 @@ class VerifiedAverager(MissedGroups):
     def _wait_for_company(self, deadline: float) -> RoundResult | None:
         """Wait (looking at the registry once a second) until another island is live: None then, or at once
         when a group of one is allowed or nobody tells; else the failed result once ``deadline`` passes or
-        the island is stopping.  See :attr:`company`."""
+        the island is stopping, or after :data:`ALONE_LOOKS` looks when it committed its last round with others.
+        See :attr:`company`."""
         if self.company is None or self.settings.min_group_size < 2:
             return None
-        waited = time.monotonic()
+        waited, looks = time.monotonic(), 0
+        knew = [i for i in self.committed if i != self.peer_id]
         while self._others_live() == 0:
+            looks += 1
+            # an island that committed rounds with others is cut off from them (its DHT lost them), not early:
+            # the peer node looks for them between rounds (peers.node.AloneWatch), never while a round waits here
+            # (of 48 islands on 2 cores, one counted no company for the whole 300 s of matchmaking_timeout)
+            if knew and looks >= ALONE_LOOKS:
+                return RoundResult(False, f"no other island is live in the run as this island's registry sees it, "
+                                   f"though it committed the last round with {len(knew)} other(s): cut off from "
+                                   f"them; it looks for them between rounds")
             if self.stopping is not None and self.stopping():
                 return RoundResult(False, "this island is stopping: it gave up waiting for another island")
             if time.monotonic() >= deadline:
