@@ -115,6 +115,7 @@ def arm_result(name: str, attack: str, rule: str, run_dirs: list[Path], codes: d
         "honest_rejected": sum(any(i in honest_ids for i in r["rejected"].split(",")) for r in rejected),
         "forged_dropped": sum(int(s.get("transport_forged") or 0) for s in hs),
         "left_out_from": None if None in out_from else max(out_from, default=None),
+        "alone_from": None if attack in KEYLESS else alone_from(records[0] if records else [], len(honest)),
         "attacker_exit": _one_or_all([codes.get(i) for i in liars]),
         "attacker_rounds_ok": _one_or_all([(summaries[i] or {}).get("rounds_ok") for i in liars]), "curve": curve,
     }
@@ -192,13 +193,26 @@ class OutsiderRun:
         return {**seen, "keyless_island_exit": code, "keyless_island_said": lines[-1][-300:] if lines else ""}
 
 
+def alone_from(records: list[dict], honest: int) -> int | None:
+    """The round from which every round an honest island committed (its ``records``) averaged ``honest`` islands or
+    fewer: the attackers' Δ no longer in its group (None if its last committed round still held more).  The
+    attacker's own log says so later, or never: a struck island that keeps catching up is seldom refused."""
+    start = None
+    for r in records:
+        if r.get("round_ok") != 1:
+            continue
+        start = (start or int(r["outer_step"])) if 0 < int(r.get("num_peers", honest + 1)) <= honest else None
+    return start
+
+
 def _ratio(x: float, ref: float) -> str:
     return f"{x / ref:.3f}" if ref == ref and ref > 0 and x == x else "–"
 
 
 HEADERS = ["attack", "aggregate", "seed", "honest loss end", "vs clean mean", "rounds committed (honest)",
            "distinct θ_global (honest)", "attacker's Δ rejected (rounds)", "honest Δ rejected (rounds)",
-           "forged messages dropped", "strikes", "left out from round", "attacker exit", "wall s"]
+           "forged messages dropped", "strikes", "left out from round", "honest alone from round", "attacker exit",
+           "wall s"]
 
 
 def row(r: dict[str, Any], ref: float) -> list[Any]:
@@ -209,6 +223,7 @@ def row(r: dict[str, Any], ref: float) -> list[Any]:
     return [r["attack"], r["aggregate"], r.get("seed", 0), f"{r['eval_loss_end']:.4f}", _ratio(r["eval_loss_end"], ref),
             f"{span} of {r['rounds']}", r["theta_distinct"], "–" if clean else r["rejected_rounds"],
             r.get("honest_rejected", "–"), r.get("forged_dropped", "–"), "–" if clean else r["strikes"], "–" if clean or r["left_out_from"] is None else r["left_out_from"],
+            "–" if clean or r.get("alone_from") is None else r["alone_from"],
             "–" if clean else _listed(r["attacker_exit"]), f"{r['wall_seconds']:.0f}"]
 
 
@@ -298,7 +313,8 @@ def write_report(results: list[dict[str, Any]], out: Path, command: str, cfg: Co
         "rejected: the same for an honest island's; forged messages dropped: by the honest islands, nothing proving "
         "the sender they claimed; strikes: the most the honest "
         "islands' logs gave it (strikes are kept under robust rules only); left out from: the first round it "
-        "was refused as struck out",
+        "was refused as struck out (its own log); honest alone from: the first round from which island 0's every "
+        "committed round held the honest islands alone",
         "outsider: no island of the run; a stranger without the key sends junk, oversized length prefixes and "
         "slow handshakes to every port the islands listen on for the whole run, and starts an island of its own "
         "with another key (its exit is in the attacker's column)",

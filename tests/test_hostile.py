@@ -75,6 +75,16 @@ def test_an_attacker_is_rejected_struck_and_left_out_while_the_honest_islands_co
         assert summaries[ATTACKER]["theta_checksum"] == honest[0]["theta_checksum"]
 
 
+def test_the_honest_islands_average_alone_from_the_first_round_after_which_every_group_was_theirs_alone():
+    from experiments.hostile import alone_from
+
+    rounds = [(1, 4, 1), (2, 4, 1), (3, 3, 0), (4, 3, 1), (5, 3, 1), (6, 3, 1)]
+    records = [{"outer_step": s, "num_peers": n, "round_ok": ok} for s, n, ok in rounds]
+    assert alone_from(records, 3) == 4  # round 3 failed: it counts for neither
+    assert alone_from(records + [{"outer_step": 7, "num_peers": 4, "round_ok": 1}], 3) is None
+    assert alone_from(records, 4) == 1 and alone_from([], 3) is None
+
+
 def test_every_arm_is_compared_with_the_clean_mean_arm_of_its_own_seed():
     """Several seeds: a robust rule's cost with nobody attacking is each seed's ratio to that seed's clean ``mean``
     arm (a seed that trains worse must not count against another's rule), summed up as mean and worst."""
@@ -115,6 +125,7 @@ def test_colluding_attackers_are_counted_apart_from_the_honest_islands(tmp_path)
     assert (r["honest_islands"], r["eval_loss_end"], r["theta_distinct"], r["rounds_committed"]) == (6, 2.0, 1, [6] * 6)
     assert (r["attackers"], r["attacker_exit"], r["attacker_rounds_ok"], r["left_out_from"]) == (2, [0, 3], [4, 4], 6)
     assert r["error"] == "" and r["strikes"] == 2  # an attacker's exit 3 is no honest island's error
+    assert r["alone_from"] is None  # island 0's records name no group sizes
     assert row(dict(r, rounds=6), 2.0)[HEADERS.index("attacker exit")] == "0, 3"
     one = arm_result("flip-mean", "flip", "mean", dirs, codes, 1.0)  # one attacker: island 6 counted as honest
     assert one["honest_islands"] == 7 and one["attacker_exit"] == 3 and one["theta_distinct"] == 2
