@@ -8,7 +8,10 @@ One honest group (Gaussian Δs around a common direction, equal weights, nobody 
 one member's Δ ×1000 (clipped by the clipped rules), so that both the free path of an honest round and the
 clipped path are timed.  The rules take turns, ``--rounds`` times, so a machine that slows down mid-run slows
 them alike; the figure is each rule's fastest turn, and its ratio to ``mean``'s.  Also timed: the member norms
-(:func:`peers.aggregation.member_norms`, what :func:`~peers.aggregation.member_norm_check` needs), and a
+(:func:`peers.aggregation.member_norms`, what :func:`~peers.aggregation.member_norm_check` needs), the members'
+distances to the aggregate (:func:`peers.aggregation.outliers`, paid by a robust round unless ``centered-clip``
+measured them at its fixed point), a whole robust round's aggregation (the member check, ``centered-clip`` and the
+outlier check: :func:`peers.wire.encoded.aggregate_checked`), and a
 torch ``x.norm()`` per member for comparison (a reduction that splits its sum by thread, which the norms here
 avoid).
 """
@@ -24,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from peers.aggregation import AGGREGATES, aggregate, member_norms  # noqa: E402
+from peers.aggregation import AGGREGATES, aggregate, member_norms, outliers  # noqa: E402
+from peers.wire.encoded import aggregate_checked  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +48,11 @@ def main() -> None:
     out = torch.empty(args.numel)
     arms = [(f"{rule}, {name}", lambda v=values, r=rule: aggregate(v, weights, r, out=out))
             for name, values in (("honest", honest), ("one ×1000", attacked)) for rule in AGGREGATES]
+    center = aggregate(honest, weights, "mean")
     arms += [("member_norms", lambda: member_norms(honest)),
+             ("outliers (distances to the aggregate)", lambda: outliers(honest, center)),
+             ("centered-clip + check + outliers, honest", lambda: aggregate_checked(
+                 honest, weights, "centered-clip", 10.0, out, outlier=4.0)),
              ("torch x.norm() per member", lambda: [float(v.norm()) for v in honest.values()])]
     best = {name: float("inf") for name, _ in arms}
     for _ in range(args.rounds):

@@ -77,7 +77,10 @@ clipped rules do not (a member may be clipped in one part and not another).
 Costs (``benchmarks/aggregation_cost.py``, 8 members × 10M fp32 on 2 busy cores): ``mean`` about 20 ms; an
 honest round ``clipped`` about 4×, ``centered-clip`` about 9× (the norms, then one pass of distances that finds
 the mean a fixed point), ``trimmed-mean`` about 13×; with one member clipped, ``centered-clip`` about 25× (its
-three iterations).  A float64 sum of squares costs 2 to 3 times a torch ``x.norm()``.
+three iterations).  A float64 sum of squares costs 2 to 3 times a torch ``x.norm()``.  At 4 members × 40M on 2 cores: ``mean`` 61 ms, an
+honest ``centered-clip`` 610 ms, and a whole robust round's aggregation (the member check's norms, the rule, the
+outlier check on the distances the rule measured at its fixed point) 852 ms; measuring the distances again would
+add 321 ms, what ``clipped`` and ``trimmed-mean`` pay.
 """
 
 from __future__ import annotations
@@ -188,7 +191,8 @@ def member_norm_check(norms: Mapping[str, float], ratio: float) -> list[str]:
     return sorted(rejected)
 
 
-def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: float = OUTLIER_RATIO) -> list[str]:
+def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: float = OUTLIER_RATIO,
+             distances: Mapping[str, float] | None = None) -> list[str]:
     """The members (sorted) whose vector lies farther from ``center`` (a robust aggregate of them) than ``ratio`` ×
     the low median of the members' distances to it: the evidence of a strike against a member that a robust rule
     only clipped or trimmed.  None for fewer than three members (two have no majority to tell which of them is
@@ -198,10 +202,13 @@ def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: fl
     pulls θ_global τ away from the honest mean every round, and was never struck (``diloco experiment hostile`` on
     ``small``: the honest islands' held-out loss 7.9% above the clean run under ``centered-clip``).  Honest islands
     train from one θ_global on shards of one corpus: their distances to the aggregate are alike, and the reversed
-    Δ's is several times theirs.  Distances are :func:`sum_of_squares` in float64: every member strikes alike."""
+    Δ's is several times theirs.  Distances are :func:`sum_of_squares` in float64: every member strikes alike;
+    ``distances``: the members' distances to ``center`` when the rule measured them already (:func:`aggregate`'s
+    ``distances``)."""
     if ratio <= 0 or len(values) < 3:
         return []
-    distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
+    if distances is None or set(distances) != set(values):
+        distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
     median = low_median(list(distances.values()))
     return sorted(p for p, d in distances.items() if median > 0 and d > ratio * median)
 
@@ -249,10 +256,11 @@ def _clipped_mean(values: Mapping[str, torch.Tensor], weights: Mapping[str, floa
 
 
 def _centered_clip(values: Mapping[str, torch.Tensor], weights: Mapping[str, float], out: torch.Tensor | None,
-                   norms: Mapping[str, float], ratio: float, iterations: int) -> torch.Tensor:
+                   norms: Mapping[str, float], ratio: float, iterations: int,
+                   distances: dict[str, float] | None = None) -> torch.Tensor:
     """CenteredClip from the clipped mean.  An iteration that clips nobody from a center that is already the
     mean gives the mean again, bit for bit: the iterations stop there, so an honest round costs one pass of
-    distances, not ``iterations``."""
+    distances, not ``iterations``; those are the members' distances to the result, written into ``distances``."""
     numel = values[next(iter(values))].numel()
     result = out if out is not None else torch.empty(numel)
     center, target = result, torch.empty(numel)
@@ -260,8 +268,11 @@ def _centered_clip(values: Mapping[str, torch.Tensor], weights: Mapping[str, flo
     _clipped_mean(values, weights, scale, center)
     for _ in range(iterations):
         was_mean = all(f == 1.0 for f in scale.values())
-        scale = _clip_factors({p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}, ratio)
+        measured = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
+        scale = _clip_factors(measured, ratio)
         if was_mean and all(f == 1.0 for f in scale.values()):
+            if distances is not None:
+                distances.update(measured)
             break
         _clipped_mean(values, weights, scale, target, center)
         center, target = target, center
@@ -332,7 +343,8 @@ PARAMS = {"mean": (), "clipped": ("ratio",), "centered-clip": ("ratio", "iterati
 
 
 def aggregate(values: dict[str, torch.Tensor], weights: dict[str, float], rule: str,
-              out: torch.Tensor | None = None, **params: float) -> torch.Tensor:
+              out: torch.Tensor | None = None, distances: dict[str, float] | None = None,
+              **params: float) -> torch.Tensor:
     """The ``rule`` aggregate of the members' 1-D fp32 tensors (the same numel), by the weights of
     :func:`bound_weights`; written into ``out`` when given (not one of ``values``).  The same bits on every
     member that aggregates the same inputs (see the module's docstring).
@@ -340,7 +352,9 @@ def aggregate(values: dict[str, torch.Tensor], weights: dict[str, float], rule: 
     Members of weight 0 do not count.  The robust rules refuse a member whose values are not finite
     (ValueError): run :func:`member_norm_check` first and leave out whom it rejects.  Parameters:
     ``clipped``: ``ratio`` (τ in median norms, :data:`CLIP_RATIO`); ``centered-clip``: ``ratio`` (τ in median
-    distances) and ``iterations`` (:data:`ITERATIONS`); ``trimmed-mean``: ``fraction`` (:data:`TRIM_FRACTION`)."""
+    distances) and ``iterations`` (:data:`ITERATIONS`); ``trimmed-mean``: ``fraction`` (:data:`TRIM_FRACTION`).
+    ``distances``: filled with the counted members' distances to the result when the rule measured them on the way
+    (``centered-clip`` at its fixed point), for :func:`outliers`; left as it is otherwise."""
     if rule not in AGGREGATES:
         raise ValueError(f"aggregation rule {rule!r} is not one of {', '.join(AGGREGATES)}")
     unknown = sorted(set(params) - set(PARAMS[rule]))
@@ -377,4 +391,4 @@ def aggregate(values: dict[str, torch.Tensor], weights: dict[str, float], rule: 
     iterations = int(params.get("iterations", ITERATIONS))
     if iterations < 1:
         raise ValueError(f"centered-clip iterations {iterations} must be at least 1")
-    return _centered_clip(counted, weights, out, norms, ratio, iterations)
+    return _centered_clip(counted, weights, out, norms, ratio, iterations, distances)

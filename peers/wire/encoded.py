@@ -603,9 +603,10 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     if rejected:
         log.warning("left out the pseudo-gradient of %s: not finite, or its norm above %g times the group's median",
                     ", ".join(p[-8:] for p in rejected), check)
-    result = aggregate(values, counted, rule, out)
+    measured: dict[str, float] = {}
+    result = aggregate(values, counted, rule, out, distances=measured)
     if rule != "mean" and outlier > 0:
-        far = outliers({p: v for p, v in values.items() if counted[p] > 0}, result, outlier)
+        far = outliers({p: v for p, v in values.items() if counted[p] > 0}, result, outlier, measured)
         if far:
             # aggregated again without it: clipped to τ, a reversed Δ still pulled θ_global τ the wrong way in each
             # round until its strikes left it out (small, flip under centered-clip: 1.025× the clean loss, not 1.00)
