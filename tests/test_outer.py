@@ -109,3 +109,24 @@ def test_a_step_that_would_overflow_theta_is_told_before_it_is_taken():
         twin.load_state_dict(opt.state_dict())
         twin.step({"w": d})
         assert opt.step_is_finite({"w": d}) == bool(torch.isfinite(twin.theta_global["w"]).all())
+
+
+def test_the_overflow_check_takes_what_was_measured_after_a_commit_until_anything_writes_theta():
+    """After a commit the magnitudes of θ_global and the momentum are measured beside training (two passes over θ
+    off the next blocking round); any write since (a step, a download's copy, a checkpoint's load) leaves them
+    unmeasured, and the check measures again: it never answers from a θ that is no longer there."""
+    opt = OuterOptimizer({"w": torch.tensor([1.0, -2.0])}, lr=1e38, momentum=0.9)
+    opt.step({"w": torch.tensor([0.1, 0.1])})
+    opt.measure()
+    assert set(opt._measured()) == {"w"}
+    assert opt.step_is_finite({"w": torch.tensor([0.1, 0.1])})
+    with torch.no_grad():
+        opt.theta_global["w"].copy_(torch.tensor([3e38, 0.0]))  # as a download is installed
+    assert opt._measured() == {}
+    assert not opt.step_is_finite({"w": torch.tensor([1.0, 0.1])})  # from the old θ: 1 + 2e38, finite
+    opt.measure()
+    opt.step({"w": torch.zeros(2)})
+    assert opt._measured() == {}
+    opt.measure()
+    opt.set_momentum_buffers([torch.tensor([1e30, 0.0])])
+    assert opt._measured() == {}

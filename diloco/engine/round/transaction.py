@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -229,6 +230,8 @@ class RoundTransaction:
             self.stats.outer_step += 1
         self.peers.averager.commit(f.pending)
         self.guard.record(guarded_norm)
+        # the next round's overflow check reads what this measures, instead of scanning θ_global while it holds
+        threading.Thread(target=self.outer.measure, name="diloco-measure", daemon=True).start()
         self.transfer.after_commit()
         self.stats.behind = False
 
