@@ -106,9 +106,9 @@ ITERATIONS = 3
 """CenteredClip's iterations."""
 TRIM_FRACTION = 0.25
 """The fraction of members the trimmed mean drops at each end, per coordinate."""
-OUTLIER_RATIO = 4.0
-"""How many times the group's median distance to the robust aggregate a member's Δ may lie from it before the
-round holds a strike against it (:func:`outliers`)."""
+OUTLIER_RATIO = 3.0
+"""How many times the group's median member norm a member's Δ may lie from the robust aggregate before it counts for
+nothing and earns a strike (:func:`outliers`)."""
 
 
 def bound_weights(declared: Mapping[str, float], mode: str, cap: float) -> dict[str, float]:
@@ -192,25 +192,28 @@ def member_norm_check(norms: Mapping[str, float], ratio: float) -> list[str]:
 
 
 def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: float = OUTLIER_RATIO,
-             distances: Mapping[str, float] | None = None) -> list[str]:
+             distances: Mapping[str, float] | None = None, norms: Mapping[str, float] | None = None) -> list[str]:
     """The members (sorted) whose vector lies farther from ``center`` (a robust aggregate of them) than ``ratio`` ×
-    the low median of the members' distances to it: the evidence of a strike against a member that a robust rule
-    only clipped or trimmed.  None for fewer than three members (two have no majority to tell which of them is
-    far), nor when ``ratio`` ≤ 0 or the median distance is 0.
+    the low median of the members' norms: the evidence of a strike against a member that a robust rule only clipped
+    or trimmed.  None for fewer than three members (two have no majority to tell which of them is far), nor when
+    ``ratio`` ≤ 0 or the median norm is 0.
 
     Why: clipped to τ, a member sending its Δ reversed × 4 (inside the member check's 10× the median norm) still
     pulls θ_global τ away from the honest mean every round, and was never struck (``diloco experiment hostile`` on
-    ``small``: the honest islands' held-out loss 7.9% above the clean run under ``centered-clip``).  Honest islands
-    train from one θ_global on shards of one corpus: their distances to the aggregate are alike, and the reversed
-    Δ's is several times theirs.  Distances are :func:`sum_of_squares` in float64: every member strikes alike;
+    ``small``: the honest islands' held-out loss 7.9% above the clean run under ``centered-clip``).  It lies about 5
+    median norms from the aggregate.  The scale is the norm, not the members' median distance to the aggregate: on
+    ``tiny`` three honest islands sat within 0.3 norms of each other and a fourth, honest too, 1.1 to 2 norms from
+    them, 5.4 times their median distance (struck out of a clean run, in 2 of 10 rounds, by a ratio of 4 medians
+    of the distances).  Distances and norms are :func:`sum_of_squares` in float64: every member strikes alike;
     ``distances``: the members' distances to ``center`` when the rule measured them already (:func:`aggregate`'s
-    ``distances``)."""
+    ``distances``), ``norms`` their norms when the member check did (:func:`member_norms`)."""
     if ratio <= 0 or len(values) < 3:
         return []
     if distances is None or set(distances) != set(values):
         distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
-    median = low_median(list(distances.values()))
-    return sorted(p for p, d in distances.items() if median > 0 and d > ratio * median)
+    scale = low_median([norms[p] for p in values] if norms is not None and set(values) <= set(norms)
+                       else list(member_norms(values).values()))
+    return sorted(p for p, d in distances.items() if scale > 0 and d > ratio * scale)
 
 
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None

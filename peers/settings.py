@@ -167,10 +167,10 @@ class AveragerSettings:
     """A member's Δ counts for nothing in a round (and, with a robust `aggregate`, earns a strike) when it is not
     finite or its norm is above this many times the group's median member norm (0: only the finiteness check).
     Under `mean`, each part's owner checks the part it averages."""
-    outlier_ratio: float = 4.0
+    outlier_ratio: float = 3.0
     """With a robust `aggregate`: a member's Δ that lies farther from the aggregate than this many times the group's
-    median distance to it (3 members or more) counts for nothing (the aggregate is taken again without it) and
-    earns a strike. 0: never."""
+    median member norm (3 members or more) counts for nothing (the aggregate is taken again without it) and earns a
+    strike. 0: never."""
     strikes: int = 2
     """With a robust `aggregate`: after this many rounds whose committed result rejected its Δ (or found it an
     outlier: `outlier_ratio`), a member is left out of the run's rounds (the log and the metrics name it). 0:

@@ -124,6 +124,26 @@ def test_a_reversed_delta_inside_the_member_check_is_an_outlier_and_no_honest_me
     assert outliers(pair, aggregate(pair, {p: 1.0 for p in pair}, rule)) == []
 
 
+@pytest.mark.parametrize("rule", ROBUST)
+def test_an_honest_member_trained_on_other_data_is_no_outlier(rule):
+    """The false strike a clean run on ``tiny`` made: three honest islands within 0.3 norms of each other, a fourth,
+    honest, on a shard unlike theirs, 1.1 to 2.2 norms away, 5.4 times their median distance to the aggregate.
+    Measured in norms it stays under the ratio, and the same four with a reversed Δ × 4 beside them still name
+    only the liar."""
+    g = torch.Generator().manual_seed(3)
+    common = torch.randn(NUMEL, generator=g)
+    close = {f"h{i}": common + 0.15 * torch.randn(NUMEL, generator=g) for i in range(3)}
+    apart = dict(close, far=0.6 * common + 1.6 * torch.randn(NUMEL, generator=g))
+    weights = {p: 1.0 for p in apart}
+    center = aggregate(apart, weights, rule)
+    distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in apart.items()}
+    if rule != "clipped":  # far by the old scale, the members' distances (the clipped mean sits nearer to it)
+        assert distances["far"] > 5 * sorted(distances.values())[1]
+    assert outliers(apart, center) == []
+    liar = dict(apart, z=-4 * close["h0"])
+    assert outliers(liar, aggregate(liar, dict(weights, z=1.0), rule)) == ["z"]
+
+
 def test_centered_clip_hands_over_the_distances_it_measured_to_its_result():
     """An honest round of ``centered-clip`` ends at its fixed point having measured every member's distance to its
     result: the outlier check takes those (a float64 pass over every member saved, 0.36 s at 4 × 40M) and they are

@@ -348,7 +348,7 @@ FINGERPRINT_PREFIXES = ("model.", "seed", "diloco.outer_optimizer", "diloco.oute
                         "averaging.run_id", "averaging.aggregate", "averaging.weighting", "averaging.member_check",
                         "averaging.strikes", "averaging.outlier_ratio")
 ROBUSTNESS_DEFAULTS = {"averaging.aggregate": "mean", "averaging.weighting": "auto", "averaging.member_check": 10.0,
-                       "averaging.strikes": 2, "averaging.outlier_ratio": 4.0}
+                       "averaging.strikes": 2, "averaging.outlier_ratio": 3.0}
 """Keys islands must share that joined the fingerprint later: at these values they stay out of it, so that the
 fingerprints of runs from before them stay as they were."""
 

@@ -388,7 +388,7 @@ def average_encoded(channel: EncodedChannel, codec: Any, key: str, me: str, peer
     every member's whole Δ (an all-gather: no member's share of the work is taken on trust); ``check``: a member
     whose Δ (or part) is not finite or of a norm above ``check`` × the median counts for nothing (0: only the
     finiteness check), see :func:`aggregate_checked`; ``outlier``: under a robust rule, a member whose Δ lies farther
-    from the aggregate than this many times the median distance is rejected too."""
+    from the aggregate than this many times the median member norm is rejected too."""
     robust = rule != "mean"
     if (not robust and groups is not None and len(groups) > 1 and reduce_scatters(codec, len(peers))
             and carry is None and (owners is None or set(owners) >= set(peers))):
@@ -591,7 +591,7 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     finite, or whose norm is above ``check`` × the group's median (0: no bound), counts for nothing
     (:func:`peers.aggregation.member_norm_check`).  Returns (the aggregate, or None when no member is left; the
     members rejected: those, and under a robust rule those whose Δ lies farther from the aggregate than ``outlier``
-    × the median distance, :func:`peers.aggregation.outliers`, 0: none so; the aggregate is then taken again
+    × the median member norm, :func:`peers.aggregation.outliers`, 0: none so; the aggregate is then taken again
     without them).  The same bits on every member that
     checks and aggregates the same values; ``exact`` False (one member alone decides, a part's owner) takes torch's
     norms, several times faster, whose last bits depend on the thread count."""
@@ -606,11 +606,11 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     measured: dict[str, float] = {}
     result = aggregate(values, counted, rule, out, distances=measured)
     if rule != "mean" and outlier > 0:
-        far = outliers({p: v for p, v in values.items() if counted[p] > 0}, result, outlier, measured)
+        far = outliers({p: v for p, v in values.items() if counted[p] > 0}, result, outlier, measured, norms)
         if far:
             # aggregated again without it: clipped to τ, a reversed Δ still pulled θ_global τ the wrong way in each
             # round until its strikes left it out (small, flip under centered-clip: 1.025× the clean loss, not 1.00)
-            log.warning("left out the pseudo-gradient of %s: more than %g times the group's median distance from "
+            log.warning("left out the pseudo-gradient of %s: more than %g times the group's median norm away from "
                         "the %s aggregate", ", ".join(p[-8:] for p in far), outlier, rule)
             rejected = sorted({*rejected, *far})
             counted = {p: 0.0 if p in far else w for p, w in counted.items()}
