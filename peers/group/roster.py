@@ -374,9 +374,7 @@ class RosterForming:
             here = sent is None and round_id == self._current
             if sent is None and not here:
                 sent = NOT_YET_BODY
-                self._passed_over.setdefault(round_id, {})[sender] = _entering(payload)
-                while len(self._passed_over) > CLOSED_ROUNDS:
-                    self._passed_over.popitem(last=False)
+                _remember(self._passed_over, round_id, sender, _entering(payload))
             if here:  # into the inbox while the lock is held: whoever stops taking joins finds it there
                 self.transport.box.put(key, sender, payload)
         if isinstance(endpoint, str) and endpoint:
@@ -612,10 +610,8 @@ class RosterForming:
                     if where and _order_key(round_id, rival) < _order_key(round_id, self.island):
                         log.info("round %s: %s leads it too and comes first in the order: handing the round over to "
                                  "it", round_id, rival[-8:])
-                        self._stop_taking(round_id, json.dumps({"redirect": [rival, where]}).encode())
-                        self._handed_to = replace(view, endpoints={**view.endpoints, rival: where},
-                                                  expected=view.expected | {rival})
-                        self._handed_first = rival
+                        self._hand_over(round_id, rival, replace(view, endpoints={**view.endpoints, rival: where},
+                                                                 expected=view.expected | {rival}))
                         return HANDED_OFF
                     expected.add(rival)  # it hands its round over to this one, told that it leads it too
                     self._say_arrived(round_id, meta, {rival: where})
@@ -691,9 +687,14 @@ class RosterForming:
             return False
         log.info("round %s: the registry now names %s before this island: handing the round over to it", round_id,
                  first[-8:])
-        self._stop_taking(round_id, json.dumps({"redirect": [first, fresh.endpoints[first]]}).encode())
-        self._handed_to, self._handed_first = fresh, first
+        self._hand_over(round_id, first, fresh)
         return True
+
+    def _hand_over(self, round_id: str, leader: str, view: RoundView) -> None:
+        """Send this leader's joiners on to ``leader`` (at its endpoint in ``view``), answer later joins so, and join
+        it next with ``view`` (:meth:`form` goes on from :attr:`_handed_to`)."""
+        self._stop_taking(round_id, json.dumps({"redirect": [leader, view.endpoints[leader]]}).encode())
+        self._handed_to, self._handed_first = view, leader
 
 PASSED = RoundResult(False, "the leader takes no part in the round")
 """What :meth:`RosterForming._follow` returns when the leader we joined declined the round."""
