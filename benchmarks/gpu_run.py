@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from diloco.engine.metrics import read_metrics  # noqa: E402
 from diloco.launch import tail  # noqa: E402
 
 class Case(NamedTuple):
@@ -54,6 +55,10 @@ class Case(NamedTuple):
     backend: str
     outer_device: str
     parallel: dict[str, int] = {}
+    rejoin: int = 0
+    """Above 0: the last island is SIGKILLed in round ``rejoin``'s all-reduce and started again with --resume once
+    the others committed the next round, so that it catches θ_global up from an island serving it (from the GPU,
+    where the outer state lives there)."""
 
 
 SHARED = {"parallel.gpus": 1}
@@ -67,17 +72,28 @@ CASES: dict[str, Case] = {
     # an island's ranks on one GPU (gloo on CUDA tensors): the CUDA paths of sharded islands, not their speed
     "150m-dp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, **SHARED}),
     "150m-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.tp": 2, **SHARED}),
+    "150m-pp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.pp": 2, **SHARED}),
     "150m-dp2-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, "parallel.tp": 2, **SHARED}),
     "150m-2-tp2-islands-hivemind": Case("150m", 2, "delayed", "hivemind", "cpu", {"parallel.tp": 2, **SHARED}),
+    "1b-dp2-one-gpu": Case("1b", 1, "delayed", "local", "cpu", {"parallel.dp": 2, **SHARED}),
+    # θ_global and the momentum on the GPU, served to an island that comes back behind the run
+    "tiny-outer-on-gpu-serves-a-joiner": Case("tiny", 3, "none", "hivemind", "cuda", rejoin=2),
 }
+JOIN = {"averaging.min_group_size": 2, "averaging.matchmaking_timeout": 12.0,
+        "averaging.state_download_timeout": 20.0, "averaging.member_ttl": 20.0, "checkpoint.every": 1}
+"""A rejoin case's settings: two islands commit without the third, and its restart resumes from a checkpoint."""
+JOIN_ROUNDS, JOIN_INNER = 12, 150
+"""A rejoin case's least rounds and H: the others must still be running when the killed island is back (~10 s)."""
 BATCH = {"tiny": 4, "150m": 16, "1b": 4}  # sequences per step: as benchmarks/gpu_island.py, so MFU compares
 
 
-def case_args(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bool) -> list[str]:
-    """The command line of one case."""
-    preset, islands, overlap, backend, outer_device, parallel = CASES[name]
+def case_items(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bool) -> dict[str, Any]:
+    """The settings of one case (dotted keys)."""
+    preset, islands, overlap, backend, outer_device, parallel, rejoin = CASES[name]
     if smoke:
         preset = "tiny"
+    if rejoin:
+        inner_steps, rounds = max(inner_steps, JOIN_INNER), max(rounds, JOIN_ROUNDS)
     items = {"model.preset": preset, "inner.batch_size": BATCH[preset], "diloco.inner_steps": inner_steps,
              "diloco.outer_steps": rounds, "diloco.overlap": overlap, "diloco.master_device": outer_device,
              "averaging.backend": backend, "parallel.param_dtype": "fp32" if smoke else "bf16",
@@ -86,9 +102,18 @@ def case_args(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bo
              "checkpoint.every": 0, "wandb.mode": "disabled", "data.max_bytes": 8_000_000,
              "averaging.run_id": f"gpu-run-{name}"}
     items.update(parallel)
+    if rejoin:
+        items.update(JOIN)
     if smoke:
         items.update({"device": "cpu", "diloco.master_device": "cpu", "threads": 1})
         items.pop("parallel.gpus", None)
+    return items
+
+
+def case_args(name: str, inner_steps: int, rounds: int, run_dir: Path, smoke: bool) -> list[str]:
+    """The command line of one case."""
+    _, islands, _, _, _, parallel, _ = CASES[name]
+    items = case_items(name, inner_steps, rounds, run_dir, smoke)
     args = [x for k, v in items.items() for x in (f"--{k}", str(v))]
     ranks = parallel.get("parallel.dp", 1) * parallel.get("parallel.tp", 1) * parallel.get("parallel.pp", 1)
     if islands == 1 and ranks > 1:
@@ -104,6 +129,8 @@ def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float
     """Run one case to its end (or its timeout) and read what its islands wrote."""
     run_dir = out / "runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
+    if CASES[name].rejoin:
+        return run_rejoin_case(name, inner_steps, rounds, run_dir, timeout, smoke)
     cmd = case_args(name, inner_steps, rounds, run_dir, smoke)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_LOGS": "recompiles,graph_breaks",
            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -129,6 +156,55 @@ def run_case(name: str, inner_steps: int, rounds: int, out: Path, timeout: float
     return row
 
 
+def run_rejoin_case(name: str, inner_steps: int, rounds: int, run_dir: Path, timeout: float,
+                    smoke: bool) -> dict[str, Any]:
+    """A case whose last island is killed and comes back (:attr:`Case.rejoin`), driven as the fault tests drive
+    one: the row says whether it caught up by a download and every island ended on the same θ_global."""
+    from diloco.config.loader import load
+    from diloco.launch.simulate import Cluster, SimulationError
+
+    case = CASES[name]
+    victim = case.islands - 1
+    cfg = load(None, case_items(name, inner_steps, rounds, run_dir, smoke))
+    cluster = Cluster(cfg, case.islands, env={victim: {"DILOCO_FAULTS": f"kill@allreduce:{case.rejoin}"}},
+                      share_gpus=not smoke)
+    t0 = time.perf_counter()
+    deadline = time.time() + timeout
+    problem = ""
+
+    def wait_for(done: Any, what: str) -> None:
+        while not done():
+            if time.time() > deadline or cluster.failed() and not cluster.procs[victim].poll():
+                raise SimulationError(f"timed out waiting for {what}")
+            time.sleep(0.5)
+
+    def committed(d: Path, step: int) -> bool:
+        return any(r.get("round_ok") and r["outer_step"] >= step for r in read_metrics(d))
+
+    try:
+        cluster.start_all()
+        wait_for(lambda: cluster.procs[victim].poll() is not None, f"island {victim}'s scripted kill")
+        wait_for(lambda: all(committed(d, case.rejoin + 1) for d in cluster.run_dirs[:victim]),
+                 f"the others to commit round {case.rejoin + 1}")
+        cluster.restart(victim, env={"DILOCO_FAULTS": ""})
+        cluster.wait(timeout=max(deadline - time.time(), 1.0))
+    except SimulationError as e:
+        problem = str(e)
+    finally:
+        cluster.stop_all()
+    rc = 1 if problem else 0
+    row: dict[str, Any] = {"case": name, "command": f"rejoin case: {case_items(name, inner_steps, rounds, run_dir, smoke)}",
+                           "rc": rc, "seconds": time.perf_counter() - t0, "timed_out": "timed out" in problem}
+    read_case(row, run_dir)
+    log = cluster.logs[victim].read_text(errors="replace") if cluster.logs[victim].exists() else ""
+    row["caught_up"] = re.findall(r"caught up with the run at outer step \d+[^\n]*", log)
+    if problem:
+        row["log_tail"] = problem
+    for f in run_dir.rglob("theta_global.pt"):
+        f.unlink()
+    return row
+
+
 def read_case(row: dict[str, Any], run_dir: Path) -> None:
     """Fill ``row`` with what the case's islands wrote under ``run_dir``."""
     name = row["case"]
@@ -144,10 +220,10 @@ def read_case(row: dict[str, Any], run_dir: Path) -> None:
 def read_island(run_dir: Path, overlap: str) -> dict[str, Any]:
     """One island's figures from its metrics and summary (empty when it wrote no metrics; an island that died
     before its summary: the rounds it logged, with ``outer_step`` None)."""
-    metrics, summary = run_dir / "metrics.jsonl", run_dir / "summary.json"
-    if not metrics.exists():
+    summary = run_dir / "summary.json"
+    records = read_metrics(run_dir)
+    if not records:
         return {}
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     rounds = [r for r in records if "round_ok" in r]
     s = json.loads(summary.read_text()) if summary.exists() else {
         "rounds_ok": sum(r["round_ok"] for r in rounds), "tokens": rounds[-1]["tokens"] if rounds else 0,
@@ -190,7 +266,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     """The cases as a table, one line per island."""
     lines = [header, "", "| case | island | rounds ok | median stall / round | of the round | send (training thread) "
              "| round wall | MFU: steps / steady run / whole run | tokens/s (steps) | utilization | peak GPU GB | peak host GB | "
-             "recompiles, graph breaks | θ identical (2 islands) |", "|" + "---|" * 14]
+             "recompiles, graph breaks | θ identical (islands) |", "|" + "---|" * 14]
     for r in rows:
         for i, isl in enumerate(r["islands"] or [{}]):
             if not isl:

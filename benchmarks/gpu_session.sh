@@ -12,7 +12,7 @@
 # before, unless INNER_STEPS says otherwise.  SECONDS (default 440) bounds the cases.  Carry the wheels folder
 # (.whl) with the call.
 set -o pipefail
-cases=${1:-150m-dp2-one-gpu,150m-tp2-one-gpu,150m-delayed,150m-dp2-tp2-one-gpu,150m-2-tp2-islands-hivemind}
+cases=${1:-150m-pp2-one-gpu,tiny-outer-on-gpu-serves-a-joiner,150m-dp2-one-gpu,150m-tp2-one-gpu,150m-delayed,150m-dp2-tp2-one-gpu,150m-2-tp2-islands-hivemind}
 seconds=${2:-440}
 if [ -z "$1" ]; then inner=${3:-15}; else inner=${3:-100}; fi
 out=${OUT:-/tmp/gpu-session}

@@ -29,6 +29,7 @@ from pipeline.pipeline_parallel import (
     build_schedule,
     build_stage_modules,
     check_schedule,
+    stage_group,
 )
 from pipeline.settings import ParallelSettings, check_tensor_parallel
 from pipeline.shards import (
@@ -104,12 +105,15 @@ class ModelParts:
     :func:`pipeline.mesh.init_island_mesh`, or None for a single-process island.  ``profile_shape``
     is one micro-batch ``(rows, seq)`` for ``balance="profile"`` (default: one sequence of the model's
     context).  With ``pp > 1`` the island's rank 0 logs the chosen split (:attr:`plan`) and, after a
-    few training steps, the measured idle fraction (:attr:`clock`).
+    few training steps, the measured idle fraction (:attr:`clock`).  ``host_staged`` sends the stages'
+    activations and gradients through host memory (:func:`pipeline.pipeline_parallel.stage_group`; None: where
+    gloo carries a GPU's tensors).
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None, settings: ParallelSettings,
                  loss_fn: LossFn = cross_entropy_loss, device: torch.device | str | None = None,
-                 profile_shape: tuple[int, int] | None = None, init: Mapping[str, torch.Tensor] | None = None):
+                 profile_shape: tuple[int, int] | None = None, init: Mapping[str, torch.Tensor] | None = None,
+                 host_staged: bool | None = None):
         dp, tp, pp = (mesh_size(mesh, d) for d in ("dp", "tp", "pp"))
         if (dp, tp, pp) != (settings.dp, settings.tp, settings.pp):
             raise ValueError(f"the mesh is dp={dp} x pp={pp} x tp={tp} but the settings ask for dp={settings.dp} x "
@@ -168,7 +172,8 @@ class ModelParts:
         self.stages = []
         self.schedule = None
         if pp > 1:
-            self.stages = build_pipeline_stages(owned, self.n_stages, self.device, mesh["pp"].get_group())
+            self.stages = build_pipeline_stages(owned, self.n_stages, self.device,
+                                                stage_group(mesh, self.device, host_staged))
             self.clock = StageClock(self.device, mesh["pp"].get_group(), self.pp_rank, pp, self._report_measured)
             self.clock.wrap_stages(self.stages)
             self.schedule = build_schedule(settings.schedule, self.stages, settings.microbatches,

@@ -14,10 +14,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.mesh import group_timeout
+
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
@@ -141,6 +145,24 @@ def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, virtual_st
     keys = list(model.layers.keys())
     return [(stage, model_part(model, {keys[i] for i in split[stage]}, stage == 0, stage == n_stages - 1))
             for stage in stage_ids_of_rank(pp_rank, pp_size, virtual_stages)]
+
+
+def stage_group(mesh: DeviceMesh, device: torch.device, host_staged: bool | None = None) -> ProcessGroup:
+    """The group this rank's pipeline stages send and receive on: the mesh's ``pp`` group, or a group of the same
+    ranks whose sends and receives go through host memory (:mod:`pipeline.host_staged`).  ``host_staged`` None
+    takes the second where gloo would carry a GPU's tensors point to point, which it cannot (ranks sharing GPUs)."""
+    pp_group = mesh["pp"].get_group()
+    if host_staged is None:
+        host_staged = device.type != "cpu" and dist.get_backend(pp_group) == "gloo"
+    if not host_staged:
+        return pp_group
+    from pipeline.host_staged import host_staged_group
+
+    names = list(mesh.mesh_dim_names or ())
+    ranks = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, mesh["pp"].size()).tolist()
+    group = host_staged_group(ranks, group_timeout(pp_group) or group_timeout())
+    assert group is not None  # noqa: S101 (this rank is in its own pp group)
+    return group
 
 
 def build_pipeline_stages(modules: list[tuple[int, nn.Module]], n_stages: int, device: torch.device,

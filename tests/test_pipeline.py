@@ -272,6 +272,9 @@ CASES_2 = [
     dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
     dict(name="pp2-interleaved-1f1b", tp=1, pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2),
+    # the stages' sends and receives through host memory, as on ranks that share a GPU (gloo cannot send a GPU's
+    # tensors point to point)
+    dict(name="pp2-1f1b-host-staged", tp=1, pp=2, schedule="1f1b", microbatches=2, host_staged=True),
 ]
 
 
@@ -279,9 +282,11 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     """Train one island for STEPS steps and save what this rank sees."""
     from pipeline.mesh import init_island_mesh
 
-    settings = ParallelSettings(**{k: v for k, v in case.items() if k not in ("name", "optimizer", "muon_split")})
+    settings = ParallelSettings(**{k: v for k, v in case.items()
+                                   if k not in ("name", "optimizer", "muon_split", "host_staged")})
     mesh = init_island_mesh(settings.tp, settings.pp, "cpu", timeout_s=60, dp=settings.dp)
-    island = ModelParts(build_model(tiny_model_config()), mesh, settings)
+    island = ModelParts(build_model(tiny_model_config()), mesh, settings, host_staged=case.get("host_staged"))
+    result = {"stage_group": type(island.stages[0].group).__name__ if island.stages else None}
     opt = make_optimizer(island.named_parameters(), case.get("optimizer", "adamw"), case.get("muon_split", True))
     losses, norms = [], []
 
@@ -307,7 +312,7 @@ def _run_case(case: dict, out_dir: Path, rank: int) -> None:
     after_eval = island.train_step(mine(ev)[:, :-1], mine(ev)[:, 1:])
     island.zero_grad()
     full = island.full_parameters()  # collective: every rank gets the whole model
-    result = dict(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval, dtypes=dtypes,
+    result.update(losses=losses, norms=norms, eval_loss=eval_loss, after_eval=after_eval, dtypes=dtypes,
                   round_trip=(moved, back), orthogonalized=getattr(opt, "orthogonalized", None),
                   local={k: v.clone() for k, v in island.local_named_parameters().items()},
                   specs=island.shard_specs(), full=full if rank == 0 else None)
@@ -418,6 +423,8 @@ def check_case(case: dict, world: int, out: Path, references: dict[str, dict]) -
             for name, p in r["full"].items():
                 torch.testing.assert_close(p, ref["params"][name], rtol=1e-3, atol=1e-4)
         assert r["zeroed"] and r["restored"]
+        assert r["stage_group"] == ("HostStagedGroup" if case.get("host_staged") else
+                                    "ProcessGroup" if case["pp"] > 1 else None)
         if case["pp"] > 1:
             assert r["microbatch_error"] == ("the batch of 3 sequences does not split into "
                                              f"--parallel.microbatches ({case['microbatches']}) equal micro-batches")

@@ -150,8 +150,6 @@ SWEEP = [
     ("train: ranks placed on GPUs of a CPU island", ["train", *TINY, "--parallel.tp", "2", "--parallel.gpus", "1",
                                                      "--device", "cpu"], 2,
      "--parallel.gpus 1 places the island's ranks on GPUs, but --device is cpu", None),
-    ("train: a pipeline on ranks that share a GPU", ["train", *TINY, "--parallel.pp", "2", "--parallel.gpus", "1"], 2,
-     "--parallel.pp 2 cannot run on ranks that share GPUs (--parallel.gpus 1)", None),
     ("train: SparseLoCo's two flags without its codec", ["train", *TINY, "--diloco.outer_optimizer", "sparseloco",
                                                          "--diloco.outer_lr", "4"], 2,
      "add --averaging.compression topk (SparseLoCo's whole recipe", None),

@@ -179,10 +179,6 @@ def parallel_problems(cfg: Config) -> list[str]:
     if par.gpus < 0 or par.gpus > max(par.processes, 1):
         return [f"--parallel.gpus must be between 0 (one GPU per rank) and the island's {par.processes} rank(s), "
                 f"got {par.gpus}"]
-    if par.shares_gpus and par.pp > 1:
-        return [f"--parallel.pp {par.pp} cannot run on ranks that share GPUs (--parallel.gpus {par.gpus}): they talk "
-                f"over gloo, which cannot send GPU tensors point to point as the pipeline does (an H200 refused it: "
-                f"'writev: Bad address'); give each rank a GPU, or check the shape's memory with train --dry-run"]
     if par.gpus and cfg.device == "cpu":
         return [f"--parallel.gpus {par.gpus} places the island's ranks on GPUs, but --device is cpu: drop "
                 f"--parallel.gpus or pass --device cuda"]
