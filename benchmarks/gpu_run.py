@@ -82,8 +82,9 @@ CASES: dict[str, Case] = {
 JOIN = {"averaging.min_group_size": 2, "averaging.matchmaking_timeout": 12.0,
         "averaging.state_download_timeout": 20.0, "averaging.member_ttl": 20.0, "checkpoint.every": 1}
 """A rejoin case's settings: two islands commit without the third, and its restart resumes from a checkpoint."""
-JOIN_ROUNDS, JOIN_INNER = 12, 150
-"""A rejoin case's least rounds and H: the others must still be running when the killed island is back (~10 s)."""
+JOIN_ROUNDS, JOIN_INNER = 10, 800
+"""A rejoin case's least rounds and H: the others must still be running when the killed island is back (~25 s on the
+H200, tiny model: 150 steps took 1.2 s there, and 12 rounds of them ended before it was)."""
 BATCH = {"tiny": 4, "150m": 16, "1b": 4}  # sequences per step: as benchmarks/gpu_island.py, so MFU compares
 
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from pipeline.balance import BALANCES, StagePlan, plan_stages
 from pipeline.grad_clip import clip_grad_norm_
@@ -171,6 +175,7 @@ class ModelParts:
         self._batch_shapes: dict[bool, torch.Size] = {}  # train / eval -> the pipeline's batch shape
         self.stages = []
         self.schedule = None
+        self._eval_schedule: _PipelineSchedule | None = None
         if pp > 1:
             self.stages = build_pipeline_stages(owned, self.n_stages, self.device,
                                                 stage_group(mesh, self.device, host_staged))
@@ -358,10 +363,23 @@ class ModelParts:
         kwargs = {}
         if self.has_last_stage:
             kwargs = {"target": targets.to(self.device), "losses": []}
-        run = self.schedule.step if train else self.schedule.eval
+        run = self.schedule.step if train else self._evaluation_schedule().eval
         with self.autocast():  # around the whole schedule, as torchtitan does: the stages' forwards run inside it
             run(*args, return_outputs=False, **kwargs)  # keep no logits: the losses are all we need
         return kwargs.get("losses", [])
+
+    def _evaluation_schedule(self) -> _PipelineSchedule:
+        """The schedule evaluation runs, over stages of its own wrapping the same modules (made at the first
+        evaluation, on every pipeline rank alike).  torch 2.11 sets a stage's receive buffers up once, at its
+        first call, and makes them require gradients only if that call had a backward: an evaluation before the
+        first training step (the run's first) left training without the gradients of the stages' inputs
+        ("chunk 0 has gradients None", on the H200)."""
+        if self._eval_schedule is None:
+            stages = build_pipeline_stages(list(zip(self.stage_ids, self.modules)), self.n_stages, self.device,
+                                           self.stages[0].group)
+            self._eval_schedule = build_schedule(self.settings.schedule, stages, self.settings.microbatches,
+                                                 self._scaled_loss, scale_grads=False)
+        return self._eval_schedule
 
     def _broadcast_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
         """Sum of the last stage's (already 1/m-scaled) micro-batch losses, sent to every PP rank."""
