@@ -73,6 +73,7 @@ CASES: dict[str, Case] = {
     "150m-dp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, **SHARED}),
     "150m-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.tp": 2, **SHARED}),
     "150m-pp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.pp": 2, **SHARED}),
+    "150m-pp2-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.pp": 2, "parallel.tp": 2, **SHARED}),
     "150m-dp2-tp2-one-gpu": Case("150m", 1, "delayed", "local", "cpu", {"parallel.dp": 2, "parallel.tp": 2, **SHARED}),
     "150m-2-tp2-islands-hivemind": Case("150m", 2, "delayed", "hivemind", "cpu", {"parallel.tp": 2, **SHARED}),
     "1b-dp2-one-gpu": Case("1b", 1, "delayed", "local", "cpu", {"parallel.dp": 2, **SHARED}),

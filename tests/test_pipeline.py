@@ -253,13 +253,15 @@ def test_muon_takes_the_blocks_matrices_and_orthogonalises_their_update():
 
 
 # ----------------------------------------------------------------------------- distributed checks
+# host_staged: the stages send and receive through host memory, as on ranks that share a GPU (gloo cannot send a
+# GPU's tensors point to point): TP's DTensors between stages, and one such group per data-parallel replica
 CASES_4 = [  # tp=2 x pp=2, one case per schedule (4 layers: interleaved runs 4 one-layer stages)
-    dict(name="tp2-pp2-gpipe", tp=2, pp=2, schedule="gpipe", microbatches=4),
+    dict(name="tp2-pp2-gpipe", tp=2, pp=2, schedule="gpipe", microbatches=4, host_staged=True),
     dict(name="tp2-pp2-1f1b", tp=2, pp=2, schedule="1f1b", microbatches=4, activation_checkpointing=True),
     dict(name="tp2-pp2-interleaved-1f1b", tp=2, pp=2, schedule="interleaved-1f1b", microbatches=4,
          virtual_stages=2),
     dict(name="dp2-tp2", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1),
-    dict(name="dp2-pp2", dp=2, tp=1, pp=2, schedule="1f1b", microbatches=2),
+    dict(name="dp2-pp2", dp=2, tp=1, pp=2, schedule="1f1b", microbatches=2, host_staged=True),
     # Muon orthogonalises whole matrices: gathered from FSDP's and TP's shards of one parameter at once, each
     # by one of the 4 ranks in turn
     dict(name="dp2-tp2-muon", dp=2, tp=2, pp=1, schedule="1f1b", microbatches=1, optimizer="muon"),
@@ -272,9 +274,6 @@ CASES_2 = [
     dict(name="tp2", tp=2, pp=1, schedule="1f1b", microbatches=1, activation_checkpointing=True),
     dict(name="pp2-1f1b", tp=1, pp=2, schedule="1f1b", microbatches=2, layers_per_stage=[3, 1]),
     dict(name="pp2-interleaved-1f1b", tp=1, pp=2, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2),
-    # the stages' sends and receives through host memory, as on ranks that share a GPU (gloo cannot send a GPU's
-    # tensors point to point)
-    dict(name="pp2-1f1b-host-staged", tp=1, pp=2, schedule="1f1b", microbatches=2, host_staged=True),
 ]
 
 
