@@ -117,6 +117,20 @@ def test_nan_from_a_peer_counts_for_nothing_and_the_round_goes_on(swarm):
     assert torch.equal(torch.cat([a.reshape(-1) for a in results[0][1]]), torch.cat([a.reshape(-1) for a in results[1][1]]))
 
 
+def test_an_exchange_that_raises_fails_the_round_and_returns_it_as_data(swarm):
+    """A payload or transport that breaks the exchange (a decoder's error, say) ends the round with its reason on
+    every member, not in an exception out of the round."""
+    avgs = swarm(2)
+
+    def broken(meta, peers, round_id):
+        raise RuntimeError("the decoder broke")
+
+    results = _together([lambda a=a: a.run_round(1.0, {"config_fingerprint": "same"}, "0", broken) for a in avgs])
+    for result, averaged in results:
+        assert not result.ok and averaged is None
+        assert result.reason == "the exchange raised RuntimeError: the decoder broke"
+
+
 def test_different_configs_are_not_averaged(swarm):
     avgs = swarm(2)
     results = _run_round(avgs, [_rand(), _rand()], [1.0, 1.0],

@@ -343,11 +343,16 @@ class VerifiedAverager(MissedGroups):
         if not result.reason:
             t_exchange = time.perf_counter()
             result.groups = len(split_groups(peers, round_id, self.settings.max_group_size))
-            out = exchange(meta, peers, round_id)
+            try:
+                out = exchange(meta, peers, round_id)
+            except Exception as e:  # a payload or a transport that breaks the exchange fails the round, as data
+                log.exception("round %s: the exchange raised", round_id)
+                result.reason = f"the exchange raised {type(e).__name__}: {short_error(e)}"
             result.exchange_seconds = time.perf_counter() - t_exchange
-            result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
-            result.parts_resent, result.rejected = out.parts_resent, out.rejected
-            if out.reason:
+            if out is not None:
+                result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
+                result.parts_resent, result.rejected = out.parts_resent, out.rejected
+            if out is not None and out.reason:
                 result.reason, result.members_left = out.reason, out.members_left
                 result.retryable = result.members_left >= self.settings.min_group_size
         result.allreduce_seconds = time.perf_counter() - t_allreduce
