@@ -207,13 +207,22 @@ def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: fl
     of the distances).  Distances and norms are :func:`sum_of_squares` in float64: every member strikes alike;
     ``distances``: the members' distances to ``center`` when the rule measured them already (:func:`aggregate`'s
     ``distances``), ``norms`` their norms when the member check did (:func:`member_norms`)."""
-    if ratio <= 0 or len(values) < 3:
+    if ratio <= 0:
         return []
+    return sorted(p for p, d in spread(values, center, distances, norms).items() if d > ratio)
+
+
+def spread(values: Mapping[str, torch.Tensor], center: torch.Tensor, distances: Mapping[str, float] | None = None,
+           norms: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each member's distance to ``center`` in the low median of the members' norms (what :func:`outliers` compares
+    with its ratio; ``distances`` and ``norms`` as there); empty for fewer than three members or a median norm of 0."""
+    if len(values) < 3:
+        return {}
     if distances is None or set(distances) != set(values):
         distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
     scale = low_median([norms[p] for p in values] if norms is not None and set(values) <= set(norms)
                        else list(member_norms(values).values()))
-    return sorted(p for p, d in distances.items() if scale > 0 and d > ratio * scale)
+    return {p: distances[p] / scale for p in values} if scale > 0 else {}
 
 
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None

@@ -54,7 +54,7 @@ from hivemind.p2p import P2PContext, PeerID
 from outer_optim.compression import Payload, reduce_scatters
 from outer_optim.compression.entropy import pack, unpack, unpack_at_most
 from outer_optim.tensors import all_finite
-from peers.aggregation import aggregate, member_norm_check, member_norms, outliers
+from peers.aggregation import aggregate, member_norm_check, member_norms, spread
 from peers.discovery.membership import MemberCheck, punchable, takes_connections
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -606,7 +606,11 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     measured: dict[str, float] = {}
     result = aggregate(values, counted, rule, out, distances=measured)
     if rule != "mean" and outlier > 0:
-        far = outliers({p: v for p, v in values.items() if counted[p] > 0}, result, outlier, measured, norms)
+        apart = spread({p: v for p, v in values.items() if counted[p] > 0}, result, measured, norms)
+        # an honest member on data of its own sits farther out as a run goes on: the margin is worth watching
+        log.info("distances to the %s aggregate, in median member norms (%g rejects): %s", rule, outlier,
+                 " ".join(f"{p[-8:]}={d:.2f}" for p, d in sorted(apart.items())))
+        far = sorted(p for p, d in apart.items() if d > outlier)
         if far:
             # aggregated again without it: clipped to τ, a reversed Δ still pulled θ_global τ the wrong way in each
             # round until its strikes left it out (small, flip under centered-clip: 1.025× the clean loss, not 1.00)
