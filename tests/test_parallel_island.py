@@ -367,6 +367,18 @@ def test_a_run_that_ends_out_of_sync_says_so(unsigned_registry):
     problem = transfer.check_in_sync(state, stopping=False)
     assert problem.startswith("the run ended out of sync: θ_global of 1 of the 1 other island(s)"), problem
     assert "this island holds one half's" in problem, problem  # 1 against 1: neither side is the majority
+    # two more islands end on this island's θ_global: it holds the majority's, and the one that differs says so itself
+    # (48 islands: one cut off in the last rounds made the 47 others, on one θ_global, exit with an error)
+    others = [Membership(_FakeDHT(name, registry), "run") for name in ("C", "D")]
+    for other in others:
+        other.final = {"outer_step": 7, "state": digest(state)}
+        other.leave()
+    assert transfer.check_in_sync(state, stopping=False) == ""
+    assert transfer.check_in_sync([1.5, 1.5, 1.5] * 4, stopping=False).startswith(
+        "the run ended out of sync: θ_global of 2 of the 3 other island(s)")  # the one that differs: the minority's
+    for other in others:
+        other.final = {"outer_step": 6, "state": digest(state)}
+        other.leave()
     theirs.final = {"outer_step": 6, "state": [9.0] * 12}  # ended earlier (stopped): not comparable
     theirs.leave()
     assert transfer.check_in_sync(state, stopping=False) == ""

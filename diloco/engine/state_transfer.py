@@ -294,6 +294,15 @@ class StateTransfer:
         if not differ:
             return ""
         with_us = compared - len(differ) + 1
+        if with_us > len(differ):
+            # the islands that differ say so themselves and --resume brings them back; this island, on the θ_global
+            # of most of the islands it compared with, ended in the run (48 islands: one island cut off in the last
+            # rounds made the 47 others, all on one θ_global, exit with an error)
+            log.warning("%d of the %d other island(s) that ended at outer step %d hold another θ_global (%s); this "
+                        "island holds the majority's (%d of %d): those islands are the ones out of sync, and --resume "
+                        "resynchronizes them", len(differ), compared, self.stats.outer_step,
+                        ", ".join(d[-8:] for d in differ), with_us, compared + 1)
+            return ""
         side = "the minority's" if with_us < len(differ) else "the majority's" if with_us > len(differ) else "one half's"
         return (f"the run ended out of sync: θ_global of {len(differ)} of the {compared} other island(s) that ended "
                 f"at outer step {self.stats.outer_step} differs from this one's ({', '.join(d[-8:] for d in differ)}), "
