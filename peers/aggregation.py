@@ -194,35 +194,45 @@ def member_norm_check(norms: Mapping[str, float], ratio: float) -> list[str]:
 def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: float = OUTLIER_RATIO,
              distances: Mapping[str, float] | None = None, norms: Mapping[str, float] | None = None) -> list[str]:
     """The members (sorted) whose vector lies farther from ``center`` (a robust aggregate of them) than ``ratio`` ×
-    the low median of the members' norms: the evidence of a strike against a member that a robust rule only clipped
-    or trimmed.  None for fewer than three members (two have no majority to tell which of them is far), nor when
-    ``ratio`` ≤ 0 or the median norm is 0.
+    the low median of the members' norms *and* points away from it (an obtuse angle: the member pulls θ_global back
+    along the aggregate): the evidence of a strike against a member that a robust rule only clipped or trimmed.
+    None for fewer than three members (two have no majority to tell which of them is far), nor when ``ratio`` ≤ 0
+    or the median norm is 0.
 
     Why: clipped to τ, a member sending its Δ reversed × 4 (inside the member check's 10× the median norm) still
     pulls θ_global τ away from the honest mean every round, and was never struck (``diloco experiment hostile`` on
     ``small``: the honest islands' held-out loss 7.9% above the clean run under ``centered-clip``).  It lies about 5
-    median norms from the aggregate.  The scale is the norm, not the members' median distance to the aggregate: on
-    ``tiny`` three honest islands sat within 0.3 norms of each other and a fourth, honest too, 1.1 to 2 norms from
-    them, 5.4 times their median distance (struck out of a clean run, in 2 of 10 rounds, by a ratio of 4 medians
-    of the distances).  Distances and norms are :func:`sum_of_squares` in float64: every member strikes alike;
+    median norms from the aggregate, pointing away from it.  The scale is the norm, not the members' median distance
+    to the aggregate: on ``tiny`` three honest islands sat within 0.3 norms of each other and a fourth, honest too,
+    1.1 to 2 norms from them, 5.4 times their median distance (struck out of a clean run, in 2 of 10 rounds, by a
+    ratio of 4 medians of the distances).  The angle: over 30 rounds of a clean run that fourth island drifted out
+    to 2.45 norms under ``centered-clip`` and 2.94 under ``trimmed-mean``, past 3 soon after
+    (``experiments/results/hostile-clean-30``), while still pulling the way the aggregate does.  Distances and
+    norms are :func:`sum_of_squares` in float64, and the angle comes from them: every member strikes alike;
     ``distances``: the members' distances to ``center`` when the rule measured them already (:func:`aggregate`'s
     ``distances``), ``norms`` their norms when the member check did (:func:`member_norms`)."""
     if ratio <= 0:
         return []
-    return sorted(p for p, d in spread(values, center, distances, norms).items() if d > ratio)
+    return sorted(p for p, (d, away) in spread(values, center, distances, norms).items() if d > ratio and away)
 
 
 def spread(values: Mapping[str, torch.Tensor], center: torch.Tensor, distances: Mapping[str, float] | None = None,
-           norms: Mapping[str, float] | None = None) -> dict[str, float]:
-    """Each member's distance to ``center`` in the low median of the members' norms (what :func:`outliers` compares
-    with its ratio; ``distances`` and ``norms`` as there); empty for fewer than three members or a median norm of 0."""
+           norms: Mapping[str, float] | None = None) -> dict[str, tuple[float, bool]]:
+    """Each member's distance to ``center`` in the low median of the members' norms, and whether its vector points
+    away from ``center`` (d² > |v|² + |c|²: a negative dot product, from the same exact sums on every member); what
+    :func:`outliers` judges (``distances`` and ``norms`` as there).  Empty for fewer than three members or a median
+    norm of 0."""
     if len(values) < 3:
         return {}
     if distances is None or set(distances) != set(values):
         distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
-    scale = low_median([norms[p] for p in values] if norms is not None and set(values) <= set(norms)
-                       else list(member_norms(values).values()))
-    return {p: distances[p] / scale for p in values} if scale > 0 else {}
+    if norms is None or not set(values) <= set(norms):
+        norms = member_norms(values)
+    scale = low_median([norms[p] for p in values])
+    if not scale > 0:
+        return {}
+    center_sq = sum_of_squares(center)
+    return {p: (distances[p] / scale, distances[p] ** 2 > norms[p] ** 2 + center_sq) for p in values}
 
 
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None

@@ -17,6 +17,7 @@ from peers.aggregation import (
     member_norms,
     outliers,
     sorting_network,
+    spread,
     sum_of_squares,
     trim_count,
     weighted_mean,
@@ -141,6 +142,15 @@ def test_an_honest_member_trained_on_other_data_is_no_outlier(rule):
         assert distances["far"] > 5 * sorted(distances.values())[1]
     assert outliers(apart, center) == []
     liar = dict(apart, z=-4 * close["h0"])
+    assert outliers(liar, aggregate(liar, dict(weights, z=1.0), rule)) == ["z"]
+    # over 30 rounds of a clean run such an island drifted out past 2.9 norms (experiments/results/hostile-clean-30):
+    # farther than the ratio, it is still no outlier, since it does not pull against the aggregate; a liar beside it is
+    drifted = dict(close, far=0.6 * common + 4.0 * torch.randn(NUMEL, generator=g))
+    center = aggregate(drifted, weights, rule)
+    far, away = spread(drifted, center)["far"]
+    assert far > 3.0 and not away
+    assert outliers(drifted, center) == []
+    liar = dict(drifted, z=-4 * close["h0"])
     assert outliers(liar, aggregate(liar, dict(weights, z=1.0), rule)) == ["z"]
 
 

@@ -608,9 +608,9 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     if rule != "mean" and outlier > 0:
         apart = spread({p: v for p, v in values.items() if counted[p] > 0}, result, measured, norms)
         # an honest member on data of its own sits farther out as a run goes on: the margin is worth watching
-        log.info("distances to the %s aggregate, in median member norms (%g rejects): %s", rule, outlier,
-                 " ".join(f"{p[-8:]}={d:.2f}" for p, d in sorted(apart.items())))
-        far = sorted(p for p, d in apart.items() if d > outlier)
+        log.info("distances to the %s aggregate, in median member norms (%g rejects one pointing away, marked -): %s",
+                 rule, outlier, " ".join(f"{p[-8:]}={'-' if away else ''}{d:.2f}" for p, (d, away) in sorted(apart.items())))
+        far = sorted(p for p, (d, away) in apart.items() if d > outlier and away)
         if far:
             # aggregated again without it: clipped to τ, a reversed Δ still pulled θ_global τ the wrong way in each
             # round until its strikes left it out (small, flip under centered-clip: 1.025× the clean loss, not 1.00)
