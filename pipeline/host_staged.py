@@ -104,15 +104,11 @@ class HostStagedGroup(dist.ProcessGroup):
         return self._gloo.barrier()
 
 
-def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> HostStagedGroup:
-    return HostStagedGroup(store, rank, size, timeout)
-
-
 def register() -> None:
     """Make the backend known to ``torch.distributed`` (once per process)."""
     with _registered:
         if BACKEND not in dist.Backend.backend_list:
-            dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+            dist.Backend.register_backend(BACKEND, HostStagedGroup, devices=["cpu", "cuda"])
 
 
 def host_staged_group(groups: list[list[int]], timeout: datetime.timedelta) -> dist.ProcessGroup | None:
