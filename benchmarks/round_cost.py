@@ -34,7 +34,7 @@ from diloco.config import ModelConfig, resolve_model  # noqa: E402
 from peers.averaging.sharded import ShardedAverager  # noqa: E402
 from peers.discovery.dht import start_dht, visible_maddrs  # noqa: E402
 from peers.group.averager import AveragerSettings, VerifiedAverager  # noqa: E402
-from peers.settings import NetworkSettings
+from peers.settings import NetworkSettings, Scope  # noqa: E402
 from peers.island.layout import CanonicalLayout  # noqa: E402
 from pipeline import shard_spec_of  # noqa: E402
 
@@ -105,7 +105,7 @@ def main() -> None:
           f"{len(layout.buckets)} bucket(s) of at most {args.bucket_numel:,}")
     gen = torch.Generator().manual_seed(0)
     deltas = [{n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes} for _ in range(2)]
-    settings = AveragerSettings(prefix="bench", min_group_size=2, target_group_size=2, matchmaking_time=2.0,
+    settings = AveragerSettings(min_group_size=2, target_group_size=2, matchmaking_time=2.0,
                                 request_timeout=1.0, matchmaking_timeout=60.0, allreduce_timeout=300.0,
                                 next_chunk_timeout=60.0, vote_timeout=30.0)
     first = start_dht(NetworkSettings())
@@ -115,18 +115,19 @@ def main() -> None:
     if args.compare == "protocol":
         for name, direct, expected in (("polled vote, full window (before)", False, None),
                                        ("direct vote, expected group (now)", True, 2)):
-            protocol = AveragerSettings(**{**settings.__dict__, "prefix": f"bench-{int(direct)}", "target_group_size": 0,
-                                           "matchmaking_time": args.matchmaking_time, "direct_votes": direct})
-            paths[name] = ([VerifiedAverager(d, [torch.zeros(shape) for _, shape in shapes], protocol) for d in dhts],
-                           whole, expected)
+            protocol = AveragerSettings(**{**settings.__dict__, "target_group_size": 0,
+                                           "matchmaking_time": args.matchmaking_time})
+            scope = Scope(prefix=f"bench-{int(direct)}", direct_votes=direct)
+            paths[name] = ([VerifiedAverager(d, [torch.zeros(shape) for _, shape in shapes], protocol, scope)
+                            for d in dhts], whole, expected)
     if args.compare == "layout" and args.path in ("both", "whole"):
-        paths["whole vector (before)"] = ([VerifiedAverager(d, [torch.zeros(s) for _, s in shapes], settings)
-                                           for d in dhts], whole, None)
+        paths["whole vector (before)"] = ([VerifiedAverager(d, [torch.zeros(s) for _, s in shapes], settings,
+                                                            Scope(prefix="bench")) for d in dhts], whole, None)
     if args.compare == "layout" and args.path in ("both", "buckets"):
-        bucket_settings = AveragerSettings(**{**settings.__dict__, "prefix": "bench-buckets"})
         paths["canonical buckets (now)"] = ([ShardedAverager(layout, deltas[i], {n: shard_spec_of(t) for n, t in
                                                                                  deltas[i].items()}, None, dhts[i],
-                                                             bucket_settings) for i in range(2)], deltas, None)
+                                                             settings, Scope(prefix="bench-buckets"))
+                                             for i in range(2)], deltas, None)
     times: dict[str, list[float]] = {name: [] for name in paths}
     phases: dict[str, dict[str, list[float]]] = {name: {} for name in paths}
     try:
