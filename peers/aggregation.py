@@ -213,26 +213,41 @@ def outliers(values: Mapping[str, torch.Tensor], center: torch.Tensor, ratio: fl
     ``distances``), ``norms`` their norms when the member check did (:func:`member_norms`)."""
     if ratio <= 0:
         return []
-    return sorted(p for p, (d, away) in spread(values, center, distances, norms).items() if d > ratio and away)
+    measured = _measured(values, center, distances, norms)
+    if measured is None:
+        return []
+    distances, norms, scale = measured
+    far = [p for p in values if distances[p] > ratio * scale]
+    if not far:  # the angle's pass over the aggregate only for a member that is far
+        return []
+    center_sq = sum_of_squares(center)
+    return sorted(p for p in far if distances[p] ** 2 > norms[p] ** 2 + center_sq)
 
 
 def spread(values: Mapping[str, torch.Tensor], center: torch.Tensor, distances: Mapping[str, float] | None = None,
-           norms: Mapping[str, float] | None = None) -> dict[str, tuple[float, bool]]:
-    """Each member's distance to ``center`` in the low median of the members' norms, and whether its vector points
-    away from ``center`` (d² > |v|² + |c|²: a negative dot product, from the same exact sums on every member); what
-    :func:`outliers` judges (``distances`` and ``norms`` as there).  Empty for fewer than three members or a median
-    norm of 0."""
-    if len(values) < 3:
+           norms: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each member's distance to ``center`` in the low median of the members' norms: what :func:`outliers` compares
+    with its ratio (``distances`` and ``norms`` as there).  Empty for fewer than three members or a median norm
+    of 0."""
+    measured = _measured(values, center, distances, norms)
+    if measured is None:
         return {}
+    distances, _, scale = measured
+    return {p: distances[p] / scale for p in values}
+
+
+def _measured(values: Mapping[str, torch.Tensor], center: torch.Tensor, distances: Mapping[str, float] | None,
+              norms: Mapping[str, float] | None) -> tuple[Mapping[str, float], Mapping[str, float], float] | None:
+    """The members' distances to ``center``, their norms and the low median of the norms (each taken as given when
+    it covers every member), or None for fewer than three members or a median norm of 0."""
+    if len(values) < 3:
+        return None
     if distances is None or set(distances) != set(values):
         distances = {p: math.sqrt(sum_of_squares(v, center)) for p, v in values.items()}
     if norms is None or not set(values) <= set(norms):
         norms = member_norms(values)
     scale = low_median([norms[p] for p in values])
-    if not scale > 0:
-        return {}
-    center_sq = sum_of_squares(center)
-    return {p: (distances[p] / scale, distances[p] ** 2 > norms[p] ** 2 + center_sq) for p in values}
+    return (distances, norms, scale) if scale > 0 else None
 
 
 def weighted_mean(values: dict[str, torch.Tensor], weights: dict[str, float], out: torch.Tensor | None = None

@@ -147,9 +147,8 @@ def test_an_honest_member_trained_on_other_data_is_no_outlier(rule):
     # farther than the ratio, it is still no outlier, since it does not pull against the aggregate; a liar beside it is
     drifted = dict(close, far=0.6 * common + 4.0 * torch.randn(NUMEL, generator=g))
     center = aggregate(drifted, weights, rule)
-    far, away = spread(drifted, center)["far"]
-    assert far > 3.0 and not away
-    assert outliers(drifted, center) == []
+    assert spread(drifted, center)["far"] > 3.0
+    assert outliers(drifted, center) == []  # past the ratio, not pointing away
     liar = dict(drifted, z=-4 * close["h0"])
     assert outliers(liar, aggregate(liar, dict(weights, z=1.0), rule)) == ["z"]
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
@@ -54,7 +55,7 @@ from hivemind.p2p import P2PContext, PeerID
 from outer_optim.compression import Payload, reduce_scatters
 from outer_optim.compression.entropy import pack, unpack, unpack_at_most
 from outer_optim.tensors import all_finite
-from peers.aggregation import aggregate, member_norm_check, member_norms, spread
+from peers.aggregation import aggregate, member_norm_check, member_norms, outliers, spread, sum_of_squares
 from peers.discovery.membership import MemberCheck, punchable, takes_connections
 from peers.wire.inbox import GONE, MAX_GROUP, Inbox, LateAnswers
 from peers.wire.p2p_loop import Handler, _submit, message_class, spawn
@@ -606,11 +607,14 @@ def aggregate_checked(values: dict[str, torch.Tensor], weights: dict[str, float]
     measured: dict[str, float] = {}
     result = aggregate(values, counted, rule, out, distances=measured)
     if rule != "mean" and outlier > 0:
-        apart = spread({p: v for p, v in values.items() if counted[p] > 0}, result, measured, norms)
+        kept = {p: v for p, v in values.items() if counted[p] > 0}
+        if set(measured) != set(kept):  # the rule did not measure them (trimmed-mean): once, for both below
+            measured = {p: math.sqrt(sum_of_squares(v, result)) for p, v in kept.items()}
         # an honest member on data of its own sits farther out as a run goes on: the margin is worth watching
-        log.info("distances to the %s aggregate, in median member norms (%g rejects one pointing away, marked -): %s",
-                 rule, outlier, " ".join(f"{p[-8:]}={'-' if away else ''}{d:.2f}" for p, (d, away) in sorted(apart.items())))
-        far = sorted(p for p, (d, away) in apart.items() if d > outlier and away)
+        log.info("distances to the %s aggregate, in median member norms (past %g and pointing away: rejected): %s",
+                 rule, outlier, " ".join(f"{p[-8:]}={d:.2f}" for p, d in sorted(spread(kept, result, measured,
+                                                                                      norms).items())))
+        far = outliers(kept, result, outlier, measured, norms)
         if far:
             # aggregated again without it: clipped to τ, a reversed Δ still pulled θ_global τ the wrong way in each
             # round until its strikes left it out (small, flip under centered-clip: 1.025× the clean loss, not 1.00)
