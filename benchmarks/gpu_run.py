@@ -167,7 +167,8 @@ def run_rejoin_case(name: str, inner_steps: int, rounds: int, run_dir: Path, tim
 
     case = CASES[name]
     victim = case.islands - 1
-    cfg = load(None, case_items(name, inner_steps, rounds, run_dir, smoke))
+    items = case_items(name, inner_steps, rounds, run_dir, smoke)
+    cfg = load(None, items)
     cluster = Cluster(cfg, case.islands, env={victim: {"DILOCO_FAULTS": f"kill@allreduce:{case.rejoin}"}},
                       share_gpus=not smoke)
     t0 = time.perf_counter()
@@ -195,7 +196,7 @@ def run_rejoin_case(name: str, inner_steps: int, rounds: int, run_dir: Path, tim
     finally:
         cluster.stop_all()
     rc = 1 if problem else 0
-    row: dict[str, Any] = {"case": name, "command": f"rejoin case: {case_items(name, inner_steps, rounds, run_dir, smoke)}",
+    row: dict[str, Any] = {"case": name, "command": f"rejoin case: {items}",
                            "rc": rc, "seconds": time.perf_counter() - t0, "timed_out": "timed out" in problem}
     read_case(row, run_dir)
     log = cluster.logs[victim].read_text(errors="replace") if cluster.logs[victim].exists() else ""

@@ -303,7 +303,7 @@ class StateTransfer:
                         "resynchronizes them", len(differ), compared, self.stats.outer_step,
                         ", ".join(d[-8:] for d in differ), with_us, compared + 1)
             return ""
-        side = "the minority's" if with_us < len(differ) else "the majority's" if with_us > len(differ) else "one half's"
+        side = "the minority's" if with_us < len(differ) else "one half's"
         return (f"the run ended out of sync: θ_global of {len(differ)} of the {compared} other island(s) that ended "
                 f"at outer step {self.stats.outer_step} differs from this one's ({', '.join(d[-8:] for d in differ)}), "
                 f"so this island holds {side}; resume the islands with --resume so the minority resynchronizes, and "

@@ -352,9 +352,9 @@ class VerifiedAverager(MissedGroups):
             if out is not None:
                 result.bytes_sent, result.bytes_received, result.carry = out.bytes_sent, out.bytes_received, out.carry
                 result.parts_resent, result.rejected = out.parts_resent, out.rejected
-            if out is not None and out.reason:
-                result.reason, result.members_left = out.reason, out.members_left
-                result.retryable = result.members_left >= self.settings.min_group_size
+                if out.reason:
+                    result.reason, result.members_left = out.reason, out.members_left
+                    result.retryable = result.members_left >= self.settings.min_group_size
         result.allreduce_seconds = time.perf_counter() - t_allreduce
         if not result.reason and not out.finite:
             result.reason = "the averaged pseudo-gradient is not finite (a peer sent NaN or Inf)"
